@@ -1,0 +1,228 @@
+"""``load_pipeline``: read, validate and resolve a pipeline file into a ``Pipeline``.
+
+Checks beyond the schema (``spec.py``): names, stage types and params, models and their
+heads, ``after`` references and cycles, columns a stage reads that no upstream stage
+writes, trainable models nobody trains, files that do not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.pipeline.graph import CycleError, StageGraph, StageNode
+from rlhfflow.pipeline.spec import (
+    MODEL_NAME,
+    STAGE_NAME,
+    PipelineSpec,
+    SpecError,
+    apply_overrides,
+    did_you_mean,
+    parse_params,
+    parse_spec,
+    read_yaml,
+    stage_type_error,
+)
+from rlhfflow.stages import STAGE_TYPES, StageParams
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A validated pipeline: the spec, each stage's typed params, the graph, and paths
+    resolved against the pipeline file's folder."""
+
+    spec: PipelineSpec
+    source: Path
+    params: Mapping[str, StageParams]
+    graph: StageGraph
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative model and data paths are relative to the pipeline file's folder."""
+        return self.source.parent
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name: ``name:`` or the file's stem."""
+        return self.spec.name or self.source.stem
+
+    def resolve(self, path: str) -> Path:
+        """A path from the file, relative to the file's folder unless absolute."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p).resolve()
+
+    @property
+    def output_dir(self) -> Path:
+        """``output:`` (relative to the current directory), default ``runs/NAME``."""
+        return Path(self.spec.output or f"runs/{self.name}").expanduser().resolve()
+
+    @property
+    def prompts_path(self) -> Path | None:
+        """The prompts file, if the pipeline has a data section."""
+        return self.resolve(self.spec.data.prompts) if self.spec.data else None
+
+    def model_root(self, name: str) -> str:
+        """The model whose initial weights ``name`` ends up copying through ``from:``."""
+        seen = [name]
+        while self.spec.models[seen[-1]].from_ is not None:
+            seen.append(self.spec.models[seen[-1]].from_)
+        return seen[-1]
+
+    @property
+    def rollout_temperature(self) -> float:
+        """The sampling temperature of the first generate stage (log-probs must match it)."""
+        for name in self.graph.loop_stages:
+            params = self.params[name]
+            if self.graph.nodes[name].type == "generate":
+                return float(params.temperature)
+        return 1.0
+
+
+def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
+    """Read and validate a pipeline file; raise ``SpecError`` (one line) on any mistake.
+
+    ``overrides`` maps dotted keys to values (``{"cluster.workers": 1}``) and is applied
+    before validation, so overridden values are checked like the rest.
+    """
+    file = Path(path)
+    data = read_yaml(file)
+    if overrides:
+        data = apply_overrides(data, {k: v for k, v in overrides.items() if v is not None})
+    spec = parse_spec(file, data)
+    _check_models(file, spec)
+    params = _check_stages(file, spec)
+    graph = _build_graph(file, spec, params)
+    pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
+    _check_training(file, pipeline)
+    _check_files(file, pipeline)
+    return pipeline
+
+
+def _check_models(file: Path, spec: PipelineSpec) -> None:
+    for name, model in spec.models.items():
+        if not MODEL_NAME.match(name):
+            raise SpecError(file, f"models.{name}", "model names are letters, digits and "
+                                                    "underscores, starting with a letter")
+        if model.from_ is not None:
+            if model.from_ not in spec.models:
+                hint = did_you_mean(model.from_, spec.models)
+                raise SpecError(file, f"models.{name}.from",
+                                f"unknown model {model.from_!r}{hint}")
+            source = spec.models[model.from_]
+            if source.head == "value" and model.head == "lm":
+                raise SpecError(file, f"models.{name}.from", f"cannot make an 'lm' model from "
+                                f"{model.from_!r}, which has a value head")
+    for name in spec.models:  # `from:` chains must end somewhere
+        seen = [name]
+        while spec.models[seen[-1]].from_ is not None:
+            nxt = spec.models[seen[-1]].from_
+            if nxt in seen:
+                raise SpecError(file, f"models.{name}.from",
+                                f"'from' cycle: {' -> '.join(seen + [nxt])}")
+            seen.append(nxt)
+
+
+def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
+    params: dict[str, StageParams] = {}
+    if not spec.stages:
+        raise SpecError(file, "stages", "expected at least one stage")
+    for name, stage in spec.stages.items():
+        where = f"stages.{name}"
+        if not STAGE_NAME.match(name):
+            raise SpecError(file, where, "stage names are lowercase letters and underscores "
+                            "(no digits: the dashboard groups tasks by the name's letters)")
+        if stage.type not in STAGE_TYPES:
+            raise stage_type_error(file, name, stage.type)
+        cls = STAGE_TYPES[stage.type]
+        if stage.model is None and cls.model_head is not None and not cls.model_optional:
+            raise SpecError(file, f"{where}.model",
+                            f"a {stage.type!r} stage needs a model with a {cls.model_head!r} head")
+        if stage.model is not None:
+            if cls.model_head is None:
+                raise SpecError(file, f"{where}.model", f"a {stage.type!r} stage takes no model")
+            if stage.model not in spec.models:
+                hint = did_you_mean(stage.model, spec.models)
+                raise SpecError(file, f"{where}.model", f"unknown model {stage.model!r}{hint}")
+            head = spec.models[stage.model].head
+            if head != cls.model_head:
+                raise SpecError(file, f"{where}.model", f"a {stage.type!r} stage needs a model "
+                                f"with head {cls.model_head!r}; {stage.model!r} has {head!r}")
+        for i, parent in enumerate(stage.after):
+            if parent == name:
+                raise SpecError(file, f"{where}.after[{i}]", "a stage cannot run after itself")
+            if parent not in spec.stages:
+                hint = did_you_mean(parent, spec.stages)
+                raise SpecError(file, f"{where}.after[{i}]", f"unknown stage {parent!r}{hint}")
+        params[name] = parse_params(file, name, cls.Params, stage.params)
+        problem = cls.check_params(params[name], stage.model is not None, file.resolve().parent)
+        if problem:
+            raise SpecError(file, f"{where}.{problem[0]}", problem[1])
+    return params
+
+
+def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams]) -> StageGraph:
+    nodes = {}
+    for name, stage in spec.stages.items():
+        cls = STAGE_TYPES[stage.type]
+        has_model = stage.model is not None
+        nodes[name] = StageNode(
+            name=name, type=stage.type, model=stage.model, after=tuple(stage.after),
+            reads=tuple(cls.reads(params[name], spec.algorithm, has_model)),
+            writes=dict(cls.writes(params[name], spec.algorithm, has_model)),
+            trains=cls.trains, once=cls.once, per_batch=cls.per_batch)
+    try:
+        graph = StageGraph(nodes)
+    except CycleError as exc:
+        raise SpecError(file, f"stages.{exc.cycle[0]}.after",
+                        f"cycle: {' -> '.join(exc.cycle)}") from None
+    for name in graph.order:
+        node = graph.nodes[name]
+        for i, parent in enumerate(node.after):
+            if graph.nodes[parent].once is False and node.once:
+                raise SpecError(file, f"stages.{name}.after[{i}]", f"a {node.type!r} stage runs "
+                                f"once before the loop and cannot wait for loop stage {parent!r}")
+        for column in node.reads:
+            if graph.producer(column, name) is None:
+                writers = graph.writers(column)
+                hint = (f"; add {writers[0]!r} to its 'after'" if writers
+                        else "; no stage in the pipeline writes it")
+                raise SpecError(file, f"stages.{name}", f"reads column {column!r}, which no "
+                                f"upstream stage writes{hint}")
+    for column in graph.columns():
+        writers = [w for w in graph.writers(column) if not graph.nodes[w].once]
+        if len(writers) > 1:
+            raise SpecError(file, f"stages.{writers[1]}", f"writes column {column!r}, "
+                            f"which stage {writers[0]!r} writes too")
+    return graph
+
+
+def _check_training(file: Path, pipeline: Pipeline) -> None:
+    spec, graph = pipeline.spec, pipeline.graph
+    for name, model in spec.models.items():
+        trainers = graph.trainers(name)
+        if model.trainable and not trainers:
+            raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
+                            "stage trains it; add a training stage or set trainable: false")
+        if trainers and not model.trainable:
+            raise SpecError(file, f"stages.{trainers[0]}.model", f"stage trains {name!r}, which "
+                            f"is not trainable; set models.{name}.trainable: true")
+    if graph.loop_stages and spec.data is None and spec.iterations > 0:
+        raise SpecError(file, "data", "the pipeline has stages that run every iteration, "
+                                      "so it needs a 'data' section with a prompts file")
+
+
+def _check_files(file: Path, pipeline: Pipeline) -> None:
+    for name, model in pipeline.spec.models.items():
+        if model.path is None:
+            continue
+        path = pipeline.resolve(model.path)
+        if not path.is_dir():
+            raise SpecError(file, f"models.{name}.path", f"directory not found: {path}")
+        if not (path / "config.json").is_file():
+            raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
+                            f"directory (no config.json): {path}")
+    prompts = pipeline.prompts_path
+    if prompts is not None and pipeline.graph.loop_stages and not prompts.is_file():
+        raise SpecError(file, "data.prompts", f"file not found: {prompts}")

@@ -1,0 +1,327 @@
+"""The pipeline file: YAML parsed once into typed, frozen objects.
+
+Every error is one line: ``FILE: KEY.PATH: what was expected``. Nothing downstream of
+``load_pipeline`` re-validates; it trusts these objects.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlhfflow.stages import STAGE_TYPES, StageParams
+
+
+class SpecError(Exception):
+    """A mistake in a pipeline file: the file, the key path and what was expected."""
+
+    def __init__(self, file: str | Path, path: str, message: str) -> None:
+        self.file, self.path, self.message = str(file), path, message
+        where = f"{self.file}: {path}: " if path else f"{self.file}: "
+        super().__init__(where + message)
+
+
+class Strict(BaseModel):
+    """Base of every spec object: unknown keys are errors, values are frozen, no coercion
+    of strings into numbers (``batch_size: "8"`` is a mistake, not 8)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+STAGE_NAME = re.compile(r"^[a-z][a-z_]*$")
+MODEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class OptimizerSpec(Strict):
+    """AdamW settings of a trainable model."""
+
+    lr: PositiveFloat = 1e-5
+    betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
+    weight_decay: NonNegFloat = 0.0
+    eps: PositiveFloat = 1e-8
+    grad_clip: PositiveFloat | None = 1.0
+
+
+class TinyModelSpec(Strict):
+    """A tiny random model built locally (character tokenizer), for demos and tests."""
+
+    arch: Literal["llama", "gpt2"] = "llama"
+    layers: PositiveInt = 2
+    hidden: PositiveInt = 64
+    heads: PositiveInt = 4
+    max_positions: PositiveInt = 128
+    seed: int | None = None
+
+
+class ModelSpec(Strict):
+    """A named model: where its initial weights come from, its head, whether it trains."""
+
+    path: str | None = None
+    from_: str | None = Field(default=None, alias="from")
+    tiny: TinyModelSpec | None = None
+    head: Literal["lm", "value"] = "lm"
+    trainable: bool = False
+    optimizer: OptimizerSpec = OptimizerSpec()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        sources = [k for k, v in (("path", self.path), ("from", self.from_),
+                                  ("tiny", self.tiny)) if v is not None]
+        if len(sources) != 1:
+            got = " and ".join(sources) if sources else "none"
+            raise ValueError(f"expected exactly one of 'path', 'from', 'tiny'; got {got}")
+        return self
+
+
+class StageSpec(Strict):
+    """A named stage: its type, its model, its upstream stages, its parameters."""
+
+    type: str
+    model: str | None = None
+    after: list[str] = []
+    params: dict[str, Any] = {}
+    retries: NonNegInt = 0
+
+
+class DataSpec(Strict):
+    """Where prompts come from and how many make one iteration."""
+
+    prompts: str
+    prompt_field: str = "prompt"
+    batch_size: PositiveInt = 16
+    samples_per_prompt: PositiveInt = 1
+    micro_batches: PositiveInt = 2
+    max_prompt_tokens: PositiveInt = 64
+    shuffle: bool = True
+
+
+class AlgorithmSpec(Strict):
+    """The RL algorithm: advantage estimator, KL penalty, clipping."""
+
+    name: Literal["ppo", "grpo", "rloo", "dr_grpo"] = "ppo"
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    kl_coef: NonNegFloat = 0.05
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_in: Literal["reward", "loss"] = "reward"
+    clip_low: PositiveFloat = 0.2
+    clip_high: PositiveFloat = 0.2
+    dual_clip: Annotated[float, Field(gt=1)] | None = None
+    value_clip: PositiveFloat | None = 0.2
+    whiten_advantages: bool = True
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    entropy_coef: NonNegFloat = 0.0
+
+    @property
+    def uses_critic(self) -> bool:
+        """PPO needs values from a critic; the group-relative estimators do not."""
+        return self.name == "ppo"
+
+
+class ClusterSpec(Strict):
+    """The Dask cluster: an embedded LocalCluster (default) or an existing scheduler."""
+
+    workers: PositiveInt = 2
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    address: str | None = None
+    host: str = "127.0.0.1"
+    dashboard_address: str = "127.0.0.1:8787"
+    memory_limit: str = "auto"
+    torch_threads: PositiveInt | None = None
+
+
+class PlacementSpec(Strict):
+    """Which worker holds each model (by worker index); unlisted models are spread."""
+
+    strategy: Literal["spread"] = "spread"
+    models: dict[str, NonNegInt] = {}
+
+
+class PipelineSpec(Strict):
+    """The whole pipeline file."""
+
+    name: str | None = None
+    seed: int = 0
+    iterations: NonNegInt = 1
+    output: str | None = None
+    models: dict[str, ModelSpec] = {}
+    stages: dict[str, StageSpec]
+    data: DataSpec | None = None
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    cluster: ClusterSpec = ClusterSpec()
+    placement: PlacementSpec = PlacementSpec()
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML (no object construction) that also reads ``1e-5`` as a float, as
+    every user expects; YAML 1.1 alone would read it as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+               r"|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+# ...but plain integers stay integers: the int resolver must be tried first.
+_Loader.yaml_implicit_resolvers = {
+    k: sorted(v, key=lambda r: r[0] != "tag:yaml.org,2002:int")
+    for k, v in _Loader.yaml_implicit_resolvers.items()
+}
+
+
+def read_yaml(file: Path) -> dict[str, Any]:
+    """Read a YAML mapping safely; any problem is a one-line SpecError."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(file, "", "file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(file, "", f"cannot read: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(file, "", f"invalid YAML: {where}{problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError(file, "", f"expected a mapping of keys at the top level, "
+                                  f"got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (``cluster.workers``) in a raw spec; used by CLI options."""
+    data = dict(data)
+    for dotted, value in overrides.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for key in parents:
+            child = node.get(key)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[key] = child
+            node = child
+        node[last] = value
+    return data
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def key_path(loc: tuple[Any, ...]) -> str:
+    """``('stages', 'reward', 'after', 0)`` -> ``stages.reward.after[0]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` when a close match exists, else ``""``."""
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that holds the key at ``loc`` (to suggest its fields)."""
+    current: Any = root
+    for part in loc[:-1]:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = next((f for n, f in current.model_fields.items()
+                          if part in (n, f.alias)), None)
+            if field is None:
+                return None
+            current = field.annotation
+        elif isinstance(part, (str, int)):
+            args = [a for a in typing.get_args(current) if a is not type(None)]
+            current = args[-1] if args else None
+        while typing.get_origin(current) in (typing.Union, __import__("types").UnionType):
+            args = [a for a in typing.get_args(current) if a is not type(None)]
+            current = args[0] if args else None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return (text[:40] + "...") if len(text) > 43 else text
+
+
+def error_from_pydantic(file: Path, exc: ValidationError, root: type[BaseModel],
+                        prefix: tuple[Any, ...] = ()) -> SpecError:
+    """The first pydantic error as a one-line SpecError with a helpful message."""
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if p not in ("function-after",))
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        parent = _model_at(root, loc)
+        hint = did_you_mean(loc[-1], _field_names(parent)) if parent else ""
+        allowed = f" (allowed: {', '.join(_field_names(parent))})" if parent and not hint else ""
+        message = f"unknown key{hint}{allowed}"
+    elif kind == "missing":
+        message = "required key is missing"
+    elif kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        message = f"expected one of {expected}, got {_describe(value)}"
+    elif kind in ("int_type", "int_parsing", "int_from_float"):
+        message = f"expected an integer, got {_describe(value)}"
+    elif kind in ("float_type", "float_parsing"):
+        message = f"expected a number, got {_describe(value)}"
+    elif kind in ("bool_type", "bool_parsing"):
+        message = f"expected true or false, got {_describe(value)}"
+    elif kind in ("string_type",):
+        message = f"expected a string, got {_describe(value)}"
+    elif kind in ("dict_type", "model_type", "model_attributes_type"):
+        message = f"expected a mapping, got {_describe(value)}"
+    elif kind in ("list_type",):
+        message = f"expected a list, got {_describe(value)}"
+    elif kind == "value_error":
+        message = str(err.get("ctx", {}).get("error", err["msg"]))
+    else:
+        message = f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_describe(value)}"
+    return SpecError(file, key_path(prefix + loc), message)
+
+
+def parse_params(file: Path, stage: str, params_cls: type[StageParams],
+                 raw: Mapping[str, Any]) -> StageParams:
+    """Validate one stage's ``params`` against its stage type."""
+    try:
+        return params_cls.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise error_from_pydantic(file, exc, params_cls, ("stages", stage, "params")) from None
+
+
+def parse_spec(file: Path, data: dict[str, Any]) -> PipelineSpec:
+    """Raw YAML mapping -> PipelineSpec, or a one-line SpecError."""
+    try:
+        return PipelineSpec.model_validate(data)
+    except ValidationError as exc:
+        raise error_from_pydantic(file, exc, PipelineSpec) from None
+
+
+def stage_type_error(file: Path, stage: str, type_name: str) -> SpecError:
+    """Unknown ``type`` of a stage, with a suggestion."""
+    hint = did_you_mean(type_name, STAGE_TYPES) or f"; known: {', '.join(sorted(STAGE_TYPES))}"
+    return SpecError(file, f"stages.{stage}.type", f"unknown stage type {type_name!r}{hint}")

@@ -1,0 +1,235 @@
+"""What runs inside a device worker: the resident state and the task functions.
+
+``WorkerHost`` keeps the models (a ``ModelStore``), stage objects and task timings of
+one worker between tasks. On Dask it is owned by ``RLHFWorkerPlugin`` (a WorkerPlugin,
+not an Actor: DESIGN.md); in process it is a module global. Task functions find it with
+``current_host()`` and are plain functions of their inputs, so Dask can retry them.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from distributed import WorkerPlugin
+
+from rlhfflow.stages import (
+    Batch,
+    ModelConfig,
+    ModelStore,
+    Stage,
+    StageContext,
+    concat_batches,
+    create_stage,
+    slice_batch,
+)
+from rlhfflow.storage import ExperienceBuffer
+
+PLUGIN_NAME = "rlhfflow"
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """A stage as a worker needs it: type, typed params and model name."""
+
+    type: str
+    params: Any
+    model: str | None
+
+
+@dataclass(frozen=True)
+class RunDef:
+    """Everything workers need to know about a run (sent once, with the plugin)."""
+
+    stages: Mapping[str, StageDef]
+    models: Mapping[str, ModelConfig]
+    algorithm: Any
+    seed: int
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+class WorkerHost:
+    """Resident state of one worker: models, stage objects, timings of finished tasks."""
+
+    def __init__(self, run: RunDef, device: str = "cpu") -> None:
+        self.run = run
+        self.store = ModelStore(run.models, device=device)
+        self._stages: dict[str, Stage] = {}
+        self.timings: list[tuple[int, str, float, float]] = []
+        self._lock = threading.Lock()
+
+    def stage(self, name: str) -> Stage:
+        """The stage object ``name`` (created once per worker)."""
+        if name not in self._stages:
+            d = self.run.stages[name]
+            self._stages[name] = create_stage(d.type, name, d.params, self.run.algorithm, d.model)
+        return self._stages[name]
+
+    def context(self, iteration: int) -> StageContext:
+        """The context stages see in ``iteration``."""
+        return StageContext(iteration=iteration, seed=self.run.seed, models=self.store,
+                            algorithm=self.run.algorithm, settings=self.run.settings)
+
+    def record(self, iteration: int, stage: str, start: float, stop: float) -> None:
+        """Remember a task's compute interval (wall clock, seconds since the epoch)."""
+        with self._lock:
+            self.timings.append((iteration, stage, start, stop))
+
+    def pop_timings(self) -> list[tuple[int, str, float, float]]:
+        """Hand the recorded intervals to the coordinator and forget them."""
+        with self._lock:
+            out, self.timings = self.timings, []
+        return out
+
+    def close(self) -> None:
+        """Drop the models so their memory is freed."""
+        self.store.models.clear()
+        self._stages.clear()
+        gc.collect()
+
+
+class RLHFWorkerPlugin(WorkerPlugin):
+    """Owns a ``WorkerHost`` on every Dask worker for the life of a run."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, run: RunDef, torch_threads: int | None = None) -> None:
+        self.run = run
+        self.torch_threads = torch_threads
+        self.host: WorkerHost | None = None
+
+    def setup(self, worker) -> None:
+        """Size torch's thread pool to this worker's share of the cores; create the host."""
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.host = WorkerHost(self.run, device=device)
+
+    def teardown(self, worker) -> None:
+        """Free the resident models."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+
+_LOCAL_HOST: WorkerHost | None = None
+
+
+def set_local_host(host: WorkerHost | None) -> None:
+    """Install the host used when tasks run in this process (no Dask)."""
+    global _LOCAL_HOST
+    _LOCAL_HOST = host
+
+
+def current_host() -> WorkerHost:
+    """The host of the worker running the current task, or the in-process one."""
+    try:
+        from distributed import get_worker
+
+        plugin = get_worker().plugins.get(PLUGIN_NAME)
+    except ValueError:  # not inside a Dask worker
+        plugin = None
+    if plugin is not None and plugin.host is not None:
+        return plugin.host
+    if _LOCAL_HOST is None:
+        raise RuntimeError("no rlhfflow worker state here: register RLHFWorkerPlugin first")
+    return _LOCAL_HOST
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Part:
+    """One input of a task: the outputs of one producer (one result per micro-batch, or
+    one for the whole batch) and, for a micro-batch task, the rows to take from them."""
+
+    results: list[Any]
+    rows: tuple[int, int] | None = None
+
+
+def assemble(parts: list[Part], columns: tuple[str, ...] | None = None) -> Batch:
+    """Merge the inputs of a task into one batch, keeping ``columns`` (all if None)."""
+    batch: Batch = {}
+    for part in parts:
+        data = concat_batches(list(part.results))
+        if part.rows is not None:
+            data = slice_batch(data, *part.rows)
+        for key, value in data.items():
+            if columns is None or key in columns:
+                batch[key] = value
+    return batch
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def stage_task(name: str, iteration: int, parts: list[Part], after: list[Any]) -> Batch:
+    """Run stage ``name`` on its assembled inputs; ``after`` only orders the task."""
+    del after
+    host = current_host()
+    stage = host.stage(name)
+    start = time.time()
+    node_reads = host.run.settings["reads"][name]
+    out = stage.run(assemble(parts, tuple(node_reads)), host.context(iteration))
+    host.record(iteration, name, start, time.time())
+    return out
+
+
+def store_task(path: str, iteration: int, start_row: int, parts: list[Part],
+               columns: list[str]) -> dict[str, float]:
+    """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
+    return partial sums for the iteration's metrics."""
+    host = current_host()
+    t0 = time.time()
+    batch = assemble(parts)
+    tensors = {k: v for k, v in batch.items() if k in columns and isinstance(v, torch.Tensor)}
+    ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
+    host.record(iteration, "store", t0, time.time())
+    return partial_metrics(batch)
+
+
+def partial_metrics(batch: Batch) -> dict[str, float]:
+    """Sums over one micro-batch, combined across micro-batches by the coordinator."""
+    mask = batch["response_mask"].float()
+    lengths = mask.sum(-1)
+    out = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
+           "tokens": float(mask.sum())}
+    if "scores" in batch:
+        scores = batch["scores"].double()
+        out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()))
+    if "kl" in batch:
+        out["kl_sum"] = float((batch["kl"] * mask).sum())
+    return out
+
+
+def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
+    """Save a resident model in transformers format (atomically)."""
+    del after
+    resident = current_host().store.get(model)
+    resident.save(path)
+    return {"model": model, "path": path, "version": resident.version}
+
+
+def update_model_configs(configs: Mapping[str, ModelConfig]) -> None:
+    """Point models at new initial weights (after the setup stages trained them)."""
+    host = current_host()
+    for config in configs.values():
+        host.store.update_config(config)
+
+
+def pop_timings() -> list[tuple[int, str, float, float]]:
+    """Collect this worker's task timings (called on every worker by the coordinator)."""
+    return current_host().pop_timings()
+
+
+def resident_models() -> dict[str, dict[str, int]]:
+    """Loaded models with their versions and load counts (for tests and diagnostics)."""
+    store = current_host().store
+    return {name: {"version": m.version, "loads": store.loads.get(name, 0)}
+            for name, m in store.models.items()}

@@ -1,0 +1,129 @@
+"""Resident models: loaded once per process, kept with their optimizer and a version.
+
+``ModelStore`` knows nothing of Dask; the executor's WorkerPlugin owns one per worker so
+models stay in worker memory between tasks. Used alone, it serves stages run from Python.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhfflow.stages.models import load_model, save_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything a process needs to load and train a model (resolved by the pipeline).
+
+    Attributes:
+        name: the model's name in the pipeline.
+        head: ``"lm"`` (causal LM) or ``"value"`` (a scalar per token).
+        init_path: transformers-format directory of the initial weights.
+        trainable: whether an optimizer is kept with it.
+        optimizer: AdamW settings (``lr``, ``betas``, ``weight_decay``, ``eps``, ``grad_clip``).
+        dtype: parameter dtype name.
+    """
+
+    name: str
+    head: str
+    init_path: str
+    trainable: bool = False
+    optimizer: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+
+
+class ResidentModel:
+    """A loaded model, its tokenizer, its optimizer (created on first training step)
+    and ``version``, the number of optimizer updates applied to it so far."""
+
+    def __init__(self, config: ModelConfig, module: torch.nn.Module, tokenizer: Any,
+                 device: str) -> None:
+        self.config = config
+        self.module = module
+        self.tokenizer = tokenizer
+        self.device = device
+        self.version = 0
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters, created on first use."""
+        if self._optimizer is None:
+            if not self.config.trainable:
+                raise RuntimeError(f"model {self.config.name!r} is not trainable")
+            opt = dict(self.config.optimizer)
+            self._optimizer = torch.optim.AdamW(
+                [p for p in self.module.parameters() if p.requires_grad],
+                lr=opt.get("lr", 1e-5), betas=tuple(opt.get("betas", (0.9, 0.999))),
+                weight_decay=opt.get("weight_decay", 0.0), eps=opt.get("eps", 1e-8))
+        return self._optimizer
+
+    def step(self, loss: torch.Tensor) -> float:
+        """Backward, clip gradients, one optimizer step; returns the gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip = self.config.optimizer.get("grad_clip")
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        self.optimizer.step()
+        return float(norm)
+
+    def save(self, path: str | Path) -> None:
+        """Save weights and tokenizer in transformers format (atomically)."""
+        save_model(self.module, self.tokenizer, path)
+
+
+class ModelStore:
+    """The models of one process, loaded lazily by name and never reloaded.
+
+    ``loads`` counts loads per model so tests (and the dashboard) can check residency.
+    """
+
+    def __init__(self, configs: Mapping[str, ModelConfig], device: str = "cpu") -> None:
+        self.configs = dict(configs)
+        self.device = device
+        self.models: dict[str, ResidentModel] = {}
+        self.loads: dict[str, int] = {}
+        self.load_seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> ResidentModel:
+        """The resident model ``name``, loading it from ``init_path`` on first use."""
+        with self._lock:
+            if name not in self.models:
+                if name not in self.configs:
+                    raise KeyError(f"unknown model {name!r}; known: {', '.join(self.configs)}")
+                self.models[name] = self._load(self.configs[name])
+            return self.models[name]
+
+    def _load(self, config: ModelConfig) -> ResidentModel:
+        start = time.perf_counter()
+        module, tokenizer = load_model(config.init_path, config.head,
+                                       torch_dtype=DTYPES[config.dtype], device=self.device)
+        module.train(False)
+        for p in module.parameters():
+            p.requires_grad_(config.trainable)
+        self.loads[config.name] = self.loads.get(config.name, 0) + 1
+        self.load_seconds[config.name] = time.perf_counter() - start
+        return ResidentModel(config, module, tokenizer, self.device)
+
+    def update_config(self, config: ModelConfig) -> None:
+        """Replace a model's config; a loaded copy with another ``init_path`` is dropped."""
+        with self._lock:
+            old = self.configs.get(config.name)
+            self.configs[config.name] = config
+            if old is not None and old.init_path != config.init_path:
+                self.models.pop(config.name, None)
+
+    def loaded(self) -> dict[str, int]:
+        """Versions of the models loaded in this process."""
+        return {name: m.version for name, m in self.models.items()}

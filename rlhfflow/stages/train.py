@@ -1,0 +1,231 @@
+"""Training stages: ``train_actor`` (PPO clipped policy loss), ``train_critic`` (clipped
+value loss), and the stages run once before the loop: ``sft`` and ``reward_model``
+(pairwise Bradley-Terry). Each returns metrics, not columns, and bumps the model version.
+
+Models stay in eval mode while training (dropout off), as is usual in RLHF: the log-probs
+of the update must match those the rollout was scored with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from rlhfflow import ops
+from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
+from rlhfflow.stages.common import (
+    minibatch_indices,
+    response_logits,
+    response_logprobs,
+    response_values,
+    stage_seed,
+)
+from rlhfflow.stages.data import encode_prompts, encode_responses, read_jsonl
+from rlhfflow.stages.inference import RESPONSE_INPUTS
+from rlhfflow.stages.models import sequence_scores
+
+
+class TrainParams(StageParams):
+    """Passes over the batch and optimizer steps per pass."""
+
+    epochs: Annotated[int, Field(gt=0)] = 1
+    minibatches: Annotated[int, Field(gt=0)] = 1
+    shuffle: bool = True
+
+
+def _rows(batch: Batch, index: torch.Tensor) -> Batch:
+    return {k: (v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index.tolist()])
+            for k, v in batch.items()}
+
+
+def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    keys = history[0].keys() if history else ()
+    return {k: sum(h[k] for h in history) / len(history) for k in keys}
+
+
+class _Trainer(Stage):
+    """Shared loop: epochs x shuffled minibatches, one optimizer step per minibatch."""
+
+    Params = TrainParams
+    trains = True
+    per_batch = True
+
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        resident = ctx.models.get(self.model)
+        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        rows = len(batch["response_ids"])
+        gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
+        history = []
+        for _ in range(self.params.epochs):
+            for index in minibatch_indices(rows, self.params.minibatches, gen,
+                                           self.params.shuffle):
+                loss, metrics = self.loss(resident, _rows(batch, index), ctx)
+                metrics["grad_norm"] = resident.step(loss)
+                history.append(metrics)
+        resident.version += 1
+        return {**_mean_metrics(history), "version": resident.version}
+
+    def loss(self, resident, batch: Batch, ctx: StageContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one minibatch and its metrics."""
+        raise NotImplementedError
+
+
+def _kl_in_loss(algorithm) -> bool:
+    return algorithm.kl_coef > 0 and algorithm.kl_in == "loss"
+
+
+@register_stage
+class TrainActorStage(_Trainer):
+    """PPO update of the actor: clipped surrogate (optionally dual-clip), optional KL
+    to the reference in the loss, optional entropy bonus."""
+
+    type_name = "train_actor"
+    model_head = "lm"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        cols = [*RESPONSE_INPUTS, "old_logprobs", "advantages"]
+        return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
+
+    def loss(self, resident, batch, ctx):
+        algo = self.algorithm
+        mask = batch["response_mask"].float()
+        temperature = float(ctx.settings.get("temperature", 1.0))
+        logits = response_logits(resident.module, batch, temperature)
+        logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
+        loss, stats = ops.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
+                                      mask, algo.clip_low, algo.clip_high, algo.dual_clip,
+                                      algo.loss_agg)
+        metrics = {"policy_loss": float(loss), "clip_frac": stats["clip_frac"],
+                   "approx_kl": stats["approx_kl"]}
+        if _kl_in_loss(algo):
+            kl = ops.masked_mean(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
+            loss = loss + algo.kl_coef * kl
+            metrics["kl_loss"] = float(kl)
+        if algo.entropy_coef > 0:
+            entropy = ops.entropy(logits, mask)
+            loss = loss - algo.entropy_coef * entropy
+            metrics["entropy"] = float(entropy)
+        return loss, metrics
+
+
+@register_stage
+class TrainCriticStage(_Trainer):
+    """Critic update: clipped value loss against the GAE returns."""
+
+    type_name = "train_critic"
+    model_head = "value"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return (*RESPONSE_INPUTS, "values", "returns")
+
+    def loss(self, resident, batch, ctx):
+        mask = batch["response_mask"].float()
+        values = response_values(resident.module, batch)
+        loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
+                                     self.algorithm.value_clip)
+        return loss, {"value_loss": float(loss), "value_clip_frac": stats["value_clip_frac"]}
+
+
+class SFTParams(StageParams):
+    """Supervised fine-tuning on a JSONL file of ``{"prompt", "response"}`` records
+    (path relative to the pipeline file). The loss covers response tokens only."""
+
+    data: str
+    epochs: Annotated[int, Field(gt=0)] = 1
+    batch_size: Annotated[int, Field(gt=0)] = 16
+    max_prompt_tokens: Annotated[int, Field(gt=0)] = 64
+    max_response_tokens: Annotated[int, Field(gt=0)] = 64
+    shuffle: bool = True
+
+
+class _OnceTrainer(Stage):
+    """A stage that trains its model once, before the loop, on a JSONL file."""
+
+    trains = True
+    once = True
+    per_batch = True
+    fields: tuple[str, ...] = ()
+
+    @classmethod
+    def check_params(cls, params, has_model, base_dir):
+        path = Path(params.data) if Path(params.data).is_absolute() else base_dir / params.data
+        if not path.is_file():
+            return ("params.data", f"file not found: {path}")
+        return None
+
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        resident = ctx.models.get(self.model)
+        base = Path(ctx.settings.get("base_dir", "."))
+        path = Path(self.params.data)
+        records = read_jsonl(path if path.is_absolute() else base / path, self.fields)
+        gen = torch.Generator().manual_seed(stage_seed(ctx.seed, self.name))
+        history = []
+        size = self.params.batch_size
+        steps = max(1, -(-len(records) // size))
+        for _ in range(self.params.epochs):
+            for index in minibatch_indices(len(records), steps, gen, self.params.shuffle):
+                loss, metrics = self.loss(resident, [records[i] for i in index.tolist()])
+                metrics["grad_norm"] = resident.step(loss)
+                history.append(metrics)
+        resident.version += 1
+        return {**_mean_metrics(history), "version": resident.version, "records": len(records)}
+
+
+@register_stage
+class SFTStage(_OnceTrainer):
+    """Supervised fine-tuning of a causal LM, once before the loop (a warm start)."""
+
+    type_name = "sft"
+    Params = SFTParams
+    model_head = "lm"
+    fields = ("prompt", "response")
+
+    def loss(self, resident, records):
+        tok = resident.tokenizer
+        prompt_ids, prompt_mask = encode_prompts(tok, [r["prompt"] for r in records],
+                                                 self.params.max_prompt_tokens)
+        response_ids, response_mask = encode_responses(tok, [r["response"] for r in records],
+                                                       self.params.max_response_tokens)
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                 "response_ids": response_ids, "response_mask": response_mask}
+        logprobs = response_logprobs(resident.module, batch)
+        loss = -ops.masked_mean(logprobs, response_mask.float())
+        return loss, {"sft_loss": float(loss)}
+
+
+class RewardModelParams(SFTParams):
+    """Pairwise reward-model training on ``{"prompt", "chosen", "rejected"}`` records."""
+
+
+@register_stage
+class RewardModelStage(_OnceTrainer):
+    """Bradley-Terry reward model: ``-log sigmoid(r(chosen) - r(rejected))``, once before
+    the loop. Scores are the value head at the last token of prompt + response."""
+
+    type_name = "reward_model"
+    Params = RewardModelParams
+    model_head = "value"
+    fields = ("prompt", "chosen", "rejected")
+
+    def loss(self, resident, records):
+        chosen = self._scores(resident, [r["prompt"] + r["chosen"] for r in records])
+        rejected = self._scores(resident, [r["prompt"] + r["rejected"] for r in records])
+        margin = chosen - rejected
+        loss = -F.logsigmoid(margin).mean()
+        return loss, {"rm_loss": float(loss), "rm_accuracy": float((margin > 0).float().mean())}
+
+    def _scores(self, resident, texts: list[str]) -> torch.Tensor:
+        # the same tokenization the score stage uses, so training and scoring agree
+        enc = resident.tokenizer(texts, return_tensors="pt", padding=True,
+                                 add_special_tokens=False)
+        limit = self.params.max_prompt_tokens + self.params.max_response_tokens
+        return sequence_scores(resident.module, enc["input_ids"][:, :limit],
+                               enc["attention_mask"][:, :limit])
+

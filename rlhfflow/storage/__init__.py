@@ -1,0 +1,28 @@
+"""Storage: zarr v3 experience buffers and the JSONL metrics log.
+
+Imports neither dask nor other rlhfflow packages, so any process (coordinator, Dask
+worker, CLI) can use it cheaply.
+"""
+
+from rlhfflow.storage.buffer import (
+    COMMIT_KEY,
+    ColumnSpec,
+    ExperienceBuffer,
+    IterationNotFoundError,
+    format_summary,
+    group_name,
+    split_rows,
+)
+from rlhfflow.storage.metrics import MetricsLog, to_jsonable
+
+__all__ = [
+    "COMMIT_KEY",
+    "ColumnSpec",
+    "ExperienceBuffer",
+    "IterationNotFoundError",
+    "MetricsLog",
+    "format_summary",
+    "group_name",
+    "split_rows",
+    "to_jsonable",
+]

@@ -1,0 +1,327 @@
+"""Tests for rlhfflow.stages.models: local tokenizers, tiny models, save/load, value heads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from rlhfflow.stages.models import (
+    DEFAULT_ALPHABET,
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    load_model,
+    position_ids_from_mask,
+    save_model,
+    sequence_scores,
+    tiny_config,
+    value_head_forward,
+)
+
+PROMPTS = ["hi", "hello there"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """One character tokenizer for the module; tests that change padding_side restore it."""
+    return build_char_tokenizer()
+
+
+def _batch(tok, texts: list[str], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad ``texts`` on ``side``; return (input_ids, attention_mask)."""
+    old, tok.padding_side = tok.padding_side, side
+    try:
+        enc = tok(texts, padding=True, return_tensors="pt")
+    finally:
+        tok.padding_side = old
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """True if both modules have the same parameter names and identical values."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_tokenizer_encode_decode(tok):
+    text = "hello world"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text)  # one id per char, no BOS/EOS added
+    assert ids == [DEFAULT_ALPHABET.index(c) + 4 for c in text]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    # Punctuation and runs of spaces survive exactly (no cleanup of " .").
+    tricky = " a  b . c, d!? 'e-f' : 9;"
+    assert tok.decode(tok(tricky)["input_ids"], skip_special_tokens=True) == tricky
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<pad>", "<bos>", "<eos>", "<unk>"]
+    assert tok.padding_side == "right"
+    assert len(tok) == 4 + len(DEFAULT_ALPHABET)
+
+
+def test_tokenizer_unknown_chars_and_specials(tok):
+    ids = tok("Hé\nx")["input_ids"]
+    assert ids == [3, 3, 3, tok.convert_tokens_to_ids("x")]
+    assert tok.decode(ids, skip_special_tokens=True) == "x"
+    framed = [tok.bos_token_id, *tok("ab")["input_ids"], tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(framed, skip_special_tokens=True) == "ab"
+    assert tok.decode(framed) == "<bos>ab<eos><pad>"
+
+
+def test_tokenizer_save_load_round_trip(tok, tmp_path: Path):
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "round trip, ok? yes: 42 - it's fine."
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
+    assert loaded(["Zz"])["input_ids"] == [[3, tok.convert_tokens_to_ids("z")]]
+    specials = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id")
+    assert [getattr(loaded, s) for s in specials] == [getattr(tok, s) for s in specials]
+    assert loaded.padding_side == "right"
+    assert len(loaded) == len(tok)
+
+
+def test_custom_alphabet(tmp_path: Path):
+    small = build_char_tokenizer("ab ")
+    assert len(small) == 7
+    assert small("ba c")["input_ids"] == [5, 4, 6, 3]
+    with pytest.raises(ValueError):
+        build_char_tokenizer("")
+
+
+def test_lm_save_load_identical_logits(tok, tmp_path: Path):
+    model = build_tiny_model(tok).eval()
+    save_model(model, tok, tmp_path / "lm")
+    loaded, loaded_tok = load_model(tmp_path / "lm")
+    ids, mask = _batch(loaded_tok, PROMPTS, "right")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        got = loaded(input_ids=ids, attention_mask=mask).logits
+    assert got.shape == (2, ids.shape[1], len(tok))
+    assert torch.equal(got, expected)
+    assert next(loaded.parameters()).dtype == torch.float32
+    assert _same_weights(model, loaded)
+
+
+def test_seed_determinism_and_rng_untouched(tok):
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = build_tiny_model(tok, seed=7)
+    assert torch.equal(torch.rand(3), expected_next)  # building left the global RNG alone
+    assert _same_weights(a, build_tiny_model(tok, seed=7))
+    assert not _same_weights(a, build_tiny_model(tok, seed=8))
+    assert next(a.parameters()).dtype == torch.float32
+    assert count_parameters(a) == sum(p.numel() for p in a.parameters()) > 0
+
+
+def test_value_model_save_load_identical_values(tok, tmp_path: Path):
+    model = build_tiny_model(tok, head="value", seed=3).eval()
+    assert model.config.num_labels == 1
+    save_model(model, tok, tmp_path / "rm")
+    loaded, _ = load_model(tmp_path / "rm", "value")
+    ids, mask = _batch(tok, PROMPTS, "right")
+    with torch.no_grad():
+        expected = value_head_forward(model, ids, mask)
+        got = value_head_forward(loaded, ids, mask)
+    assert got.shape == ids.shape
+    assert torch.equal(got, expected)
+    assert got.abs().sum() > 0  # a freshly built value head is random, not zero
+
+
+def test_lm_checkpoint_loads_as_value_head(tok, tmp_path: Path):
+    lm = build_tiny_model(tok, seed=5)
+    save_model(lm, tok, tmp_path / "sft")
+    critic, _ = load_model(tmp_path / "sft", "value")
+    assert torch.equal(
+        critic.model.layers[0].self_attn.q_proj.weight, lm.model.layers[0].self_attn.q_proj.weight
+    )
+    assert torch.equal(critic.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    assert critic.config.num_labels == 1 and critic.dropout.p == 0.0
+    ids, mask = _batch(tok, PROMPTS, "left")
+    with torch.no_grad():
+        values = value_head_forward(critic, ids, mask)
+    assert values.shape == ids.shape
+    assert torch.count_nonzero(values) == 0  # documented: the new value head is zero-initialised
+    # The head is still trainable: gradients reach it.
+    value_head_forward(critic, ids, mask).sum().backward()
+    assert critic.score.weight.grad is not None and critic.score.weight.grad.abs().sum() > 0
+
+
+def test_value_checkpoint_refuses_lm_head(tok, tmp_path: Path):
+    save_model(build_tiny_model(tok, head="value"), tok, tmp_path / "rm")
+    with pytest.raises(ValueError, match="lm_head"):
+        load_model(tmp_path / "rm", "lm")
+
+
+def test_sequence_scores_last_valid_token(tok):
+    model = build_tiny_model(tok, head="value", seed=1).eval()
+    texts = ["a", "hello there", "abc"]
+    scores = {}
+    for side in ("left", "right"):
+        ids, mask = _batch(tok, texts, side)
+        with torch.no_grad():
+            values = value_head_forward(model, ids, mask)
+            scores[side] = sequence_scores(model, ids, mask)
+        last = [max(i for i in range(ids.shape[1]) if mask[b, i]) for b in range(len(texts))]
+        assert scores[side].shape == (len(texts),)
+        assert torch.equal(scores[side], values[torch.arange(len(texts)), torch.tensor(last)])
+    # Position ids come from the mask, so the padding side does not change the scores.
+    torch.testing.assert_close(scores["left"], scores["right"], atol=1e-5, rtol=1e-5)
+    ids, mask = _batch(tok, texts, "right")
+    mask[1] = 0
+    with pytest.raises(ValueError, match="no non-pad token"):
+        sequence_scores(model, ids, mask)
+
+
+def test_position_ids_from_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
+    assert torch.equal(position_ids_from_mask(mask), expected)
+
+
+def test_load_errors(tok, tmp_path: Path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"model path {missing} does not exist"):
+        load_model(missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a transformers-format model directory"):
+        load_model(tmp_path / "empty")
+    no_tok = tmp_path / "no_tok"
+    build_tiny_model(tok).save_pretrained(no_tok)
+    with pytest.raises(ValueError, match=f"{no_tok} has no tokenizer files"):
+        load_model(no_tok)
+    with pytest.raises(ValueError, match="unknown head"):
+        load_model(no_tok, "policy")
+    with pytest.raises(ValueError, match="unknown arch"):
+        tiny_config(tok, arch="mamba")
+
+
+def test_init_from_fallback(tok, tmp_path: Path):
+    lm = build_tiny_model(tok, seed=2)
+    save_model(lm, tok, tmp_path / "sft")
+    critic_dir = tmp_path / "critic"
+    critic, _ = load_model(critic_dir, "value", init_from=tmp_path / "sft")
+    assert torch.equal(critic.model.norm.weight, lm.model.norm.weight)
+    critic.score.bias.data.fill_(1.5)
+    save_model(critic, tok, critic_dir)
+    # Once the critic's own checkpoint exists it wins over init_from.
+    again, _ = load_model(critic_dir, "value", init_from=tmp_path / "sft")
+    assert torch.equal(again.score.bias, torch.tensor([1.5]))
+
+
+def test_atomic_save_replaces_and_leaves_no_temp(tok, tmp_path: Path, monkeypatch):
+    target = tmp_path / "models" / "actor"
+    first, second = build_tiny_model(tok, seed=0), build_tiny_model(tok, seed=1)
+    save_model(first, tok, target)
+    (target / "stale.txt").write_text("from the old directory")
+    save_model(second, tok, target)
+    assert [p.name for p in target.parent.iterdir()] == ["actor"]
+    assert not (target / "stale.txt").exists()
+    assert _same_weights(load_model(target)[0], second)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in target.iterdir()
+    }
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+    # A crash mid-save keeps the previous model intact and cleans up the temporary directory.
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tok), "save_pretrained", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(first, tok, target)
+    assert [p.name for p in target.parent.iterdir()] == ["actor"]
+    monkeypatch.undo()
+    assert _same_weights(load_model(target)[0], second)
+
+
+def test_loading_is_quiet_and_restores_logging(tok, tmp_path: Path, capfd):
+    bars_before = hf_logging.is_progress_bar_enabled()
+    save_model(build_tiny_model(tok), tok, tmp_path / "lm")
+    load_model(tmp_path / "lm", "value")
+    err = capfd.readouterr().err
+    assert "MISSING" not in err and "not sharded" not in err and "Loading weights" not in err
+    assert hf_logging.is_progress_bar_enabled() == bars_before
+    assert not hf_logging.get_logger("transformers.modeling_utils").filters
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_gpt2_arch(tok, tmp_path: Path, head: str):
+    model = build_tiny_model(tok, head=head, arch="gpt2", n_layer=1, hidden=32, n_head=2).eval()
+    assert model.config.model_type == "gpt2" and model.config.n_positions == 128
+    ids, mask = _batch(tok, PROMPTS, "left")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    assert out.logits.shape == (*ids.shape, len(tok) if head == "lm" else 1)
+    save_model(model, tok, tmp_path / "gpt2")
+    loaded, _ = load_model(tmp_path / "gpt2", head)
+    assert _same_weights(model, loaded)
+    if head == "lm":  # GPT-2 ties its output layer to the input embeddings; loading keeps it
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    if head == "value":
+        # Absolute position embeddings: padding invariance relies on mask-derived positions.
+        right_ids, right_mask = _batch(tok, PROMPTS, "right")
+        with torch.no_grad():
+            left = sequence_scores(model, ids, mask)
+            right = sequence_scores(model, right_ids, right_mask)
+        torch.testing.assert_close(left, right, atol=1e-5, rtol=1e-5)
+
+
+def _greedy_with_cache(
+    model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Greedy decoding one token at a time with a KV cache, as the sampling stage does."""
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    step_logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        next_ids = step_logits[-1].argmax(-1)
+        ids = torch.cat([ids, next_ids[:, None]], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(
+            input_ids=next_ids[:, None],
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask)[:, -1:],
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        step_logits.append(out.logits[:, -1])
+    return ids, mask, step_logits
+
+
+@torch.no_grad()
+def test_kv_cache_matches_full_forward(tok):
+    model = build_tiny_model(tok, seed=4).eval()
+    ids, mask = _batch(tok, PROMPTS, "left")
+    assert mask[0, 0] == 0  # the first prompt really is left-padded
+    steps = 5
+    full_ids, full_mask, step_logits = _greedy_with_cache(model, ids, mask, steps)
+    assert full_ids.shape == (2, ids.shape[1] + steps)
+    full = model(
+        input_ids=full_ids, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask)
+    ).logits
+    # Logits after the prompt and after each generated token match the one-shot forward.
+    offset = ids.shape[1] - 1
+    for i, logits in enumerate(step_logits):
+        torch.testing.assert_close(logits, full[:, offset + i], atol=1e-4, rtol=0)
+    # The padded prompt decodes exactly as it does alone, so padding is fully masked out.
+    alone = tok([PROMPTS[0]], return_tensors="pt")
+    alone_ids, _, _ = _greedy_with_cache(model, alone["input_ids"], alone["attention_mask"], steps)
+    assert torch.equal(alone_ids[0, -steps:], full_ids[0, -steps:])
+    # And model.generate agrees with the hand-written loop.
+    generated = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False
+    )
+    assert torch.equal(generated, full_ids)
