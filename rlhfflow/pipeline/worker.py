@@ -40,6 +40,7 @@ class StageDef:
     type: str
     params: Any
     model: str | None
+    reads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,14 @@ def set_local_host(host: WorkerHost | None) -> None:
     _LOCAL_HOST = host
 
 
-def current_host() -> WorkerHost:
-    """The host of the worker running the current task, or the in-process one."""
+def current_host(dask_worker=None) -> WorkerHost:
+    """The host of the worker running the current task (or of ``dask_worker``, for
+    functions run out of band with ``Client.run``), or the in-process one."""
     try:
         from distributed import get_worker
 
-        plugin = get_worker().plugins.get(PLUGIN_NAME)
+        worker = dask_worker if dask_worker is not None else get_worker()
+        plugin = worker.plugins.get(PLUGIN_NAME)
     except ValueError:  # not inside a Dask worker
         plugin = None
     if plugin is not None and plugin.host is not None:
@@ -144,22 +147,22 @@ def current_host() -> WorkerHost:
 # --------------------------------------------------------------------------- inputs
 
 
-@dataclass(frozen=True)
-class Part:
+def part(results: list[Any], rows: tuple[int, int] | None = None) -> dict[str, Any]:
     """One input of a task: the outputs of one producer (one result per micro-batch, or
-    one for the whole batch) and, for a micro-batch task, the rows to take from them."""
+    one for the whole batch) and, for a micro-batch task, the rows to take from them.
 
-    results: list[Any]
-    rows: tuple[int, int] | None = None
+    A plain dict on purpose: Dask replaces futures only inside builtin containers.
+    """
+    return {"results": list(results), "rows": rows}
 
 
-def assemble(parts: list[Part], columns: tuple[str, ...] | None = None) -> Batch:
+def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> Batch:
     """Merge the inputs of a task into one batch, keeping ``columns`` (all if None)."""
     batch: Batch = {}
-    for part in parts:
-        data = concat_batches(list(part.results))
-        if part.rows is not None:
-            data = slice_batch(data, *part.rows)
+    for p in parts:
+        data = concat_batches(list(p["results"]))
+        if p["rows"] is not None:
+            data = slice_batch(data, *p["rows"])
         for key, value in data.items():
             if columns is None or key in columns:
                 batch[key] = value
@@ -169,19 +172,18 @@ def assemble(parts: list[Part], columns: tuple[str, ...] | None = None) -> Batch
 # --------------------------------------------------------------------------- tasks
 
 
-def stage_task(name: str, iteration: int, parts: list[Part], after: list[Any]) -> Batch:
+def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: list[Any]) -> Batch:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task."""
     del after
     host = current_host()
     stage = host.stage(name)
     start = time.time()
-    node_reads = host.run.settings["reads"][name]
-    out = stage.run(assemble(parts, tuple(node_reads)), host.context(iteration))
+    out = stage.run(assemble(parts, host.run.stages[name].reads), host.context(iteration))
     host.record(iteration, name, start, time.time())
     return out
 
 
-def store_task(path: str, iteration: int, start_row: int, parts: list[Part],
+def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
                columns: list[str]) -> dict[str, float]:
     """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
     return partial sums for the iteration's metrics."""
@@ -216,20 +218,20 @@ def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
     return {"model": model, "path": path, "version": resident.version}
 
 
-def update_model_configs(configs: Mapping[str, ModelConfig]) -> None:
+def update_model_configs(configs: Mapping[str, ModelConfig], dask_worker=None) -> None:
     """Point models at new initial weights (after the setup stages trained them)."""
-    host = current_host()
+    host = current_host(dask_worker)
     for config in configs.values():
         host.store.update_config(config)
 
 
-def pop_timings() -> list[tuple[int, str, float, float]]:
+def pop_timings(dask_worker=None) -> list[tuple[int, str, float, float]]:
     """Collect this worker's task timings (called on every worker by the coordinator)."""
-    return current_host().pop_timings()
+    return current_host(dask_worker).pop_timings()
 
 
-def resident_models() -> dict[str, dict[str, int]]:
+def resident_models(dask_worker=None) -> dict[str, dict[str, int]]:
     """Loaded models with their versions and load counts (for tests and diagnostics)."""
-    store = current_host().store
+    store = current_host(dask_worker).store
     return {name: {"version": m.version, "loads": store.loads.get(name, 0)}
             for name, m in store.models.items()}

@@ -101,16 +101,16 @@ class TrainActorStage(_Trainer):
         loss, stats = ops.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                       mask, algo.clip_low, algo.clip_high, algo.dual_clip,
                                       algo.loss_agg)
-        metrics = {"policy_loss": float(loss), "clip_frac": stats["clip_frac"],
+        metrics = {"policy_loss": loss.item(), "clip_frac": stats["clip_frac"],
                    "approx_kl": stats["approx_kl"]}
         if _kl_in_loss(algo):
             kl = ops.masked_mean(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
             loss = loss + algo.kl_coef * kl
-            metrics["kl_loss"] = float(kl)
+            metrics["kl_loss"] = kl.item()
         if algo.entropy_coef > 0:
             entropy = ops.entropy(logits, mask)
             loss = loss - algo.entropy_coef * entropy
-            metrics["entropy"] = float(entropy)
+            metrics["entropy"] = entropy.item()
         return loss, metrics
 
 
@@ -130,7 +130,7 @@ class TrainCriticStage(_Trainer):
         values = response_values(resident.module, batch)
         loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
                                      self.algorithm.value_clip)
-        return loss, {"value_loss": float(loss), "value_clip_frac": stats["value_clip_frac"]}
+        return loss, {"value_loss": loss.item(), "value_clip_frac": stats["value_clip_frac"]}
 
 
 class SFTParams(StageParams):
@@ -197,7 +197,7 @@ class SFTStage(_OnceTrainer):
                  "response_ids": response_ids, "response_mask": response_mask}
         logprobs = response_logprobs(resident.module, batch)
         loss = -ops.masked_mean(logprobs, response_mask.float())
-        return loss, {"sft_loss": float(loss)}
+        return loss, {"sft_loss": loss.item()}
 
 
 class RewardModelParams(SFTParams):
@@ -219,7 +219,7 @@ class RewardModelStage(_OnceTrainer):
         rejected = self._scores(resident, [r["prompt"] + r["rejected"] for r in records])
         margin = chosen - rejected
         loss = -F.logsigmoid(margin).mean()
-        return loss, {"rm_loss": float(loss), "rm_accuracy": float((margin > 0).float().mean())}
+        return loss, {"rm_loss": loss.item(), "rm_accuracy": float((margin > 0).float().mean())}
 
     def _scores(self, resident, texts: list[str]) -> torch.Tensor:
         # the same tokenization the score stage uses, so training and scoring agree

@@ -1,0 +1,363 @@
+"""The ``rlhfflow`` command: check, draw, scaffold and run pipelines; inspect buffers.
+
+Pipeline and model code (torch, transformers, Dask) is imported inside the commands that
+need it, so ``rlhfflow --help`` and ``rlhfflow buffer inspect`` start quickly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from rlhfflow import __version__
+
+if TYPE_CHECKING:
+    from rlhfflow.pipeline.loader import Pipeline
+
+
+class UserError(click.ClickException):
+    """A mistake in what the user gave us (a pipeline file, a path): one line, exit 2."""
+
+    exit_code = 2
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextmanager
+def pipeline_errors() -> Iterator[None]:
+    """Turn a bad pipeline file, data file or path into a one-line ``UserError``."""
+    from rlhfflow.pipeline.spec import SpecError
+    from rlhfflow.stages.data import DataError
+
+    try:
+        yield
+    except SpecError as exc:
+        raise UserError(str(exc)) from None
+    except (DataError, FileNotFoundError) as exc:
+        raise UserError(_first_line(exc)) from None
+
+
+def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
+    """``load_pipeline`` with user mistakes turned into ``UserError``."""
+    from rlhfflow.pipeline.loader import load_pipeline
+
+    with pipeline_errors():
+        return load_pipeline(file, overrides)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="rlhfflow")
+def main() -> None:
+    """RLHF pipelines written in YAML, run as dataflow on Dask.
+
+    \b
+    Example:
+      rlhfflow init demo
+      rlhfflow validate demo/pipeline.yaml
+      rlhfflow graph demo/pipeline.yaml --format mermaid
+      rlhfflow run demo/pipeline.yaml --iterations 5
+    """
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def _model_source(pipeline: Pipeline, spec: Any) -> str:
+    if spec.path is not None:
+        return f"path {pipeline.resolve(spec.path)}"
+    if spec.from_ is not None:
+        return f"from {spec.from_}"
+    tiny = spec.tiny
+    return f"tiny {tiny.arch} ({tiny.layers} layers, hidden {tiny.hidden})"
+
+
+def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)
+                               ).rstrip() for row in rows]
+
+
+def summary(pipeline: Pipeline) -> str:
+    """A short description of a validated pipeline, for ``rlhfflow validate``."""
+    spec, graph = pipeline.spec, pipeline.graph
+    lines = [f"{pipeline.source}: valid", f"name: {pipeline.name}"]
+    if spec.models:
+        lines.append("models:")
+        lines += _table([(name, m.head, "trainable" if m.trainable else "frozen",
+                          _model_source(pipeline, m)) for name, m in spec.models.items()])
+    lines.append("stages (in order):")
+    lines += _table([(name, graph.nodes[name].type, f"@{graph.nodes[name].model}"
+                      if graph.nodes[name].model else "-",
+                      "once, before the loop" if graph.nodes[name].once else "")
+                     for name in graph.order])
+    lines.append(f"iterations: {spec.iterations}")
+    if spec.data is not None:
+        data = spec.data
+        lines.append(f"data: {pipeline.prompts_path}, {data.batch_size} prompts x "
+                     f"{data.samples_per_prompt} samples per prompt = "
+                     f"{data.batch_size * data.samples_per_prompt} rows per iteration")
+    cluster = spec.cluster
+    lines.append(f"cluster: scheduler {cluster.address}" if cluster.address else
+                 f"cluster: {cluster.workers} local workers (device {cluster.device})")
+    lines.append(f"output: {pipeline.output_dir}")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def validate(file: str) -> None:
+    """Check a pipeline FILE and print a summary of it.
+
+    Exits 0 when the file is valid. Otherwise prints one line naming the file,
+    the key and what was expected, and exits 2.
+
+    \b
+    Example:
+      rlhfflow validate configs/ppo-tiny.yaml
+    """
+    click.echo(summary(load(file)))
+
+
+# --------------------------------------------------------------------------- graph
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "mermaid"]),
+              default="text", show_default=True,
+              help="text for the terminal, dot for Graphviz, mermaid for Markdown.")
+def graph(file: str, fmt: str) -> None:
+    """Print the stage graph of a pipeline FILE.
+
+    Edges carry the columns that flow along them; dashed (dot) or dotted
+    (mermaid) edges are the new weights a training stage hands to the next
+    iteration.
+
+    \b
+    Example:
+      rlhfflow graph configs/ppo-tiny.yaml
+      rlhfflow graph configs/ppo-tiny.yaml --format dot | dot -Tsvg > ppo.svg
+    """
+    stage_graph = load(file).graph
+    render = {"text": stage_graph.to_text, "dot": stage_graph.to_dot,
+              "mermaid": stage_graph.to_mermaid}[fmt]
+    click.echo(render())
+
+
+# --------------------------------------------------------------------------- init
+
+STARTER_PIPELINE = """\
+# PPO on a tiny random Llama (models/tiny-lm), on a local Dask cluster of 2 workers.
+# Task: answer with vowels (reward = vowels / max(len, 8), in [0, 1]).
+# Paths are relative to this file; the run writes to runs/starter in the current
+# directory (set `output:` or pass --out to change it).
+#   rlhfflow run pipeline.yaml      (from this directory)
+name: starter
+seed: 0
+iterations: 20
+
+cluster:
+  workers: 2
+
+data:
+  prompts: prompts.jsonl
+  batch_size: 32
+  samples_per_prompt: 1
+  micro_batches: 2
+
+models:
+  actor:
+    path: models/tiny-lm
+    trainable: true
+    optimizer: {lr: 3.0e-3}
+  critic:
+    from: actor
+    head: value
+    trainable: true
+    optimizer: {lr: 3.0e-3}
+  ref:
+    from: actor
+
+algorithm:
+  name: ppo
+  kl_coef: 0.01
+
+stages:
+  generate:
+    type: generate
+    model: actor
+    params: {max_new_tokens: 16, temperature: 1.0}
+  reward:
+    type: score
+    after: [generate]
+    params:
+      function: rlhfflow.stages.rewards:vowel_ratio
+  ref_logprob:
+    type: logprob
+    model: ref
+    after: [generate]
+    params: {output: ref_logprobs}
+  old_logprob:
+    type: logprob
+    model: actor
+    after: [generate]
+  values:
+    type: values
+    model: critic
+    after: [generate]
+  advantages:
+    type: advantages
+    after: [reward, ref_logprob, old_logprob, values]
+  train_actor:
+    type: train_actor
+    model: actor
+    after: [advantages]
+    params: {epochs: 2, minibatches: 2}
+  train_critic:
+    type: train_critic
+    model: critic
+    after: [advantages]
+    params: {epochs: 2, minibatches: 2}
+"""
+
+_VERBS = ("describe", "sing about", "speak of", "talk about")
+_THINGS = ("the sun", "a tree", "the moon", "a lake", "a bird", "the sea", "a hill", "the rain")
+
+
+def starter_prompts() -> list[str]:
+    """64 short prompts, the same every time: 32 about one thing, 32 about two."""
+    singles = [f"{verb} {thing}:" for verb in _VERBS for thing in _THINGS]
+    pairs = [f"{verb} {a} and {b}:" for verb in _VERBS
+             for a, b in zip(_THINGS, _THINGS[1:] + _THINGS[:1], strict=True)]
+    return singles + pairs
+
+
+@main.command()
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Write into DIR even if it is not empty, "
+              "replacing the starter files.")
+def init(directory: str, force: bool) -> None:
+    """Write a runnable starter project into DIR.
+
+    DIR gets pipeline.yaml (PPO, 20 iterations), prompts.jsonl (64 prompts)
+    and models/tiny-lm (a tiny random Llama with a character tokenizer).
+    DIR must be empty or missing unless --force is given.
+
+    \b
+    Example:
+      rlhfflow init demo
+      rlhfflow run demo/pipeline.yaml
+    """
+    root = Path(directory)
+    if root.exists() and any(root.iterdir()) and not force:
+        raise UserError(f"{root}: directory is not empty; use --force to write into it")
+    from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
+
+    pipeline_file, prompts_file, model_dir = (root / "pipeline.yaml", root / "prompts.jsonl",
+                                              root / "models" / "tiny-lm")
+    prompts = starter_prompts()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tokenizer = build_char_tokenizer()
+        save_model(build_tiny_model(tokenizer, "lm", seed=0), tokenizer, model_dir)
+        prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts),
+                                encoding="utf-8")
+        pipeline_file.write_text(STARTER_PIPELINE, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(_first_line(exc)) from None
+    pipeline = load(str(pipeline_file))
+    written = [(str(pipeline_file), f"PPO pipeline, {pipeline.spec.iterations} iterations"),
+               (str(prompts_file), f"{len(prompts)} prompts"),
+               (str(model_dir), "tiny random Llama and its character tokenizer")]
+    click.echo("\n".join([f"wrote a starter project in {root}:", *_table(written),
+                          "next:", f"  rlhfflow run {pipeline_file}"]))
+
+
+# --------------------------------------------------------------------------- run
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--iterations", type=click.IntRange(min=0), metavar="N",
+              help="Run N iterations instead of the file's 'iterations'.")
+@click.option("--workers", type=click.IntRange(min=1), metavar="N",
+              help="Start N local Dask workers instead of the file's 'cluster.workers'.")
+@click.option("--out", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write checkpoints, experience and metrics to DIR instead of 'output'.")
+@click.option("--scheduler", metavar="tcp://HOST:PORT",
+              help="Use a running Dask scheduler instead of starting a local cluster.")
+@click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
+def run(file: str, iterations: int | None, workers: int | None, out: str | None,
+        scheduler: str | None, quiet: bool) -> None:
+    """Run the pipeline in FILE on Dask.
+
+    Options override the matching keys of the file, which is validated with
+    them applied. Exits 2 on a mistake in the file and 1 when a stage fails.
+
+    \b
+    Example:
+      rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try
+      rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
+    """
+    overrides = {"iterations": iterations, "cluster.workers": workers, "output": out,
+                 "cluster.address": scheduler}
+    pipeline = load(file, {k: v for k, v in overrides.items() if v is not None})
+    from rlhfflow.pipeline.executor import RunError, run_pipeline
+
+    try:
+        with pipeline_errors():
+            result = run_pipeline(pipeline, progress=not quiet)
+    except RunError as exc:
+        raise click.ClickException(_first_line(exc)) from None
+    if result.metrics:
+        last = result.metrics[-1]
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in last.items())
+        click.echo(f"last iteration: {shown}")
+    click.echo(f"output: {result.output_dir}")
+
+
+# --------------------------------------------------------------------------- buffer
+
+
+@main.group()
+def buffer() -> None:
+    """Look into experience buffers (OUTPUT/buffer.zarr).
+
+    \b
+    Example:
+      rlhfflow buffer inspect runs/ppo-tiny/buffer.zarr
+    """
+
+
+@buffer.command("inspect")
+@click.argument("path", type=click.Path(file_okay=False))
+def buffer_inspect(path: str) -> None:
+    """Print every committed iteration of the buffer at PATH, column by column.
+
+    Shows each column's shape, dtype and mean/std/min/max (padding included),
+    and lists iterations that were begun but never committed.
+
+    \b
+    Example:
+      rlhfflow buffer inspect runs/ppo-tiny/buffer.zarr
+    """
+    from rlhfflow.storage.buffer import ExperienceBuffer, format_summary
+
+    try:
+        buf = ExperienceBuffer(path, create=False)
+    except FileNotFoundError as exc:
+        raise UserError(_first_line(exc)) from None
+    click.echo(format_summary(buf.summary(), buf.uncommitted()), nl=False)
+
+
+if __name__ == "__main__":
+    main(prog_name="rlhfflow")

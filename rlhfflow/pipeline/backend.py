@@ -1,0 +1,244 @@
+"""Where tasks run: on a Dask cluster (``DaskBackend``) or in this process
+(``InlineBackend``, the no-Dask baseline of ``benchmarks/overhead.py`` and of tests).
+
+The executor talks to both through the same handful of calls, so the only difference
+between an in-process run and a Dask run is the Dask layer itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dask
+
+from rlhfflow.pipeline.worker import (
+    PLUGIN_NAME,
+    RLHFWorkerPlugin,
+    RunDef,
+    WorkerHost,
+    set_local_host,
+)
+
+
+class TaskFailed(RuntimeError):
+    """A task failed (after its retries): carries the task key and the cause."""
+
+    def __init__(self, key: str, cause: BaseException) -> None:
+        self.key, self.cause = key, cause
+        super().__init__(f"{key}: {type(cause).__name__}: {cause}")
+
+
+class WorkerLost(RuntimeError):
+    """A worker that holds resident state left the cluster."""
+
+
+# --------------------------------------------------------------------------- inline
+
+
+class _Done:
+    """The result (or error) of a task run inline."""
+
+    __slots__ = ("key", "value", "error")
+
+    def __init__(self, key: str, value: Any = None, error: BaseException | None = None):
+        self.key, self.value, self.error = key, value, error
+
+
+def _resolve(obj: Any) -> Any:
+    if isinstance(obj, _Done):
+        if obj.error is not None:
+            raise obj.error
+        return obj.value
+    if isinstance(obj, list):
+        return [_resolve(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_resolve(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _resolve(v) for k, v in obj.items()}
+    return obj
+
+
+class InlineBackend:
+    """Runs every task at once, in this process, in submission order (dependencies are
+    always submitted first). Same task functions, same retries; no Dask."""
+
+    workers: Sequence[str] = ("inline",)
+    dashboard_link: str | None = None
+    pipelined = False
+
+    def start(self, run: RunDef, torch_threads: int | None) -> None:
+        """Install the in-process worker state."""
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        set_local_host(WorkerHost(run))
+
+    def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
+               retries: int = 0, priority: int = 0) -> _Done:
+        """Run ``fn`` now; a failure is kept and raised where the result is used."""
+        for attempt in range(retries + 1):
+            try:
+                return _Done(key, fn(*_resolve(args)))
+            except Exception as exc:  # noqa: BLE001 - reported by wait()
+                if attempt == retries:
+                    return _Done(key, error=exc)
+        raise AssertionError("unreachable")
+
+    def scatter(self, data: Any, worker: str | None = None) -> _Done:
+        """Data is already here."""
+        return _Done("data", data)
+
+    def wait(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> None:
+        """Raise ``TaskFailed`` for the first failed task."""
+        for h in handles:
+            if h.error is not None:
+                raise TaskFailed(h.key, h.error)
+
+    def gather(self, handles: Sequence[_Done]) -> list[Any]:
+        """Results of finished tasks."""
+        self.wait(handles)
+        return [h.value for h in handles]
+
+    def run_on_workers(self, fn: Callable, *args: Any) -> dict[str, Any]:
+        """Call ``fn`` on the (only) worker."""
+        return {"inline": fn(*args)}
+
+    def close(self) -> None:
+        """Drop the in-process worker state."""
+        set_local_host(None)
+
+
+# --------------------------------------------------------------------------- dask
+
+
+def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str = ":8787",
+                  memory_limit: str = "auto", torch_threads: int | None = None,
+                  device: str = "auto"):
+    """An embedded cluster: one worker process per device, one thread each, resources
+    ``{"device": 1}``. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
+    on CPU each worker's torch gets its share of the cores."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    gpus = _cuda_count() if device in ("auto", "cuda") else 0
+    if device == "cuda" and gpus == 0:
+        raise RuntimeError("cluster.device is 'cuda' but no CUDA device is visible")
+    if gpus:
+        workers = min(workers, gpus)
+    threads = torch_threads or max(1, (os.cpu_count() or 1) // workers)
+    specs = {}
+    for i in range(workers):
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        specs[f"device-{i}"] = {"cls": Nanny, "options": {
+            "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
+            "memory_limit": memory_limit, "name": f"device-{i}"}}
+    scheduler = {"cls": Scheduler, "options": {"host": host,
+                                               "dashboard_address": dashboard_address}}
+    # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
+    with dask.config.set({"distributed.worker.daemon": False}):
+        return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.ERROR,
+                           name="rlhfflow")
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA means CPU workers
+        return 0
+
+
+class DaskBackend:
+    """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
+
+    pipelined = True
+
+    def __init__(self, client, cluster=None) -> None:
+        self.client = client
+        self.cluster = cluster
+        info = client.scheduler_info()["workers"]
+        if not info:
+            raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
+        self.workers = sorted(info, key=lambda a: (str(info[a].get("name")), a))
+        self.dashboard_link = client.dashboard_link
+
+    @classmethod
+    def connect(cls, address: str | None, workers: int, **cluster_options: Any) -> DaskBackend:
+        """Connect to ``address``, or start an embedded cluster of ``workers`` devices."""
+        from distributed import Client
+
+        if address:
+            client = Client(address, timeout="20s")
+            return cls(client)
+        cluster = local_cluster(workers, **cluster_options)
+        client = Client(cluster)
+        client.wait_for_workers(len(cluster.workers), timeout=120)
+        return cls(client, cluster)
+
+    def start(self, run: RunDef, torch_threads: int | None) -> None:
+        """Give every worker its resident state (replacing a previous run's)."""
+        self.client.register_plugin(RLHFWorkerPlugin(run, torch_threads), name=PLUGIN_NAME)
+
+    def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
+               retries: int = 0, priority: int = 0):
+        """Submit a task; pinned tasks run only on ``worker``."""
+        return self.client.submit(fn, *args, key=key, pure=False, retries=retries,
+                                  priority=priority,
+                                  workers=[worker] if worker else None,
+                                  allow_other_workers=False)
+
+    def scatter(self, data: Any, worker: str | None = None):
+        """Place coordinator data on ``worker`` (where its first consumer runs)."""
+        return self.client.scatter(data, workers=[worker] if worker else None, hash=False)
+
+    def wait(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> None:
+        """Wait for ``handles``; raise ``TaskFailed`` at the first error, ``WorkerLost`` if a
+        worker that holds models leaves (its pinned tasks would otherwise wait forever)."""
+        from distributed import wait
+
+        pending = list(handles)
+        while pending:
+            try:
+                done, not_done = wait(pending, timeout=2, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                self._check_alive(pinned)
+                continue
+            for f in done:
+                if f.status == "error":
+                    raise TaskFailed(f.key, f.exception())
+                if f.status == "cancelled":
+                    raise TaskFailed(f.key, RuntimeError("task was cancelled"))
+            pending = list(not_done)
+
+    def _check_alive(self, pinned: Sequence[str]) -> None:
+        if pinned:
+            alive = set(self.client.scheduler_info()["workers"])
+            gone = [w for w in pinned if w not in alive]
+            if gone:
+                raise WorkerLost(f"worker {gone[0]} left the cluster while it held "
+                                 f"resident models")
+
+    def gather(self, handles: Sequence[Any]) -> list[Any]:
+        """Bring small results (metrics) to the coordinator."""
+        return self.client.gather(list(handles))
+
+    def run_on_workers(self, fn: Callable, *args: Any) -> dict[str, Any]:
+        """Call ``fn`` on every worker (out of band, not a task)."""
+        return self.client.run(fn, *args)
+
+    def close(self) -> None:
+        """Free resident models; shut an embedded cluster down."""
+        try:
+            if self.cluster is None:
+                self.client.unregister_worker_plugin(PLUGIN_NAME)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()

@@ -1,0 +1,434 @@
+"""The dataflow executor: every stage of every iteration becomes named tasks chained by
+futures, so each task starts as soon as its inputs exist.
+
+Per iteration: the prompts are split into micro-batches; micro-batch stages (generate,
+score, log-probs, values) get one task per micro-batch, pinned to the worker that holds
+their model; whole-batch stages (advantages, training) get one task. Edges come from the
+columns a stage reads, its ``after`` list, and the model edges of the graph (a trainer
+waits for the other users of its model; next iteration's users wait for the trainer).
+Iteration k+1 is submitted while k runs, so the scheduler starts it the moment the new
+weights exist. Experience is written to zarr by ``store`` tasks on the workers that hold
+it; the coordinator owns the metadata and commits an iteration once it is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.pipeline.backend import DaskBackend, InlineBackend, TaskFailed, WorkerLost
+from rlhfflow.pipeline.graph import SOURCE
+from rlhfflow.pipeline.loader import Pipeline
+from rlhfflow.pipeline.source import PromptSource, micro_batch_bounds
+from rlhfflow.pipeline.worker import (
+    RunDef,
+    StageDef,
+    part,
+    pop_timings,
+    save_model_task,
+    stage_task,
+    store_task,
+    update_model_configs,
+)
+from rlhfflow.stages import ModelConfig, slice_batch
+from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
+from rlhfflow.storage import ColumnSpec, ExperienceBuffer, MetricsLog
+
+
+class RunError(RuntimeError):
+    """The run cannot go on: names the stage, the iteration and the cause."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind."""
+
+    output_dir: Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    setup_metrics: dict[str, Any] = field(default_factory=dict)
+    dashboard: str | None = None
+
+
+@dataclass
+class _Iteration:
+    """The handles of one submitted iteration."""
+
+    index: int
+    rows: int
+    handles: dict[str, list[Any]]
+    stores: list[Any]
+    submitted: float
+
+
+def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
+                 overwrite: bool = False) -> RunResult:
+    """Run ``pipeline`` on its cluster (``cluster.address``, or an embedded LocalCluster)
+    or, with ``inline=True``, in this process without Dask."""
+    out = prepare_output(pipeline, overwrite)
+    cluster = pipeline.spec.cluster
+    if inline:
+        backend = InlineBackend()
+    else:
+        try:
+            backend = DaskBackend.connect(
+                cluster.address, cluster.workers, host=cluster.host,
+                dashboard_address=cluster.dashboard_address,
+                memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
+                device=cluster.device)
+        except OSError as exc:
+            raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
+                           ) from None
+    try:
+        return Executor(pipeline, backend, out, progress).run()
+    finally:
+        backend.close()
+
+
+def prepare_output(pipeline: Pipeline, overwrite: bool) -> Path:
+    """Create the output directory; refuse to mix with an earlier run unless asked."""
+    out = pipeline.output_dir
+    artefacts = [out / n for n in ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl")]
+    present = [a for a in artefacts if a.exists()]
+    if present:
+        if not overwrite:
+            raise RunError(f"{out} already holds a run ({present[0].name}); pass --overwrite "
+                           f"to replace it or --out DIR for a new one")
+        for target in present:
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(pipeline.source, out / "pipeline.yaml")
+    return out
+
+
+class Executor:
+    """Submits a pipeline's tasks to a backend, iteration after iteration."""
+
+    def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True):
+        self.pipeline = pipeline
+        self.graph = pipeline.graph
+        self.backend = backend
+        self.out = output_dir
+        self.progress = progress
+        self.log = MetricsLog(output_dir / "metrics.jsonl")
+        self.timings: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.placement: dict[str, str] = {}
+
+    # ----------------------------------------------------------------- set-up
+    def run(self) -> RunResult:
+        """Materialise models, place them, run the setup stages, then the iterations."""
+        spec = self.pipeline.spec
+        models = self._model_configs()
+        self.placement = self._place(list(self.backend.workers))
+        run = RunDef(stages=self._stage_defs(), models=models, algorithm=spec.algorithm,
+                     seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
+                                               "base_dir": str(self.pipeline.base_dir)})
+        self.backend.start(run, spec.cluster.torch_threads)
+        result = RunResult(self.out, dashboard=self.backend.dashboard_link)
+        self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
+                  f"{len(self.backend.workers)} worker(s); output {self.out}")
+        if self.backend.dashboard_link:
+            self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
+        if self.graph.setup_stages:
+            result.setup_metrics = self._run_setup(models)
+        if self.graph.loop_stages and spec.iterations > 0:
+            result.metrics = self._run_loop()
+        self._save_final()
+        return result
+
+    def _model_configs(self) -> dict[str, ModelConfig]:
+        """Each model's config, building ``tiny:`` models into OUTPUT/models/NAME/init."""
+        spec = self.pipeline.spec
+        paths: dict[str, str] = {}
+        for name, model in spec.models.items():
+            if model.tiny is not None:
+                tiny = model.tiny
+                tok = build_char_tokenizer()
+                module = build_tiny_model(
+                    tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
+                    arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
+                    n_head=tiny.heads, max_positions=tiny.max_positions)
+                path = self.out / "models" / name / "init"
+                save_model(module, tok, path)
+                paths[name] = str(path)
+            elif model.path is not None:
+                paths[name] = str(self.pipeline.resolve(model.path))
+        configs = {}
+        for name, model in spec.models.items():
+            configs[name] = ModelConfig(
+                name=name, head=model.head, init_path=paths[self.pipeline.model_root(name)],
+                trainable=model.trainable, optimizer=model.optimizer.model_dump(),
+                dtype=model.dtype)
+        return configs
+
+    def _stage_defs(self) -> dict[str, StageDef]:
+        return {name: StageDef(node.type, self.pipeline.params[name], node.model, node.reads)
+                for name, node in self.graph.nodes.items()}
+
+    def _place(self, workers: list[str]) -> dict[str, str]:
+        """Model -> worker address. Explicit ``placement.models`` first; the rest spread
+        round-robin, trainable models first (they carry optimizer state)."""
+        spec = self.pipeline.spec
+        used = [m for m in spec.models if self.graph.users(m)]
+        placement = {}
+        for model, index in spec.placement.models.items():
+            if index >= len(workers):
+                raise RunError(f"placement.models.{model}: worker index {index}, but the "
+                               f"cluster has {len(workers)} worker(s)")
+            placement[model] = workers[index]
+        rest = sorted((m for m in used if m not in placement),
+                      key=lambda m: (not spec.models[m].trainable, used.index(m)))
+        for i, model in enumerate(rest):
+            placement[model] = workers[i % len(workers)]
+        return placement
+
+    def _worker(self, stage: str) -> str | None:
+        model = self.graph.nodes[stage].model
+        return self.placement.get(model) if model else None
+
+    # ----------------------------------------------------------------- setup stages
+    def _run_setup(self, models: dict[str, ModelConfig]) -> dict[str, Any]:
+        """Run the once-stages (SFT, reward model), save what they trained, and point
+        every model copied ``from:`` one of them at the trained weights."""
+        handles: dict[str, Any] = {}
+        for name in self.graph.setup_stages:
+            node = self.graph.nodes[name]
+            after = [handles[a] for a in node.after]
+            handles[name] = self.backend.submit(
+                stage_task, name, -1, [], after, key=f"{name}-{_token()}",
+                worker=self._worker(name), retries=self.pipeline.spec.stages[name].retries)
+        metrics = self._wait_and_gather(handles, iteration=None)
+        for name, value in metrics.items():
+            self._say(f"rlhfflow: setup {name}: " + _format_stats(value))
+        trained = {self.graph.nodes[n].model: n for n in self.graph.setup_stages}
+        saves = []
+        for model, stage in trained.items():
+            path = str(self.out / "models" / model / "setup")
+            saves.append(self.backend.submit(save_model_task, model, path, [handles[stage]],
+                                             key=f"save-{_token()}",
+                                             worker=self.placement[model]))
+            models[model] = _replace(models[model], init_path=path)
+        self.backend.wait(saves)
+        for name in models:
+            root = self.pipeline.model_root(name)
+            if root in trained and name != root:
+                models[name] = _replace(models[name], init_path=models[root].init_path)
+        self.backend.run_on_workers(update_model_configs, models)
+        MetricsLog(self.out / "setup.jsonl").append({"setup": metrics})
+        return metrics
+
+    # ----------------------------------------------------------------- the loop
+    def _run_loop(self) -> list[dict[str, Any]]:
+        spec = self.pipeline.spec
+        generate_model = next(self.graph.nodes[n].model for n in self.graph.loop_stages
+                              if self.graph.nodes[n].type == "generate")
+        self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
+        self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
+        records = []
+        # iteration k+1 is submitted before k is finished, so the scheduler starts it the
+        # moment its inputs exist (inline backends run tasks at submission: no overlap)
+        previous: _Iteration | None = None
+        start = time.perf_counter()
+        self._last_done = start
+        for k in range(spec.iterations):
+            current = self._submit(k, previous)
+            if previous is not None:
+                records.append(self._finish(previous))
+            previous = current
+            if not self.backend.pipelined:
+                records.append(self._finish(current))
+                previous = None
+        if previous is not None:
+            records.append(self._finish(previous))
+        return records
+
+    def _submit(self, k: int, previous: _Iteration | None) -> _Iteration:
+        """Submit every task of iteration ``k``; returns at once."""
+        spec = self.pipeline.spec
+        batch = self.source.batch(k)
+        rows = len(batch["prompt_ids"])
+        bounds = micro_batch_bounds(rows, spec.data.micro_batches)
+        first = self._worker(self.graph.loop_stages[0])
+        handles: dict[str, list[Any]] = {
+            SOURCE: [self.backend.scatter(slice_batch(batch, a, b), first) for a, b in bounds]}
+        releases = defaultdict(list)
+        for user, trainer in self.graph.release_edges():
+            releases[trainer].append(user)
+        crossings = defaultdict(list)
+        for trainer, user in self.graph.cross_iteration_edges():
+            crossings[user].append(trainer)
+        for name in self.graph.loop_stages:
+            node = self.graph.nodes[name]
+            producers = list(dict.fromkeys(self.graph.producer(c, name) for c in node.reads))
+            order = [a for a in node.after if a not in producers]
+            order += [h for u in releases[name] for h in handles[u]]
+            if previous is not None:
+                order += [h for t in crossings[name] for h in previous.handles[t]]
+            retries, worker = spec.stages[name].retries, self._worker(name)
+            if node.per_batch:
+                parts = [part(handles[p]) for p in producers]
+                deps = [h for a in order for h in (handles[a] if isinstance(a, str) else [a])]
+                handles[name] = [self.backend.submit(
+                    stage_task, name, k, parts, deps, key=f"{name}-{k}-{_token()}",
+                    worker=worker, retries=retries, priority=-k)]
+                continue
+            handles[name] = []
+            for j, (a, b) in enumerate(bounds):
+                parts = [self._mb_part(handles, p, j, a, b) for p in producers]
+                deps = [h for x in order
+                        for h in ([self._mb_handle(handles, x, j)] if isinstance(x, str)
+                                  else [x])]
+                handles[name].append(self.backend.submit(
+                    stage_task, name, k, parts, deps, key=f"{name}-{k}-{j}-{_token()}",
+                    worker=worker, retries=retries, priority=-k))
+        stores = self._submit_stores(k, rows, bounds, batch, handles)
+        return _Iteration(k, rows, handles, stores, time.perf_counter())
+
+    def _mb_part(self, handles, producer: str, j: int, a: int, b: int) -> dict[str, Any]:
+        """Micro-batch ``j`` of ``producer``'s output (a slice of a whole-batch output)."""
+        if producer == SOURCE or not self.graph.nodes[producer].per_batch:
+            return part([handles[producer][j]])
+        return part(handles[producer], (a, b))
+
+    def _mb_handle(self, handles, stage: str, j: int):
+        h = handles[stage]
+        return h[j] if len(h) > 1 else h[0]
+
+    def _submit_stores(self, k, rows, bounds, batch, handles) -> list[Any]:
+        """Create the iteration's arrays (coordinator) and one store task per micro-batch."""
+        columns = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
+        lengths = {"prompt": batch["prompt_ids"].shape[1], "response": self._response_len()}
+        schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
+                  for c, col in columns.items()}
+        chunk = bounds[0][1] - bounds[0][0]
+        self.buffer.begin_iteration(k, rows, schema, chunk_rows=chunk,
+                                    attrs={"pipeline": self.pipeline.name})
+        writers = [SOURCE] + [n for n in self.graph.loop_stages
+                              if self.graph.nodes[n].writes]
+        stores = []
+        for j, (a, b) in enumerate(bounds):
+            parts = [self._mb_part(handles, w, j, a, b) for w in writers]
+            stores.append(self.backend.submit(
+                store_task, str(self.out / "buffer.zarr"), k, a, parts, list(columns),
+                key=f"store-{k}-{j}-{_token()}", priority=-k))
+        return stores
+
+    def _response_len(self) -> int:
+        return max(int(self.pipeline.params[n].max_new_tokens) for n in self.graph.loop_stages
+                   if self.graph.nodes[n].type == "generate")
+
+    def _finish(self, it: _Iteration) -> dict[str, Any]:
+        """Wait for iteration ``it``, commit its experience, log its metrics."""
+        handles = dict(it.handles)
+        handles.pop(SOURCE)
+        trainers = {n: handles[n][0] for n in self.graph.loop_stages
+                    if self.graph.nodes[n].trains}
+        all_handles = {f"{n}[{j}]": h for n, hs in handles.items() for j, h in enumerate(hs)}
+        all_handles.update({f"store[{j}]": h for j, h in enumerate(it.stores)})
+        self._wait_and_gather(all_handles, it.index, gather=False)
+        partials = self.backend.gather(it.stores)
+        train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
+                               strict=True))
+        self.buffer.commit(it.index)
+        now = time.perf_counter()
+        record = self._record(it, partials, train_stats, now - self._last_done)
+        self._last_done = now
+        self.log.append(record)
+        self._report(record)
+        return record
+
+    def _wait_and_gather(self, handles: dict[str, Any], iteration: int | None,
+                         gather: bool = True) -> dict[str, Any]:
+        try:
+            self.backend.wait(list(handles.values()), pinned=list(set(self.placement.values())))
+        except TaskFailed as exc:
+            stage = exc.key.split("-")[0]
+            where = f" in iteration {iteration}" if iteration is not None else " (setup)"
+            retries = self.pipeline.spec.stages[stage].retries if stage in \
+                self.pipeline.spec.stages else 0
+            tried = f" after {retries + 1} attempts" if retries else ""
+            raise RunError(f"stage {stage!r} failed{where}{tried}: "
+                           f"{type(exc.cause).__name__}: {exc.cause}") from exc.cause
+        except WorkerLost as exc:
+            where = f"iteration {iteration}" if iteration is not None else "setup"
+            raise RunError(f"{exc} ({where}); resume is not supported yet") from None
+        if not gather:
+            return {}
+        return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
+
+    # ----------------------------------------------------------------- metrics
+    def _collect_timings(self) -> None:
+        for intervals in self.backend.run_on_workers(pop_timings).values():
+            for iteration, stage, start, stop in intervals:
+                self.timings[iteration][stage] += stop - start
+
+    def _record(self, it: _Iteration, partials: list[dict[str, float]],
+                train: dict[str, dict[str, Any]], iteration_s: float) -> dict[str, Any]:
+        self._collect_timings()
+        total = defaultdict(float)
+        for p in partials:
+            for key, value in p.items():
+                total[key] += value
+        n = total["rows"]
+        mean = total["score_sum"] / n if "score_sum" in total else None
+        std = math.sqrt(max(0.0, total["score_sq"] / n - mean ** 2)) if mean is not None \
+            else None
+        stats = {k: v for s in train.values() for k, v in s.items()}
+        kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
+            else stats.get("kl_loss")
+        return {
+            "iteration": it.index, "samples": int(n),
+            "reward_mean": mean, "reward_std": std, "kl_mean": kl_mean,
+            "policy_loss": stats.get("policy_loss"), "value_loss": stats.get("value_loss"),
+            "clip_frac": stats.get("clip_frac"), "approx_kl": stats.get("approx_kl"),
+            "response_length_mean": total["length_sum"] / n if n else None,
+            "tokens_generated": int(total["tokens"]),
+            "iteration_s": round(iteration_s, 4),
+            "stage_s": {k: round(v, 4) for k, v in self.timings.pop(it.index, {}).items()},
+            "train": train,
+        }
+
+    def _report(self, r: dict[str, Any]) -> None:
+        total = self.pipeline.spec.iterations
+        done = r["iteration"] + 1
+        width = 20
+        bar = "#" * (done * width // total) + "-" * (width - done * width // total)
+        reward = f"{r['reward_mean']:.3f}" if r["reward_mean"] is not None else "-"
+        kl = f"{r['kl_mean']:.4f}" if r["kl_mean"] is not None else "-"
+        self._say(f"[{bar}] {done:>4}/{total}  reward {reward}  kl {kl}  "
+                  f"len {r['response_length_mean']:.1f}  {r['iteration_s']:.2f}s")
+
+    def _save_final(self) -> None:
+        """Save every trainable model in transformers format under OUTPUT/models/NAME/final."""
+        saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
+                                     [], key=f"save-{_token()}", worker=w)
+                 for m, w in self.placement.items() if self.pipeline.spec.models[m].trainable]
+        self.backend.wait(saves)
+
+    def _say(self, line: str) -> None:
+        if self.progress:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _token() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)
+
+
+def _format_stats(stats: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in stats.items())
