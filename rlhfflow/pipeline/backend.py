@@ -129,6 +129,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     if gpus:
         workers = min(workers, gpus)
     threads = torch_threads or max(1, (os.cpu_count() or 1) // workers)
+    # worker processes read logging config from the environment at import: keep their
+    # INFO chatter (start/stop of every worker) off the user's terminal
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
     specs = {}
     for i in range(workers):
         env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -195,11 +198,19 @@ class DaskBackend:
 
     def scatter(self, data: Any, worker: str | None = None):
         """Place coordinator data on ``worker`` (where its first consumer runs)."""
-        return self.client.scatter(data, workers=[worker] if worker else None, hash=False)
+        # wrapped in a list: Client.scatter spreads a dict value by value under the dict's
+        # own keys, so every micro-batch (a dict of columns) would share keys like
+        # "prompt_ids" and all but the first would silently get the first one's data
+        [future] = self.client.scatter([data], workers=[worker] if worker else None,
+                                       hash=False)
+        return future
 
     def wait(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> None:
         """Wait for ``handles``; raise ``TaskFailed`` at the first error, ``WorkerLost`` if a
-        worker that holds models leaves (its pinned tasks would otherwise wait forever)."""
+        worker that holds models leaves (its pinned tasks would otherwise wait forever).
+
+        ``handles`` come in dependency order (as the executor submits them): a failed task
+        is blamed on the earliest failed handle, the one that raised."""
         from distributed import wait
 
         pending = list(handles)
@@ -209,11 +220,13 @@ class DaskBackend:
             except TimeoutError:
                 self._check_alive(pinned)
                 continue
-            for f in done:
-                if f.status == "error":
-                    raise TaskFailed(f.key, f.exception())
+            if any(f.status in ("error", "cancelled") for f in done):
+                # Dask fails every task downstream of a failed one too, with the same
+                # exception, and reports them together in no order: take the earliest
+                f = next(h for h in handles if h.status in ("error", "cancelled"))
                 if f.status == "cancelled":
                     raise TaskFailed(f.key, RuntimeError("task was cancelled"))
+                raise TaskFailed(f.key, f.exception())
             pending = list(not_done)
 
     def _check_alive(self, pinned: Sequence[str]) -> None:

@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from rlhfflow import ops
-from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
+from rlhfflow.stages.base import (
+    Batch,
+    Stage,
+    StageContext,
+    StageParams,
+    concat_batches,
+    register_stage,
+)
 from rlhfflow.stages.common import (
     minibatch_indices,
     response_logits,
@@ -24,9 +31,10 @@ from rlhfflow.stages.common import (
     response_values,
     stage_seed,
 )
-from rlhfflow.stages.data import encode_prompts, encode_responses, read_jsonl
+from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
 from rlhfflow.stages.inference import RESPONSE_INPUTS
 from rlhfflow.stages.models import sequence_scores
+from rlhfflow.storage import ExperienceBuffer
 
 
 class TrainParams(StageParams):
@@ -133,11 +141,11 @@ class TrainCriticStage(_Trainer):
         return loss, {"value_loss": loss.item(), "value_clip_frac": stats["value_clip_frac"]}
 
 
-class SFTParams(StageParams):
-    """Supervised fine-tuning on a JSONL file of ``{"prompt", "response"}`` records
-    (path relative to the pipeline file). The loss covers response tokens only."""
+class OnceParams(StageParams):
+    """Training once before the loop: the JSONL file (relative to the pipeline file),
+    passes over it, rows per optimizer step, and truncation lengths."""
 
-    data: str
+    data: str | None = None
     epochs: Annotated[int, Field(gt=0)] = 1
     batch_size: Annotated[int, Field(gt=0)] = 16
     max_prompt_tokens: Annotated[int, Field(gt=0)] = 64
@@ -145,9 +153,32 @@ class SFTParams(StageParams):
     shuffle: bool = True
 
 
-class _OnceTrainer(Stage):
-    """A stage that trains its model once, before the loop, on a JSONL file."""
+class SFTParams(OnceParams):
+    """Supervised fine-tuning, on either ``data``: a JSONL file of ``{"prompt",
+    "response"}`` records, or ``buffer``: an experience buffer (``buffer.zarr`` of an
+    earlier run), taking the responses that scored at least ``min_score`` in its last
+    ``last_iterations`` iterations (rejection-sampling fine-tuning). The loss covers
+    response tokens only."""
 
+    buffer: str | None = None
+    min_score: float | None = None
+    last_iterations: Annotated[int, Field(gt=0)] | None = None
+
+
+def _resolve(path: str, base_dir: Path) -> Path:
+    return Path(path) if Path(path).is_absolute() else base_dir / path
+
+
+def _take(examples: Batch | list, index: torch.Tensor) -> Batch | list:
+    if isinstance(examples, dict):
+        return _rows(examples, index)
+    return [examples[i] for i in index.tolist()]
+
+
+class _OnceTrainer(Stage):
+    """A stage that trains its model once, before the loop, on a data set."""
+
+    Params = OnceParams
     trains = True
     once = True
     per_batch = True
@@ -155,53 +186,112 @@ class _OnceTrainer(Stage):
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
-        path = Path(params.data) if Path(params.data).is_absolute() else base_dir / params.data
+        if params.data is None:
+            return ("params.data", "required key is missing")
+        path = _resolve(params.data, base_dir)
         if not path.is_file():
             return ("params.data", f"file not found: {path}")
         return None
 
+    def examples(self, resident, base_dir: Path) -> Batch | list:
+        """The training set: JSONL records (or a batch of tensors)."""
+        return read_jsonl(_resolve(self.params.data, base_dir), self.fields)
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
-        base = Path(ctx.settings.get("base_dir", "."))
-        path = Path(self.params.data)
-        records = read_jsonl(path if path.is_absolute() else base / path, self.fields)
+        examples = self.examples(resident, Path(ctx.settings.get("base_dir", ".")))
+        count = len(examples["response_ids"]) if isinstance(examples, dict) else len(examples)
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, self.name))
         history = []
-        size = self.params.batch_size
-        steps = max(1, -(-len(records) // size))
+        steps = max(1, -(-count // self.params.batch_size))
         for _ in range(self.params.epochs):
-            for index in minibatch_indices(len(records), steps, gen, self.params.shuffle):
-                loss, metrics = self.loss(resident, [records[i] for i in index.tolist()])
+            for index in minibatch_indices(count, steps, gen, self.params.shuffle):
+                loss, metrics = self.loss(resident, _take(examples, index))
                 metrics["grad_norm"] = resident.step(loss)
                 history.append(metrics)
         resident.version += 1
-        return {**_mean_metrics(history), "version": resident.version, "records": len(records)}
+        return {**_mean_metrics(history), "version": resident.version, "records": count}
 
 
 @register_stage
 class SFTStage(_OnceTrainer):
-    """Supervised fine-tuning of a causal LM, once before the loop (a warm start)."""
+    """Supervised fine-tuning of a causal LM, once before the loop (a warm start), on a
+    JSONL file or on the best responses of an experience buffer."""
 
     type_name = "sft"
     Params = SFTParams
     model_head = "lm"
     fields = ("prompt", "response")
 
-    def loss(self, resident, records):
-        tok = resident.tokenizer
-        prompt_ids, prompt_mask = encode_prompts(tok, [r["prompt"] for r in records],
-                                                 self.params.max_prompt_tokens)
-        response_ids, response_mask = encode_responses(tok, [r["response"] for r in records],
-                                                       self.params.max_response_tokens)
-        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                 "response_ids": response_ids, "response_mask": response_mask}
+    @classmethod
+    def check_params(cls, params, has_model, base_dir):
+        if (params.data is None) == (params.buffer is None):
+            return ("params", "give exactly one of 'data' (a JSONL file) or 'buffer' "
+                              "(an experience buffer)")
+        if params.buffer is not None:
+            path = _resolve(params.buffer, base_dir)
+            if not path.is_dir():
+                return ("params.buffer", f"experience buffer not found: {path}")
+            return None
+        return super().check_params(params, has_model, base_dir)
+
+    def examples(self, resident, base_dir: Path) -> Batch | list:
+        if self.params.buffer is None:
+            return super().examples(resident, base_dir)
+        return buffer_examples(_resolve(self.params.buffer, base_dir), self.params.min_score,
+                               self.params.last_iterations)
+
+    def loss(self, resident, examples):
+        if isinstance(examples, dict):
+            batch = examples
+        else:
+            tok = resident.tokenizer
+            prompt_ids, prompt_mask = encode_prompts(tok, [r["prompt"] for r in examples],
+                                                     self.params.max_prompt_tokens)
+            response_ids, response_mask = encode_responses(
+                tok, [r["response"] for r in examples], self.params.max_response_tokens)
+            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                     "response_ids": response_ids, "response_mask": response_mask}
         logprobs = response_logprobs(resident.module, batch)
-        loss = -ops.masked_mean(logprobs, response_mask.float())
+        loss = -ops.masked_mean(logprobs, batch["response_mask"].float())
         return loss, {"sft_loss": loss.item()}
 
 
-class RewardModelParams(SFTParams):
-    """Pairwise reward-model training on ``{"prompt", "chosen", "rejected"}`` records."""
+def buffer_examples(path: Path, min_score: float | None, last_iterations: int | None) -> Batch:
+    """Prompt/response rows of the committed iterations of a buffer, filtered by score."""
+    buffer = ExperienceBuffer(path, create=False)
+    iterations = buffer.iterations()
+    if last_iterations:
+        iterations = iterations[-last_iterations:]
+    if not iterations:
+        raise DataError(f"{path}: the experience buffer has no complete iteration")
+    columns = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "scores")
+    parts = []
+    for it in iterations:
+        data = {k: torch.from_numpy(v) for k, v in buffer.read(it, columns).items()}
+        keep = data["scores"] >= min_score if min_score is not None else \
+            torch.ones(len(data["scores"]), dtype=torch.bool)
+        parts.append({k: v[keep] for k, v in data.items() if k != "scores"})
+    batch = concat_batches(_left_align(parts))
+    if not len(batch["response_ids"]):
+        raise DataError(f"{path}: no response scored at least min_score={min_score}")
+    return batch
+
+
+def _left_align(parts: list[Batch]) -> list[Batch]:
+    """Prompts are left-padded per iteration: pad them on the left to one width."""
+    width = max(p["prompt_ids"].shape[1] for p in parts)
+    for p in parts:
+        extra = width - p["prompt_ids"].shape[1]
+        if extra:
+            p["prompt_ids"] = F.pad(p["prompt_ids"], (extra, 0))
+            p["prompt_mask"] = F.pad(p["prompt_mask"], (extra, 0))
+    return parts
+
+
+class RewardModelParams(OnceParams):
+    """Pairwise reward-model training on a JSONL file of ``{"prompt", "chosen",
+    "rejected"}`` records."""
 
 
 @register_stage
