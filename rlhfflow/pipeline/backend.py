@@ -168,7 +168,11 @@ class DaskBackend:
         info = client.scheduler_info()["workers"]
         if not info:
             raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
-        self.workers = sorted(info, key=lambda a: (str(info[a].get("name")), a))
+        devices = [a for a in info if info[a].get("resources", {}).get("device", 0) >= 1]
+        # workers started with `--resources device=1` hold models; a cluster without that
+        # resource anywhere is used whole
+        chosen = devices or list(info)
+        self.workers = sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
         self.dashboard_link = client.dashboard_link
 
     @classmethod

@@ -180,7 +180,8 @@ def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: li
     start = time.time()
     out = stage.run(assemble(parts, host.run.stages[name].reads), host.context(iteration))
     host.record(iteration, name, start, time.time())
-    return out
+    # results travel between workers: keep them off the accelerator
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],

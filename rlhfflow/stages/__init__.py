@@ -5,6 +5,7 @@ Importing this package registers the built-in stage types:
 ``train_critic``, ``sft``, ``reward_model``.
 """
 
+from rlhfflow.stages import advantages, generate, inference, train  # noqa: F401  (registers)
 from rlhfflow.stages.base import (
     SOURCE_COLUMNS,
     STAGE_TYPES,
@@ -20,7 +21,6 @@ from rlhfflow.stages.base import (
     register_stage,
     slice_batch,
 )
-from rlhfflow.stages import advantages, generate, inference, train  # noqa: F401  (registers)
 from rlhfflow.stages.resident import ModelConfig, ModelStore, ResidentModel
 
 __all__ = [

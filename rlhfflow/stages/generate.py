@@ -60,7 +60,7 @@ def sample_step(logits: torch.Tensor, uniforms: torch.Tensor, params: GeneratePa
     filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(filtered.double(), dim=-1)
     cdf = probs.cumsum(-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
     token = torch.searchsorted(cdf, target).squeeze(-1)
     # searchsorted may land on a zero-probability token after the last positive one
     return token.clamp(max=logits.shape[-1] - 1)

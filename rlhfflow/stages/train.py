@@ -64,7 +64,8 @@ class _Trainer(Stage):
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
-        batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        batch = {k: v.to(resident.device) for k, v in batch.items()
+                 if isinstance(v, torch.Tensor)}
         rows = len(batch["response_ids"])
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         history = []
@@ -206,7 +207,10 @@ class _OnceTrainer(Stage):
         steps = max(1, -(-count // self.params.batch_size))
         for _ in range(self.params.epochs):
             for index in minibatch_indices(count, steps, gen, self.params.shuffle):
-                loss, metrics = self.loss(resident, _take(examples, index))
+                chunk = _take(examples, index)
+                if isinstance(chunk, dict):
+                    chunk = {k: v.to(resident.device) for k, v in chunk.items()}
+                loss, metrics = self.loss(resident, chunk)
                 metrics["grad_norm"] = resident.step(loss)
                 history.append(metrics)
         resident.version += 1
@@ -253,7 +257,7 @@ class SFTStage(_OnceTrainer):
             batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                      "response_ids": response_ids, "response_mask": response_mask}
         logprobs = response_logprobs(resident.module, batch)
-        loss = -ops.masked_mean(logprobs, batch["response_mask"].float())
+        loss = -ops.masked_mean(logprobs, batch["response_mask"].to(logprobs.device).float())
         return loss, {"sft_loss": loss.item()}
 
 
@@ -316,6 +320,6 @@ class RewardModelStage(_OnceTrainer):
         enc = resident.tokenizer(texts, return_tensors="pt", padding=True,
                                  add_special_tokens=False)
         limit = self.params.max_prompt_tokens + self.params.max_response_tokens
-        return sequence_scores(resident.module, enc["input_ids"][:, :limit],
-                               enc["attention_mask"][:, :limit])
+        return sequence_scores(resident.module, enc["input_ids"][:, :limit].to(resident.device),
+                               enc["attention_mask"][:, :limit].to(resident.device))
 
