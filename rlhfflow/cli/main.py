@@ -294,9 +294,12 @@ def init(directory: str, force: bool) -> None:
               help="Write checkpoints, experience and metrics to DIR instead of 'output'.")
 @click.option("--scheduler", metavar="tcp://HOST:PORT",
               help="Use a running Dask scheduler instead of starting a local cluster.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier run's checkpoints, experience and metrics in the "
+                   "output directory.")
 @click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
 def run(file: str, iterations: int | None, workers: int | None, out: str | None,
-        scheduler: str | None, quiet: bool) -> None:
+        scheduler: str | None, overwrite: bool, quiet: bool) -> None:
     """Run the pipeline in FILE on Dask.
 
     Options override the matching keys of the file, which is validated with
@@ -304,7 +307,7 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
 
     \b
     Example:
-      rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try
+      rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try --overwrite
       rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
     """
     overrides = {"iterations": iterations, "cluster.workers": workers, "output": out,
@@ -314,13 +317,13 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
 
     try:
         with pipeline_errors():
-            result = run_pipeline(pipeline, progress=not quiet)
+            result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite)
     except RunError as exc:
         raise click.ClickException(_first_line(exc)) from None
-    if result.metrics:
+    if result.metrics:  # the scalars of the last iteration; the rest is in the output
         last = result.metrics[-1]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in last.items())
+                          for k, v in last.items() if isinstance(v, int | float))
         click.echo(f"last iteration: {shown}")
     click.echo(f"output: {result.output_dir}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -174,6 +175,7 @@ class DaskBackend:
         chosen = devices or list(info)
         self.workers = sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
         self.dashboard_link = client.dashboard_link
+        self._submitted: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
     def connect(cls, address: str | None, workers: int, **cluster_options: Any) -> DaskBackend:
@@ -195,10 +197,12 @@ class DaskBackend:
     def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
                retries: int = 0, priority: int = 0):
         """Submit a task; pinned tasks run only on ``worker``."""
-        return self.client.submit(fn, *args, key=key, pure=False, retries=retries,
-                                  priority=priority,
-                                  workers=[worker] if worker else None,
-                                  allow_other_workers=False)
+        future = self.client.submit(fn, *args, key=key, pure=False, retries=retries,
+                                    priority=priority,
+                                    workers=[worker] if worker else None,
+                                    allow_other_workers=False)
+        self._submitted.add(future)
+        return future
 
     def scatter(self, data: Any, worker: str | None = None):
         """Place coordinator data on ``worker`` (where its first consumer runs)."""
@@ -250,8 +254,12 @@ class DaskBackend:
         return self.client.run(fn, *args)
 
     def close(self) -> None:
-        """Free resident models; shut an embedded cluster down."""
+        """Cancel what is still queued (after a failure, the next iteration's tasks), free
+        resident models, shut an embedded cluster down."""
         try:
+            live = [f for f in list(self._submitted) if not f.done()]
+            if live:
+                self.client.cancel(live, force=True)
             if self.cluster is None:
                 self.client.unregister_worker_plugin(PLUGIN_NAME)
         except Exception:  # noqa: BLE001 - best effort on the way out

@@ -137,6 +137,8 @@ class StageGraph:
 
     def concurrent(self, a: str, b: str) -> bool:
         """Whether ``a`` and ``b`` may run at the same time within an iteration."""
+        if self.nodes[a].once != self.nodes[b].once:
+            return False  # setup stages finish before the loop starts
         return a != b and a not in self._upstream[b] and b not in self._upstream[a]
 
     # ----------------------------------------------------------------- models
@@ -239,13 +241,17 @@ class StageGraph:
         return "\n".join(lines)
 
     def to_mermaid(self) -> str:
-        """Mermaid flowchart; cross-iteration edges are dotted."""
-        lines = ["flowchart LR", f"  {SOURCE}[({SOURCE})]"]
+        """Mermaid flowchart; cross-iteration edges are dotted. Node ids get a prefix
+        because Mermaid reserves some words (a stage may be called ``end``)."""
+        def node(name: str) -> str:
+            return f"s_{name}"
+
+        lines = ["flowchart LR", f"  {node(SOURCE)}[({SOURCE})]"]
         for name in self.order:
-            lines.append(f'  {name}["{self._label(name)}"]')
+            lines.append(f'  {node(name)}["{self._label(name)}"]')
         for src, dst, label in self._edges():
             arrow = f"-->|{label}|" if label else "-->"
-            lines.append(f"  {src} {arrow} {dst}")
+            lines.append(f"  {node(src)} {arrow} {node(dst)}")
         for trainer, user in self.cross_iteration_edges():
-            lines.append(f"  {trainer} -.->|next iteration| {user}")
+            lines.append(f"  {node(trainer)} -.->|next iteration| {node(user)}")
         return "\n".join(lines)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.pipeline.graph import CycleError, StageGraph, StageNode
+from rlhfflow.pipeline.graph import SOURCE, CycleError, StageGraph, StageNode
 from rlhfflow.pipeline.spec import (
     MODEL_NAME,
     STAGE_NAME,
@@ -114,6 +114,10 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
             if source.head == "value" and model.head == "lm":
                 raise SpecError(file, f"models.{name}.from", f"cannot make an 'lm' model from "
                                 f"{model.from_!r}, which has a value head")
+    for name in spec.placement.models:
+        if name not in spec.models:
+            hint = did_you_mean(name, spec.models)
+            raise SpecError(file, f"placement.models.{name}", f"unknown model {name!r}{hint}")
     for name in spec.models:  # `from:` chains must end somewhere
         seen = [name]
         while spec.models[seen[-1]].from_ is not None:
@@ -133,22 +137,30 @@ def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
         if not STAGE_NAME.match(name):
             raise SpecError(file, where, "stage names are lowercase letters and underscores "
                             "(no digits: the dashboard groups tasks by the name's letters)")
+        if name == SOURCE:
+            raise SpecError(file, where, f"the stage name {SOURCE!r} is reserved for the prompt "
+                            "source; rename the stage")
         if stage.type not in STAGE_TYPES:
             raise stage_type_error(file, name, stage.type)
         cls = STAGE_TYPES[stage.type]
         if stage.model is None and cls.model_head is not None and not cls.model_optional:
-            raise SpecError(file, f"{where}.model",
-                            f"a {stage.type!r} stage needs a model with a {cls.model_head!r} head")
+            fitting = [m for m, model in spec.models.items() if model.head == cls.model_head]
+            hint = (f"; models with that head: {', '.join(fitting)}" if fitting
+                    else "; no model in 'models' has that head")
+            raise SpecError(file, f"{where}.model", f"required key is missing: stage type "
+                            f"{stage.type!r} needs a model with head {cls.model_head!r}{hint}")
         if stage.model is not None:
             if cls.model_head is None:
-                raise SpecError(file, f"{where}.model", f"a {stage.type!r} stage takes no model")
+                raise SpecError(file, f"{where}.model",
+                                f"stage type {stage.type!r} takes no model; remove the key")
             if stage.model not in spec.models:
                 hint = did_you_mean(stage.model, spec.models)
                 raise SpecError(file, f"{where}.model", f"unknown model {stage.model!r}{hint}")
             head = spec.models[stage.model].head
             if head != cls.model_head:
-                raise SpecError(file, f"{where}.model", f"a {stage.type!r} stage needs a model "
-                                f"with head {cls.model_head!r}; {stage.model!r} has {head!r}")
+                raise SpecError(file, f"{where}.model", f"stage type {stage.type!r} needs a "
+                                f"model with head {cls.model_head!r}; model {stage.model!r} "
+                                f"has head {head!r}")
         for i, parent in enumerate(stage.after):
             if parent == name:
                 raise SpecError(file, f"{where}.after[{i}]", "a stage cannot run after itself")
@@ -175,18 +187,19 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams])
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:
-        raise SpecError(file, f"stages.{exc.cycle[0]}.after",
+        raise SpecError(file, f"stages.{exc.cycle[0]}.after", f"the 'after' lists form a "
                         f"cycle: {' -> '.join(exc.cycle)}") from None
     for name in graph.order:
         node = graph.nodes[name]
         for i, parent in enumerate(node.after):
             if graph.nodes[parent].once is False and node.once:
-                raise SpecError(file, f"stages.{name}.after[{i}]", f"a {node.type!r} stage runs "
-                                f"once before the loop and cannot wait for loop stage {parent!r}")
+                raise SpecError(file, f"stages.{name}.after[{i}]", f"stage type {node.type!r} "
+                                f"runs once before the loop and cannot wait for loop stage "
+                                f"{parent!r}")
         for column in node.reads:
             if graph.producer(column, name) is None:
                 writers = graph.writers(column)
-                hint = (f"; add {writers[0]!r} to its 'after'" if writers
+                hint = (f"; add stage {writers[0]!r} to stages.{name}.after" if writers
                         else "; no stage in the pipeline writes it")
                 raise SpecError(file, f"stages.{name}", f"reads column {column!r}, which no "
                                 f"upstream stage writes{hint}")

@@ -16,7 +16,6 @@ import torch
 
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.common import response_logprobs, response_values
-from rlhfflow.stages.models import sequence_scores
 
 RESPONSE_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -166,6 +165,8 @@ class ScoreStage(Stage):
     @torch.no_grad()
     def _model_scores(self, resident, prompts: list[str], responses: list[str]) -> torch.Tensor:
         """Score with the reward model's own tokenizer, so it may differ from the actor's."""
+        from rlhfflow.stages.models import sequence_scores
+
         tok = resident.tokenizer
         texts = [p + r for p, r in zip(prompts, responses, strict=True)]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -244,6 +244,7 @@ def save_model(
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         _make_tokenizer_config_portable(tmp)
+        _apply_umask(tmp)
         if path.exists():
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
             os.rename(path, old)
@@ -254,6 +255,29 @@ def save_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _apply_umask(directory: Path) -> None:
+    """mkdtemp (and some writers) create private files; a saved model should get the
+    ordinary permissions of the user's umask, like any directory they create."""
+    umask = _current_umask()
+    directory.chmod(0o777 & ~umask)
+    for item in directory.rglob("*"):
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
+
+
+def _current_umask() -> int:
+    # os.umask can only be read by setting it, which races with other threads (a Dask
+    # worker has several): read it from /proc where there is one
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _make_tokenizer_config_portable(directory: Path) -> None:

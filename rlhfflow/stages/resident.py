@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from rlhfflow.stages.models import load_model, save_model
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,6 +77,8 @@ class ResidentModel:
 
     def save(self, path: str | Path) -> None:
         """Save weights and tokenizer in transformers format (atomically)."""
+        from rlhfflow.stages.models import save_model
+
         save_model(self.module, self.tokenizer, path)
 
 
@@ -106,6 +106,8 @@ class ModelStore:
             return self.models[name]
 
     def _load(self, config: ModelConfig) -> ResidentModel:
+        from rlhfflow.stages.models import load_model  # transformers: only when loading
+
         start = time.perf_counter()
         module, tokenizer = load_model(config.init_path, config.head,
                                        torch_dtype=DTYPES[config.dtype], device=self.device)

@@ -33,7 +33,6 @@ from rlhfflow.stages.common import (
 )
 from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
 from rlhfflow.stages.inference import RESPONSE_INPUTS
-from rlhfflow.stages.models import sequence_scores
 from rlhfflow.storage import ExperienceBuffer
 
 
@@ -316,6 +315,8 @@ class RewardModelStage(_OnceTrainer):
         return loss, {"rm_loss": loss.item(), "rm_accuracy": float((margin > 0).float().mean())}
 
     def _scores(self, resident, texts: list[str]) -> torch.Tensor:
+        from rlhfflow.stages.models import sequence_scores
+
         # the same tokenization the score stage uses, so training and scoring agree
         enc = resident.tokenizer(texts, return_tensors="pt", padding=True,
                                  add_special_tokens=False)

@@ -1,0 +1,118 @@
+"""Fixtures and helpers shared by the tests: tiny saved models, a model store, source
+batches built like the data source builds them, and small copies of the example pipelines.
+
+Everything is real (transformers checkpoints on disk, zarr, Dask) and seeded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per process (this one, Dask workers, subprocesses): tiny models gain
+# nothing from more, and several multi-threaded processes on 2 cores spin-wait each other
+# into 5x slower runs. It also keeps float results independent of the machine's cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Dask worker processes inherit the environment: keep their INFO chatter out of test logs.
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from rlhfflow.pipeline.spec import apply_overrides  # noqa: E402
+from rlhfflow.stages import Batch, ModelConfig, ModelStore  # noqa: E402
+from rlhfflow.stages.data import encode_prompts  # noqa: E402
+from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+DATA = CONFIGS / "data"
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The character tokenizer every tiny model uses."""
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama LM (seed 0) saved in transformers format."""
+    path = tmp_path_factory.mktemp("models") / "tiny-lm"
+    save_model(build_tiny_model(tokenizer, "lm", seed=0), tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_value_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama with a value head (seed 1), e.g. a reward model."""
+    path = tmp_path_factory.mktemp("models") / "tiny-value"
+    save_model(build_tiny_model(tokenizer, "value", seed=1), tokenizer, path)
+    return path
+
+
+@pytest.fixture
+def store(tiny_lm_dir, tiny_value_dir) -> ModelStore:
+    """A fresh store (nothing loaded yet): trainable actor, frozen reference, a trainable
+    critic initialised from the LM (zero value head), a frozen reward model."""
+    lm = str(tiny_lm_dir)
+    return ModelStore({
+        "actor": ModelConfig("actor", "lm", lm, trainable=True, optimizer={"lr": 1e-3}),
+        "ref": ModelConfig("ref", "lm", lm),
+        "critic": ModelConfig("critic", "value", init_path=lm, trainable=True,
+                              optimizer={"lr": 1e-3}),
+        "rm": ModelConfig("rm", "value", str(tiny_value_dir)),
+    })
+
+
+def make_prompt_batch(tokenizer: Any, texts: Sequence[str], samples: int = 1,
+                      prompt_index: Sequence[int] | None = None,
+                      max_prompt_tokens: int = 64) -> Batch:
+    """Source columns for ``texts``, one row per (prompt, sample), as ``PromptSource``
+    builds them. ``prompt_index`` gives each text's index in its (imaginary) data file
+    (default: its position), which seeds its samples."""
+    indices = list(range(len(texts))) if prompt_index is None else list(prompt_index)
+    assert len(indices) == len(texts)
+    rows = [(text, index, s) for text, index in zip(texts, indices, strict=True)
+            for s in range(samples)]
+    prompt_texts = [text for text, _, _ in rows]
+    ids, mask = encode_prompts(tokenizer, prompt_texts, max_prompt_tokens)
+    return {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "prompt_index": torch.tensor([index for _, index, _ in rows]),
+        "sample_index": torch.tensor([s for _, _, s in rows]),
+        "group_ids": torch.tensor([index for _, index, _ in rows]),
+        "prompt_text": prompt_texts,
+    }
+
+
+def small_pipeline(tmp_path: Path, config: str = "ppo", *, iterations: int = 2,
+                   batch_size: int = 8, max_new_tokens: int = 8,
+                   overrides: Mapping[str, Any] | None = None,
+                   file_name: str | None = None) -> Path:
+    """Write a small copy of ``configs/{config}-tiny.yaml`` into ``tmp_path`` and return
+    its path: absolute prompts path, ``batch_size`` prompts, ``iterations`` iterations,
+    ``max_new_tokens`` tokens, output in ``tmp_path/out``, a dashboard on a free port,
+    one torch thread per worker.
+    ``overrides`` maps dotted keys (``"stages.reward.retries"``) to values."""
+    data = yaml.safe_load((CONFIGS / f"{config}-tiny.yaml").read_text())
+    settings = {
+        "data.prompts": str(DATA / "prompts.jsonl"),
+        "data.batch_size": batch_size,
+        "iterations": iterations,
+        "stages.generate.params.max_new_tokens": max_new_tokens,
+        "output": str(tmp_path / "out"),
+        "cluster.dashboard_address": "127.0.0.1:0",
+        "cluster.torch_threads": 1,
+    }
+    data = apply_overrides(data, {**settings, **(overrides or {})})
+    path = tmp_path / (file_name or f"{config}-small.yaml")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

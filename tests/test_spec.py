@@ -1,0 +1,361 @@
+"""Broken pipeline files: each mistake gives one exact line naming the file, the key path
+and what was expected, with exit code 2 and no traceback.
+
+Every case starts from ``configs/ppo-tiny.yaml`` (prompts pointed at the absolute path of
+``configs/data/prompts.jsonl``) and changes one thing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from rlhfflow.cli.main import main
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.spec import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+PPO_TINY = ROOT / "configs" / "ppo-tiny.yaml"
+PROMPTS = ROOT / "configs" / "data" / "prompts.jsonl"
+SFT_DATA = ROOT / "configs" / "data" / "sft.jsonl"
+
+
+def base_spec() -> dict[str, Any]:
+    """configs/ppo-tiny.yaml as a dict, runnable from any folder."""
+    spec = yaml.safe_load(PPO_TINY.read_text())
+    spec["data"]["prompts"] = str(PROMPTS)
+    return spec
+
+
+def _parent(spec: dict, dotted: str) -> tuple[dict, str]:
+    *parents, last = dotted.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    return node, last
+
+
+def put(spec: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in a raw spec."""
+    node, last = _parent(spec, dotted)
+    node[last] = value
+
+
+def drop(spec: dict, dotted: str) -> None:
+    """Remove ``a.b.c`` from a raw spec."""
+    node, last = _parent(spec, dotted)
+    del node[last]
+
+
+def rename(spec: dict, dotted: str, new: str) -> None:
+    """Rename the key ``a.b.c`` to ``a.b.new``, keeping its position."""
+    node, last = _parent(spec, dotted)
+    items = [((new if k == last else k), v) for k, v in node.items()]
+    node.clear()
+    node.update(items)
+
+
+def tiny_to(spec: dict, model: str, source: str, value: str) -> None:
+    """Replace a model's ``tiny:`` source with another (``path`` or ``from``)."""
+    drop(spec, f"models.{model}.tiny")
+    put(spec, f"models.{model}.{source}", value)
+
+
+def write_spec(tmp_path: Path, spec: dict[str, Any]) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def validate(path: Path) -> Any:
+    return CliRunner().invoke(main, ["validate", str(path)])
+
+
+# (id, mutation of the valid spec, expected message after "FILE: "); {dir} is the folder
+# of the pipeline file.
+CASES: list[tuple[str, Callable[[dict], Any], str]] = [
+    # unknown keys, with suggestions
+    ("top-level-typo", lambda s: rename(s, "iterations", "iteration"),
+     "iteration: unknown key; did you mean 'iterations'?"),
+    ("top-level-unknown", lambda s: put(s, "zzz", 1),
+     "zzz: unknown key (allowed: name, seed, iterations, output, models, stages, data, "
+     "algorithm, cluster, placement)"),
+    ("nested-typo", lambda s: rename(s, "models.actor.optimizer", "optimzer"),
+     "models.actor.optimzer: unknown key; did you mean 'optimizer'?"),
+    ("tiny-typo", lambda s: rename(s, "models.actor.tiny.layers", "layer"),
+     "models.actor.tiny.layer: unknown key; did you mean 'layers'?"),
+    ("stage-key-typo", lambda s: rename(s, "stages.reward.after", "afterr"),
+     "stages.reward.afterr: unknown key; did you mean 'after'?"),
+    ("param-typo", lambda s: rename(s, "stages.generate.params.max_new_tokens", "max_new_token"),
+     "stages.generate.params.max_new_token: unknown key; did you mean 'max_new_tokens'?"),
+    ("train-param-typo", lambda s: rename(s, "stages.train_actor.params.epochs", "epoch"),
+     "stages.train_actor.params.epoch: unknown key; did you mean 'epochs'?"),
+    # wrong types and ranges
+    ("batch-size-string", lambda s: put(s, "data.batch_size", "32"),
+     "data.batch_size: expected an integer, got '32'"),
+    ("iterations-negative", lambda s: put(s, "iterations", -1),
+     "iterations: expected an integer >= 0, got -1"),
+    ("iterations-float", lambda s: put(s, "iterations", 2.5),
+     "iterations: expected an integer, got 2.5"),
+    ("iterations-bool", lambda s: put(s, "iterations", True),
+     "iterations: expected an integer, got True"),
+    ("trainable-string", lambda s: put(s, "models.actor.trainable", "yes"),
+     "models.actor.trainable: expected true or false, got 'yes'"),
+    ("temperature-zero", lambda s: put(s, "stages.generate.params.temperature", 0),
+     "stages.generate.params.temperature: expected a number > 0, got 0"),
+    ("temperature-string", lambda s: put(s, "stages.generate.params.temperature", "1.0"),
+     "stages.generate.params.temperature: expected a number, got '1.0'"),
+    ("max-new-tokens-string", lambda s: put(s, "stages.generate.params.max_new_tokens", "16"),
+     "stages.generate.params.max_new_tokens: expected an integer, got '16'"),
+    ("top-p-too-big", lambda s: put(s, "stages.generate.params.top_p", 1.5),
+     "stages.generate.params.top_p: expected a number <= 1, got 1.5"),
+    ("lr-negative", lambda s: put(s, "models.actor.optimizer.lr", -1.0),
+     "models.actor.optimizer.lr: expected a number > 0, got -1.0"),
+    ("lr-string", lambda s: put(s, "models.actor.optimizer.lr", "fast"),
+     "models.actor.optimizer.lr: expected a number, got 'fast'"),
+    ("betas-short", lambda s: put(s, "models.actor.optimizer.betas", [0.9]),
+     "models.actor.optimizer.betas: expected at least 2 items, got 1: [0.9]"),
+    ("gamma-too-big", lambda s: put(s, "algorithm.gamma", 2),
+     "algorithm.gamma: expected a number <= 1, got 2"),
+    ("workers-zero", lambda s: put(s, "cluster.workers", 0),
+     "cluster.workers: expected an integer > 0, got 0"),
+    ("after-string", lambda s: put(s, "stages.reward.after", "generate"),
+     "stages.reward.after: expected a list, got 'generate'"),
+    ("after-item-int", lambda s: put(s, "stages.reward.after", [1]),
+     "stages.reward.after[0]: expected a string, got 1"),
+    ("algorithm-name", lambda s: put(s, "algorithm.name", "ppo2"),
+     "algorithm.name: expected one of 'ppo', 'grpo', 'rloo' or 'dr_grpo', got 'ppo2'"),
+    ("head-value", lambda s: put(s, "models.critic.head", "values"),
+     "models.critic.head: expected one of 'lm' or 'value', got 'values'"),
+    ("logprob-output", lambda s: put(s, "stages.ref_logprob.params.output", "ref_logprob"),
+     "stages.ref_logprob.params.output: expected one of 'old_logprobs' or 'ref_logprobs', "
+     "got 'ref_logprob'"),
+    ("models-list", lambda s: put(s, "models", ["actor"]),
+     "models: expected a mapping, got ['actor']"),
+    ("stage-list", lambda s: put(s, "stages.reward", ["generate"]),
+     "stages.reward: expected a mapping, got ['generate']"),
+    ("params-list", lambda s: put(s, "stages.generate.params", [1]),
+     "stages.generate.params: expected a mapping, got [1]"),
+    ("stage-name-int", lambda s: put(s, "stages", {**s["stages"], 5: {"type": "generate"}}),
+     "stages: expected every key to be a string, got 5"),
+    # missing keys
+    ("stages-missing", lambda s: drop(s, "stages"), "stages: required key is missing"),
+    ("stages-empty", lambda s: put(s, "stages", {}), "stages: expected at least one stage"),
+    ("stage-type-missing", lambda s: drop(s, "stages.reward.type"),
+     "stages.reward.type: required key is missing"),
+    ("prompts-missing", lambda s: drop(s, "data.prompts"),
+     "data.prompts: required key is missing"),
+    ("data-missing", lambda s: drop(s, "data"),
+     "data: the pipeline has stages that run every iteration, so it needs a 'data' section "
+     "with a prompts file"),
+    # models and their sources
+    ("model-no-source", lambda s: drop(s, "models.actor.tiny"),
+     "models.actor: expected exactly one of 'path', 'from', 'tiny'; got none"),
+    ("model-two-sources", lambda s: put(s, "models.actor.path", "models/actor"),
+     "models.actor: expected exactly one of 'path', 'from', 'tiny'; got path and tiny"),
+    ("model-name", lambda s: rename(s, "models.ref", "re-f"),
+     "models.re-f: model names are letters, digits and underscores, starting with a letter"),
+    ("from-unknown", lambda s: put(s, "models.ref.from", "acter"),
+     "models.ref.from: unknown model 'acter'; did you mean 'actor'?"),
+    ("from-cycle", lambda s: tiny_to(s, "actor", "from", "ref"),
+     "models.actor.from: 'from' cycle: actor -> ref -> actor"),
+    ("from-value-to-lm", lambda s: put(s, "models.ref.from", "critic"),
+     "models.ref.from: cannot make an 'lm' model from 'critic', which has a value head"),
+    ("placement-unknown-model", lambda s: put(s, "placement.models", {"actr": 0}),
+     "placement.models.actr: unknown model 'actr'; did you mean 'actor'?"),
+    # stages: types, models, heads
+    ("stage-unknown-type", lambda s: put(s, "stages.generate.type", "genrate"),
+     "stages.generate.type: unknown stage type 'genrate'; did you mean 'generate'?"),
+    ("stage-unknown-model", lambda s: put(s, "stages.generate.model", "actr"),
+     "stages.generate.model: unknown model 'actr'; did you mean 'actor'?"),
+    ("stage-needs-model", lambda s: drop(s, "stages.generate.model"),
+     "stages.generate.model: required key is missing: stage type 'generate' needs a model "
+     "with head 'lm'; models with that head: actor, ref"),
+    ("stage-takes-no-model", lambda s: put(s, "stages.advantages.model", "actor"),
+     "stages.advantages.model: stage type 'advantages' takes no model; remove the key"),
+    ("head-mismatch", lambda s: put(s, "stages.values.model", "actor"),
+     "stages.values.model: stage type 'values' needs a model with head 'value'; "
+     "model 'actor' has head 'lm'"),
+    ("stage-name-digits", lambda s: rename(s, "stages.values", "values2"),
+     "stages.values2: stage names are lowercase letters and underscores (no digits: the "
+     "dashboard groups tasks by the name's letters)"),
+    ("stage-name-reserved", lambda s: rename(s, "stages.values", "data"),
+     "stages.data: the stage name 'data' is reserved for the prompt source; rename the stage"),
+    # the graph
+    ("after-unknown", lambda s: put(s, "stages.reward.after", ["generat"]),
+     "stages.reward.after[0]: unknown stage 'generat'; did you mean 'generate'?"),
+    ("after-self", lambda s: put(s, "stages.reward.after", ["generate", "reward"]),
+     "stages.reward.after[1]: a stage cannot run after itself"),
+    ("cycle-two-stages", lambda s: put(s, "stages.reward.after", ["generate", "advantages"]),
+     "stages.reward.after: the 'after' lists form a cycle: reward -> advantages -> reward"),
+    ("cycle-long", lambda s: put(s, "stages.generate.after", ["train_actor"]),
+     "stages.generate.after: the 'after' lists form a cycle: generate -> reward -> "
+     "advantages -> train_actor -> generate"),
+    ("column-not-upstream",
+     lambda s: put(s, "stages.advantages.after", ["reward", "ref_logprob", "old_logprob"]),
+     "stages.advantages: reads column 'values', which no upstream stage writes; "
+     "add stage 'values' to stages.advantages.after"),
+    ("column-never-written", lambda s: put(s, "stages.old_logprob.params",
+                                           {"output": "ref_logprobs"}),
+     "stages.advantages: reads column 'old_logprobs', which no upstream stage writes; "
+     "no stage in the pipeline writes it"),
+    ("column-written-twice", lambda s: put(s, "stages.bonus", {
+        "type": "score", "after": ["generate"],
+        "params": {"function": "rlhfflow.stages.rewards:length_ratio"}}),
+     "stages.bonus: writes column 'scores', which stage 'reward' writes too"),
+    ("setup-after-loop", lambda s: put(s, "stages.sft", {
+        "type": "sft", "model": "actor", "after": ["generate"],
+        "params": {"data": str(SFT_DATA)}}),
+     "stages.sft.after[0]: stage type 'sft' runs once before the loop and cannot wait for "
+     "loop stage 'generate'"),
+    # training
+    ("trainable-not-trained", lambda s: drop(s, "stages.train_critic"),
+     "models.critic.trainable: the model is trainable but no stage trains it; add a training "
+     "stage or set trainable: false"),
+    ("frozen-trained", lambda s: put(s, "models.critic.trainable", False),
+     "stages.train_critic.model: stage trains 'critic', which is not trainable; "
+     "set models.critic.trainable: true"),
+    # files
+    ("prompts-not-found", lambda s: put(s, "data.prompts", "nope/prompts.jsonl"),
+     "data.prompts: file not found: {dir}/nope/prompts.jsonl"),
+    ("model-dir-not-found", lambda s: tiny_to(s, "actor", "path", "models/nope"),
+     "models.actor.path: directory not found: {dir}/models/nope"),
+    ("model-dir-no-config", lambda s: tiny_to(s, "actor", "path", "."),
+     "models.actor.path: not a transformers-format model directory (no config.json): {dir}"),
+    ("sft-data-not-found", lambda s: put(s, "stages.sft", {
+        "type": "sft", "model": "actor", "params": {"data": "sft.jsonl"}}),
+     "stages.sft.params.data: file not found: {dir}/sft.jsonl"),
+    # score stages and reward functions
+    ("score-model-and-function", lambda s: put(s, "stages.reward.model", "critic"),
+     "stages.reward.params.function: give either a reward 'model' for the stage or "
+     "params.function ('module:function'), not both or neither"),
+    ("score-neither", lambda s: drop(s, "stages.reward.params.function"),
+     "stages.reward.params.function: give either a reward 'model' for the stage or "
+     "params.function ('module:function'), not both or neither"),
+    ("function-module", lambda s: put(s, "stages.reward.params.function", "no_such_mod:f"),
+     "stages.reward.params.function: cannot import module 'no_such_mod': "
+     "No module named 'no_such_mod'"),
+    ("function-attr", lambda s: put(s, "stages.reward.params.function",
+                                    "rlhfflow.stages.rewards:nope"),
+     "stages.reward.params.function: 'rlhfflow.stages.rewards' has no callable 'nope'"),
+    ("function-format", lambda s: put(s, "stages.reward.params.function", "vowel_ratio"),
+     "stages.reward.params.function: expected 'module:function' or 'file.py:function', "
+     "got 'vowel_ratio'"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_broken_pipeline(tmp_path: Path, mutate: Callable[[dict], Any], expected: str) -> None:
+    spec = base_spec()
+    mutate(spec)
+    path = write_spec(tmp_path, spec)
+    message = f"{path}: " + expected.format(dir=tmp_path.resolve())
+    result = validate(path)
+    assert (result.exit_code, result.stderr, result.stdout) == (2, f"Error: {message}\n", "")
+    with pytest.raises(SpecError) as err:  # the same line from the Python API
+        load_pipeline(path)
+    assert str(err.value) == message
+
+
+def test_cases_cover_many_mistakes() -> None:
+    assert len(CASES) >= 25
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+# (id, file text, expected message after "FILE: ")
+RAW_CASES = [
+    ("syntax", "name: x\nstages:\n  a: [1, 2\n",
+     "invalid YAML: line 4, column 1: expected ',' or ']', but got '<stream end>' "
+     "(while parsing a flow sequence started at line 3, column 6)"),
+    ("indentation", "stages:\n  g:\n    type: generate\n   model: x\n",
+     "invalid YAML: line 4, column 4: expected <block end>, but found '<block mapping start>' "
+     "(while parsing a block mapping started at line 2, column 3)"),
+    ("tab", "name: x\n\tstages: {}\n",
+     "invalid YAML: line 2, column 1: found character '\\t' that cannot start any token"),
+    ("duplicate-key", "name: x\nstages: {}\nname: y\n",
+     "invalid YAML: line 3, column 1: duplicate key 'name' (first at line 1)"),
+    ("top-level-list", "- generate\n- reward\n",
+     "expected a mapping of keys (name:, models:, stages:, ...) at the top level, got a list"),
+    ("top-level-string", "just words\n",
+     "expected a mapping of keys (name:, models:, stages:, ...) at the top level, "
+     "got a string"),
+    ("empty", "", "the file is empty; expected a mapping with at least 'stages'"),
+    ("python-tag", 'name: !!python/object/apply:os.system ["echo hi"]\nstages: {}\n',
+     "invalid YAML: line 1, column 7: unsupported tag '!!python/object/apply:os.system'; "
+     "pipeline files hold plain data (mappings, lists, strings, numbers)"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in RAW_CASES],
+                         ids=[c[0] for c in RAW_CASES])
+def test_broken_yaml(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    result = validate(path)
+    assert (result.exit_code, result.stderr, result.stdout) == (2, f"Error: {path}: {expected}\n",
+                                                                "")
+
+
+def test_missing_pipeline_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    result = validate(path)
+    assert (result.exit_code, result.stderr) == (2, f"Error: {path}: file not found\n")
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_bytes(b"name: \xff\n")
+    result = validate(path)
+    assert (result.exit_code, result.stderr) == (
+        2, f"Error: {path}: not UTF-8 text (invalid start byte at byte 6)\n")
+
+
+def test_scientific_float_is_accepted(tmp_path: Path) -> None:
+    text = yaml.safe_dump(base_spec(), sort_keys=False)
+    assert "lr: 0.003" in text
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text.replace("lr: 0.003", "lr: 1e-3", 1))
+    assert validate(path).exit_code == 0
+    lr = load_pipeline(path).spec.models["actor"].optimizer.lr
+    assert isinstance(lr, float) and lr == pytest.approx(1e-3)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    spec = base_spec()
+    text = yaml.safe_dump(spec, sort_keys=False)
+    text = text.replace("  ref_logprob:\n    type: logprob\n",
+                        "  ref_logprob:\n    <<: {type: logprob, retries: 1}\n    type: logprob\n")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    assert load_pipeline(path).spec.stages["ref_logprob"].retries == 1
+
+
+def test_overrides_are_validated(tmp_path: Path) -> None:
+    path = write_spec(tmp_path, base_spec())
+    assert load_pipeline(path, {"cluster.workers": 1}).spec.cluster.workers == 1
+    with pytest.raises(SpecError, match=r"cluster\.workers: expected an integer > 0, got 0$"):
+        load_pipeline(path, {"cluster.workers": 0})
+
+
+def test_python_tag_in_a_real_process(tmp_path: Path) -> None:
+    """``python -m rlhfflow.cli.main validate`` on a file that tries to run a command:
+    nothing runs, one line on stderr, exit 2, no traceback."""
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(f'name: !!python/object/apply:os.system ["touch {marker}"]\nstages: {{}}\n')
+    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "Traceback" not in proc.stderr
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"Error: {path}: invalid YAML: line 1, column 7: unsupported tag "
+                           "'!!python/object/apply:os.system'; pipeline files hold plain data "
+                           "(mappings, lists, strings, numbers)\n")
+    assert not marker.exists()

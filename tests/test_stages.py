@@ -1,0 +1,381 @@
+"""Stages run alone from Python, as a user would (no Dask): real tiny models, fixed seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhfflow import ops
+from rlhfflow.pipeline.spec import AlgorithmSpec
+from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
+from rlhfflow.stages.generate import filter_logits
+from rlhfflow.stages.models import sequence_scores
+from rlhfflow.stages.rewards import vowel_ratio
+from tests.conftest import CONFIGS, make_prompt_batch
+
+TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
+         "speak of the star:", "x y z"]
+EOS = 2  # build_char_tokenizer: <pad> 0, <bos> 1, <eos> 2
+
+
+def _ctx(store, iteration=0, seed=0, **settings) -> StageContext:
+    return StageContext(iteration=iteration, seed=seed, models=store, settings=settings)
+
+
+def _generate(store, batch, iteration=0, seed=0, **params):
+    stage = create_stage("generate", params={"max_new_tokens": 12, **params}, model="actor")
+    return stage.run(batch, _ctx(store, iteration, seed))
+
+
+@pytest.fixture
+def rollout(store, tokenizer):
+    """Prompts (4 samples each) with sampled responses: some end at EOS, some are cut."""
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=4)
+    batch.update(_generate(store, batch))
+    return batch
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def test_generate_is_reproducible_per_sample_whatever_the_batch(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=2)
+    whole = _generate(store, batch)
+    rows = {(p, s): i for i, (p, s) in enumerate(zip(
+        batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True))}
+
+    # the same prompts in another order, split over two calls (other padding widths)
+    order = [4, 1, 5, 0, 3, 2]
+    first = make_prompt_batch(tokenizer, [TEXTS[i] for i in order[:2]], 2, order[:2])
+    second = make_prompt_batch(tokenizer, [TEXTS[i] for i in order[2:]], 2, order[2:])
+    parts = concat_batches([_generate(store, first), _generate(store, second)])
+    index = concat_batches([first, second])
+    # and the longest prompt alone, in a micro-batch of its own
+    alone_batch = make_prompt_batch(tokenizer, [TEXTS[2]], 2, [2])
+    alone = _generate(store, alone_batch)
+
+    for got, where in ((parts, index), (alone, alone_batch)):
+        for row, (p, s) in enumerate(zip(where["prompt_index"].tolist(),
+                                         where["sample_index"].tolist(), strict=True)):
+            expected = rows[(p, s)]
+            assert torch.equal(got["response_ids"][row], whole["response_ids"][expected])
+            assert torch.equal(got["response_mask"][row], whole["response_mask"][expected])
+            assert got["response_text"][row] == whole["response_text"][expected]
+            torch.testing.assert_close(got["sample_logprobs"][row],
+                                       whole["sample_logprobs"][expected],
+                                       atol=1e-4, rtol=0)
+
+
+def test_generate_differs_across_iterations_and_samples(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=2)
+    base = _generate(store, batch)["response_ids"]
+    assert not torch.equal(_generate(store, batch, iteration=1)["response_ids"], base)
+    assert not torch.equal(_generate(store, batch, seed=1)["response_ids"], base)
+    # two samples of one prompt are different draws
+    assert any(not torch.equal(base[2 * i], base[2 * i + 1]) for i in range(len(TEXTS)))
+    # ...and the same sample again is the same draw
+    assert torch.equal(_generate(store, batch)["response_ids"], base)
+
+
+def test_response_mask_covers_up_to_and_including_eos(rollout):
+    ids, mask = rollout["response_ids"], rollout["response_mask"]
+    assert ids.shape == mask.shape == (len(TEXTS) * 4, 12)
+    assert mask.dtype == torch.int8
+    ended = 0
+    for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
+        if EOS in row_ids:
+            end = row_ids.index(EOS) + 1
+            ended += 1
+        else:
+            end = len(row_ids)
+        assert row_mask == [1] * end + [0] * (len(row_ids) - end)
+        assert row_ids[end:] == [0] * (len(row_ids) - end)  # pad after EOS
+    assert 0 < ended < len(ids)  # the batch has both kinds of rows
+    assert (rollout["sample_logprobs"][mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_logprobs_match_full_forward(store, tokenizer, temperature):
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=2)
+    batch.update(_generate(store, batch, temperature=temperature))
+    stage = create_stage("logprob", params={"output": "old_logprobs"}, model="actor")
+    out = stage.run(batch, _ctx(store, temperature=temperature))
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(out["old_logprobs"][mask], batch["sample_logprobs"][mask],
+                               atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_argmax_decoding(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS)
+    greedy = _generate(store, batch, greedy=True)
+    module = store.get("actor").module
+    for row, text in enumerate(TEXTS):
+        # one prompt alone, no padding, no KV cache: the plain definition of greedy
+        ids = make_prompt_batch(tokenizer, [text])["prompt_ids"]
+        tokens = []
+        with torch.no_grad():
+            for _ in range(12):
+                token = int(module(input_ids=ids).logits[0, -1].argmax())
+                tokens.append(token)
+                if token == EOS:
+                    break
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        length = int(greedy["response_mask"][row].sum())
+        assert greedy["response_ids"][row, :length].tolist() == tokens
+
+
+def test_top_k_one_equals_greedy(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=2)
+    greedy = _generate(store, batch, greedy=True)
+    top1 = _generate(store, batch, top_k=1, temperature=0.9)
+    assert torch.equal(top1["response_ids"], greedy["response_ids"])
+    assert torch.equal(top1["response_mask"], greedy["response_mask"])
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.4, 1), (0.7, 2), (0.85, 3), (0.99, 4), (1.0, 4)])
+def test_top_p_keeps_the_smallest_set_covering_p(top_p, kept):
+    # probabilities 0.5, 0.3, 0.15, 0.05, in a shuffled vocabulary order
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    filtered = filter_logits(probs.log(), top_p=top_p)
+    expected = torch.argsort(probs[0], descending=True)[:kept]
+    assert set(torch.isfinite(filtered[0]).nonzero().flatten().tolist()) == \
+        set(expected.tolist())
+    # kept logits are unchanged
+    assert torch.equal(filtered[0, expected], probs.log()[0, expected])
+
+
+def test_top_k_and_top_p_compose():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    assert torch.isfinite(filter_logits(logits, top_k=3)).sum() == 3
+    assert torch.isfinite(filter_logits(logits, top_k=3, top_p=0.5)).sum() == 1
+
+
+# --------------------------------------------------------------------------- inference
+
+
+def test_logprob_and_values_shapes_and_padding(store, rollout):
+    mask = rollout["response_mask"]
+    ref = create_stage("logprob", params={"output": "ref_logprobs"}, model="ref")
+    logprobs = ref.run(rollout, _ctx(store))["ref_logprobs"]
+    assert logprobs.shape == mask.shape and logprobs.dtype == torch.float32
+    assert (logprobs[mask == 0] == 0).all()
+    assert (logprobs[mask == 1] < 0).all()
+    # the reference has the actor's initial weights: the same log-probs
+    torch.testing.assert_close(logprobs[mask == 1], rollout["sample_logprobs"][mask == 1],
+                               atol=1e-4, rtol=0)
+
+    values = create_stage("values", model="rm").run(rollout, _ctx(store))["values"]
+    assert values.shape == mask.shape
+    assert (values[mask == 0] == 0).all()
+    assert (values[mask == 1] != 0).all()
+    # a critic made from an LM starts with a zero value head: every value is exactly 0
+    critic = create_stage("values", model="critic").run(rollout, _ctx(store))["values"]
+    assert (critic == 0).all()
+
+
+def _score_batch(responses: list[str]) -> dict:
+    return {"prompt_text": [f"prompt {i}:" for i in range(len(responses))],
+            "response_text": responses}
+
+
+def test_score_with_a_packaged_reward_function():
+    responses = ["aeiou", "xyz", "hello world", ""]
+    stage = create_stage("score", params={"function": "rlhfflow.stages.rewards:vowel_ratio"})
+    scores = stage.run(_score_batch(responses), _ctx(None))["scores"]
+    assert scores.dtype == torch.float32 and scores.shape == (4,)
+    expected = torch.tensor(vowel_ratio([], responses), dtype=torch.float32)
+    assert torch.equal(scores, expected)
+    assert scores[0] == pytest.approx(5 / 8)
+
+
+def test_score_with_a_reward_file_relative_to_base_dir(tmp_path):
+    (tmp_path / "my_reward.py").write_text(
+        "def length(prompts, responses, scale=1.0):\n"
+        "    return [scale * len(r) for r in responses]\n")
+    stage = create_stage("score", params={"function": "my_reward.py:length",
+                                          "kwargs": {"scale": 2.0}})
+    out = stage.run(_score_batch(["ab", "abcd", ""]), _ctx(None, base_dir=str(tmp_path)))
+    assert out["scores"].tolist() == [4.0, 8.0, 0.0]
+
+
+def test_score_rejects_non_finite_rewards(tmp_path):
+    (tmp_path / "bad_reward.py").write_text(
+        "def reward(prompts, responses):\n"
+        "    return [float('nan') if r == 'b' else 1.0 for r in responses]\n")
+    stage = create_stage("score", name="reward", params={"function": "bad_reward.py:reward"})
+    with pytest.raises(ValueError, match=r"stage 'reward': reward is not finite for 1 of 3 "
+                                         r"responses \(first: row 1\)"):
+        stage.run(_score_batch(["a", "b", "c"]), _ctx(None, base_dir=str(tmp_path)))
+
+
+def test_score_rejects_a_wrong_number_of_rewards(tmp_path):
+    (tmp_path / "short_reward.py").write_text(
+        "def reward(prompts, responses):\n"
+        "    return [1.0]\n")
+    stage = create_stage("score", name="reward", params={"function": "short_reward.py:reward"})
+    with pytest.raises(ValueError, match="returned 1 scores for 3 responses"):
+        stage.run(_score_batch(["a", "b", "c"]), _ctx(None, base_dir=str(tmp_path)))
+
+
+def test_score_with_a_reward_model(store):
+    responses = ["aeiou", "x", "hello world and more", "ok"]
+    batch = _score_batch(responses)
+    scores = create_stage("score", model="rm").run(batch, _ctx(store))["scores"]
+    assert scores.shape == (4,) and torch.isfinite(scores).all()
+    assert len(set(scores.tolist())) == 4
+    # each row scores as if it were alone (padding does not leak into the score)
+    rm = store.get("rm")
+    for row, (prompt, response) in enumerate(zip(batch["prompt_text"], responses,
+                                                 strict=True)):
+        enc = rm.tokenizer([prompt + response], return_tensors="pt",
+                           add_special_tokens=False)
+        with torch.no_grad():
+            alone = sequence_scores(rm.module, enc["input_ids"], enc["attention_mask"])
+        assert scores[row].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _experience(rows=6, length=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 3, 1, 4, 5, 2])[:rows]
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.int8)
+    old = -torch.rand(rows, length, generator=gen) * 3 * mask
+    ref = -torch.rand(rows, length, generator=gen) * 3 * mask
+    values = torch.randn(rows, length, generator=gen) * mask
+    scores = torch.rand(rows, generator=gen)
+    return {"scores": scores, "response_mask": mask, "old_logprobs": old,
+            "ref_logprobs": ref, "values": values,
+            "group_ids": torch.tensor([7, 7, 7, 3, 3, 3])[:rows]}
+
+
+def test_ppo_advantages_equal_the_ops():
+    algo = AlgorithmSpec(name="ppo", kl_coef=0.05, gamma=0.99, lam=0.9)
+    batch = _experience()
+    out = create_stage("advantages", algorithm=algo).run(batch, _ctx(None))
+    mask = batch["response_mask"].float()
+    kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
+    rewards = ops.token_rewards(batch["scores"], kl, mask, 0.05)
+    advantages, returns = ops.gae(rewards, batch["values"], mask, 0.99, 0.9)
+    torch.testing.assert_close(out["kl"], kl)
+    torch.testing.assert_close(out["returns"], returns)
+    torch.testing.assert_close(out["advantages"], ops.masked_whiten(advantages, mask) * mask)
+    assert (out["advantages"][mask == 0] == 0).all()
+    # whitened over the valid tokens
+    assert ops.masked_mean(out["advantages"], mask).abs() < 1e-5
+
+
+def test_grpo_advantages_are_zero_mean_per_group_and_broadcast():
+    algo = AlgorithmSpec(name="grpo", kl_coef=0.0)
+    batch = _experience()
+    stage = create_stage("advantages", algorithm=algo)
+    assert set(stage.reads(stage.params, algo, False)) == {"scores", "response_mask",
+                                                           "group_ids"}
+    out = stage.run({k: batch[k] for k in ("scores", "response_mask", "group_ids")},
+                    _ctx(None))
+    assert set(out) == {"advantages"}
+    mask = batch["response_mask"]
+    seq = out["advantages"][:, 0]  # every row has at least one token
+    assert torch.equal(out["advantages"], seq[:, None] * mask)
+    for group in (7, 3):
+        in_group = batch["group_ids"] == group
+        assert seq[in_group].sum().abs() < 1e-5
+        assert seq[in_group].std() == pytest.approx(1.0, abs=1e-4)
+    torch.testing.assert_close(seq, ops.group_advantages(batch["scores"], batch["group_ids"],
+                                                         "grpo"))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _response_logprob(store, model, batch) -> torch.Tensor:
+    stage = create_stage("logprob", params={"output": "old_logprobs"}, model=model)
+    return stage.run(batch, _ctx(store))["old_logprobs"].sum(-1)
+
+
+def test_train_actor_raises_the_logprob_of_a_rewarded_response(store, tokenizer):
+    algo = AlgorithmSpec(name="ppo")
+    batch = make_prompt_batch(tokenizer, TEXTS[:4])
+    batch.update(_generate(store, batch, max_new_tokens=8))
+    batch["old_logprobs"] = create_stage("logprob", model="actor").run(
+        batch, _ctx(store))["old_logprobs"]
+    before = batch["old_logprobs"].sum(-1)
+    advantages = torch.zeros_like(batch["old_logprobs"])
+    advantages[0] = batch["response_mask"][0].float()  # reward response 0 only
+    batch["advantages"] = advantages
+
+    stage = create_stage("train_actor", params={"epochs": 3, "minibatches": 1},
+                         algorithm=algo, model="actor")
+    first = stage.run(batch, _ctx(store))
+    second = stage.run(batch, _ctx(store, iteration=1))
+    assert first["version"] == 1 and second["version"] == 2
+    assert store.get("actor").version == 2
+    for key in ("policy_loss", "clip_frac", "approx_kl", "grad_norm"):
+        assert math.isfinite(first[key])
+    assert first["policy_loss"] < 0  # positive advantage, ratio >= 1
+
+    after = _response_logprob(store, "actor", batch)
+    assert after[0] > before[0] + 0.1
+    # the reference (same initial weights, not trained) has not moved
+    torch.testing.assert_close(_response_logprob(store, "ref", batch), before,
+                               atol=1e-4, rtol=0)
+
+
+def test_train_critic_reduces_the_value_loss(store, rollout):
+    algo = AlgorithmSpec(name="ppo")
+    mask = rollout["response_mask"].float()
+    rollout["values"] = torch.zeros_like(mask)
+    # targets within the value clip (0.2) of the old values, different per row
+    rollout["returns"] = torch.linspace(-0.15, 0.15, len(mask))[:, None] * mask
+    stage = create_stage("train_critic", params={"epochs": 2, "minibatches": 2},
+                         algorithm=algo, model="critic")
+    losses = [stage.run(rollout, _ctx(store, iteration=i)) for i in range(5)]
+    assert [m["version"] for m in losses] == [1, 2, 3, 4, 5]
+    assert losses[-1]["value_loss"] < 0.5 * losses[0]["value_loss"]
+
+
+def test_sft_lowers_the_loss_over_epochs(store):
+    stage = create_stage("sft", params={"data": "data/sft.jsonl", "batch_size": 16},
+                         model="actor")
+    ctx = StageContext(iteration=-1, seed=0, models=store,
+                       settings={"base_dir": str(CONFIGS)})
+    epochs = [stage.run({}, ctx) for _ in range(3)]
+    assert epochs[0]["records"] == 64
+    assert [e["version"] for e in epochs] == [1, 2, 3]
+    assert epochs[-1]["sft_loss"] < epochs[0]["sft_loss"] - 0.3
+
+
+def test_reward_model_learns_the_preferences(tiny_lm_dir):
+    store = ModelStore({"rm": ModelConfig("rm", "value", str(tiny_lm_dir), trainable=True,
+                                          optimizer={"lr": 3e-3})})
+    stage = create_stage("reward_model", params={"data": "data/preferences.jsonl",
+                                                 "batch_size": 16}, model="rm")
+    ctx = StageContext(iteration=-1, seed=0, models=store,
+                       settings={"base_dir": str(CONFIGS)})
+    first = stage.run({}, ctx)
+    last = stage.run({}, ctx)
+    assert first["records"] == 64
+    assert last["rm_accuracy"] > 0.8
+    assert last["rm_loss"] < first["rm_loss"]
+    # the trained model prefers vowels when it scores through the score stage
+    scores = create_stage("score", model="rm").run(
+        {"prompt_text": ["describe the sea:"] * 2, "response_text": ["aeiaoue", "xkcdrtp"]},
+        StageContext(iteration=0, seed=0, models=store))["scores"]
+    assert scores[0] > scores[1]
+
+
+# --------------------------------------------------------------------------- resident
+
+
+def test_model_store_loads_each_model_once(store):
+    first = store.get("actor")
+    for _ in range(5):
+        assert store.get("actor") is first
+    store.get("ref")
+    assert store.loads == {"actor": 1, "ref": 1}
+    assert store.loaded() == {"actor": 0, "ref": 0}
+    with pytest.raises(KeyError, match="unknown model 'nope'"):
+        store.get("nope")
