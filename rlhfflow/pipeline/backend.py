@@ -135,16 +135,25 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
     specs = {}
     for i in range(workers):
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        env = {"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {}
         specs[f"device-{i}"] = {"cls": Nanny, "options": {
             "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
             "memory_limit": memory_limit, "name": f"device-{i}"}}
     scheduler = {"cls": Scheduler, "options": {"host": host,
                                                "dashboard_address": dashboard_address}}
-    # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
-    with dask.config.set({"distributed.worker.daemon": False}):
+    config = {
+        # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
+        "distributed.worker.daemon": False,
+        # set before the worker process starts (OpenMP and glibc read them at start-up).
+        # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
+        # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
+        # becomes an mmap/munmap of fresh pages; we measured torch compute at 2x the time
+        # in such workers (benchmarks/overhead.py, README "Performance notes").
+        "distributed.nanny.pre-spawn-environ": {
+            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+            "OPENBLAS_NUM_THREADS": threads},
+    }
+    with dask.config.set(config):
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.ERROR,
                            name="rlhfflow")
 
