@@ -2,10 +2,11 @@
 process without Dask (the inline backend: same stage code, same task functions, same
 zarr writes) and through the executor on an embedded cluster of one worker.
 
-Each mode runs ``--rounds`` times, alternating, so drift of the machine hits both alike.
-The figure is the median steady-state iteration time (iteration 0, which loads models,
-is left out), executor / in-process. Cluster start-up is reported apart: it is paid once
-per run, not per iteration.
+Each mode runs ``--rounds`` times, alternating, so drift of the machine hits both alike,
+with the same torch thread count in both, for each count in ``--threads``. The figure is
+the median steady-state iteration time (iteration 0, which loads models, is left out),
+executor / in-process; ``overhead_ratio`` is the one at the thread count an embedded
+worker gets by default. Cluster start-up is reported apart: it is paid once per run.
 
     python benchmarks/overhead.py [--config configs/ppo-tiny.yaml] [--iterations 12]
 
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from rlhfflow.pipeline import load_pipeline
+from rlhfflow.pipeline.backend import default_torch_threads
 from rlhfflow.pipeline.executor import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,51 +44,65 @@ def run_once(config: Path, iterations: int, inline: bool, out: Path, threads: in
             "steady_s": statistics.median(r["iteration_s"] for r in result.metrics[1:])}
 
 
+def measure(config: Path, iterations: int, rounds: int, threads: int) -> list[dict]:
+    """Both modes at one thread count; one row per mode."""
+    runs: dict[str, list[dict]] = {"in-process": [], "executor": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for mode in runs:
+                out = Path(tmp) / f"{mode}-{r}"
+                runs[mode].append(run_once(config, iterations, mode == "in-process", out,
+                                           threads))
+    reference = [round(m["reward_mean"], 6) for m in runs["in-process"][0]["metrics"]]
+    same = all([round(m["reward_mean"], 6) for m in run["metrics"]] == reference
+               for results in runs.values() for run in results)
+    return [{"mode": mode, "threads": threads, "identical": same,
+             "iteration_s": statistics.median(x["steady_s"] for x in results),
+             "loop_s": statistics.median(x["loop_s"] for x in results),
+             "startup_s": statistics.median(x["startup_s"] for x in results),
+             "tokens": sum(m["tokens_generated"] for m in results[0]["metrics"])}
+            for mode, results in runs.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "ppo-tiny.yaml")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads in both modes (default: all cores)")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated torch thread counts to compare "
+                             "(default: 1 and all cores)")
     args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    counts = [int(t) for t in args.threads.split(",")] if args.threads else \
+        sorted({1, cores})
+    default = default_torch_threads(1)
 
-    runs: dict[str, list[dict]] = {"in-process": [], "executor": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for mode in ("in-process", "executor"):
-                out = Path(tmp) / f"{mode}-{r}"
-                runs[mode].append(run_once(args.config, args.iterations,
-                                           mode == "in-process", out, args.threads))
-
-    def rewards(run: dict) -> list[float]:
-        return [round(m["reward_mean"], 6) for m in run["metrics"]]
-
-    same = all(rewards(a) == rewards(runs["in-process"][0]) for mode in runs for a in runs[mode])
-    rows = []
-    for mode, results in runs.items():
-        rows.append({"mode": mode,
-                     "iteration_s": statistics.median(x["steady_s"] for x in results),
-                     "loop_s": statistics.median(x["loop_s"] for x in results),
-                     "startup_s": statistics.median(x["startup_s"] for x in results),
-                     "tokens": sum(m["tokens_generated"] for m in results[0]["metrics"])})
-    inline, executor = rows
-    ratio = executor["iteration_s"] / inline["iteration_s"]
-
+    rows = [row for t in counts for row in measure(args.config, args.iterations, args.rounds, t)]
+    ratios = {}
     print(f"config {args.config.name}, {args.iterations} iterations x {args.rounds} rounds, "
-          f"1 worker, {args.threads} torch threads; identical results: {same}")
-    print(f"{'mode':<12} {'iteration_s':>12} {'loop_s':>9} {'startup_s':>10} {'tokens':>8}")
+          f"1 worker, {cores} cores (embedded default: {default} torch thread(s))")
+    print(f"{'mode':<12} {'threads':>7} {'iteration_s':>12} {'loop_s':>9} {'startup_s':>10} "
+          f"{'tokens':>8} {'same results':>13}")
     for row in rows:
-        print(f"{row['mode']:<12} {row['iteration_s']:>12.4f} {row['loop_s']:>9.3f} "
-              f"{row['startup_s']:>10.3f} {row['tokens']:>8}")
-    print(f"overhead ratio (executor / in-process, median steady iteration): {ratio:.3f}")
-    print(json.dumps({"overhead_ratio": round(ratio, 4),
-                      "in_process_iteration_s": round(inline["iteration_s"], 4),
-                      "executor_iteration_s": round(executor["iteration_s"], 4),
-                      "executor_startup_s": round(executor["startup_s"], 3),
-                      "in_process_startup_s": round(inline["startup_s"], 3),
+        print(f"{row['mode']:<12} {row['threads']:>7} {row['iteration_s']:>12.4f} "
+              f"{row['loop_s']:>9.3f} {row['startup_s']:>10.3f} {row['tokens']:>8} "
+              f"{str(row['identical']):>13}")
+    for t in counts:
+        inline, executor = (r for r in rows if r["threads"] == t)
+        ratios[t] = executor["iteration_s"] / inline["iteration_s"]
+        print(f"overhead ratio at {t} thread(s) (executor / in-process): {ratios[t]:.3f}")
+    headline = ratios.get(default, ratios[counts[0]])
+    at_default = [r for r in rows if r["threads"] == (default if default in ratios else counts[0])]
+    print(json.dumps({"overhead_ratio": round(headline, 4),
+                      "threads": default if default in ratios else counts[0],
+                      "overhead_ratio_by_threads": {str(t): round(v, 4)
+                                                    for t, v in ratios.items()},
+                      "in_process_iteration_s": round(at_default[0]["iteration_s"], 4),
+                      "executor_iteration_s": round(at_default[1]["iteration_s"], 4),
+                      "executor_startup_s": round(at_default[1]["startup_s"], 3),
                       "iterations": args.iterations, "rounds": args.rounds,
-                      "identical_results": same}))
+                      "identical_results": all(r["identical"] for r in rows)}))
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         raise RuntimeError("cluster.device is 'cuda' but no CUDA device is visible")
     if gpus:
         workers = min(workers, gpus)
-    threads = torch_threads or max(1, (os.cpu_count() or 1) // workers)
+    threads = torch_threads or default_torch_threads(workers)
     # worker processes read logging config from the environment at import: keep their
     # INFO chatter (start/stop of every worker) off the user's terminal
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
@@ -156,6 +156,15 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     with dask.config.set(config):
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.ERROR,
                            name="rlhfflow")
+
+
+def default_torch_threads(workers: int, cores: int | None = None) -> int:
+    """Torch threads per embedded worker: the cores split between workers, keeping one
+    for the coordinator and scheduler. On 2 cores with 1 worker, 2 threads made each
+    iteration 1.34x slower than 1 thread, the scheduler's work stalling torch's OpenMP
+    threads (benchmarks/overhead.py)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, (cores - 1) // workers)
 
 
 def _cuda_count() -> int:
