@@ -320,6 +320,12 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
             result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite)
     except RunError as exc:
         raise click.ClickException(_first_line(exc)) from None
+    except KeyboardInterrupt:
+        # the cluster was closed on the way out; committed iterations stay valid, the one
+        # in flight was never committed and is ignored by every reader
+        click.echo("interrupted: the iteration in flight was abandoned; committed "
+                   "iterations are kept", err=True)
+        raise SystemExit(130) from None
     if result.metrics:  # the scalars of the last iteration; the rest is in the output
         last = result.metrics[-1]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

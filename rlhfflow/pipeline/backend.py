@@ -21,6 +21,7 @@ from rlhfflow.pipeline.worker import (
     RunDef,
     WorkerHost,
     set_local_host,
+    worker_device,
 )
 
 
@@ -76,7 +77,7 @@ class InlineBackend:
             import torch
 
             torch.set_num_threads(torch_threads)
-        set_local_host(WorkerHost(run))
+        set_local_host(WorkerHost(run, device=worker_device(run.settings.get("device"))))
 
     def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
                retries: int = 0, priority: int = 0) -> _Done:

@@ -85,6 +85,8 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         except OSError as exc:
             raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
                            ) from None
+        except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
+            raise RunError(str(exc)) from None
     try:
         return Executor(pipeline, backend, out, progress).run()
     finally:
@@ -131,7 +133,8 @@ class Executor:
         self.placement = self._place(list(self.backend.workers))
         run = RunDef(stages=self._stage_defs(), models=models, algorithm=spec.algorithm,
                      seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
-                                               "base_dir": str(self.pipeline.base_dir)})
+                                               "base_dir": str(self.pipeline.base_dir),
+                                               "device": spec.cluster.device})
         self.backend.start(run, spec.cluster.torch_threads)
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "

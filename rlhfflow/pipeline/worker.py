@@ -108,14 +108,23 @@ class RLHFWorkerPlugin(WorkerPlugin):
         """Size torch's thread pool to this worker's share of the cores; create the host."""
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.host = WorkerHost(self.run, device=device)
+        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.get("device")))
 
     def teardown(self, worker) -> None:
         """Free the resident models."""
         if self.host is not None:
             self.host.close()
             self.host = None
+
+
+def worker_device(requested: str | None) -> str:
+    """``cluster.device`` as a torch device: ``cpu`` stays on CPU even where a GPU is
+    visible; ``auto`` takes this worker's GPU when there is one."""
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("cluster.device is 'cuda' but this worker sees no CUDA device")
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 _LOCAL_HOST: WorkerHost | None = None

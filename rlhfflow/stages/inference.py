@@ -21,9 +21,8 @@ RESPONSE_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 class LogprobParams(StageParams):
-    """``output``: the column to write: ``old_logprobs`` (the actor before its update) or
-    ``ref_logprobs`` (the frozen reference). Default: ``old_logprobs`` for a trainable
-    model, ``ref_logprobs`` otherwise (decided by the pipeline)."""
+    """``output``: the column to write: ``old_logprobs`` (the actor before its update,
+    the default) or ``ref_logprobs`` (the frozen reference)."""
 
     output: Literal["old_logprobs", "ref_logprobs"] = "old_logprobs"
 

@@ -41,7 +41,8 @@ class ModelConfig:
 
 class ResidentModel:
     """A loaded model, its tokenizer, its optimizer (created on first training step)
-    and ``version``, the number of optimizer updates applied to it so far."""
+    and ``version``, the number of training tasks applied to it so far (one per training
+    stage run, whatever its number of optimizer steps)."""
 
     def __init__(self, config: ModelConfig, module: torch.nn.Module, tokenizer: Any,
                  device: str) -> None:
