@@ -1,0 +1,61 @@
+# rlhfflow: `make run` installs everything into .venv and runs the demo; `make test` runs
+# the linter and the whole test suite. Nothing else is needed on a machine with Python 3.11+.
+
+SHELL := /bin/bash
+
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# python3.11 if there is one, else python3 (its version is checked when the venv is made);
+# override with `make PYTHON=/path/to/python3.12 ...`
+PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
+# The torch pin lives in constraints.txt only: torch is installed first, on its own, so no
+# later dependency can pull a newer torch (and several GB of CUDA wheels) in its place.
+TORCH  := $(shell grep -E '^torch==' constraints.txt)
+
+# quiet tokenizers' fork warning in Dask workers; print progress as it happens
+export TOKENIZERS_PARALLELISM := false
+export PYTHONUNBUFFERED := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test lint bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
+
+install: $(STAMP)  ## create .venv and install rlhfflow into it (editable, with test tools)
+
+$(BIN)/python:
+	@if ! command -v "$(PYTHON)" >/dev/null 2>&1; then \
+	  echo "error: '$(PYTHON)' not found; rlhfflow needs Python >= 3.11 (make PYTHON=/path/to/python3.11)" >&2; \
+	  exit 1; fi
+	@if ! "$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	  echo "error: $(PYTHON) is Python $$("$(PYTHON)" -c 'import platform; print(platform.python_version())'); rlhfflow needs >= 3.11 (make PYTHON=/path/to/python3.11)" >&2; \
+	  exit 1; fi
+	"$(PYTHON)" -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
+	$(BIN)/python -m pip install --upgrade pip
+
+# The stamp is newer than the files that define the install, so repeated `make` calls do
+# not reinstall; editing setup.cfg, pyproject.toml or constraints.txt does.
+$(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
+	@test -n "$(TORCH)" || { echo "error: constraints.txt has no 'torch==' pin" >&2; exit 1; }
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -c constraints.txt -e ".[test,dashboard]"
+	@touch $@
+
+run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
+	$(BIN)/rlhfflow run configs/ppo-tiny.yaml --overwrite
+
+test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
+	$(BIN)/ruff check rlhfflow tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)  ## ruff only
+	$(BIN)/ruff check rlhfflow tests benchmarks
+
+bench: $(STAMP)  ## Dask overhead benchmark (benchmarks/overhead.py)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:  ## remove .venv, runs/ and caches
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
