@@ -18,8 +18,9 @@ from dask.utils import key_split
 from distributed import Client, LocalCluster, get_task_stream
 
 from rlhfflow.pipeline.backend import DaskBackend
-from rlhfflow.pipeline.executor import Executor, RunError, prepare_output, run_pipeline
+from rlhfflow.pipeline.executor import Executor, RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.runstate import prepare_output
 from rlhfflow.pipeline.worker import resident_models
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import CONFIGS, small_pipeline
@@ -148,15 +149,18 @@ def test_two_worker_run_writes_metrics_and_experience(cluster, tmp_path, config)
     assert (out / "pipeline.yaml").is_file()
 
 
-def test_running_twice_into_one_output_needs_overwrite(cluster, tmp_path):
+def test_running_twice_into_one_output_resumes_or_needs_overwrite(cluster, tmp_path):
     pipeline = _load(tmp_path, "grpo", _on(cluster), iterations=1)
     run_pipeline(pipeline, progress=False)
-    with pytest.raises(RunError, match="already holds a run.*--overwrite"):
-        run_pipeline(pipeline, progress=False)
+    again = run_pipeline(pipeline, progress=False)  # same pipeline: resumed, nothing left
+    assert again.metrics == []
     assert len(MetricsLog(tmp_path / "out" / "metrics.jsonl").read()) == 1
+    with pytest.raises(RunError, match="already holds a run.*--overwrite"):
+        run_pipeline(pipeline, progress=False, resume="no")
     prepare_output(pipeline, overwrite=True)  # what --overwrite does first
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
     assert not (tmp_path / "out" / "buffer.zarr").exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 # --------------------------------------------------------------------------- Dask
@@ -179,12 +183,12 @@ def test_tasks_are_named_after_stages(cluster, tmp_path):
 
 def test_resident_models_are_loaded_once(cluster, tmp_path):
     pipeline = _load(tmp_path, "ppo", _on(cluster), iterations=3)
-    out = prepare_output(pipeline, overwrite=False)
+    out, start = prepare_output(pipeline, overwrite=False)
     # DaskBackend on our own client: run_pipeline would unregister the worker plugin
     # (and with it the models) before we could look
     backend = DaskBackend(Client(cluster))
     try:
-        executor = Executor(pipeline, backend, out, progress=False)
+        executor = Executor(pipeline, backend, out, progress=False, start=start)
         result = executor.run()
         state = backend.client.run(resident_models)
     finally:

@@ -7,6 +7,8 @@ need it, so ``rlhfflow --help`` and ``rlhfflow buffer inspect`` start quickly.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -295,19 +297,32 @@ def init(directory: str, force: bool) -> None:
 @click.option("--scheduler", metavar="tcp://HOST:PORT",
               help="Use a running Dask scheduler instead of starting a local cluster.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace an earlier run's checkpoints, experience and metrics in the "
-                   "output directory.")
+              help="Start afresh, deleting an earlier run's checkpoints, experience and "
+                   "metrics in the output directory.")
+@click.option("--resume", type=click.Choice(["auto", "yes", "no"]), default="auto",
+              is_flag=False, flag_value="yes", show_default=True,
+              help="Continue the run in the output directory from its last checkpoint. "
+                   "auto: when there is one; --resume alone: it must be there; no: refuse "
+                   "an output directory that holds a run.")
+@click.option("--force", is_flag=True,
+              help="Resume even though the pipeline file changed since the run started.")
 @click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
 def run(file: str, iterations: int | None, workers: int | None, out: str | None,
-        scheduler: str | None, overwrite: bool, quiet: bool) -> None:
+        scheduler: str | None, overwrite: bool, resume: str, force: bool,
+        quiet: bool) -> None:
     """Run the pipeline in FILE on Dask.
 
     Options override the matching keys of the file, which is validated with
-    them applied. Exits 2 on a mistake in the file and 1 when a stage fails.
+    them applied. An output directory holding a run of the same pipeline is
+    resumed from its last checkpoint, so a run that was stopped or killed goes
+    on where it left off. Ctrl-C (or SIGTERM) finishes the iteration in flight,
+    saves a checkpoint and exits 130; a second Ctrl-C stops at once. Exits 2 on
+    a mistake in the file and 1 when the run fails.
 
     \b
     Example:
       rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try --overwrite
+      rlhfflow run configs/ppo-tiny.yaml --iterations 50      # continue to 50
       rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
     """
     overrides = {"iterations": iterations, "cluster.workers": workers, "output": out,
@@ -315,23 +330,50 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     pipeline = load(file, {k: v for k, v in overrides.items() if v is not None})
     from rlhfflow.pipeline.executor import RunError, run_pipeline
 
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop, quiet)
     try:
         with pipeline_errors():
-            result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite)
+            result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite,
+                                  resume=resume, force=force, stop=stop)
     except RunError as exc:
         raise click.ClickException(_first_line(exc)) from None
     except KeyboardInterrupt:
         # the cluster was closed on the way out; committed iterations stay valid, the one
         # in flight was never committed and is ignored by every reader
-        click.echo("interrupted: the iteration in flight was abandoned; committed "
-                   "iterations are kept", err=True)
+        click.echo("interrupted at once: the iteration in flight was abandoned; the run "
+                   "resumes from its last checkpoint", err=True)
         raise SystemExit(130) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if result.metrics:  # the scalars of the last iteration; the rest is in the output
         last = result.metrics[-1]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                           for k, v in last.items() if isinstance(v, int | float))
         click.echo(f"last iteration: {shown}")
     click.echo(f"output: {result.output_dir}")
+    if result.stopped:
+        click.echo(f"stopped early; checkpoint saved; continue with: rlhfflow run {file}"
+                   + (f" --out {out}" if out else ""), err=True)
+        raise SystemExit(130)
+
+
+def _install_stop_handlers(stop: threading.Event, quiet: bool) -> dict[int, Any]:
+    """First Ctrl-C / SIGTERM: finish the iteration in flight and stop; second: at once."""
+    def handle(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        if not quiet:
+            click.echo("\nrlhfflow: stop requested; finishing the iteration in flight "
+                       "(Ctrl-C again to stop at once)", err=True)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, handle)
+    return previous
 
 
 # --------------------------------------------------------------------------- buffer

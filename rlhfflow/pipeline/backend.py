@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -109,6 +112,13 @@ class InlineBackend:
         """Call ``fn`` on the (only) worker."""
         return {"inline": fn(*args)}
 
+    def cancel_all(self) -> None:
+        """Nothing is ever queued inline."""
+
+    def wait_for_workers(self, count: int, timeout: float) -> bool:
+        """The in-process worker cannot be lost."""
+        return True
+
     def close(self) -> None:
         """Drop the in-process worker state."""
         set_local_host(None)
@@ -139,7 +149,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {}
         specs[f"device-{i}"] = {"cls": Nanny, "options": {
             "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
-            "memory_limit": memory_limit, "name": f"device-{i}"}}
+            "memory_limit": memory_limit, "name": f"device-{i}",
+            # if the coordinator (and with it the scheduler) dies, workers exit
+            "death_timeout": 30}}
     scheduler = {"cls": Scheduler, "options": {"host": host,
                                                "dashboard_address": dashboard_address}}
     config = {
@@ -154,9 +166,24 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},
     }
-    with dask.config.set(config):
+    with dask.config.set(config), _sigint_ignored():
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.ERROR,
                            name="rlhfflow")
+
+
+class _sigint_ignored:
+    """Spawn worker processes with SIGINT ignored (they inherit it): a Ctrl-C in the
+    terminal reaches the whole process group, and the coordinator, not each worker,
+    decides how a run stops."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def default_torch_threads(workers: int, cores: int | None = None) -> int:
@@ -188,13 +215,17 @@ class DaskBackend:
         info = client.scheduler_info()["workers"]
         if not info:
             raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
-        devices = [a for a in info if info[a].get("resources", {}).get("device", 0) >= 1]
-        # workers started with `--resources device=1` hold models; a cluster without that
-        # resource anywhere is used whole
-        chosen = devices or list(info)
-        self.workers = sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
+        self.workers = self._device_workers(info)
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
+
+    @staticmethod
+    def _device_workers(info: dict[str, Any]) -> list[str]:
+        # workers started with `--resources device=1` hold models; a cluster without that
+        # resource anywhere is used whole
+        devices = [a for a in info if info[a].get("resources", {}).get("device", 0) >= 1]
+        chosen = devices or list(info)
+        return sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
 
     @classmethod
     def connect(cls, address: str | None, workers: int, **cluster_options: Any) -> DaskBackend:
@@ -272,13 +303,30 @@ class DaskBackend:
         """Call ``fn`` on every worker (out of band, not a task)."""
         return self.client.run(fn, *args)
 
+    def cancel_all(self) -> None:
+        """Cancel every task of this run that has not finished."""
+        live = [f for f in list(self._submitted) if not f.done()]
+        if live:
+            self.client.cancel(live, force=True)
+
+    def wait_for_workers(self, count: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``count`` device workers (a nanny restarts a killed
+        one). Then use whatever device workers there are; False if there are none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self._device_workers(self.client.scheduler_info()["workers"])
+            if len(workers) >= count or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if workers:
+            self.workers = workers
+        return bool(workers)
+
     def close(self) -> None:
         """Cancel what is still queued (after a failure, the next iteration's tasks), free
         resident models, shut an embedded cluster down."""
         try:
-            live = [f for f in list(self._submitted) if not f.done()]
-            if live:
-                self.client.cancel(live, force=True)
+            self.cancel_all()
             if self.cluster is None:
                 self.client.unregister_worker_plugin(PLUGIN_NAME)
         except Exception:  # noqa: BLE001 - best effort on the way out

@@ -14,8 +14,8 @@ it; the coordinator owns the metadata and commits an iteration once it is comple
 from __future__ import annotations
 
 import math
-import shutil
 import sys
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -26,10 +26,19 @@ from typing import Any
 from rlhfflow.pipeline.backend import DaskBackend, InlineBackend, TaskFailed, WorkerLost
 from rlhfflow.pipeline.graph import SOURCE
 from rlhfflow.pipeline.loader import Pipeline
+from rlhfflow.pipeline.runstate import (
+    Resume,
+    RunStateError,
+    StartPoint,
+    identity_digest,
+    pipeline_identity,
+    prepare_output,
+)
 from rlhfflow.pipeline.source import PromptSource, micro_batch_bounds
 from rlhfflow.pipeline.worker import (
     RunDef,
     StageDef,
+    checkpoint_task,
     part,
     pop_timings,
     save_model_task,
@@ -39,7 +48,13 @@ from rlhfflow.pipeline.worker import (
 )
 from rlhfflow.stages import ModelConfig, slice_batch
 from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
-from rlhfflow.storage import ColumnSpec, ExperienceBuffer, MetricsLog
+from rlhfflow.storage import (
+    Checkpoint,
+    CheckpointStore,
+    ColumnSpec,
+    ExperienceBuffer,
+    MetricsLog,
+)
 
 
 class RunError(RuntimeError):
@@ -54,6 +69,7 @@ class RunResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     setup_metrics: dict[str, Any] = field(default_factory=dict)
     dashboard: str | None = None
+    stopped: bool = False
 
 
 @dataclass
@@ -65,13 +81,23 @@ class _Iteration:
     handles: dict[str, list[Any]]
     stores: list[Any]
     submitted: float
+    checkpoint: tuple[Path, dict[str, Any]] | None = None
 
 
 def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
-                 overwrite: bool = False) -> RunResult:
-    """Run ``pipeline`` on its cluster (``cluster.address``, or an embedded LocalCluster)
-    or, with ``inline=True``, in this process without Dask."""
-    out = prepare_output(pipeline, overwrite)
+                 overwrite: bool = False, resume: Resume = "auto", force: bool = False,
+                 stop: threading.Event | None = None) -> RunResult:
+    """Run ``pipeline`` on its cluster (``cluster.address``, or an embedded cluster) or,
+    with ``inline=True``, in this process without Dask.
+
+    An output directory holding a run of the same pipeline is resumed from its last
+    checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
+    run to finish the iteration in flight, save a checkpoint and return.
+    """
+    try:
+        out, start = prepare_output(pipeline, overwrite, resume, force)
+    except RunStateError as exc:
+        raise RunError(str(exc)) from None
     cluster = pipeline.spec.cluster
     if inline:
         backend = InlineBackend()
@@ -88,65 +114,86 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
             raise RunError(str(exc)) from None
     try:
-        return Executor(pipeline, backend, out, progress).run()
+        return Executor(pipeline, backend, out, progress, start, stop).run()
     finally:
         backend.close()
-
-
-def prepare_output(pipeline: Pipeline, overwrite: bool) -> Path:
-    """Create the output directory; refuse to mix with an earlier run unless asked."""
-    out = pipeline.output_dir
-    artefacts = [out / n for n in ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl")]
-    present = [a for a in artefacts if a.exists()]
-    if present:
-        if not overwrite:
-            raise RunError(f"{out} already holds a run ({present[0].name}); pass --overwrite "
-                           f"to replace it or --out DIR for a new one")
-        for target in present:
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(pipeline.source, out / "pipeline.yaml")
-    return out
 
 
 class Executor:
     """Submits a pipeline's tasks to a backend, iteration after iteration."""
 
-    def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True):
+    def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True,
+                 start: StartPoint | None = None, stop: threading.Event | None = None):
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.backend = backend
         self.out = output_dir
         self.progress = progress
+        self.start = start or StartPoint(None, resumed=False)
+        self.stop = stop
         self.log = MetricsLog(output_dir / "metrics.jsonl")
+        self.checkpoints = CheckpointStore(output_dir / "checkpoints")
         self.timings: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.placement: dict[str, str] = {}
+        self.models: dict[str, ModelConfig] = {}
+        self.initial_models: dict[str, ModelConfig] = {}
+        self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
 
     # ----------------------------------------------------------------- set-up
     def run(self) -> RunResult:
-        """Materialise models, place them, run the setup stages, then the iterations."""
+        """Materialise models, place them, run the setup stages, then the iterations;
+        recover from a lost worker by resuming from the last checkpoint."""
         spec = self.pipeline.spec
-        models = self._model_configs()
+        checkpoint = self.start.checkpoint
+        self.initial_models = self._model_configs()
+        if checkpoint is not None:
+            self.initial_models = self._after_setup(self.initial_models)
+        self.models = self._from_checkpoint(self.initial_models, checkpoint)
+        self._start_workers()
+        result = RunResult(self.out, dashboard=self.backend.dashboard_link)
+        first = self.start.next_iteration
+        how = f"resuming after iteration {first - 1}" if checkpoint else (
+            "resuming from the start (no checkpoint yet)" if self.start.resumed else "")
+        self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
+                  f"{len(self.backend.workers)} worker(s); output {self.out}"
+                  + (f"; {how}" if how else ""))
+        if self.backend.dashboard_link:
+            self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
+        if self.graph.setup_stages and checkpoint is None:
+            result.setup_metrics = self._run_setup()
+        if self.graph.loop_stages and first < spec.iterations:
+            result.metrics = self._run_with_recovery(first)
+        result.stopped = bool(self.stop and self.stop.is_set())
+        if not result.stopped:
+            self._save_final()
+        return result
+
+    def _run_with_recovery(self, first: int) -> list[dict[str, Any]]:
+        """The loop; when a worker holding models is lost, resume from the last
+        checkpoint on the workers there are (at most ``cluster.max_restarts`` times)."""
+        records: list[dict[str, Any]] = []
+        restarts = 0
+        while True:
+            try:
+                records += self._run_loop(first)
+                return records
+            except WorkerLost as exc:
+                restarts += 1
+                if restarts > self.pipeline.spec.cluster.max_restarts:
+                    raise RunError(f"{exc}; gave up after {restarts - 1} restart(s); the run "
+                                   f"can be resumed from its last checkpoint") from None
+                first = self._recover(exc)
+                records = [r for r in records if r["iteration"] < first]
+
+    def _start_workers(self) -> None:
+        """Place models on the current workers and (re)install the resident state."""
+        spec = self.pipeline.spec
         self.placement = self._place(list(self.backend.workers))
-        run = RunDef(stages=self._stage_defs(), models=models, algorithm=spec.algorithm,
+        run = RunDef(stages=self._stage_defs(), models=self.models, algorithm=spec.algorithm,
                      seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
                                                "base_dir": str(self.pipeline.base_dir),
                                                "device": spec.cluster.device})
         self.backend.start(run, spec.cluster.torch_threads)
-        result = RunResult(self.out, dashboard=self.backend.dashboard_link)
-        self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
-                  f"{len(self.backend.workers)} worker(s); output {self.out}")
-        if self.backend.dashboard_link:
-            self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
-        if self.graph.setup_stages:
-            result.setup_metrics = self._run_setup(models)
-        if self.graph.loop_stages and spec.iterations > 0:
-            result.metrics = self._run_loop()
-        self._save_final()
-        return result
 
     def _model_configs(self) -> dict[str, ModelConfig]:
         """Each model's config, building ``tiny:`` models into OUTPUT/models/NAME/init."""
@@ -161,7 +208,8 @@ class Executor:
                     arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
                     n_head=tiny.heads, max_positions=tiny.max_positions)
                 path = self.out / "models" / name / "init"
-                save_model(module, tok, path)
+                if not (path / "config.json").is_file():  # a resumed run keeps its own
+                    save_model(module, tok, path)
                 paths[name] = str(path)
             elif model.path is not None:
                 paths[name] = str(self.pipeline.resolve(model.path))
@@ -199,7 +247,46 @@ class Executor:
         return self.placement.get(model) if model else None
 
     # ----------------------------------------------------------------- setup stages
-    def _run_setup(self, models: dict[str, ModelConfig]) -> dict[str, Any]:
+    def _setup_trained(self) -> dict[str, str]:
+        """Model -> the setup stage that trains it."""
+        return {self.graph.nodes[n].model: n for n in self.graph.setup_stages}
+
+    def _after_setup(self, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        """Configs pointing every model trained by a setup stage, and every model copied
+        ``from:`` one, at the weights the setup stage saved (OUTPUT/models/NAME/setup)."""
+        trained = self._setup_trained()
+        out = dict(models)
+        for name in models:
+            root = name if name in trained else self.pipeline.model_root(name)
+            if root in trained:
+                out[name] = _replace(models[name],
+                                     init_path=str(self.out / "models" / root / "setup"))
+        return out
+
+    def _from_checkpoint(self, models: dict[str, ModelConfig], checkpoint: Checkpoint | None
+                         ) -> dict[str, ModelConfig]:
+        """Configs of the models trained in the loop, taken from ``checkpoint``."""
+        if checkpoint is None:
+            return dict(models)
+        out = dict(models)
+        versions = checkpoint.state.get("versions", {})
+        for name in self._loop_trained():
+            weights, optimizer = checkpoint.model_dir(name), checkpoint.optimizer_file(name)
+            if not (weights / "config.json").is_file() or not optimizer.is_file():
+                raise RunError(f"{checkpoint.path}: corrupt checkpoint (no weights or "
+                               f"optimizer state of {name!r}); delete it to resume from the "
+                               f"one before")
+            out[name] = _replace(models[name], init_path=str(weights),
+                                 optimizer_state=str(optimizer),
+                                 version=int(versions.get(name, 0)))
+        return out
+
+    def _loop_trained(self) -> list[str]:
+        """Models that a loop stage trains (their state changes every iteration)."""
+        return list(dict.fromkeys(self.graph.nodes[n].model for n in self.graph.loop_stages
+                                  if self.graph.nodes[n].trains))
+
+    def _run_setup(self) -> dict[str, Any]:
         """Run the once-stages (SFT, reward model), save what they trained, and point
         every model copied ``from:`` one of them at the trained weights."""
         handles: dict[str, Any] = {}
@@ -212,25 +299,21 @@ class Executor:
         metrics = self._wait_and_gather(handles, iteration=None)
         for name, value in metrics.items():
             self._say(f"rlhfflow: setup {name}: " + _format_stats(value))
-        trained = {self.graph.nodes[n].model: n for n in self.graph.setup_stages}
-        saves = []
-        for model, stage in trained.items():
-            path = str(self.out / "models" / model / "setup")
-            saves.append(self.backend.submit(save_model_task, model, path, [handles[stage]],
-                                             key=f"save-{_token()}",
-                                             worker=self.placement[model]))
-            models[model] = _replace(models[model], init_path=path)
+        saves = [self.backend.submit(save_model_task, model, str(self.out / "models" / model
+                                                                 / "setup"),
+                                     [handles[stage]], key=f"save-{_token()}",
+                                     worker=self.placement[model])
+                 for model, stage in self._setup_trained().items()]
         self.backend.wait(saves)
-        for name in models:
-            root = self.pipeline.model_root(name)
-            if root in trained and name != root:
-                models[name] = _replace(models[name], init_path=models[root].init_path)
-        self.backend.run_on_workers(update_model_configs, models)
+        self.initial_models = self._after_setup(self.initial_models)
+        self.models = dict(self.initial_models)
+        self.backend.run_on_workers(update_model_configs, self.models)
         MetricsLog(self.out / "setup.jsonl").append({"setup": metrics})
         return metrics
 
     # ----------------------------------------------------------------- the loop
-    def _run_loop(self) -> list[dict[str, Any]]:
+    def _run_loop(self, first: int) -> list[dict[str, Any]]:
+        """Iterations ``first`` .. ``iterations - 1``; then a checkpoint of the last one."""
         spec = self.pipeline.spec
         generate_model = next(self.graph.nodes[n].model for n in self.graph.loop_stages
                               if self.graph.nodes[n].type == "generate")
@@ -240,9 +323,13 @@ class Executor:
         # iteration k+1 is submitted before k is finished, so the scheduler starts it the
         # moment its inputs exist (inline backends run tasks at submission: no overlap)
         previous: _Iteration | None = None
-        start = time.perf_counter()
-        self._last_done = start
-        for k in range(spec.iterations):
+        self._last_done = time.perf_counter()
+        for k in range(first, spec.iterations):
+            if self.stop is not None and self.stop.is_set():
+                in_flight = f"iteration {previous.index}" if previous else "nothing"
+                self._say(f"rlhfflow: stopping: finishing {in_flight} in flight, then "
+                          f"saving a checkpoint")
+                break
             current = self._submit(k, previous)
             if previous is not None:
                 records.append(self._finish(previous))
@@ -252,7 +339,65 @@ class Executor:
                 previous = None
         if previous is not None:
             records.append(self._finish(previous))
+        last = records[-1]["iteration"] if records else first - 1
+        if last > self.last_checkpoint:
+            self._publish_checkpoint(last, self._submit_checkpoint(last, {}))
         return records
+
+    def _recover(self, exc: Exception) -> int:
+        """After a worker was lost: wait for workers, cut the run back to its last
+        checkpoint, reinstall the resident state everywhere; returns the next iteration."""
+        timeout = self.pipeline.spec.cluster.worker_timeout_s
+        self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
+        self.backend.cancel_all()
+        if not self.backend.wait_for_workers(len(self.backend.workers), timeout):
+            raise RunError(f"{exc}; no worker came back within cluster.worker_timeout_s="
+                           f"{timeout:g}; the run can be resumed from its last checkpoint"
+                           ) from None
+        checkpoint = self.checkpoints.latest()
+        keep = checkpoint.iteration if checkpoint else -1
+        self.buffer.truncate(keep)
+        self.log.truncate(keep)
+        self.checkpoints.truncate(keep)
+        self.checkpoints.clean_leftovers()
+        self.timings.clear()
+        self.last_checkpoint = keep
+        self.models = self._from_checkpoint(self.initial_models, checkpoint)
+        self._start_workers()
+        self._say(f"rlhfflow: resuming after iteration {keep} on "
+                  f"{len(self.backend.workers)} worker(s)")
+        return keep + 1
+
+    # ----------------------------------------------------------------- checkpoints
+    def _checkpoint_due(self, k: int) -> bool:
+        every = self.pipeline.spec.checkpoint.every
+        return every > 0 and (k + 1) % every == 0
+
+    def _submit_checkpoint(self, k: int, after: dict[str, list[Any]]) -> tuple[Path, dict]:
+        """Tasks saving every loop-trained model into a new checkpoint directory, each
+        after ``after[model]`` (the iteration's training tasks of that model)."""
+        directory = self.checkpoints.begin(k)
+        handles = {m: self.backend.submit(checkpoint_task, m, str(directory),
+                                          after.get(m, []), key=f"checkpoint-{k}-{_token()}",
+                                          worker=self.placement[m], priority=-k)
+                   for m in self._loop_trained()}
+        return directory, handles
+
+    def _publish_checkpoint(self, k: int, pending: tuple[Path, dict]) -> None:
+        """Wait for a checkpoint's tasks, then make it visible (state.json last, rename)."""
+        directory, handles = pending
+        self._wait_and_gather({f"checkpoint[{m}]": h for m, h in handles.items()}, k,
+                              gather=False)
+        saved = dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
+        state = {"versions": {m: r["version"] for m, r in saved.items()},
+                 "seed": self.pipeline.spec.seed,
+                 "prompts_consumed": (k + 1) * self.pipeline.spec.data.batch_size,
+                 "kl_coef": self.pipeline.spec.algorithm.kl_coef,
+                 "pipeline_digest": identity_digest(pipeline_identity(self.pipeline)),
+                 "created": time.time()}
+        self.checkpoints.publish(directory, k, state)
+        self.checkpoints.prune(self.pipeline.spec.checkpoint.keep)
+        self.last_checkpoint = k
 
     def _submit(self, k: int, previous: _Iteration | None) -> _Iteration:
         """Submit every task of iteration ``k``; returns at once."""
@@ -276,6 +421,9 @@ class Executor:
             order += [h for u in releases[name] for h in handles[u]]
             if previous is not None:
                 order += [h for t in crossings[name] for h in previous.handles[t]]
+                if node.trains and previous.checkpoint and node.model in previous.checkpoint[1]:
+                    # the update of k must not start before checkpoint k-1 saved the model
+                    order.append(previous.checkpoint[1][node.model])
             retries, worker = spec.stages[name].retries, self._worker(name)
             if node.per_batch:
                 parts = [part(handles[p]) for p in producers]
@@ -294,7 +442,12 @@ class Executor:
                     stage_task, name, k, parts, deps, key=f"{name}-{k}-{j}-{_token()}",
                     worker=worker, retries=retries, priority=-k))
         stores = self._submit_stores(k, rows, bounds, batch, handles)
-        return _Iteration(k, rows, handles, stores, time.perf_counter())
+        checkpoint = None
+        if self._checkpoint_due(k):
+            trainers = {m: [h for t in self.graph.trainers(m) if t in handles
+                            for h in handles[t]] for m in self._loop_trained()}
+            checkpoint = self._submit_checkpoint(k, trainers)
+        return _Iteration(k, rows, handles, stores, time.perf_counter(), checkpoint)
 
     def _mb_part(self, handles, producer: str, j: int, a: int, b: int) -> dict[str, Any]:
         """Micro-batch ``j`` of ``producer``'s output (a slice of a whole-batch output)."""
@@ -347,6 +500,8 @@ class Executor:
         self._last_done = now
         self.log.append(record)
         self._report(record)
+        if it.checkpoint is not None:
+            self._publish_checkpoint(it.index, it.checkpoint)
         return record
 
     def _wait_and_gather(self, handles: dict[str, Any], iteration: int | None,

@@ -141,6 +141,15 @@ class ClusterSpec(Strict):
     dashboard_address: str = "127.0.0.1:8787"
     memory_limit: str = "auto"
     torch_threads: PositiveInt | None = None
+    worker_timeout_s: PositiveFloat = 60.0
+    max_restarts: NonNegInt = 3
+
+
+class CheckpointSpec(Strict):
+    """When to checkpoint the trainable models (weights, optimizer state, versions)."""
+
+    every: NonNegInt = 5
+    keep: NonNegInt = 2
 
 
 class PlacementSpec(Strict):
@@ -163,6 +172,7 @@ class PipelineSpec(Strict):
     algorithm: AlgorithmSpec = AlgorithmSpec()
     cluster: ClusterSpec = ClusterSpec()
     placement: PlacementSpec = PlacementSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
 
 
 # --------------------------------------------------------------------------- YAML

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,6 +227,17 @@ def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
     resident = current_host().store.get(model)
     resident.save(path)
     return {"model": model, "path": path, "version": resident.version}
+
+
+def checkpoint_task(model: str, directory: str, after: list[Any]) -> dict[str, Any]:
+    """Save a trainable model's weights and optimizer state into a checkpoint being
+    assembled (``directory`` is the checkpoint's temporary directory)."""
+    del after
+    resident = current_host().store.get(model)
+    root = Path(directory)
+    resident.save(root / "models" / model)
+    resident.save_optimizer(root / "optimizers" / f"{model}.pt")
+    return {"model": model, "version": resident.version}
 
 
 def update_model_configs(configs: Mapping[str, ModelConfig], dask_worker=None) -> None:

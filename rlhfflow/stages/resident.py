@@ -29,6 +29,8 @@ class ModelConfig:
         trainable: whether an optimizer is kept with it.
         optimizer: AdamW settings (``lr``, ``betas``, ``weight_decay``, ``eps``, ``grad_clip``).
         dtype: parameter dtype name.
+        optimizer_state: a ``torch.save``-d optimizer state to start from (a checkpoint).
+        version: the version of the weights at ``init_path`` (training tasks applied).
     """
 
     name: str
@@ -37,6 +39,8 @@ class ModelConfig:
     trainable: bool = False
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
+    optimizer_state: str | None = None
+    version: int = 0
 
 
 class ResidentModel:
@@ -50,7 +54,7 @@ class ResidentModel:
         self.module = module
         self.tokenizer = tokenizer
         self.device = device
-        self.version = 0
+        self.version = config.version
         self._optimizer: torch.optim.Optimizer | None = None
 
     @property
@@ -64,6 +68,10 @@ class ResidentModel:
                 [p for p in self.module.parameters() if p.requires_grad],
                 lr=opt.get("lr", 1e-5), betas=tuple(opt.get("betas", (0.9, 0.999))),
                 weight_decay=opt.get("weight_decay", 0.0), eps=opt.get("eps", 1e-8))
+            if self.config.optimizer_state:  # resuming: moments and step counts as saved
+                state = torch.load(self.config.optimizer_state, map_location=self.device,
+                                   weights_only=True)
+                self._optimizer.load_state_dict(state)
         return self._optimizer
 
     def step(self, loss: torch.Tensor) -> float:
@@ -81,6 +89,13 @@ class ResidentModel:
         from rlhfflow.stages.models import save_model
 
         save_model(self.module, self.tokenizer, path)
+
+    def save_optimizer(self, path: str | Path) -> None:
+        """Save the optimizer state (created now if no step was taken yet)."""
+        path = Path(path)
+        staged = path.with_name(path.name + ".tmp")
+        torch.save(self.optimizer.state_dict(), staged)
+        staged.replace(path)
 
 
 class ModelStore:

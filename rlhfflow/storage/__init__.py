@@ -13,10 +13,14 @@ from rlhfflow.storage.buffer import (
     group_name,
     split_rows,
 )
+from rlhfflow.storage.checkpoints import Checkpoint, CheckpointError, CheckpointStore
 from rlhfflow.storage.metrics import MetricsLog, to_jsonable
 
 __all__ = [
     "COMMIT_KEY",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
     "ColumnSpec",
     "ExperienceBuffer",
     "IterationNotFoundError",

@@ -1,0 +1,121 @@
+"""Checkpoints: ``OUTPUT/checkpoints/iter_NNNNNN/``, each made visible atomically.
+
+A checkpoint is assembled in a hidden temporary directory (workers write model weights
+and optimizer state into it, the coordinator writes ``state.json`` last) and renamed to
+its final name in one step, so a crash never leaves a checkpoint that looks complete.
+Only directories named ``iter_NNNNNN`` with a readable ``state.json`` count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_NAME = re.compile(r"^iter_(\d{6})$")
+STATE_FILE = "state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: names the path and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint: its iteration, directory and saved state."""
+
+    iteration: int
+    path: Path
+    state: dict[str, Any]
+
+    def model_dir(self, model: str) -> Path:
+        """Where the weights of ``model`` are (transformers format)."""
+        return self.path / "models" / model
+
+    def optimizer_file(self, model: str) -> Path:
+        """Where the optimizer state of ``model`` is (``torch.save``)."""
+        return self.path / "optimizers" / f"{model}.pt"
+
+
+class CheckpointStore:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def begin(self, iteration: int) -> Path:
+        """A fresh temporary directory to assemble the checkpoint of ``iteration`` in."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".iter_{iteration:06d}.tmp-{uuid.uuid4().hex[:8]}"
+        (tmp / "models").mkdir(parents=True)
+        (tmp / "optimizers").mkdir()
+        return tmp
+
+    def publish(self, tmp: Path, iteration: int, state: dict[str, Any]) -> Checkpoint:
+        """Write ``state.json`` (last) and rename ``tmp`` into place atomically."""
+        state = {**state, "iteration": iteration}
+        staged = tmp / (STATE_FILE + ".tmp")
+        with open(staged, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, tmp / STATE_FILE)
+        final = self.root / f"iter_{iteration:06d}"
+        if final.exists():  # a re-run of the same iteration after a resume: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return Checkpoint(iteration, final, state)
+
+    def list(self) -> list[Checkpoint]:
+        """Complete checkpoints, oldest first. A directory without a readable
+        ``state.json`` is not a checkpoint (a crash before it was published)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in sorted(self.root.iterdir()):
+            match = _NAME.match(entry.name)
+            if match and (entry / STATE_FILE).is_file():
+                found.append(self._read(entry, int(match.group(1))))
+        return found
+
+    def latest(self) -> Checkpoint | None:
+        """The newest complete checkpoint, or None."""
+        found = self.list()
+        return found[-1] if found else None
+
+    def _read(self, path: Path, iteration: int) -> Checkpoint:
+        try:
+            state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path / STATE_FILE}: corrupt checkpoint state ({exc})"
+                                  ) from None
+        if not isinstance(state, dict) or state.get("iteration") != iteration:
+            raise CheckpointError(f"{path / STATE_FILE}: corrupt checkpoint state "
+                                  f"(expected iteration {iteration})")
+        return Checkpoint(iteration, path, state)
+
+    def clean_leftovers(self) -> None:
+        """Delete checkpoints that were never published (a crash while assembling).
+        Only at start-up: during a run the next checkpoint may be under way."""
+        for leftover in self.root.glob(".iter_*.tmp-*") if self.root.is_dir() else []:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` checkpoints (0 keeps all); returns the
+        iterations deleted."""
+        found = self.list()
+        doomed = found[:-keep] if keep else []
+        for checkpoint in doomed:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+        return [c.iteration for c in doomed]
+
+    def truncate(self, keep_through: int) -> None:
+        """Delete checkpoints after ``keep_through`` (they belong to a discarded future)."""
+        for checkpoint in self.list():
+            if checkpoint.iteration > keep_through:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
