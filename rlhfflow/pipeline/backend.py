@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 import dask
@@ -26,6 +27,10 @@ from rlhfflow.pipeline.worker import (
     set_local_host,
     worker_device,
 )
+
+
+def _first_key(handles: Sequence[Any], status: str) -> str:
+    return next((h.key for h in handles if h.status == status), "task")
 
 
 class TaskFailed(RuntimeError):
@@ -103,7 +108,7 @@ class InlineBackend:
             if h.error is not None:
                 raise TaskFailed(h.key, h.error)
 
-    def gather(self, handles: Sequence[_Done]) -> list[Any]:
+    def gather(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> list[Any]:
         """Results of finished tasks."""
         self.wait(handles)
         return [h.value for h in handles]
@@ -259,8 +264,13 @@ class DaskBackend:
         # wrapped in a list: Client.scatter spreads a dict value by value under the dict's
         # own keys, so every micro-batch (a dict of columns) would share keys like
         # "prompt_ids" and all but the first would silently get the first one's data
-        [future] = self.client.scatter([data], workers=[worker] if worker else None,
-                                       hash=False)
+        try:
+            [future] = self.client.scatter([data], workers=[worker] if worker else None,
+                                           hash=False)
+        except Exception:
+            if worker:  # the worker it was meant for may have died
+                self._check_alive([worker], grace=5.0)
+            raise
         return future
 
     def wait(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> None:
@@ -270,6 +280,7 @@ class DaskBackend:
         ``handles`` come in dependency order (as the executor submits them): a failed task
         is blamed on the earliest failed handle, the one that raised."""
         from distributed import wait
+        from distributed.client import FuturesCancelledError
 
         pending = list(handles)
         while pending:
@@ -278,30 +289,55 @@ class DaskBackend:
             except TimeoutError:
                 self._check_alive(pinned)
                 continue
+            except (FuturesCancelledError, CancelledError) as exc:
+                # Dask cancels what depended on data held by a worker that died
+                self._check_alive(pinned, grace=5.0)
+                raise TaskFailed(_first_key(handles, "cancelled"), exc) from None
             if any(f.status in ("error", "cancelled") for f in done):
                 # Dask fails every task downstream of a failed one too, with the same
                 # exception, and reports them together in no order: take the earliest
                 f = next(h for h in handles if h.status in ("error", "cancelled"))
                 if f.status == "cancelled":
+                    self._check_alive(pinned, grace=5.0)
                     raise TaskFailed(f.key, RuntimeError("task was cancelled"))
-                raise TaskFailed(f.key, f.exception())
+                cause = f.exception()
+                if type(cause).__name__ == "KilledWorker":
+                    raise WorkerLost(f"a worker died while running {f.key}")
+                raise TaskFailed(f.key, cause)
             pending = list(not_done)
 
-    def _check_alive(self, pinned: Sequence[str]) -> None:
-        if pinned:
+    def _check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """Raise ``WorkerLost`` if a worker holding models has left the cluster (waiting up
+        to ``grace`` seconds for the scheduler to notice)."""
+        if not pinned:
+            return
+        deadline = time.monotonic() + grace
+        while True:
             alive = set(self.client.scheduler_info()["workers"])
             gone = [w for w in pinned if w not in alive]
             if gone:
                 raise WorkerLost(f"worker {gone[0]} left the cluster while it held "
                                  f"resident models")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.25)
 
-    def gather(self, handles: Sequence[Any]) -> list[Any]:
-        """Bring small results (metrics) to the coordinator."""
-        return self.client.gather(list(handles))
+    def gather(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> list[Any]:
+        """Bring small results (metrics) to the coordinator. A result held by a worker
+        that died in the meantime is lost: ``WorkerLost``."""
+        try:
+            return self.client.gather(list(handles))
+        except Exception:
+            self._check_alive(pinned or self.workers, grace=5.0)
+            raise
 
     def run_on_workers(self, fn: Callable, *args: Any) -> dict[str, Any]:
         """Call ``fn`` on every worker (out of band, not a task)."""
-        return self.client.run(fn, *args)
+        try:
+            return self.client.run(fn, *args)
+        except Exception:
+            self._check_alive(self.workers, grace=5.0)
+            raise
 
     def cancel_all(self) -> None:
         """Cancel every task of this run that has not finished."""

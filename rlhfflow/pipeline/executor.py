@@ -115,6 +115,8 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
             raise RunError(str(exc)) from None
     try:
         return Executor(pipeline, backend, out, progress, start, stop).run()
+    except WorkerLost as exc:  # outside the loop (setup, final save): no recovery there
+        raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
     finally:
         backend.close()
 
@@ -516,15 +518,13 @@ class Executor:
             tried = f" after {retries + 1} attempts" if retries else ""
             raise RunError(f"stage {stage!r} failed{where}{tried}: "
                            f"{type(exc.cause).__name__}: {exc.cause}") from exc.cause
-        except WorkerLost as exc:
-            where = f"iteration {iteration}" if iteration is not None else "setup"
-            raise RunError(f"{exc} ({where}); resume is not supported yet") from None
         if not gather:
             return {}
         return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
 
     # ----------------------------------------------------------------- metrics
     def _collect_timings(self) -> None:
+        # timings are diagnostics: a worker that died with its timings loses them
         for intervals in self.backend.run_on_workers(pop_timings).values():
             for iteration, stage, start, stop in intervals:
                 self.timings[iteration][stage] += stop - start

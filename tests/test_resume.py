@@ -1,0 +1,176 @@
+"""Checkpoints, resume and faults, with real processes: a killed ``rlhfflow run``, a
+killed worker, Ctrl-C, a changed pipeline, a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rlhfflow.pipeline.executor import RunError, run_pipeline
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
+from tests.conftest import small_pipeline
+
+# what must not change when a run is stopped and resumed (timings may)
+RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "policy_loss",
+               "value_loss", "clip_frac", "response_length_mean", "tokens_generated")
+
+
+def _results(out: Path) -> list[dict]:
+    return [{k: r[k] for k in RESULT_KEYS} for r in MetricsLog(out / "metrics.jsonl").read()]
+
+
+def _pipeline(tmp_path: Path, iterations: int, workers: int = 1, every: int = 1,
+              name: str = "p") -> Path:
+    (tmp_path / name).mkdir(exist_ok=True)
+    return small_pipeline(tmp_path / name, iterations=iterations, overrides={
+        "cluster.workers": workers, "checkpoint.every": every, "checkpoint.keep": 2})
+
+
+def _cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, **kwargs)
+
+
+def _wait_for_lines(path: Path, count: int, proc: subprocess.Popen, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {count} lines")
+
+
+def _assert_each_iteration_once(out: Path, iterations: int) -> None:
+    assert [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()] == \
+        list(range(iterations))
+    buffer = ExperienceBuffer(out / "buffer.zarr")
+    assert buffer.iterations() == list(range(iterations))
+    assert buffer.uncommitted() == []
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    stopped = _pipeline(tmp_path, iterations=3, every=2, name="a")
+    run_pipeline(load_pipeline(stopped), progress=False, inline=True)
+    out = tmp_path / "a" / "out"
+    assert [c.iteration for c in CheckpointStore(out / "checkpoints").list()] == [1, 2]
+    resumed = run_pipeline(load_pipeline(stopped, {"iterations": 5}), progress=False,
+                           inline=True)
+    assert [r["iteration"] for r in resumed.metrics] == [3, 4]
+
+    whole = _pipeline(tmp_path, iterations=5, every=2, name="b")
+    run_pipeline(load_pipeline(whole), progress=False, inline=True)
+    assert _results(out) == _results(tmp_path / "b" / "out")
+    _assert_each_iteration_once(out, 5)
+    state = CheckpointStore(out / "checkpoints").latest().state
+    assert state["iteration"] == 4 and state["versions"] == {"actor": 5, "critic": 5}
+
+
+def test_resume_cuts_back_to_the_last_checkpoint(tmp_path):
+    path = _pipeline(tmp_path, iterations=5, every=2)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    out = tmp_path / "p" / "out"
+    # as if the run had died after iteration 4 was written but before its checkpoint
+    CheckpointStore(out / "checkpoints").truncate(3)
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert [r["iteration"] for r in result.metrics] == [4]
+    _assert_each_iteration_once(out, 5)
+
+
+def test_a_changed_pipeline_is_not_resumed_without_force(tmp_path):
+    path = _pipeline(tmp_path, iterations=2)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    changed = load_pipeline(path, {"algorithm.kl_coef": 0.5, "iterations": 3})
+    with pytest.raises(RunError, match=r"different pipeline \('algorithm\.kl_coef' changed\)"
+                                       r"; pass --force"):
+        run_pipeline(changed, progress=False, inline=True)
+    result = run_pipeline(changed, progress=False, inline=True, force=True)
+    assert [r["iteration"] for r in result.metrics] == [2]
+
+
+def test_a_corrupt_checkpoint_is_named(tmp_path):
+    path = _pipeline(tmp_path, iterations=2)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    state = tmp_path / "p" / "out" / "checkpoints" / "iter_000001" / "state.json"
+    state.write_text("{not json")
+    with pytest.raises(RunError, match=f"{state}: corrupt checkpoint state"):
+        run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
+    state.write_text(json.dumps({"iteration": 1, "versions": {"actor": 2, "critic": 2}}))
+    (state.parent / "optimizers" / "critic.pt").unlink()
+    with pytest.raises(RunError, match="corrupt checkpoint .*'critic'"):
+        run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_run_then_resume_loses_and_repeats_nothing(tmp_path):
+    iterations = 6
+    path = _pipeline(tmp_path, iterations=iterations)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path))
+    _wait_for_lines(out / "metrics.jsonl", 3, proc)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)  # the coordinator only, mid-iteration
+    proc.communicate()
+    psutil.wait_procs(workers, timeout=60)  # orphaned workers exit by themselves
+
+    again = _cli(str(path))
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert "resuming after iteration" in stderr
+    _assert_each_iteration_once(out, iterations)
+
+    whole = _pipeline(tmp_path, iterations=iterations, name="whole")
+    run_pipeline(load_pipeline(whole), progress=False, inline=True)
+    assert _results(out) == _results(tmp_path / "whole" / "out")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
+    iterations = 6
+    path = _pipeline(tmp_path, iterations=iterations, workers=2)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path))
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 2, [c.cmdline() for c in children]
+    workers[0].kill()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "recovering from the last checkpoint" in stderr
+    _assert_each_iteration_once(out, iterations)
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_iteration_checkpoints_and_resumes(tmp_path):
+    iterations = 8
+    path = _pipeline(tmp_path, iterations=iterations, workers=2, every=0)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path), start_new_session=True)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "finishing the iteration in flight" in stderr
+    assert "checkpoint saved" in stderr
+    done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
+    assert done == list(range(len(done))) and len(done) < iterations
+    assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
+    assert not (out / "models" / "actor" / "final").exists()
+
+    again = _cli(str(path))
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    _assert_each_iteration_once(out, iterations)
