@@ -147,6 +147,11 @@ class Executor:
         recover from a lost worker by resuming from the last checkpoint."""
         spec = self.pipeline.spec
         checkpoint = self.start.checkpoint
+        if self.graph.loop_stages and spec.iterations > 0:
+            # prompts first: a bad prompts file stops the run before any cluster work
+            generate_model = next(self.graph.nodes[n].model for n in self.graph.loop_stages
+                                  if self.graph.nodes[n].type == "generate")
+            self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
         self.initial_models = self._model_configs()
         if checkpoint is not None:
             self.initial_models = self._after_setup(self.initial_models)
@@ -317,9 +322,12 @@ class Executor:
     def _run_loop(self, first: int) -> list[dict[str, Any]]:
         """Iterations ``first`` .. ``iterations - 1``; then a checkpoint of the last one."""
         spec = self.pipeline.spec
-        generate_model = next(self.graph.nodes[n].model for n in self.graph.loop_stages
-                              if self.graph.nodes[n].type == "generate")
-        self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
+        if self.source.skipped:
+            listing = self.out / "skipped_prompts.txt"
+            listing.write_text("\n".join(self.source.skipped) + "\n", encoding="utf-8")
+            self._say(f"rlhfflow: skipped {len(self.source.skipped)} bad prompt(s) "
+                      f"(data.on_bad_prompt: skip), listed in {listing}; first: "
+                      f"{self.source.skipped[0]}")
         self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
         records = []
         # iteration k+1 is submitted before k is finished, so the scheduler starts it the

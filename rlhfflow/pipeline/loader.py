@@ -7,6 +7,7 @@ writes, trainable models nobody trains, files that do not exist.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,3 +240,37 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
     prompts = pipeline.prompts_path
     if prompts is not None and pipeline.graph.loop_stages and not prompts.is_file():
         raise SpecError(file, "data.prompts", f"file not found: {prompts}")
+    _check_context(file, pipeline)
+
+
+def model_context(pipeline: Pipeline, model: str) -> int | None:
+    """How many positions ``model`` has (from ``tiny:`` or its config.json), if known."""
+    root = pipeline.spec.models[pipeline.model_root(model)]
+    if root.tiny is not None:
+        return root.tiny.max_positions
+    try:
+        config = json.loads((pipeline.resolve(root.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def _check_context(file: Path, pipeline: Pipeline) -> None:
+    """Prompt and response must fit the context of every model that reads them."""
+    data = pipeline.spec.data
+    generates = [n for n in pipeline.graph.loop_stages
+                 if pipeline.graph.nodes[n].type == "generate"]
+    if data is None or not generates:
+        return
+    new_tokens = max(pipeline.params[n].max_new_tokens for n in generates)
+    needed = data.max_prompt_tokens + new_tokens
+    for name in pipeline.graph.loop_stages:
+        model = pipeline.graph.nodes[name].model
+        context = model_context(pipeline, model) if model else None
+        if context is not None and needed > context:
+            raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
+                            f"+ {new_tokens} new tokens = {needed} exceed the {context} "
+                            f"positions of model {model!r} (stage {name!r})")

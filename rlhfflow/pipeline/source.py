@@ -36,7 +36,8 @@ class PromptSource:
         self.shuffle = shuffle
         self.max_tokens = max_prompt_tokens
         self._epochs: dict[int, list[int]] = {}
-        # tokenize everything once: errors surface now, naming the line
+        self.skipped: list[str] = []
+        # tokenize everything once: errors surface now
         try:
             encode_prompts(tokenizer, texts, max_prompt_tokens)
         except DataError as exc:
@@ -46,7 +47,9 @@ class PromptSource:
     def from_pipeline(cls, pipeline, model: str) -> PromptSource:
         """The source of ``pipeline``, tokenizing with ``model``'s tokenizer."""
         data = pipeline.spec.data
-        records = read_jsonl(pipeline.prompts_path, (data.prompt_field,))
+        skipped: list[str] | None = [] if data.on_bad_prompt == "skip" else None
+        lines: list[int] = []
+        records = read_jsonl(pipeline.prompts_path, (data.prompt_field,), skipped, lines)
         root = pipeline.spec.models[pipeline.model_root(model)]
         if root.tiny is not None:
             from rlhfflow.stages.models import build_char_tokenizer
@@ -54,9 +57,25 @@ class PromptSource:
             tokenizer = build_char_tokenizer()
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(pipeline.resolve(root.path)))
-        return cls([r[data.prompt_field] for r in records], tokenizer, data.batch_size,
-                   data.samples_per_prompt, data.max_prompt_tokens, pipeline.spec.seed,
-                   data.shuffle)
+        texts = []
+        for line, record in zip(lines, records, strict=True):
+            text = record[data.prompt_field]
+            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (
+                tokenizer.bos_token_id is not None)
+            if tokens <= data.max_prompt_tokens:
+                texts.append(text)
+                continue
+            problem = (f"{pipeline.prompts_path}:{line}: the prompt has {tokens} tokens, more "
+                       f"than data.max_prompt_tokens={data.max_prompt_tokens}")
+            if skipped is None:
+                raise DataError(problem)
+            skipped.append(problem)
+        if not texts:
+            raise DataError(f"{pipeline.prompts_path}: no usable prompt")
+        source = cls(texts, tokenizer, data.batch_size, data.samples_per_prompt,
+                     data.max_prompt_tokens, pipeline.spec.seed, data.shuffle)
+        source.skipped = skipped or []
+        return source
 
     def _epoch(self, epoch: int) -> list[int]:
         if epoch not in self._epochs:

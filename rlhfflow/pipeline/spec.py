@@ -106,6 +106,7 @@ class DataSpec(Strict):
     micro_batches: PositiveInt = 2
     max_prompt_tokens: PositiveInt = 64
     shuffle: bool = True
+    on_bad_prompt: Literal["error", "skip"] = "error"
 
 
 class AlgorithmSpec(Strict):

@@ -13,9 +13,12 @@ class DataError(ValueError):
     """A problem with a data file: names the file, the line and what was expected."""
 
 
-def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path, fields: tuple[str, ...], skipped: list[str] | None = None,
+               line_numbers: list[int] | None = None) -> list[dict[str, Any]]:
     """Records of a JSONL file, each a JSON object with string ``fields``; blank lines are
-    skipped. Any malformed line is a ``DataError`` naming ``path:line``."""
+    skipped. A malformed line is a ``DataError`` naming ``path:line`` or, when a
+    ``skipped`` list is given, is left out and described there. ``line_numbers``, if
+    given, receives the line of each record returned."""
     path = Path(path)
     records = []
     try:
@@ -27,16 +30,26 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict[str, Any]
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        problem = None
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{number}: invalid JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{number}: expected a JSON object")
-        for field in fields:
-            if not isinstance(record.get(field), str):
-                raise DataError(f"{path}:{number}: expected a string field {field!r}")
-        records.append(record)
+            problem = f"invalid JSON: {exc.msg}"
+        else:
+            if not isinstance(record, dict):
+                problem = "expected a JSON object"
+            else:
+                missing = [f for f in fields if not isinstance(record.get(f), str)]
+                if missing:
+                    problem = f"expected a string field {missing[0]!r}"
+        if problem is None:
+            records.append(record)
+            if line_numbers is not None:
+                line_numbers.append(number)
+        elif skipped is None:
+            raise DataError(f"{path}:{number}: {problem}")
+        else:
+            skipped.append(f"{path}:{number}: {problem}")
     if not records:
         raise DataError(f"{path}: no records")
     return records

@@ -1,0 +1,77 @@
+"""Bad input stops a run with one line naming the thing, or (where configured) is
+skipped, counted and listed; never a silent wrong result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhfflow.pipeline.executor import RunError, run_pipeline
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.stages.data import DataError
+from tests.conftest import DATA, small_pipeline
+
+
+def _prompts(tmp_path, *bad_lines: str):
+    lines = (DATA / "prompts.jsonl").read_text().splitlines()[:20]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines[:2] + list(bad_lines) + lines[2:]) + "\n")
+    return path
+
+
+def test_a_malformed_prompt_line_is_named(tmp_path):
+    prompts = _prompts(tmp_path, '{"prompt": "unterminated')
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(prompts)})
+    with pytest.raises(DataError, match=rf"^{prompts}:3: invalid JSON"):
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+
+
+def test_bad_prompts_can_be_skipped_counted_and_listed(tmp_path, capsys):
+    prompts = _prompts(tmp_path, "[1, 2]", '{"text": "no prompt field"}',
+                       json.dumps({"prompt": "x" * 200}))
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(prompts),
+                                               "data.on_bad_prompt": "skip"})
+    result = run_pipeline(load_pipeline(path), progress=True, inline=True)
+    assert len(result.metrics) == 2
+    listed = (result.output_dir / "skipped_prompts.txt").read_text().splitlines()
+    assert listed == [f"{prompts}:3: expected a JSON object",
+                      f"{prompts}:4: expected a string field 'prompt'",
+                      f"{prompts}:5: the prompt has 201 tokens, more than "
+                      f"data.max_prompt_tokens=64"]
+    assert "skipped 3 bad prompt(s) (data.on_bad_prompt: skip)" in capsys.readouterr().err
+
+
+def test_an_over_long_prompt_is_named(tmp_path):
+    prompts = _prompts(tmp_path, json.dumps({"prompt": "x" * 200}))
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(prompts)})
+    with pytest.raises(DataError, match=rf"^{prompts}:3: the prompt has 201 tokens, more "
+                                        r"than data.max_prompt_tokens=64$"):
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+
+
+def test_prompt_and_response_must_fit_the_model_context(tmp_path):
+    path = small_pipeline(tmp_path, overrides={"data.max_prompt_tokens": 121})
+    with pytest.raises(SpecError, match=r"data\.max_prompt_tokens: 121 prompt \+ 8 new tokens "
+                                        r"= 129 exceed the 128 positions of model 'actor' "
+                                        r"\(stage 'generate'\)") as err:
+        load_pipeline(path)
+    assert str(err.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("return [float('nan')] * len(responses)",
+     "reward is not finite for 4 of 4 responses (first: row 0)"),
+    ("raise KeyError('judge unavailable')", "KeyError: 'judge unavailable'"),
+    ("return [1.0]", "reward returned 1 scores for 4 responses"),
+])
+def test_a_bad_reward_function_stops_the_run_naming_the_stage(tmp_path, body, expected):
+    (tmp_path / "bad_reward.py").write_text(
+        f"def score(prompts, responses):\n    {body}\n")
+    path = small_pipeline(tmp_path, overrides={
+        "stages.reward.params.function": str(tmp_path / "bad_reward.py") + ":score"})
+    with pytest.raises(RunError, match=r"^stage 'reward' failed in iteration 0: ") as err:
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value)
