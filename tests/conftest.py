@@ -16,8 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # nothing from more, and several multi-threaded processes on 2 cores spin-wait each other
 # into 5x slower runs. It also keeps float results independent of the machine's cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Dask worker processes inherit the environment: keep their INFO chatter out of test logs.
-os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+# Dask worker processes inherit the environment: as in the product, keep their logs quiet
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,6 +4,9 @@ skipped, counted and listed; never a silent wrong result."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ from rlhfflow.pipeline.executor import RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.pipeline.spec import SpecError
 from rlhfflow.stages.data import DataError
+from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import DATA, small_pipeline
 
 
@@ -75,3 +79,44 @@ def test_a_bad_reward_function_stops_the_run_naming_the_stage(tmp_path, body, ex
         run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB filesystem: room for the first checkpoint, not for the run."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_clear_line_and_the_run_resumes_after(tmp_path, small_disk):
+    path = small_pipeline(tmp_path, iterations=6, overrides={
+        "output": str(small_disk / "out"), "cluster.workers": 1, "checkpoint.every": 1,
+        "checkpoint.keep": 0})
+    run = [sys.executable, "-m", "rlhfflow.cli.main", "run", str(path), "--quiet"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("Error: no space left on device: ")
+    assert lines[0].endswith("free space and run the same command again to resume from the "
+                             "last checkpoint")
+    # what was committed is whole: moved to a disk with room, the run resumes from its
+    # last checkpoint and completes with every iteration once
+    roomy = tmp_path / "roomy"
+    shutil.copytree(small_disk / "out", roomy)
+    done = subprocess.run([*run[:-1], "--out", str(roomy)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "resuming after iteration" in done.stderr
+    assert [r["iteration"] for r in MetricsLog(roomy / "metrics.jsonl").read()] == \
+        list(range(6))
+    assert ExperienceBuffer(roomy / "buffer.zarr").iterations() == list(range(6))

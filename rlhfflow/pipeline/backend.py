@@ -147,8 +147,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         workers = min(workers, gpus)
     threads = torch_threads or default_torch_threads(workers)
     # worker processes read logging config from the environment at import: keep their
-    # INFO chatter (start/stop of every worker) off the user's terminal
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+    # chatter off the user's terminal; a task's failure reaches the user once, as the
+    # run's one-line error naming the stage, iteration and cause
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
     specs = {}
     for i in range(workers):
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {}

@@ -13,6 +13,7 @@ it; the coordinator owns the metadata and commits an iteration once it is comple
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
 import threading
@@ -117,8 +118,29 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         return Executor(pipeline, backend, out, progress, start, stop).run()
     except WorkerLost as exc:  # outside the loop (setup, final save): no recovery there
         raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
+    except RunError:
+        raise
+    except Exception as exc:  # the coordinator's own writes: metrics, buffer metadata, ...
+        if _is_disk_full(exc):
+            raise RunError(_disk_full(exc, "the coordinator")) from None
+        raise
     finally:
         backend.close()
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC, however a library wraps it (safetensors and zarr keep only the message)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text
+
+
+def _disk_full(exc: BaseException, who: str) -> str:
+    filename = getattr(exc, "filename", None)
+    where = f" writing {filename}" if filename else ""
+    return (f"no space left on device: {who} failed{where}; free space and run the same "
+            f"command again to resume from the last checkpoint")
 
 
 class Executor:
@@ -520,6 +542,8 @@ class Executor:
             self.backend.wait(list(handles.values()), pinned=list(set(self.placement.values())))
         except TaskFailed as exc:
             stage = exc.key.split("-")[0]
+            if _is_disk_full(exc.cause):
+                raise RunError(_disk_full(exc.cause, f"stage {stage!r}")) from None
             where = f" in iteration {iteration}" if iteration is not None else " (setup)"
             retries = self.pipeline.spec.stages[stage].retries if stage in \
                 self.pipeline.spec.stages else 0

@@ -6,6 +6,8 @@ models stay in worker memory between tasks. Used alone, it serves stages run fro
 
 from __future__ import annotations
 
+import errno
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -94,7 +96,13 @@ class ResidentModel:
         """Save the optimizer state (created now if no step was taken yet)."""
         path = Path(path)
         staged = path.with_name(path.name + ".tmp")
-        torch.save(self.optimizer.state_dict(), staged)
+        try:
+            torch.save(self.optimizer.state_dict(), staged)
+        except RuntimeError:
+            # torch's zip writer reports a full disk as a RuntimeError about positions
+            if shutil.disk_usage(path.parent).free < 1 << 20:
+                raise OSError(errno.ENOSPC, "No space left on device", str(staged)) from None
+            raise
         staged.replace(path)
 
 
