@@ -4,6 +4,7 @@ skipped, counted and listed; never a silent wrong result."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -120,3 +121,27 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_after(tmp_path, small
     assert [r["iteration"] for r in MetricsLog(roomy / "metrics.jsonl").read()] == \
         list(range(6))
     assert ExperienceBuffer(roomy / "buffer.zarr").iterations() == list(range(6))
+
+
+@pytest.mark.parametrize("config", ["ppo", "grpo"])
+def test_invalid_rewards_can_be_skipped_and_counted(tmp_path, config):
+    (tmp_path / "holes.py").write_text(
+        "def score(prompts, responses):\n"
+        "    # every third response has no score; the others count their vowels\n"
+        "    return [float('nan') if i % 3 == 0 else 0.5 + sum(c in 'aeiou' for c in r) / 16\n"
+        "            for i, r in enumerate(responses)]\n")
+    path = small_pipeline(tmp_path, config, overrides={
+        "stages.reward.params.function": str(tmp_path / "holes.py") + ":score",
+        "stages.reward.params.on_invalid": "skip"})
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr")
+    learned_from = 0
+    for record in result.metrics:
+        data = buffer.read(record["iteration"])
+        valid = data["score_valid"].astype(bool)
+        assert record["samples_skipped"] == int((~valid).sum()) > 0
+        assert record["reward_mean"] == pytest.approx(float(data["scores"][valid].mean()))
+        assert (data["advantages"][~valid] == 0).all()  # no gradient from skipped samples
+        learned_from += int((data["advantages"][valid] != 0).any())
+        assert record["policy_loss"] is not None and math.isfinite(record["policy_loss"])
+    assert learned_from > 0  # the scored samples still train the policy

@@ -168,8 +168,8 @@ def test_to_text(ppo: Pipeline) -> None:
         "    reward (score)",
         "      reads:  prompt_text<-data, response_text<-generate",
         "  level 2:",
-        "      reads:  scores<-reward, response_mask<-generate, values<-values, "
-        "old_logprobs<-old_logprob, ref_logprobs<-ref_logprob",
+        "      reads:  scores<-reward, score_valid<-reward, response_mask<-generate, "
+        "values<-values, old_logprobs<-old_logprob, ref_logprobs<-ref_logprob",
         "      writes: advantages, returns, kl",
         "  level 3 (run concurrently):",
         "across iterations (new weights):",

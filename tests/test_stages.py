@@ -272,8 +272,8 @@ def test_grpo_advantages_are_zero_mean_per_group_and_broadcast():
     algo = AlgorithmSpec(name="grpo", kl_coef=0.0)
     batch = _experience()
     stage = create_stage("advantages", algorithm=algo)
-    assert set(stage.reads(stage.params, algo, False)) == {"scores", "response_mask",
-                                                           "group_ids"}
+    assert set(stage.reads(stage.params, algo, False)) == {"scores", "score_valid",
+                                                           "response_mask", "group_ids"}
     out = stage.run({k: batch[k] for k in ("scores", "response_mask", "group_ids")},
                     _ctx(None))
     assert set(out) == {"advantages"}

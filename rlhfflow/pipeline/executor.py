@@ -569,14 +569,16 @@ class Executor:
             for key, value in p.items():
                 total[key] += value
         n = total["rows"]
-        mean = total["score_sum"] / n if "score_sum" in total else None
-        std = math.sqrt(max(0.0, total["score_sq"] / n - mean ** 2)) if mean is not None \
+        scored = total.get("scored", 0.0)
+        mean = total["score_sum"] / scored if scored else None
+        std = math.sqrt(max(0.0, total["score_sq"] / scored - mean ** 2)) if mean is not None \
             else None
         stats = {k: v for s in train.values() for k, v in s.items()}
         kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
             else stats.get("kl_loss")
         return {
             "iteration": it.index, "samples": int(n),
+            "samples_skipped": int(total.get("skipped", 0)),
             "reward_mean": mean, "reward_std": std, "kl_mean": kl_mean,
             "policy_loss": stats.get("policy_loss"), "value_loss": stats.get("value_loss"),
             "clip_frac": stats.get("clip_frac"), "approx_kl": stats.get("approx_kl"),
@@ -594,8 +596,9 @@ class Executor:
         bar = "#" * (done * width // total) + "-" * (width - done * width // total)
         reward = f"{r['reward_mean']:.3f}" if r["reward_mean"] is not None else "-"
         kl = f"{r['kl_mean']:.4f}" if r["kl_mean"] is not None else "-"
+        skipped = f"  skipped {r['samples_skipped']}" if r["samples_skipped"] else ""
         self._say(f"[{bar}] {done:>4}/{total}  reward {reward}  kl {kl}  "
-                  f"len {r['response_length_mean']:.1f}  {r['iteration_s']:.2f}s")
+                  f"len {r['response_length_mean']:.1f}  {r['iteration_s']:.2f}s{skipped}")
 
     def _save_final(self) -> None:
         """Save every trainable model in transformers format under OUTPUT/models/NAME/final."""

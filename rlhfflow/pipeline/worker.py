@@ -214,8 +214,11 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
     out = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
            "tokens": float(mask.sum())}
     if "scores" in batch:
-        scores = batch["scores"].double()
-        out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()))
+        valid = batch["score_valid"].bool() if "score_valid" in batch else \
+            torch.ones(len(batch["scores"]), dtype=torch.bool)
+        scores = batch["scores"].double()[valid]
+        out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()),
+                   scored=float(valid.sum()), skipped=float((~valid).sum()))
     if "kl" in batch:
         out["kl_sum"] = float((batch["kl"] * mask).sum())
     return out

@@ -14,6 +14,14 @@ from rlhfflow import ops
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 
 
+def score_valid(batch: Batch) -> torch.Tensor:
+    """``[N]`` bool: samples with a usable score. A batch built by hand, without the
+    ``score_valid`` column the score stage writes, has all samples valid."""
+    if "score_valid" in batch:
+        return batch["score_valid"].bool()
+    return torch.ones(len(batch["response_mask"]), dtype=torch.bool)
+
+
 def _kl_in_reward(algorithm) -> bool:
     return algorithm.kl_coef > 0 and algorithm.kl_in == "reward"
 
@@ -28,7 +36,7 @@ class AdvantagesStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = ["scores", "response_mask"]
+        cols = ["scores", "score_valid", "response_mask"]
         cols += ["values"] if algorithm.uses_critic else ["group_ids"]
         if _kl_in_reward(algorithm):
             cols += ["old_logprobs", "ref_logprobs"]
@@ -45,7 +53,8 @@ class AdvantagesStage(Stage):
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         algo = self.algorithm
-        mask = batch["response_mask"].float()
+        valid = score_valid(batch)
+        mask = batch["response_mask"].float() * valid[:, None]  # skipped samples: no tokens
         scores = batch["scores"].float()
         out: Batch = {}
         kl = None
@@ -62,7 +71,10 @@ class AdvantagesStage(Stage):
         else:
             if kl is not None:  # sequence-level KL penalty folded into the score
                 scores = scores - algo.kl_coef * (kl * mask).sum(-1)
-            seq_adv = ops.group_advantages(scores, batch["group_ids"], algo.name)
+            # group statistics over the samples that have a score
+            seq_adv = torch.zeros_like(scores)
+            seq_adv[valid] = ops.group_advantages(scores[valid], batch["group_ids"][valid],
+                                                  algo.name)
             advantages = seq_adv[:, None] * mask
         if algo.whiten_advantages and algo.uses_critic:
             advantages = ops.masked_whiten(advantages, mask)

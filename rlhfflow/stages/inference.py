@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -76,10 +75,15 @@ class ScoreParams(StageParams):
     """Either a reward model (the stage's ``model``) or ``function``: a Python callable
     named ``package.module:function`` or ``file.py:function`` (relative to the pipeline
     file), called as ``function(prompts, responses, **kwargs)`` with lists of str and
-    returning one float per response."""
+    returning one float per response.
+
+    ``on_invalid``: a score that is NaN or infinite stops the run (``error``), or
+    (``skip``) its sample is left out of advantages and training and counted in the
+    metrics (``samples_skipped``)."""
 
     function: str | None = None
     kwargs: dict[str, Any] = {}
+    on_invalid: Literal["error", "skip"] = "error"
 
 
 def load_function(ref: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
@@ -142,7 +146,7 @@ class ScoreStage(Stage):
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
-        return {"scores": Column("float32")}
+        return {"scores": Column("float32"), "score_valid": Column("int8")}
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         prompts, responses = list(batch["prompt_text"]), list(batch["response_text"])
@@ -155,11 +159,16 @@ class ScoreStage(Stage):
         if scores.shape[0] != len(responses):
             raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} scores "
                              f"for {len(responses)} responses")
-        bad = [i for i, s in enumerate(scores.tolist()) if not math.isfinite(s)]
-        if bad:
-            raise ValueError(f"stage {self.name!r}: reward is not finite for {len(bad)} of "
-                             f"{len(responses)} responses (first: row {bad[0]})")
-        return {"scores": scores}
+        valid = torch.isfinite(scores)
+        if not valid.all() and self.params.on_invalid == "error":
+            bad = int((~valid).sum())
+            first = int((~valid).nonzero()[0, 0])
+            raise ValueError(f"stage {self.name!r}: reward is not finite for {bad} of "
+                             f"{len(responses)} responses (first: row {first}); set "
+                             f"params.on_invalid: skip to leave such samples out")
+        # a skipped sample keeps a finite placeholder score; score_valid masks it out
+        return {"scores": torch.where(valid, scores, torch.zeros_like(scores)),
+                "score_valid": valid.to(torch.int8)}
 
     @torch.no_grad()
     def _model_scores(self, resident, prompts: list[str], responses: list[str]) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from rlhfflow import ops
+from rlhfflow.stages.advantages import score_valid
 from rlhfflow.stages.base import (
     Batch,
     Stage,
@@ -83,6 +84,12 @@ class _Trainer(Stage):
         raise NotImplementedError
 
 
+def _loss_mask(batch: Batch) -> torch.Tensor:
+    """Response tokens that count in a loss: not those of samples whose score was
+    skipped (``score_valid`` 0)."""
+    return batch["response_mask"].float() * score_valid(batch).float()[:, None]
+
+
 def _kl_in_loss(algorithm) -> bool:
     return algorithm.kl_coef > 0 and algorithm.kl_in == "loss"
 
@@ -97,12 +104,12 @@ class TrainActorStage(_Trainer):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = [*RESPONSE_INPUTS, "old_logprobs", "advantages"]
+        cols = [*RESPONSE_INPUTS, "score_valid", "old_logprobs", "advantages"]
         return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
 
     def loss(self, resident, batch, ctx):
         algo = self.algorithm
-        mask = batch["response_mask"].float()
+        mask = _loss_mask(batch)
         temperature = float(ctx.settings.get("temperature", 1.0))
         logits = response_logits(resident.module, batch, temperature)
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
@@ -131,10 +138,10 @@ class TrainCriticStage(_Trainer):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        return (*RESPONSE_INPUTS, "values", "returns")
+        return (*RESPONSE_INPUTS, "score_valid", "values", "returns")
 
     def loss(self, resident, batch, ctx):
-        mask = batch["response_mask"].float()
+        mask = _loss_mask(batch)
         values = response_values(resident.module, batch)
         loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
                                      self.algorithm.value_clip)
@@ -268,12 +275,14 @@ def buffer_examples(path: Path, min_score: float | None, last_iterations: int | 
         iterations = iterations[-last_iterations:]
     if not iterations:
         raise DataError(f"{path}: the experience buffer has no complete iteration")
-    columns = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "scores")
+    columns = ["prompt_ids", "prompt_mask", "response_ids", "response_mask", "scores"]
     parts = []
     for it in iterations:
-        data = {k: torch.from_numpy(v) for k, v in buffer.read(it, columns).items()}
-        keep = data["scores"] >= min_score if min_score is not None else \
-            torch.ones(len(data["scores"]), dtype=torch.bool)
+        wanted = columns + (["score_valid"] if "score_valid" in buffer.columns(it) else [])
+        data = {k: torch.from_numpy(v) for k, v in buffer.read(it, wanted).items()}
+        keep = data.pop("score_valid", torch.ones(len(data["scores"]))).bool()
+        if min_score is not None:
+            keep &= data["scores"] >= min_score
         parts.append({k: v[keep] for k, v in data.items() if k != "scores"})
     batch = concat_batches(_left_align(parts))
     if not len(batch["response_ids"]):
