@@ -84,8 +84,8 @@ def test_inline_and_dask_runs_give_the_same_metrics(tmp_path):
 
 def _expected_columns(config: str) -> set[str]:
     source = {"prompt_ids", "prompt_mask", "prompt_index", "sample_index", "group_ids"}
-    common = {"response_ids", "response_mask", "sample_logprobs", "scores", "ref_logprobs",
-              "old_logprobs", "advantages"}
+    common = {"response_ids", "response_mask", "sample_logprobs", "scores", "score_valid",
+              "ref_logprobs", "old_logprobs", "advantages"}
     return source | common | ({"values", "returns", "kl"} if config == "ppo" else set())
 
 
