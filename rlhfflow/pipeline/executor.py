@@ -78,10 +78,8 @@ class _Iteration:
     """The handles of one submitted iteration."""
 
     index: int
-    rows: int
     handles: dict[str, list[Any]]
     stores: list[Any]
-    submitted: float
     checkpoint: tuple[Path, dict[str, Any]] | None = None
 
 
@@ -479,7 +477,7 @@ class Executor:
             trainers = {m: [h for t in self.graph.trainers(m) if t in handles
                             for h in handles[t]] for m in self._loop_trained()}
             checkpoint = self._submit_checkpoint(k, trainers)
-        return _Iteration(k, rows, handles, stores, time.perf_counter(), checkpoint)
+        return _Iteration(k, handles, stores, checkpoint)
 
     def _mb_part(self, handles, producer: str, j: int, a: int, b: int) -> dict[str, Any]:
         """Micro-batch ``j`` of ``producer``'s output (a slice of a whole-batch output)."""

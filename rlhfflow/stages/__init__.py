@@ -14,7 +14,6 @@ from rlhfflow.stages.base import (
     Stage,
     StageContext,
     StageParams,
-    batch_rows,
     concat_batches,
     create_stage,
     get_stage_type,
@@ -25,6 +24,6 @@ from rlhfflow.stages.resident import ModelConfig, ModelStore, ResidentModel
 
 __all__ = [
     "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "ModelConfig", "ModelStore",
-    "ResidentModel", "Stage", "StageContext", "StageParams", "batch_rows", "concat_batches",
+    "ResidentModel", "Stage", "StageContext", "StageParams", "concat_batches",
     "create_stage", "get_stage_type", "register_stage", "slice_batch",
 ]

@@ -182,10 +182,3 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Rows ``[start, stop)`` of every column."""
     return {k: v[start:stop] for k, v in batch.items()}
-
-
-def batch_rows(batch: Batch) -> int:
-    """Number of rows in a batch."""
-    for value in batch.values():
-        return len(value)
-    return 0
