@@ -197,20 +197,20 @@ class Executor:
 
     def _run_with_recovery(self, first: int) -> list[dict[str, Any]]:
         """The loop; when a worker holding models is lost, resume from the last
-        checkpoint on the workers there are (at most ``cluster.max_restarts`` times)."""
-        records: list[dict[str, Any]] = []
-        restarts = 0
+        checkpoint on the workers there are (at most ``cluster.max_restarts`` times).
+        Returns this run's metrics records, as kept in metrics.jsonl."""
+        start, restarts = first, 0
         while True:
             try:
-                records += self._run_loop(first)
-                return records
+                self._run_loop(first)
+                break
             except WorkerLost as exc:
                 restarts += 1
                 if restarts > self.pipeline.spec.cluster.max_restarts:
                     raise RunError(f"{exc}; gave up after {restarts - 1} restart(s); the run "
                                    f"can be resumed from its last checkpoint") from None
                 first = self._recover(exc)
-                records = [r for r in records if r["iteration"] < first]
+        return [r for r in self.log.read() if r.get("iteration", -1) >= start]
 
     def _start_workers(self) -> None:
         """Place models on the current workers and (re)install the resident state."""
