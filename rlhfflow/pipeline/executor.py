@@ -160,6 +160,17 @@ class Executor:
         self.models: dict[str, ModelConfig] = {}
         self.initial_models: dict[str, ModelConfig] = {}
         self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
+        # the graph's model edges, by the stage that waits on them
+        self.releases: dict[str, list[str]] = defaultdict(list)  # trainer -> its users
+        for user, trainer in self.graph.release_edges():
+            self.releases[trainer].append(user)
+        self.crossings: dict[str, list[str]] = defaultdict(list)  # user -> last trainers
+        for trainer, user in self.graph.cross_iteration_edges():
+            self.crossings[user].append(trainer)
+        # what each iteration stores: every non-text column, and the stages writing them
+        self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
+        self.writers = [SOURCE] + [n for n in self.graph.loop_stages
+                                   if self.graph.nodes[n].writes]
 
     # ----------------------------------------------------------------- set-up
     def run(self) -> RunResult:
@@ -169,9 +180,10 @@ class Executor:
         checkpoint = self.start.checkpoint
         if self.graph.loop_stages and spec.iterations > 0:
             # prompts first: a bad prompts file stops the run before any cluster work
-            generate_model = next(self.graph.nodes[n].model for n in self.graph.loop_stages
-                                  if self.graph.nodes[n].type == "generate")
+            generate_model = self.graph.nodes[self.graph.of_type("generate")[0]].model
             self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
+            self._list_skipped_prompts()
+            self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
         self.initial_models = self._model_configs()
         if checkpoint is not None:
             self.initial_models = self._after_setup(self.initial_models)
@@ -228,14 +240,14 @@ class Executor:
         paths: dict[str, str] = {}
         for name, model in spec.models.items():
             if model.tiny is not None:
-                tiny = model.tiny
-                tok = build_char_tokenizer()
-                module = build_tiny_model(
-                    tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
-                    arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
-                    n_head=tiny.heads, max_positions=tiny.max_positions)
                 path = self.out / "models" / name / "init"
                 if not (path / "config.json").is_file():  # a resumed run keeps its own
+                    tiny = model.tiny
+                    tok = build_char_tokenizer()
+                    module = build_tiny_model(
+                        tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
+                        arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
+                        n_head=tiny.heads, max_positions=tiny.max_positions)
                     save_model(module, tok, path)
                 paths[name] = str(path)
             elif model.path is not None:
@@ -339,16 +351,17 @@ class Executor:
         return metrics
 
     # ----------------------------------------------------------------- the loop
-    def _run_loop(self, first: int) -> list[dict[str, Any]]:
-        """Iterations ``first`` .. ``iterations - 1``; then a checkpoint of the last one."""
-        spec = self.pipeline.spec
+    def _list_skipped_prompts(self) -> None:
         if self.source.skipped:
             listing = self.out / "skipped_prompts.txt"
             listing.write_text("\n".join(self.source.skipped) + "\n", encoding="utf-8")
             self._say(f"rlhfflow: skipped {len(self.source.skipped)} bad prompt(s) "
                       f"(data.on_bad_prompt: skip), listed in {listing}; first: "
                       f"{self.source.skipped[0]}")
-        self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
+
+    def _run_loop(self, first: int) -> None:
+        """Iterations ``first`` .. ``iterations - 1``; then a checkpoint of the last one."""
+        spec = self.pipeline.spec
         records = []
         # iteration k+1 is submitted before k is finished, so the scheduler starts it the
         # moment its inputs exist (inline backends run tasks at submission: no overlap)
@@ -372,7 +385,6 @@ class Executor:
         last = records[-1]["iteration"] if records else first - 1
         if last > self.last_checkpoint:
             self._publish_checkpoint(last, self._submit_checkpoint(last, {}))
-        return records
 
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
@@ -438,19 +450,13 @@ class Executor:
         first = self._worker(self.graph.loop_stages[0])
         handles: dict[str, list[Any]] = {
             SOURCE: [self.backend.scatter(slice_batch(batch, a, b), first) for a, b in bounds]}
-        releases = defaultdict(list)
-        for user, trainer in self.graph.release_edges():
-            releases[trainer].append(user)
-        crossings = defaultdict(list)
-        for trainer, user in self.graph.cross_iteration_edges():
-            crossings[user].append(trainer)
         for name in self.graph.loop_stages:
             node = self.graph.nodes[name]
             producers = list(dict.fromkeys(self.graph.producer(c, name) for c in node.reads))
             order = [a for a in node.after if a not in producers]
-            order += [h for u in releases[name] for h in handles[u]]
+            order += [h for u in self.releases[name] for h in handles[u]]
             if previous is not None:
-                order += [h for t in crossings[name] for h in previous.handles[t]]
+                order += [h for t in self.crossings[name] for h in previous.handles[t]]
                 if node.trains and previous.checkpoint and node.model in previous.checkpoint[1]:
                     # the update of k must not start before checkpoint k-1 saved the model
                     order.append(previous.checkpoint[1][node.model])
@@ -491,26 +497,23 @@ class Executor:
 
     def _submit_stores(self, k, rows, bounds, batch, handles) -> list[Any]:
         """Create the iteration's arrays (coordinator) and one store task per micro-batch."""
-        columns = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         lengths = {"prompt": batch["prompt_ids"].shape[1], "response": self._response_len()}
         schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
-                  for c, col in columns.items()}
+                  for c, col in self.stored.items()}
         chunk = bounds[0][1] - bounds[0][0]
         self.buffer.begin_iteration(k, rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
-        writers = [SOURCE] + [n for n in self.graph.loop_stages
-                              if self.graph.nodes[n].writes]
         stores = []
         for j, (a, b) in enumerate(bounds):
-            parts = [self._mb_part(handles, w, j, a, b) for w in writers]
+            parts = [self._mb_part(handles, w, j, a, b) for w in self.writers]
             stores.append(self.backend.submit(
-                store_task, str(self.out / "buffer.zarr"), k, a, parts, list(columns),
+                store_task, str(self.out / "buffer.zarr"), k, a, parts, list(self.stored),
                 key=f"store-{k}-{j}-{_token()}", priority=-k))
         return stores
 
     def _response_len(self) -> int:
-        return max(int(self.pipeline.params[n].max_new_tokens) for n in self.graph.loop_stages
-                   if self.graph.nodes[n].type == "generate")
+        return max(int(self.pipeline.params[n].max_new_tokens)
+                   for n in self.graph.of_type("generate"))
 
     def _finish(self, it: _Iteration) -> dict[str, Any]:
         """Wait for iteration ``it``, commit its experience, log its metrics."""

@@ -104,6 +104,10 @@ class StageGraph:
         """Stages that run every iteration, in dependency order."""
         return [n for n in self.order if not self.nodes[n].once]
 
+    def of_type(self, type_name: str) -> list[str]:
+        """Loop stages of one type (``"generate"``), in dependency order."""
+        return [n for n in self.loop_stages if self.nodes[n].type == type_name]
+
     def producer(self, column: str, consumer: str) -> str | None:
         """The upstream stage of ``consumer`` that writes ``column`` (``SOURCE`` for prompts)."""
         if column in SOURCE_COLUMNS:

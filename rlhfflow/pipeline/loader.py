@@ -74,11 +74,8 @@ class Pipeline:
     @property
     def rollout_temperature(self) -> float:
         """The sampling temperature of the first generate stage (log-probs must match it)."""
-        for name in self.graph.loop_stages:
-            params = self.params[name]
-            if self.graph.nodes[name].type == "generate":
-                return float(params.temperature)
-        return 1.0
+        generates = self.graph.of_type("generate")
+        return float(self.params[generates[0]].temperature) if generates else 1.0
 
 
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
@@ -261,8 +258,7 @@ def model_context(pipeline: Pipeline, model: str) -> int | None:
 def _check_context(file: Path, pipeline: Pipeline) -> None:
     """Prompt and response must fit the context of every model that reads them."""
     data = pipeline.spec.data
-    generates = [n for n in pipeline.graph.loop_stages
-                 if pipeline.graph.nodes[n].type == "generate"]
+    generates = pipeline.graph.of_type("generate")
     if data is None or not generates:
         return
     new_tokens = max(pipeline.params[n].max_new_tokens for n in generates)

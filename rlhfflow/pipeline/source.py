@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from rlhfflow.stages import Batch
 from rlhfflow.stages.common import stage_seed
-from rlhfflow.stages.data import DataError, encode_prompts, read_jsonl
+from rlhfflow.stages.data import DataError, encode_prompts, prompt_length, read_jsonl
 
 
 def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
@@ -24,7 +24,9 @@ def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
 
 
 class PromptSource:
-    """The data stage: builds each iteration's batch of source columns."""
+    """The data stage: builds each iteration's batch of source columns. ``from_pipeline``
+    reads and checks the prompts file up front; a prompt longer than
+    ``max_prompt_tokens`` given to the constructor directly fails in ``batch``."""
 
     def __init__(self, texts: list[str], tokenizer, batch_size: int, samples_per_prompt: int,
                  max_prompt_tokens: int, seed: int, shuffle: bool = True) -> None:
@@ -37,11 +39,6 @@ class PromptSource:
         self.max_tokens = max_prompt_tokens
         self._epochs: dict[int, list[int]] = {}
         self.skipped: list[str] = []
-        # tokenize everything once: errors surface now
-        try:
-            encode_prompts(tokenizer, texts, max_prompt_tokens)
-        except DataError as exc:
-            raise DataError(f"data.prompts: {exc}") from None
 
     @classmethod
     def from_pipeline(cls, pipeline, model: str) -> PromptSource:
@@ -60,8 +57,7 @@ class PromptSource:
         texts = []
         for line, record in zip(lines, records, strict=True):
             text = record[data.prompt_field]
-            tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (
-                tokenizer.bos_token_id is not None)
+            tokens = prompt_length(tokenizer, text)
             if tokens <= data.max_prompt_tokens:
                 texts.append(text)
                 continue

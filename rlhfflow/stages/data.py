@@ -55,6 +55,12 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...], skipped: list[str] | N
     return records
 
 
+def prompt_length(tokenizer: Any, text: str) -> int:
+    """Tokens a prompt takes in a batch: its own plus the BOS token, if there is one."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (
+        tokenizer.bos_token_id is not None)
+
+
 def encode_prompts(tokenizer: Any, texts: list[str], max_tokens: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)``; L is the longest
