@@ -74,13 +74,17 @@ def kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> 
     raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                count: float | None = None) -> torch.Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1.
 
     Args:
         x: `(torch.Tensor)` any shape, e.g. (bs, response_length)
         mask: `(torch.Tensor)` broadcastable to ``x.shape``
         dim: reduce over this dim only; ``None`` reduces over everything
+        count: divide the masked sum by this instead of the number of valid positions
+            (``dim=None`` only): the count over a whole batch of which ``x`` is one
+            data-parallel shard, so the shards' terms add up to the batch's mean
 
     Returns:
         mean: scalar tensor if ``dim`` is None, else ``x`` with ``dim`` reduced.
@@ -89,10 +93,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     valid = torch.broadcast_to(mask.bool(), x.shape)
     # where() rather than x * mask: masked positions may hold inf/NaN (e.g. padded logits).
     total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    count = valid.to(_float_dtype(x))
     if dim is None:
-        return total.sum() / count.sum().clamp_min(1.0)
-    return total.sum(dim) / count.sum(dim).clamp_min(1.0)
+        if count is not None:
+            return total.sum() / max(float(count), 1.0)
+        return total.sum() / valid.to(_float_dtype(x)).sum().clamp_min(1.0)
+    valid_count = valid.to(_float_dtype(x))
+    return total.sum(dim) / valid_count.sum(dim).clamp_min(1.0)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -244,14 +250,24 @@ def group_advantages(
     return torch.where(has_peers, centered / (std[inv] + eps), zero)
 
 
-def _aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+def _aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str,
+               count: float | None = None) -> torch.Tensor:
     """Reduce a (bs, response_length) per-token loss to a scalar (see ``policy_loss``)."""
     if agg == "token-mean":
-        return masked_mean(loss_tok, mask)
+        return masked_mean(loss_tok, mask, count=count)
     # seq-mean-token-mean: each sequence weighs the same, whatever its length.
     seq_mean = masked_mean(loss_tok, mask, dim=-1)
     has_tokens = mask.bool().any(dim=-1)
-    return masked_mean(seq_mean, has_tokens)
+    return masked_mean(seq_mean, has_tokens, count=count)
+
+
+def loss_count(mask: torch.Tensor, agg: str = "token-mean") -> float:
+    """The divisor ``agg`` uses over ``mask`` (bs, response_length): valid tokens for
+    ``token-mean``, sequences with a valid token for ``seq-mean-token-mean``. Computed
+    over a whole batch and passed as ``count`` to each data-parallel shard's loss."""
+    if agg == "token-mean":
+        return float(mask.bool().sum())
+    return float(mask.bool().any(dim=-1).sum())
 
 
 def policy_loss(
@@ -263,6 +279,7 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    count: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss (Schulman et al., 2017), optionally dual-clipped (Ye et al.).
 
@@ -282,6 +299,8 @@ def policy_loss(
         agg: ``"token-mean"`` (mean over all valid tokens in the batch) or
             ``"seq-mean-token-mean"`` (mean over sequences of each sequence's token mean;
             sequences without valid tokens are excluded)
+        count: the divisor of ``agg`` over the whole batch when this is one data-parallel
+            shard of it (``loss_count``); None divides by this batch's own
 
     Returns:
         loss: scalar tensor
@@ -305,7 +324,7 @@ def policy_loss(
         capped = torch.minimum(loss_tok, -advantages * dual_clip)
         loss_tok = torch.where(advantages < 0, capped, loss_tok)
 
-    loss = _aggregate(loss_tok, mask, agg)
+    loss = _aggregate(loss_tok, mask, agg, count)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((pg_clipped > pg_unclipped).float(), mask).item(),
@@ -321,6 +340,7 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float | None = 0.2,
+    count: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO value loss, clipped around the values predicted at rollout time.
 
@@ -335,6 +355,7 @@ def value_loss(
         returns: `(torch.Tensor)` shape: (bs, response_length), targets (e.g. from ``gae``)
         mask: `(torch.Tensor)` shape: (bs, response_length)
         clip: clip range for the value update, or None
+        count: valid tokens of the whole batch when this is one data-parallel shard of it
 
     Returns:
         loss: scalar tensor
@@ -351,7 +372,7 @@ def value_loss(
         err_clipped = (v_clipped - returns).square()
         loss_tok = torch.maximum(err_unclipped, err_clipped)
         clipped = err_clipped > err_unclipped
-    loss = 0.5 * masked_mean(loss_tok, mask)
+    loss = 0.5 * masked_mean(loss_tok, mask, count=count)
     with torch.no_grad():
         stats = {
             "value_clip_frac": masked_mean(clipped.float(), mask).item(),
@@ -375,18 +396,20 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def entropy(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def entropy(logits: torch.Tensor, mask: torch.Tensor | None = None,
+            count: float | None = None) -> torch.Tensor:
     """Mean per-token entropy of ``softmax(logits)`` over valid tokens.
 
     Args:
         logits: `(torch.Tensor)` shape: (bs, response_length, vocab_size)
         mask: `(torch.Tensor)` shape: (bs, response_length), or None for all tokens
+        count: valid tokens of the whole batch when this is a data-parallel shard of it
 
     Returns:
         entropy: scalar tensor
     """
     ent = entropy_from_logits(logits)
-    return ent.mean() if mask is None else masked_mean(ent, mask)
+    return ent.mean() if mask is None else masked_mean(ent, mask, count=count)
 
 
 def token_rewards(

@@ -7,6 +7,8 @@ between an in-process run and a Dask run is the Dask layer itself.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import os
 import signal
@@ -113,9 +115,16 @@ class InlineBackend:
         self.wait(handles)
         return [h.value for h in handles]
 
-    def run_on_workers(self, fn: Callable, *args: Any) -> dict[str, Any]:
-        """Call ``fn`` on the (only) worker."""
-        return {"inline": fn(*args)}
+    def run_on_workers(self, fn: Callable, *args: Any,
+                       workers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Call ``fn`` on the (only) worker (awaiting it if it is a coroutine)."""
+        result = fn(*args)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        return {"inline": result}
+
+    def restart_workers(self) -> None:
+        """The in-process worker keeps its process (and its gang) for good."""
 
     def cancel_all(self) -> None:
         """Nothing is ever queued inline."""
@@ -332,13 +341,20 @@ class DaskBackend:
             self._check_alive(pinned or self.workers, grace=5.0)
             raise
 
-    def run_on_workers(self, fn: Callable, *args: Any) -> dict[str, Any]:
-        """Call ``fn`` on every worker (out of band, not a task)."""
+    def run_on_workers(self, fn: Callable, *args: Any,
+                       workers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Call ``fn`` on every worker, or on ``workers``, at once (out of band, not a
+        task); a coroutine function is awaited in the workers' event loops."""
         try:
-            return self.client.run(fn, *args)
+            return self.client.run(fn, *args, workers=list(workers) if workers else None)
         except Exception:
-            self._check_alive(self.workers, grace=5.0)
+            self._check_alive(list(workers or self.workers), grace=5.0)
             raise
+
+    def restart_workers(self) -> None:
+        """Restart every worker process (their nannies start fresh ones): a process
+        group whose member died cannot be repaired, only replaced with new processes."""
+        self.client.restart(wait_for_workers=False)
 
     def cancel_all(self) -> None:
         """Cancel every task of this run that has not finished."""

@@ -27,6 +27,7 @@ from typing import Any
 from rlhfflow.pipeline.backend import DaskBackend, InlineBackend, TaskFailed, WorkerLost
 from rlhfflow.pipeline.graph import SOURCE
 from rlhfflow.pipeline.loader import Pipeline
+from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, make_plan, model_sizes
 from rlhfflow.pipeline.runstate import (
     Resume,
     RunStateError,
@@ -40,6 +41,10 @@ from rlhfflow.pipeline.worker import (
     RunDef,
     StageDef,
     checkpoint_task,
+    export_weights_task,
+    gang_port,
+    install_weights_task,
+    join_gang_task,
     part,
     pop_timings,
     save_model_task,
@@ -80,7 +85,8 @@ class _Iteration:
     index: int
     handles: dict[str, list[Any]]
     stores: list[Any]
-    checkpoint: tuple[Path, dict[str, Any]] | None = None
+    checkpoint: tuple[Path, dict[str, list[Any]]] | None = None
+    syncs: dict[str, list[Any]] = field(default_factory=dict)  # model -> install tasks
 
 
 def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
@@ -156,7 +162,11 @@ class Executor:
         self.log = MetricsLog(output_dir / "metrics.jsonl")
         self.checkpoints = CheckpointStore(output_dir / "checkpoints")
         self.timings: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.placement: dict[str, str] = {}
+        self.plan: ExecutionPlan | None = None
+        self.addresses: list[str] = []
+        self.model_bytes = model_sizes(pipeline)
+        self.versions: dict[str, int] = {}  # the version each model has once submitted
+        self._gang_tail: dict[tuple[int, ...], list[Any]] = {}  # last gang per worker set
         self.models: dict[str, ModelConfig] = {}
         self.initial_models: dict[str, ModelConfig] = {}
         self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
@@ -227,12 +237,49 @@ class Executor:
     def _start_workers(self) -> None:
         """Place models on the current workers and (re)install the resident state."""
         spec = self.pipeline.spec
-        self.placement = self._place(list(self.backend.workers))
+        self.addresses = list(self.backend.workers)
+        self.plan = make_plan(self.pipeline, len(self.addresses), self.model_bytes)
+        self._check_gang_batches()
+        self.versions = {m: c.version for m, c in self.models.items()}
+        self._gang_tail.clear()
         run = RunDef(stages=self._stage_defs(), models=self.models, algorithm=spec.algorithm,
                      seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
                                                "base_dir": str(self.pipeline.base_dir),
                                                "device": spec.cluster.device})
         self.backend.start(run, spec.cluster.torch_threads)
+        self._join_gangs()
+
+    def _check_gang_batches(self) -> None:
+        """Every rank of a gang needs rows in every minibatch."""
+        spec = self.pipeline.spec
+        if spec.data is None:
+            return
+        rows = spec.data.batch_size * spec.data.samples_per_prompt
+        for name, sp in self.plan.stages.items():
+            minibatches = getattr(self.pipeline.params[name], "minibatches", 1)
+            if sp.gang and rows // minibatches < len(sp.workers):
+                raise PlanError(self.pipeline.source, f"stages.{name}.params.minibatches",
+                                f"{rows} rows in {minibatches} minibatches leave fewer rows "
+                                f"per minibatch than the {len(sp.workers)} workers training "
+                                f"it; use fewer minibatches or a larger batch")
+
+    def _join_gangs(self) -> None:
+        """Create each gang's process group on all its members at once (out of band)."""
+        timeout = self.pipeline.spec.cluster.collective_timeout_s
+        for workers in self.plan.gangs:
+            members = [self.addresses[i] for i in workers]
+            host = _host_of(members[0])
+            port = self.backend.run_on_workers(gang_port, host, workers=members[:1])
+            port = next(iter(port.values()))
+            self.backend.run_on_workers(join_gang_task, members, host, port, timeout,
+                                        workers=members)
+
+    def _address(self, index: int | None) -> str | None:
+        return None if index is None else self.addresses[index]
+
+    def _home(self, model: str) -> str:
+        """The worker holding the master copy of ``model`` (rank 0 of its gang)."""
+        return self.addresses[self.plan.homes[model][0]]
 
     def _model_configs(self) -> dict[str, ModelConfig]:
         """Each model's config, building ``tiny:`` models into OUTPUT/models/NAME/init."""
@@ -261,29 +308,18 @@ class Executor:
         return configs
 
     def _stage_defs(self) -> dict[str, StageDef]:
-        return {name: StageDef(node.type, self.pipeline.params[name], node.model, node.reads)
-                for name, node in self.graph.nodes.items()}
+        defs = {}
+        for name, node in self.graph.nodes.items():
+            stage = self.pipeline.spec.stages[name]
+            ds = stage.deepspeed.model_dump() if stage.deepspeed else None
+            defs[name] = StageDef(node.type, self.pipeline.params[name], node.model, node.reads,
+                                  backend=stage.backend, deepspeed=ds)
+        return defs
 
-    def _place(self, workers: list[str]) -> dict[str, str]:
-        """Model -> worker address. Explicit ``placement.models`` first; the rest spread
-        round-robin, trainable models first (they carry optimizer state)."""
-        spec = self.pipeline.spec
-        used = [m for m in spec.models if self.graph.users(m)]
-        placement = {}
-        for model, index in spec.placement.models.items():
-            if index >= len(workers):
-                raise RunError(f"placement.models.{model}: worker index {index}, but the "
-                               f"cluster has {len(workers)} worker(s)")
-            placement[model] = workers[index]
-        rest = sorted((m for m in used if m not in placement),
-                      key=lambda m: (not spec.models[m].trainable, used.index(m)))
-        for i, model in enumerate(rest):
-            placement[model] = workers[i % len(workers)]
-        return placement
-
-    def _worker(self, stage: str) -> str | None:
-        model = self.graph.nodes[stage].model
-        return self.placement.get(model) if model else None
+    def _deepspeed(self, model: str) -> bool:
+        """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""
+        return any(self.pipeline.spec.stages[t].backend == "deepspeed"
+                   for t in self.graph.trainers(model))
 
     # ----------------------------------------------------------------- setup stages
     def _setup_trained(self) -> dict[str, str]:
@@ -311,7 +347,8 @@ class Executor:
         versions = checkpoint.state.get("versions", {})
         for name in self._loop_trained():
             weights, optimizer = checkpoint.model_dir(name), checkpoint.optimizer_file(name)
-            if not (weights / "config.json").is_file() or not optimizer.is_file():
+            shards = list(optimizer.parent.glob(f"{optimizer.stem}.zero-rank*.pt"))
+            if not (weights / "config.json").is_file() or not (optimizer.is_file() or shards):
                 raise RunError(f"{checkpoint.path}: corrupt checkpoint (no weights or "
                                f"optimizer state of {name!r}); delete it to resume from the "
                                f"one before")
@@ -334,14 +371,15 @@ class Executor:
             after = [handles[a] for a in node.after]
             handles[name] = self.backend.submit(
                 stage_task, name, -1, [], after, key=f"{name}-{_token()}",
-                worker=self._worker(name), retries=self.pipeline.spec.stages[name].retries)
+                worker=self._address(self.plan.stages[name].worker(0)),
+                retries=self.pipeline.spec.stages[name].retries)
         metrics = self._wait_and_gather(handles, iteration=None)
         for name, value in metrics.items():
             self._say(f"rlhfflow: setup {name}: " + _format_stats(value))
         saves = [self.backend.submit(save_model_task, model, str(self.out / "models" / model
                                                                  / "setup"),
                                      [handles[stage]], key=f"save-{_token()}",
-                                     worker=self.placement[model])
+                                     worker=self._address(self.plan.stages[stage].worker(0)))
                  for model, stage in self._setup_trained().items()]
         self.backend.wait(saves)
         self.initial_models = self._after_setup(self.initial_models)
@@ -392,6 +430,9 @@ class Executor:
         timeout = self.pipeline.spec.cluster.worker_timeout_s
         self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
         self.backend.cancel_all()
+        if self.plan is not None and self.plan.gangs:
+            # the survivors' process groups include the dead worker: start afresh
+            self.backend.restart_workers()
         if not self.backend.wait_for_workers(len(self.backend.workers), timeout):
             raise RunError(f"{exc}; no worker came back within cluster.worker_timeout_s="
                            f"{timeout:g}; the run can be resumed from its last checkpoint"
@@ -415,22 +456,28 @@ class Executor:
         every = self.pipeline.spec.checkpoint.every
         return every > 0 and (k + 1) % every == 0
 
-    def _submit_checkpoint(self, k: int, after: dict[str, list[Any]]) -> tuple[Path, dict]:
+    def _submit_checkpoint(self, k: int, after: dict[str, list[Any]]
+                           ) -> tuple[Path, dict[str, list[Any]]]:
         """Tasks saving every loop-trained model into a new checkpoint directory, each
-        after ``after[model]`` (the iteration's training tasks of that model)."""
+        after ``after[model]`` (the iteration's training tasks of that model): rank 0 of
+        its gang saves it, and every rank its ZeRO shard when DeepSpeed trains it."""
         directory = self.checkpoints.begin(k)
-        handles = {m: self.backend.submit(checkpoint_task, m, str(directory),
-                                          after.get(m, []), key=f"checkpoint-{k}-{_token()}",
-                                          worker=self.placement[m], priority=-k)
-                   for m in self._loop_trained()}
+        handles = {}
+        for m in self._loop_trained():
+            ranks = self.plan.homes[m] if self._deepspeed(m) else self.plan.homes[m][:1]
+            handles[m] = [self.backend.submit(checkpoint_task, m, str(directory),
+                                              after.get(m, []), rank,
+                                              key=f"checkpoint-{k}-{_token()}",
+                                              worker=self.addresses[w], priority=-k)
+                          for rank, w in enumerate(ranks)]
         return directory, handles
 
-    def _publish_checkpoint(self, k: int, pending: tuple[Path, dict]) -> None:
+    def _publish_checkpoint(self, k: int, pending: tuple[Path, dict[str, list[Any]]]) -> None:
         """Wait for a checkpoint's tasks, then make it visible (state.json last, rename)."""
         directory, handles = pending
-        self._wait_and_gather({f"checkpoint[{m}]": h for m, h in handles.items()}, k,
-                              gather=False)
-        saved = dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
+        self._wait_and_gather({f"checkpoint[{m}]": h for m, hs in handles.items() for h in hs},
+                              k, gather=False)
+        saved = {m: self.backend.gather(hs[:1])[0] for m, hs in handles.items()}
         state = {"versions": {m: r["version"] for m, r in saved.items()},
                  "seed": self.pipeline.spec.seed,
                  "prompts_consumed": (k + 1) * self.pipeline.spec.data.batch_size,
@@ -447,43 +494,91 @@ class Executor:
         batch = self.source.batch(k)
         rows = len(batch["prompt_ids"])
         bounds = micro_batch_bounds(rows, spec.data.micro_batches)
-        first = self._worker(self.graph.loop_stages[0])
+        first = self.plan.stages[self.graph.loop_stages[0]]
         handles: dict[str, list[Any]] = {
-            SOURCE: [self.backend.scatter(slice_batch(batch, a, b), first) for a, b in bounds]}
+            SOURCE: [self.backend.scatter(slice_batch(batch, a, b),
+                                          self._address(first.worker(j)))
+                     for j, (a, b) in enumerate(bounds)]}
+        syncs: dict[str, list[Any]] = {}
         for name in self.graph.loop_stages:
-            node = self.graph.nodes[name]
+            node, sp = self.graph.nodes[name], self.plan.stages[name]
             producers = list(dict.fromkeys(self.graph.producer(c, name) for c in node.reads))
-            order = [a for a in node.after if a not in producers]
+            order: list[Any] = [a for a in node.after if a not in producers]
             order += [h for u in self.releases[name] for h in handles[u]]
             if previous is not None:
                 order += [h for t in self.crossings[name] for h in previous.handles[t]]
+                # a shadow copy is used only once the new weights are installed on it
+                order += previous.syncs.get(node.model, [])
                 if node.trains and previous.checkpoint and node.model in previous.checkpoint[1]:
                     # the update of k must not start before checkpoint k-1 saved the model
-                    order.append(previous.checkpoint[1][node.model])
-            retries, worker = spec.stages[name].retries, self._worker(name)
+                    order += previous.checkpoint[1][node.model]
+            retries = spec.stages[name].retries
+            versions = {node.model: self.versions[node.model]} if node.model else None
             if node.per_batch:
                 parts = [part(handles[p]) for p in producers]
                 deps = [h for a in order for h in (handles[a] if isinstance(a, str) else [a])]
-                handles[name] = [self.backend.submit(
-                    stage_task, name, k, parts, deps, key=f"{name}-{k}-{_token()}",
-                    worker=worker, retries=retries, priority=-k)]
+                if node.trains:
+                    handles[name] = self._submit_trainer(name, k, parts, deps, versions)
+                    self.versions[node.model] += 1
+                    syncs.update(self._submit_syncs(name, k, handles[name]))
+                else:
+                    handles[name] = [self.backend.submit(
+                        stage_task, name, k, parts, deps, versions,
+                        key=f"{name}-{k}-{_token()}", worker=self._address(sp.worker(0)),
+                        retries=retries, priority=-k)]
                 continue
             handles[name] = []
             for j, (a, b) in enumerate(bounds):
                 parts = [self._mb_part(handles, p, j, a, b) for p in producers]
                 deps = [h for x in order
-                        for h in ([self._mb_handle(handles, x, j)] if isinstance(x, str)
+                        for h in (self._mb_handles(handles, x, j) if isinstance(x, str)
                                   else [x])]
                 handles[name].append(self.backend.submit(
-                    stage_task, name, k, parts, deps, key=f"{name}-{k}-{j}-{_token()}",
-                    worker=worker, retries=retries, priority=-k))
+                    stage_task, name, k, parts, deps, versions,
+                    key=f"{name}-{k}-{j}-{_token()}", worker=self._address(sp.worker(j)),
+                    retries=retries, priority=-k))
         stores = self._submit_stores(k, rows, bounds, batch, handles)
         checkpoint = None
         if self._checkpoint_due(k):
             trainers = {m: [h for t in self.graph.trainers(m) if t in handles
                             for h in handles[t]] for m in self._loop_trained()}
             checkpoint = self._submit_checkpoint(k, trainers)
-        return _Iteration(k, handles, stores, checkpoint)
+        return _Iteration(k, handles, stores, checkpoint, syncs)
+
+    def _submit_trainer(self, name: str, k: int, parts: list, deps: list,
+                        versions: dict[str, int]) -> list[Any]:
+        """One task per worker of the stage: alone, or as the ranks of a gang. A gang
+        waits for the previous gang on the same workers, so two gangs never hold each
+        other's workers while waiting in a collective (a deadlock with one thread each)."""
+        sp = self.plan.stages[name]
+        members = [self.addresses[w] for w in sp.workers]
+        if not sp.gang:
+            return [self.backend.submit(stage_task, name, k, parts, deps, versions,
+                                        key=f"{name}-{k}-{_token()}", worker=members[0],
+                                        retries=self.pipeline.spec.stages[name].retries,
+                                        priority=-k)]
+        deps = deps + self._gang_tail.get(sp.workers, [])
+        # no retries: one rank retried alone would wait for peers that already finished
+        tasks = [self.backend.submit(stage_task, name, k, parts, deps, versions,
+                                     tuple(members), key=f"{name}-{k}-r{rank}-{_token()}",
+                                     worker=address, priority=-k)
+                 for rank, address in enumerate(members)]
+        self._gang_tail[sp.workers] = tasks
+        return tasks
+
+    def _submit_syncs(self, trainer: str, k: int, trained: list[Any]) -> dict[str, list[Any]]:
+        """Send the weights ``trainer`` produced to the model's shadow copies (parameter
+        reallocation): one export at the home, one versioned install per shadow."""
+        out = {}
+        for t in self.plan.transfers_after(trainer):
+            export = self.backend.submit(export_weights_task, t.model, k, trained,
+                                         key=f"export-{k}-{_token()}",
+                                         worker=self.addresses[t.source], priority=-k)
+            out[t.model] = [self.backend.submit(
+                install_weights_task, export, self.versions[t.model], k,
+                key=f"realloc-{k}-{_token()}", worker=self.addresses[w], priority=-k)
+                for w in t.targets]
+        return out
 
     def _mb_part(self, handles, producer: str, j: int, a: int, b: int) -> dict[str, Any]:
         """Micro-batch ``j`` of ``producer``'s output (a slice of a whole-batch output)."""
@@ -491,9 +586,12 @@ class Executor:
             return part([handles[producer][j]])
         return part(handles[producer], (a, b))
 
-    def _mb_handle(self, handles, stage: str, j: int):
-        h = handles[stage]
-        return h[j] if len(h) > 1 else h[0]
+    def _mb_handles(self, handles, stage: str, j: int) -> list[Any]:
+        """What micro-batch ``j`` waits for of ``stage``: its own micro-batch, or all of
+        a whole-batch stage."""
+        if stage == SOURCE or not self.graph.nodes[stage].per_batch:
+            return [handles[stage][j]]
+        return list(handles[stage])
 
     def _submit_stores(self, k, rows, bounds, batch, handles) -> list[Any]:
         """Create the iteration's arrays (coordinator) and one store task per micro-batch."""
@@ -523,13 +621,16 @@ class Executor:
                     if self.graph.nodes[n].trains}
         all_handles = {f"{n}[{j}]": h for n, hs in handles.items() for j, h in enumerate(hs)}
         all_handles.update({f"store[{j}]": h for j, h in enumerate(it.stores)})
+        installs = [h for hs in it.syncs.values() for h in hs]
+        all_handles.update({f"realloc[{j}]": h for j, h in enumerate(installs)})
         self._wait_and_gather(all_handles, it.index, gather=False)
         partials = self.backend.gather(it.stores)
         train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
                                strict=True))
+        moved = self.backend.gather(installs)
         self.buffer.commit(it.index)
         now = time.perf_counter()
-        record = self._record(it, partials, train_stats, now - self._last_done)
+        record = self._record(it, partials, train_stats, now - self._last_done, moved)
         self._last_done = now
         self.log.append(record)
         self._report(record)
@@ -540,7 +641,7 @@ class Executor:
     def _wait_and_gather(self, handles: dict[str, Any], iteration: int | None,
                          gather: bool = True) -> dict[str, Any]:
         try:
-            self.backend.wait(list(handles.values()), pinned=list(set(self.placement.values())))
+            self.backend.wait(list(handles.values()), pinned=self.addresses)
         except TaskFailed as exc:
             stage = exc.key.split("-")[0]
             if _is_disk_full(exc.cause):
@@ -563,7 +664,8 @@ class Executor:
                 self.timings[iteration][stage] += stop - start
 
     def _record(self, it: _Iteration, partials: list[dict[str, float]],
-                train: dict[str, dict[str, Any]], iteration_s: float) -> dict[str, Any]:
+                train: dict[str, dict[str, Any]], iteration_s: float,
+                moved: list[dict[str, float]]) -> dict[str, Any]:
         self._collect_timings()
         total = defaultdict(float)
         for p in partials:
@@ -587,6 +689,8 @@ class Executor:
             "tokens_generated": int(total["tokens"]),
             "iteration_s": round(iteration_s, 4),
             "stage_s": {k: round(v, 4) for k, v in self.timings.pop(it.index, {}).items()},
+            "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
+            "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
             "train": train,
         }
 
@@ -605,12 +709,20 @@ class Executor:
         """Save every trainable model in transformers format under OUTPUT/models/NAME/final."""
         saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
                                      [], key=f"save-{_token()}", worker=w)
-                 for m, w in self.placement.items() if self.pipeline.spec.models[m].trainable]
+                 for m, w in ((m, self._home(m)) for m in self.plan.homes)
+                 if self.pipeline.spec.models[m].trainable]
         self.backend.wait(saves)
 
     def _say(self, line: str) -> None:
         if self.progress:
             print(line, file=sys.stderr, flush=True)
+
+
+def _host_of(address: str) -> str:
+    """The host of a worker address (``tcp://10.0.0.5:4321`` -> ``10.0.0.5``)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(address).hostname or "127.0.0.1"
 
 
 def _token() -> str:

@@ -116,6 +116,10 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
         if name not in spec.models:
             hint = did_you_mean(name, spec.models)
             raise SpecError(file, f"placement.models.{name}", f"unknown model {name!r}{hint}")
+    for name in spec.placement.stages:
+        if name not in spec.stages:
+            hint = did_you_mean(name, spec.stages)
+            raise SpecError(file, f"placement.stages.{name}", f"unknown stage {name!r}{hint}")
     for name in spec.models:  # `from:` chains must end somewhere
         seen = [name]
         while spec.models[seen[-1]].from_ is not None:
@@ -165,6 +169,12 @@ def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
             if parent not in spec.stages:
                 hint = did_you_mean(parent, spec.stages)
                 raise SpecError(file, f"{where}.after[{i}]", f"unknown stage {parent!r}{hint}")
+        if stage.backend == "deepspeed" and (not cls.trains or cls.once):
+            raise SpecError(file, f"{where}.backend", f"'deepspeed' trains in the loop: only "
+                            f"train_actor and train_critic stages take it, not {stage.type!r}")
+        if stage.deepspeed is not None and stage.backend != "deepspeed":
+            raise SpecError(file, f"{where}.deepspeed", "DeepSpeed settings need "
+                                                        "'backend: deepspeed' on the stage")
         params[name] = parse_params(file, name, cls.Params, stage.params)
         problem = cls.check_params(params[name], stage.model is not None, file.resolve().parent)
         if problem:

@@ -86,6 +86,13 @@ class ModelSpec(Strict):
         return self
 
 
+class DeepSpeedSpec(Strict):
+    """DeepSpeed settings of a training stage (``backend: deepspeed``)."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    config: dict[str, Any] = {}
+
+
 class StageSpec(Strict):
     """A named stage: its type, its model, its upstream stages, its parameters."""
 
@@ -94,6 +101,8 @@ class StageSpec(Strict):
     after: list[str] = []
     params: dict[str, Any] = {}
     retries: NonNegInt = 0
+    backend: Literal["torch", "deepspeed"] = "torch"
+    deepspeed: DeepSpeedSpec | None = None
 
 
 class DataSpec(Strict):
@@ -144,6 +153,7 @@ class ClusterSpec(Strict):
     torch_threads: PositiveInt | None = None
     worker_timeout_s: PositiveFloat = 60.0
     max_restarts: NonNegInt = 3
+    collective_timeout_s: PositiveFloat = 600.0
 
 
 class CheckpointSpec(Strict):
@@ -153,11 +163,25 @@ class CheckpointSpec(Strict):
     keep: NonNegInt = 2
 
 
-class PlacementSpec(Strict):
-    """Which worker holds each model (by worker index); unlisted models are spread."""
+Fraction = Annotated[float, Field(gt=0, lt=1)]
+WorkerRef = str | NonNegInt | Annotated[list[NonNegInt], Field(min_length=1)]
+"""Where something runs: a group's name, one worker index, or a list of worker indexes."""
 
-    strategy: Literal["spread"] = "spread"
-    models: dict[str, NonNegInt] = {}
+
+class PlacementSpec(Strict):
+    """How models and stages map onto the device workers (see ``rlhfflow plan``).
+
+    ``strategy`` gives the defaults: ``colocated`` puts every model on every worker,
+    ``interleaved`` gives models exclusive worker groups, ``disaggregated`` runs
+    generation on its own ``rollout`` group (a shadow of the actor) and the rest on
+    ``train``. ``groups`` names worker sets (indexes, or a fraction of the cluster);
+    ``models`` and ``stages`` override the strategy with a group name or indexes.
+    """
+
+    strategy: Literal["colocated", "interleaved", "disaggregated"] = "interleaved"
+    groups: dict[str, Annotated[list[NonNegInt], Field(min_length=1)] | Fraction] = {}
+    models: dict[str, WorkerRef] = {}
+    stages: dict[str, WorkerRef] = {}
 
 
 class PipelineSpec(Strict):

@@ -42,6 +42,8 @@ class StageDef:
     params: Any
     model: str | None
     reads: tuple[str, ...] = ()
+    backend: str = "torch"
+    deepspeed: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,10 @@ class WorkerHost:
         """The stage object ``name`` (created once per worker)."""
         if name not in self._stages:
             d = self.run.stages[name]
-            self._stages[name] = create_stage(d.type, name, d.params, self.run.algorithm, d.model)
+            stage = create_stage(d.type, name, d.params, self.run.algorithm, d.model)
+            if d.backend != "torch":
+                stage.backend, stage.deepspeed = d.backend, d.deepspeed
+            self._stages[name] = stage
         return self._stages[name]
 
     def context(self, iteration: int) -> StageContext:
@@ -182,13 +187,51 @@ def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None
 # --------------------------------------------------------------------------- tasks
 
 
-def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: list[Any]) -> Batch:
-    """Run stage ``name`` on its assembled inputs; ``after`` only orders the task."""
+class StaleWeights(RuntimeError):
+    """A task found another version of a model than the plan expects on its worker."""
+
+
+def _address(dask_worker=None) -> str:
+    try:
+        from distributed import get_worker
+
+        return (dask_worker or get_worker()).address
+    except ValueError:  # not inside a Dask worker
+        return "inline"
+
+
+def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | None) -> None:
+    """Fail fast when a model on this worker is not the version the plan expects."""
+    for model, expected in (versions or {}).items():
+        got = host.store.get(model).version
+        if got != expected:
+            raise StaleWeights(f"model {model!r} is version {got} on worker {_address()}, "
+                               f"but stage {name!r} expects version {expected}")
+
+
+def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: list[Any],
+               versions: Mapping[str, int] | None = None,
+               gang: tuple[str, ...] | None = None) -> Batch:
+    """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
+
+    ``versions`` are the model versions the plan expects here; ``gang`` the members of
+    the data-parallel gang this task is one rank of (checked, so a misplaced task fails
+    at once instead of hanging in a collective)."""
     del after
     host = current_host()
     stage = host.stage(name)
+    check_versions(host, name, versions)
+    ctx = host.context(iteration)
+    if gang is not None:
+        from rlhfflow.stages.parallel import current_gang
+
+        ctx.gang = current_gang()
+        if ctx.gang is None or ctx.gang.members != tuple(gang) or \
+                gang[ctx.gang.rank] != _address():
+            raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
+                               f"gang {list(gang)} it was sent to")
     start = time.time()
-    out = stage.run(assemble(parts, host.run.stages[name].reads), host.context(iteration))
+    out = stage.run(assemble(parts, host.run.stages[name].reads), ctx)
     host.record(iteration, name, start, time.time())
     # results travel between workers: keep them off the accelerator
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
@@ -232,15 +275,68 @@ def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
     return {"model": model, "path": path, "version": resident.version}
 
 
-def checkpoint_task(model: str, directory: str, after: list[Any]) -> dict[str, Any]:
+def checkpoint_task(model: str, directory: str, after: list[Any], rank: int = 0
+                    ) -> dict[str, Any]:
     """Save a trainable model's weights and optimizer state into a checkpoint being
-    assembled (``directory`` is the checkpoint's temporary directory)."""
+    assembled (``directory`` is the checkpoint's temporary directory). Rank 0 of a gang
+    saves the weights; each rank of a DeepSpeed gang saves its ZeRO optimizer shard."""
     del after
     resident = current_host().store.get(model)
     root = Path(directory)
-    resident.save(root / "models" / model)
-    resident.save_optimizer(root / "optimizers" / f"{model}.pt")
+    if rank == 0:
+        resident.save(root / "models" / model)
+    resident.save_optimizer(root / "optimizers" / f"{model}.pt", rank)
     return {"model": model, "version": resident.version}
+
+
+def export_weights_task(model: str, iteration: int, after: list[Any]) -> dict[str, Any]:
+    """The weights of ``model`` at its home, to be installed on its shadow copies."""
+    del after
+    host = current_host()
+    start = time.time()
+    resident = host.store.get(model)
+    weights = resident.state_for_transfer()
+    sent = time.time()
+    host.record(iteration, "realloc", start, sent)
+    return {"model": model, "version": resident.version, "weights": weights, "sent": sent,
+            "nbytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+def install_weights_task(payload: dict[str, Any], version: int, iteration: int
+                         ) -> dict[str, Any]:
+    """Install weights sent by ``export_weights_task`` on this worker's copy, checking
+    they are the version the plan expects. Returns bytes received and the seconds from
+    export to installed (transfer included)."""
+    host = current_host()
+    start = time.time()
+    if payload["version"] != version:
+        raise StaleWeights(f"received {payload['model']!r} version {payload['version']}, "
+                           f"expected version {version}")
+    host.store.get(payload["model"]).install(payload["weights"], version)
+    done = time.time()
+    host.record(iteration, "realloc", start, done)
+    return {"nbytes": payload["nbytes"], "seconds": done - payload["sent"]}
+
+
+async def join_gang_task(members: list[str], master: str, port: int, timeout_s: float,
+                         dask_worker=None) -> int:
+    """Join the data-parallel gang ``members`` (run on all of them at once, out of band
+    with ``Client.run``); blocking rendezvous in a thread, so the worker stays alive."""
+    import asyncio
+
+    from rlhfflow.stages.parallel import join_gang
+
+    host = current_host(dask_worker)
+    gang = await asyncio.to_thread(join_gang, tuple(members), _address(dask_worker), master,
+                                   port, timeout_s, host.store.device)
+    return gang.rank
+
+
+def gang_port(host: str, dask_worker=None) -> int:
+    """A free port on this worker's host for a gang's rendezvous."""
+    from rlhfflow.stages.parallel import free_port
+
+    return free_port(host)
 
 
 def update_model_configs(configs: Mapping[str, ModelConfig], dask_worker=None) -> None:

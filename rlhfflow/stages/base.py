@@ -62,6 +62,8 @@ class StageContext:
         models: where the stage finds resident models by name.
         algorithm: the pipeline's algorithm settings (``AlgorithmSpec``), or None.
         settings: extra values the pipeline resolves for stages (e.g. rollout temperature).
+        gang: the data-parallel gang (``rlhfflow.stages.parallel.Gang``) a training stage
+            runs in, or None when it trains alone.
     """
 
     iteration: int
@@ -69,6 +71,7 @@ class StageContext:
     models: Any = None
     algorithm: Any = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    gang: Any = None
 
 
 class Stage:

@@ -37,6 +37,7 @@ to well under 1e-4, and the left-padded row decodes the same tokens as the same 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -479,3 +480,23 @@ def sequence_scores(
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of parameters in ``model`` (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_bytes(config: PretrainedConfig, head: str, dtype: torch.dtype = torch.float32
+                    ) -> int:
+    """Bytes of the parameters of a model built from ``config`` with ``head``, counted on
+    the meta device (no memory allocated, so it is cheap for any model size)."""
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers():
+        model = _auto_class(head).from_config(config, dtype=dtype)
+    return count_parameters(model) * torch.empty((), dtype=dtype).element_size()
+
+
+def model_config(path: str | Path) -> PretrainedConfig:
+    """The transformers config of the model saved in ``path``."""
+    from transformers import AutoConfig
+
+    with _quiet_transformers():
+        return AutoConfig.from_pretrained(str(path))

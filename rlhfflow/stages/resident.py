@@ -58,6 +58,7 @@ class ResidentModel:
         self.device = device
         self.version = config.version
         self._optimizer: torch.optim.Optimizer | None = None
+        self.engine = None  # a DeepSpeed engine, when a stage trains it with DeepSpeed
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -70,21 +71,61 @@ class ResidentModel:
                 [p for p in self.module.parameters() if p.requires_grad],
                 lr=opt.get("lr", 1e-5), betas=tuple(opt.get("betas", (0.9, 0.999))),
                 weight_decay=opt.get("weight_decay", 0.0), eps=opt.get("eps", 1e-8))
-            if self.config.optimizer_state:  # resuming: moments and step counts as saved
-                state = torch.load(self.config.optimizer_state, map_location=self.device,
-                                   weights_only=True)
+            saved = self.config.optimizer_state
+            if saved and Path(saved).is_file():  # resuming: moments and steps as saved
+                state = torch.load(saved, map_location=self.device, weights_only=True)
                 self._optimizer.load_state_dict(state)
         return self._optimizer
 
-    def step(self, loss: torch.Tensor) -> float:
-        """Backward, clip gradients, one optimizer step; returns the gradient norm."""
+    def use_deepspeed(self, zero_stage: int, extra: Mapping[str, Any], rank: int) -> None:
+        """Train from now on through a DeepSpeed engine (ZeRO ``zero_stage``) wrapping
+        the module and its AdamW, on this process's gang; a checkpoint's ZeRO optimizer
+        shard of ``rank`` is loaded when there is one."""
+        from rlhfflow.stages.parallel import deepspeed_engine
+
+        self.engine = deepspeed_engine(self.module, self.optimizer, zero_stage,
+                                       self.config.optimizer.get("grad_clip"), dict(extra),
+                                       self.device)
+        shard = self.config.optimizer_state and zero_shard_path(self.config.optimizer_state,
+                                                                rank)
+        if shard and shard.is_file():
+            self.engine.optimizer.load_state_dict(
+                torch.load(shard, map_location=self.device, weights_only=False))
+
+    def step(self, loss: torch.Tensor, gang=None) -> float:
+        """Backward, (all-reduce gradients over ``gang``,) clip gradients, one optimizer
+        step; returns the gradient norm. ``loss`` is this rank's share of the batch loss,
+        so the gang's gradients add up to the whole batch's."""
+        if self.engine is not None:
+            # DeepSpeed averages gradients over the gang; the shares are meant to be summed
+            self.engine.backward(loss * (gang.size if gang else 1))
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip = self.config.optimizer.get("grad_clip")
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        if gang is not None and gang.size > 1:
+            from rlhfflow.stages.parallel import allreduce_gradients
+
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            allreduce_gradients(params, gang)
+        else:
+            params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
         self.optimizer.step()
         return float(norm)
+
+    def state_for_transfer(self) -> dict[str, torch.Tensor]:
+        """The weights as CPU tensors, to send to another worker's copy."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def install(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights with ``weights`` received from the model's home; they are
+        version ``version``."""
+        with torch.no_grad():
+            self.module.load_state_dict(dict(weights), strict=True)
+        self.version = version
 
     def save(self, path: str | Path) -> None:
         """Save weights and tokenizer in transformers format (atomically)."""
@@ -92,18 +133,29 @@ class ResidentModel:
 
         save_model(self.module, self.tokenizer, path)
 
-    def save_optimizer(self, path: str | Path) -> None:
-        """Save the optimizer state (created now if no step was taken yet)."""
+    def save_optimizer(self, path: str | Path, rank: int = 0) -> None:
+        """Save the optimizer state (created now if no step was taken yet); a DeepSpeed
+        engine's ZeRO shard of ``rank`` goes to ``zero_shard_path(path, rank)``."""
         path = Path(path)
+        if self.engine is not None:
+            path, state = zero_shard_path(path, rank), self.engine.optimizer.state_dict()
+        else:
+            state = self.optimizer.state_dict()
         staged = path.with_name(path.name + ".tmp")
         try:
-            torch.save(self.optimizer.state_dict(), staged)
+            torch.save(state, staged)
         except RuntimeError:
             # torch's zip writer reports a full disk as a RuntimeError about positions
             if shutil.disk_usage(path.parent).free < 1 << 20:
                 raise OSError(errno.ENOSPC, "No space left on device", str(staged)) from None
             raise
         staged.replace(path)
+
+
+def zero_shard_path(path: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its ZeRO optimizer shard next to ``path``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.zero-rank{rank}{path.suffix}")
 
 
 class ModelStore:

@@ -9,7 +9,7 @@ of the update must match those the rollout was scored with.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from rlhfflow.stages.common import (
 )
 from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
 from rlhfflow.stages.inference import RESPONSE_INPUTS
+from rlhfflow.stages.parallel import allreduce_sum
 from rlhfflow.storage import ExperienceBuffer
 
 
@@ -50,37 +51,69 @@ def _rows(batch: Batch, index: torch.Tensor) -> Batch:
             for k, v in batch.items()}
 
 
-def _mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
-    keys = history[0].keys() if history else ()
-    return {k: sum(h[k] for h in history) / len(history) for k in keys}
+def _mean_metrics(history: list[dict[str, float]], weights: list[float] | None = None,
+                  gang=None) -> dict[str, float]:
+    """Mean of each metric over the steps, weighted by ``weights`` and taken over the
+    whole gang (every rank gets the same numbers)."""
+    keys = list(history[0]) if history else []
+    weights = weights or [1.0] * len(history)
+    sums = [sum(w * h[k] for h, w in zip(history, weights, strict=True)) for k in keys]
+    totals = allreduce_sum([*sums, float(sum(weights))], gang)
+    return {k: v / max(totals[-1], 1e-12) for k, v in zip(keys, totals, strict=False)}
 
 
 class _Trainer(Stage):
-    """Shared loop: epochs x shuffled minibatches, one optimizer step per minibatch."""
+    """Shared loop: epochs x shuffled minibatches, one optimizer step per minibatch.
+
+    In a data-parallel gang (``ctx.gang``) every rank sees the whole batch, draws the same
+    minibatches and trains on its shard of each; losses are divided by the minibatch's
+    own counts (``ops.loss_count``), so the summed gradients equal one worker's update
+    on the whole minibatch. ``backend`` is ``"torch"`` or ``"deepspeed"`` (set by the
+    executor from the stage's ``backend:``/``deepspeed:`` keys).
+    """
 
     Params = TrainParams
     trains = True
     per_batch = True
+    backend: str = "torch"
+    deepspeed: Any = None
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
+        gang = ctx.gang
+        if self.backend == "deepspeed" and resident.engine is None:
+            options = self.deepspeed or {}
+            resident.use_deepspeed(options.get("zero_stage", 2), options.get("config", {}),
+                                   gang.rank if gang else 0)
         batch = {k: v.to(resident.device) for k, v in batch.items()
                  if isinstance(v, torch.Tensor)}
         rows = len(batch["response_ids"])
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
-        history = []
+        history, weights = [], []
         for _ in range(self.params.epochs):
             for index in minibatch_indices(rows, self.params.minibatches, gen,
                                            self.params.shuffle):
-                loss, metrics = self.loss(resident, _rows(batch, index), ctx)
-                metrics["grad_norm"] = resident.step(loss)
+                counts = None
+                if gang is not None:
+                    mask = _loss_mask(_rows(batch, index))
+                    counts = {"tokens": ops.loss_count(mask),
+                              "agg": ops.loss_count(mask, self._agg())}
+                    index = index[gang.shard(len(index))]
+                shard = _rows(batch, index)
+                loss, metrics = self.loss(resident, shard, ctx, counts)
+                metrics["grad_norm"] = resident.step(loss, gang)
                 history.append(metrics)
+                weights.append(float(_loss_mask(shard).sum()))
         resident.version += 1
-        return {**_mean_metrics(history), "version": resident.version}
+        return {**_mean_metrics(history, weights, gang), "version": resident.version}
 
-    def loss(self, resident, batch: Batch, ctx: StageContext
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one minibatch and its metrics."""
+    def _agg(self) -> str:
+        return "token-mean"
+
+    def loss(self, resident, batch: Batch, ctx: StageContext,
+             counts: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one minibatch (or of this rank's shard of it: ``counts`` then holds
+        the whole minibatch's ``tokens`` and ``agg`` divisors) and its metrics."""
         raise NotImplementedError
 
 
@@ -107,23 +140,29 @@ class TrainActorStage(_Trainer):
         cols = [*RESPONSE_INPUTS, "score_valid", "old_logprobs", "advantages"]
         return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
 
-    def loss(self, resident, batch, ctx):
+    def _agg(self) -> str:
+        return self.algorithm.loss_agg
+
+    def loss(self, resident, batch, ctx, counts=None):
         algo = self.algorithm
+        counts = counts or {}
+        tokens = counts.get("tokens")
         mask = _loss_mask(batch)
         temperature = float(ctx.settings.get("temperature", 1.0))
         logits = response_logits(resident.module, batch, temperature)
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
         loss, stats = ops.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                       mask, algo.clip_low, algo.clip_high, algo.dual_clip,
-                                      algo.loss_agg)
+                                      algo.loss_agg, counts.get("agg"))
         metrics = {"policy_loss": loss.item(), "clip_frac": stats["clip_frac"],
                    "approx_kl": stats["approx_kl"]}
         if _kl_in_loss(algo):
-            kl = ops.masked_mean(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask)
+            kl = ops.masked_mean(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask,
+                                 count=tokens)
             loss = loss + algo.kl_coef * kl
             metrics["kl_loss"] = kl.item()
         if algo.entropy_coef > 0:
-            entropy = ops.entropy(logits, mask)
+            entropy = ops.entropy(logits, mask, tokens)
             loss = loss - algo.entropy_coef * entropy
             metrics["entropy"] = entropy.item()
         return loss, metrics
@@ -140,11 +179,11 @@ class TrainCriticStage(_Trainer):
     def reads(cls, params, algorithm, has_model):
         return (*RESPONSE_INPUTS, "score_valid", "values", "returns")
 
-    def loss(self, resident, batch, ctx):
+    def loss(self, resident, batch, ctx, counts=None):
         mask = _loss_mask(batch)
         values = response_values(resident.module, batch)
         loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
-                                     self.algorithm.value_clip)
+                                     self.algorithm.value_clip, (counts or {}).get("tokens"))
         return loss, {"value_loss": loss.item(), "value_clip_frac": stats["value_clip_frac"]}
 
 

@@ -1,0 +1,127 @@
+"""Data-parallel training: a *gang* of processes sharing one torch.distributed process
+group (gloo on CPU, NCCL on GPU), and the DeepSpeed engine built on it.
+
+A process joins at most one gang for its whole life (torch keeps one default group per
+process, and DESIGN.md measured that a group cannot be re-created after it is destroyed).
+Nothing here knows of Dask: the executor decides the members and calls ``join_gang``
+on each of them at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Gang:
+    """This process's place in its data-parallel group."""
+
+    rank: int
+    size: int
+    members: tuple[str, ...]
+    backend: str
+
+    def shard(self, rows: int) -> torch.Tensor:
+        """The row positions ``0..rows-1`` this rank takes (near-equal contiguous split)."""
+        return torch.tensor_split(torch.arange(rows), self.size)[self.rank]
+
+
+_GANG: Gang | None = None
+
+
+def current_gang() -> Gang | None:
+    """The gang this process joined, if any."""
+    return _GANG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for the gang's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def join_gang(members: tuple[str, ...], me: str, master: str, port: int,
+              timeout_s: float, device: str = "cpu") -> Gang:
+    """Join the gang ``members`` (blocks until all have joined; rank = position of ``me``).
+
+    Joining the same gang again is a no-op; joining another one fails, since a process
+    group cannot be replaced in a live process.
+    """
+    global _GANG
+    if _GANG is not None:
+        if _GANG.members == members:
+            return _GANG
+        raise RuntimeError(f"this worker is already in gang {list(_GANG.members)}; it "
+                           f"cannot join {list(members)} (restart the workers)")
+    rank = members.index(me)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    # what DeepSpeed (and any torch.distributed user) reads instead of a launcher
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(members)), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1", MASTER_ADDR=master, MASTER_PORT=str(port))
+    dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank,
+                            world_size=len(members),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _GANG = Gang(rank, len(members), members, backend)
+    return _GANG
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], gang: Gang) -> None:
+    """Sum the gradients of ``params`` over the gang, in place, in one collective (each
+    rank's loss is already scaled to its share of the whole batch)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset: offset + n].view_as(p)
+        offset += n
+
+
+def allreduce_sum(values: list[float], gang: Gang | None) -> list[float]:
+    """Element-wise sum of ``values`` over the gang (``values`` alone without one)."""
+    if gang is None or gang.size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def deepspeed_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     zero_stage: int, grad_clip: float | None, extra: dict[str, Any],
+                     device: str = "cpu"):
+    """Wrap ``module`` and its torch ``optimizer`` in a DeepSpeed engine (ZeRO
+    ``zero_stage``) on the gang's process group; no launcher involved."""
+    if not dist.is_initialized():
+        raise RuntimeError("DeepSpeed needs a process group: the stage runs outside a gang")
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed compiles a CPU comm op once (~45 s); keep it out of the home directory's
+    # default when a project cache is set, and reuse it across runs
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                          str(Path.home() / ".cache" / "rlhfflow" / "torch_extensions"))
+    try:
+        import deepspeed
+    except ImportError:
+        raise RuntimeError("backend: deepspeed needs DeepSpeed: pip install "
+                           "'rlhfflow[deepspeed]' (see the README)") from None
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage},
+              "gradient_clipping": float(grad_clip or 0.0),
+              "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    config.update(extra)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return engine
