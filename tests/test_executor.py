@@ -200,7 +200,7 @@ def test_resident_models_are_loaded_once(cluster, tmp_path):
             assert name not in holders, f"{name} is loaded on two workers"
             holders[name] = worker
             assert info["loads"] == 1, (name, info)
-    assert holders == executor.placement
+    assert holders == {m: executor._home(m) for m in holders}
     assert set(holders) == {"actor", "critic", "ref"}
     versions = {name: state[w][name]["version"] for name, w in holders.items()}
     assert versions == {"actor": 3, "critic": 3, "ref": 0}

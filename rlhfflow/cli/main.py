@@ -154,6 +154,38 @@ def graph(file: str, fmt: str) -> None:
     click.echo(render())
 
 
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--workers", type=click.IntRange(min=1), metavar="N",
+              help="Plan for N device workers instead of the file's 'cluster.workers'.")
+@click.option("--strategy", type=click.Choice(["colocated", "interleaved", "disaggregated"]),
+              help="Plan with this strategy instead of the file's 'placement.strategy'.")
+def plan(file: str, workers: int | None, strategy: str | None) -> None:
+    """Print the execution plan of a pipeline FILE without running it.
+
+    For every stage: the workers it runs on and how its batch is split among
+    them; for every model: the workers that hold it; and which weights move
+    where after each update, and how many bytes. A placement the cluster
+    cannot hold (a worker index past the end, more groups than workers, a
+    stage left without a worker) is an error (exit 2).
+
+    \b
+    Example:
+      rlhfflow plan configs/ppo-tiny.yaml
+      rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated --workers 4
+    """
+    overrides: dict[str, Any] = {}
+    if workers is not None:
+        overrides["cluster.workers"] = workers
+    if strategy is not None:
+        overrides["placement.strategy"] = strategy
+    pipeline = load(file, overrides)
+    from rlhfflow.pipeline.plan import make_plan
+
+    with pipeline_errors():
+        click.echo(make_plan(pipeline, pipeline.spec.cluster.workers).to_text(pipeline))
+
+
 # --------------------------------------------------------------------------- init
 
 STARTER_PIPELINE = """\

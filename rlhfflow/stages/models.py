@@ -240,10 +240,12 @@ def save_model(
     # Same parent directory, so the renames below stay on one filesystem and are atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        with _quiet_transformers():
+        with _quiet_transformers(), _save_on_any_rank(model):
             # Always safetensors: transformers 5 has no other format (4.x defaults to it).
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file():
+            raise RuntimeError(f"saving {path}: transformers wrote no config.json")
         _make_tokenizer_config_portable(tmp)
         _apply_umask(tmp)
         if path.exists():
@@ -256,6 +258,21 @@ def save_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def _save_on_any_rank(model: PreTrainedModel) -> Iterator[None]:
+    """Let ``save_pretrained`` write on any torch.distributed rank: transformers 5 silently
+    writes only the tokenizer on ranks other than 0, and every worker of a gang (or one
+    that was in one) may be the one saving its copy."""
+    if not hasattr(model, "should_save_on_this_rank"):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process=True: True
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
 
 
 def _apply_umask(directory: Path) -> None:

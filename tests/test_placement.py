@@ -1,0 +1,237 @@
+"""Placement: the execution plan of each strategy, impossible placements, data-parallel
+gangs (a real gloo process group), and the promise that placement changes speed, never
+results (the three strategies on a real 2-worker Dask cluster)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+
+from rlhfflow.cli.main import main
+from rlhfflow.pipeline import load_pipeline
+from rlhfflow.pipeline.executor import run_pipeline
+from rlhfflow.pipeline.plan import PlanError, make_plan
+from rlhfflow.stages.models import load_model
+from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
+
+PPO = CONFIGS / "ppo-tiny.yaml"
+
+
+def _plan(overrides=None, workers=2):
+    pipeline = load_pipeline(PPO, overrides)
+    return make_plan(pipeline, workers)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_colocated_puts_every_model_everywhere_and_trains_in_gangs():
+    plan = _plan({"placement.strategy": "colocated"})
+    assert set(plan.homes.values()) == {(0, 1)}
+    assert plan.stages["generate"].workers == (0, 1)
+    assert plan.stages["generate"].worker(0) == 0 and plan.stages["generate"].worker(1) == 1
+    assert plan.stages["train_actor"].gang and plan.stages["train_critic"].gang
+    assert plan.gangs == ((0, 1),)
+    assert plan.transfers == ()
+
+
+def test_interleaved_gives_models_exclusive_groups():
+    plan = _plan({"placement.strategy": "interleaved"})
+    assert plan.homes["actor"] == (0,) and plan.homes["critic"] == (1,)
+    # the reference goes where fewer bytes live: next to the (smaller) critic
+    assert plan.homes["ref"] == (1,)
+    assert not any(s.gang for s in plan.stages.values())
+    assert plan.transfers == ()
+
+
+def test_disaggregated_generates_on_a_shadow_that_is_synced_after_each_update():
+    plan = _plan({"placement.strategy": "disaggregated"}, workers=4)
+    assert plan.groups == {"rollout": (0, 1), "train": (2, 3)}
+    assert plan.stages["generate"].workers == (0, 1) and plan.stages["generate"].shadow
+    assert plan.homes["actor"] == (2, 3)
+    assert plan.shadows("actor") == (0, 1)
+    [transfer] = plan.transfers
+    assert (transfer.model, transfer.after, transfer.source, transfer.targets) == \
+        ("actor", "train_actor", 2, (0, 1))
+    assert transfer.nbytes == plan.model_bytes["actor"] > 0
+
+
+def test_explicit_groups_and_stage_placement_override_the_strategy():
+    plan = _plan({"placement.strategy": "interleaved",
+                  "placement.groups": {"big": [0, 1], "small": [2]},
+                  "placement.models": {"actor": "big", "ref": 2},
+                  "placement.stages": {"ref_logprob": [2]}}, workers=3)
+    assert plan.homes["actor"] == (0, 1) and plan.homes["ref"] == (2,)
+    assert plan.stages["train_actor"].gang
+    assert plan.stages["ref_logprob"].workers == (2,)
+
+
+@pytest.mark.parametrize("strategy,expected", [
+    ("colocated", ["train_actor    train_actor  workers 0,1    data-parallel gang of 2",
+                   "generate       generate     workers 0,1    mb 0 -> w0; mb 1 -> w1",
+                   "actor: train_actor all-reduces gradients over workers 0,1"]),
+    ("interleaved", ["actor          workers 0 (", "critic         workers 1 (",
+                     "none: every model is updated where it is used"]),
+    ("disaggregated", ["rollout        workers 0", "train          workers 1",
+                       "[shadow]", "actor: after train_actor, worker 1 -> 0: 537.8 KiB"]),
+])
+def test_plan_command_prints_workers_splits_and_moved_bytes(strategy, expected):
+    result = CliRunner().invoke(main, ["plan", str(PPO), "--strategy", strategy])
+    assert result.exit_code == 0, result.output
+    assert f"strategy {strategy} on 2 worker(s)" in result.output
+    for line in expected:
+        assert line in result.output, (line, result.output)
+
+
+@pytest.mark.parametrize("overrides,workers,message", [
+    ({"placement.models": {"actor": 5}}, 2,
+     "placement.models.actor: worker index 5, but the cluster has 2 worker(s) (0..1)"),
+    ({"placement.groups": {"a": 0.5, "b": 0.5, "c": 0.5}}, 2,
+     "placement.groups.c: no worker left: 0.5 of 2 worker(s) is 1, but groups before it "
+     "(a, b) already take 2"),
+    ({"placement.strategy": "disaggregated"}, 1,
+     "placement.strategy: disaggregated needs at least 2 workers"),
+    ({"placement.strategy": "disaggregated", "placement.groups": {"rollout": [0, 1]}}, 2,
+     "placement.groups.train: the train group has no worker"),
+    ({"placement.models": {"actor": "gpu"}}, 2,
+     "placement.models.actor: unknown group 'gpu'; no placement.groups are defined"),
+    ({"placement.stages": {"train_actor": [0]}}, 2,
+     "placement.stages.train_actor: a training stage runs where its model lives"),
+    ({"placement.models": {"actor": [0, 1], "critic": [1, 2]}}, 3,
+     "placement.models.critic: training on workers [1, 2] overlaps the training of 'actor'"),
+])
+def test_impossible_placements_are_one_line_errors(overrides, workers, message):
+    with pytest.raises(PlanError) as info:
+        _plan(overrides, workers)
+    assert message in str(info.value)
+    assert str(info.value).startswith(str(PPO))
+
+
+def test_plan_command_reports_an_impossible_placement_with_exit_2():
+    result = CliRunner().invoke(main, ["plan", str(PPO), "--workers", "1",
+                                       "--strategy", "disaggregated"])
+    assert result.exit_code == 2
+    assert "disaggregated needs at least 2 workers" in result.output
+    assert "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------- gangs
+
+
+def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
+                results) -> None:
+    """One rank of a gang training the actor on ``batch`` (or alone when world is 1)."""
+    from rlhfflow.pipeline.spec import AlgorithmSpec
+    from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
+    from rlhfflow.stages.parallel import join_gang
+
+    torch.set_num_threads(1)
+    gang = None
+    if world > 1:
+        gang = join_gang(tuple(f"w{i}" for i in range(world)), f"w{rank}", "127.0.0.1",
+                         port, 60.0)
+    store = ModelStore({"actor": ModelConfig("actor", "lm", model_dir, trainable=True,
+                                             optimizer={"lr": 1e-2, "grad_clip": 1.0})})
+    algorithm = AlgorithmSpec(loss_agg="seq-mean-token-mean", entropy_coef=0.01,
+                              kl_coef=0.1, kl_in="loss")
+    stage = create_stage("train_actor", "train_actor", {"epochs": 2, "minibatches": 2},
+                         algorithm, "actor")
+    ctx = StageContext(iteration=0, seed=0, models=store, algorithm=algorithm, gang=gang)
+    metrics = stage.run(batch, ctx)
+    weights = torch.cat([p.detach().flatten() for p in store.get("actor").module.parameters()])
+    # numpy, not a tensor: torch would share the tensor's memory with the parent through
+    # a file descriptor that dies with this process
+    results.put((rank, weights.numpy().copy(), metrics))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train(world: int, model_dir, batch) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_train_rank,
+                         args=(rank, world, port, str(model_dir), batch, results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = sorted(((rank, torch.from_numpy(w), m) for rank, w, m in
+                  (results.get(timeout=120) for _ in procs)), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return out
+
+
+def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokenizer):
+    """gloo all-reduce of gradients scaled by the whole minibatch's counts equals the
+    single-worker update on the whole batch, for a loss mixing sequence and token means
+    and with uneven masks (up to float rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    batch = make_prompt_batch(tokenizer, ["abc", "hello there", "x", "vowels please", "ok"],
+                              samples=2)
+    rows = len(batch["prompt_ids"])
+    length = 6
+    batch["response_ids"] = torch.randint(3, 40, (rows, length), generator=gen)
+    lengths = torch.randint(1, length + 1, (rows,), generator=gen)
+    batch["response_mask"] = (torch.arange(length)[None] < lengths[:, None]).to(torch.int8)
+    batch["old_logprobs"] = -torch.rand(rows, length, generator=gen) * 3
+    batch["ref_logprobs"] = -torch.rand(rows, length, generator=gen) * 3
+    batch["advantages"] = torch.randn(rows, length, generator=gen)
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    [(_, alone, alone_metrics)] = _train(1, tiny_lm_dir, batch)
+    ranks = _train(2, tiny_lm_dir, batch)
+    for _, weights, metrics in ranks:
+        assert (weights - alone).abs().max() < 1e-5
+        assert metrics["grad_norm"] == pytest.approx(alone_metrics["grad_norm"], rel=1e-4)
+    assert torch.equal(ranks[0][1], ranks[1][1])  # the replicas stay identical
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two device workers shared by the runs of this module (the colocated gang joins
+    them once; the other strategies need no gang on 2 workers)."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:
+            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
+        yield cluster
+
+
+def _actor_weights(out) -> torch.Tensor:
+    module, _ = load_model(os.path.join(out, "models", "actor", "final"), "lm")
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+@pytest.mark.slow
+def test_placement_changes_speed_never_results(cluster, tmp_path):
+    """Same seed, on-policy, 2 workers, 3 iterations: same rewards, same final actor."""
+    runs = {}
+    for strategy in ("colocated", "interleaved", "disaggregated"):
+        (tmp_path / strategy).mkdir()
+        path = small_pipeline(tmp_path / strategy, "ppo", iterations=3, overrides={
+            "placement.strategy": strategy, "cluster.address": cluster.scheduler_address})
+        result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
+        runs[strategy] = (result.metrics, _actor_weights(result.output_dir))
+    base_metrics, base_weights = runs["colocated"]
+    for strategy, (metrics, weights) in runs.items():
+        assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in base_metrics]
+        assert (weights - base_weights).abs().max() < 1e-4, strategy
+    moved = [m["realloc_bytes"] for m in runs["disaggregated"][0]]
+    assert moved == [moved[0]] * 3 and moved[0] > 0
+    assert all(m["realloc_bytes"] == 0 for m in runs["colocated"][0])
+    assert "realloc" in runs["disaggregated"][0][-1]["stage_s"]
