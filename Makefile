@@ -35,12 +35,14 @@ $(BIN)/python:
 	"$(PYTHON)" -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 	$(BIN)/python -m pip install --upgrade pip
 
+# PIP_CONSTRAINT rather than -c: it also reaches the isolated environments that build
+# sdists (DeepSpeed ships only one), which would otherwise fetch a CUDA torch.
 # The stamp is newer than the files that define the install, so repeated `make` calls do
 # not reinstall; editing setup.cfg, pyproject.toml or constraints.txt does.
 $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 	@test -n "$(TORCH)" || { echo "error: constraints.txt has no 'torch==' pin" >&2; exit 1; }
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -c constraints.txt -e ".[test,dashboard]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed]"
 	@touch $@
 
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
@@ -53,8 +55,9 @@ test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests includ
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks
 
-bench: $(STAMP)  ## Dask overhead benchmark (benchmarks/overhead.py)
+bench: $(STAMP)  ## benchmarks: Dask overhead, then placement strategies
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/placement.py
 
 clean:  ## remove .venv, runs/ and caches
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info

@@ -170,6 +170,22 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
      "models.ref.from: cannot make an 'lm' model from 'critic', which has a value head"),
     ("placement-unknown-model", lambda s: put(s, "placement.models", {"actr": 0}),
      "placement.models.actr: unknown model 'actr'; did you mean 'actor'?"),
+    ("placement-unknown-stage", lambda s: put(s, "placement.stages", {"generat": 0}),
+     "placement.stages.generat: unknown stage 'generat'; did you mean 'generate'?"),
+    ("placement-bad-strategy", lambda s: put(s, "placement.strategy", "spread"),
+     "placement.strategy: expected one of 'colocated', 'interleaved' or 'disaggregated', "
+     "got 'spread'"),
+    ("placement-group-fraction", lambda s: put(s, "placement.groups", {"a": 1.5}),
+     "placement.groups: group 'a': expected a non-empty list of worker indexes (0, 1, ...) "
+     "or a fraction of the cluster between 0 and 1, got 1.5"),
+    ("deepspeed-on-inference", lambda s: put(s, "stages.generate.backend", "deepspeed"),
+     "stages.generate.backend: 'deepspeed' trains in the loop: only train_actor and "
+     "train_critic stages take it, not 'generate'"),
+    ("deepspeed-settings-alone", lambda s: put(s, "stages.train_actor.deepspeed",
+                                               {"zero_stage": 2}),
+     "stages.train_actor.deepspeed: DeepSpeed settings need 'backend: deepspeed' on the stage"),
+    ("deepspeed-bad-zero", lambda s: put(s, "stages.train_actor.deepspeed", {"zero_stage": 4}),
+     "stages.train_actor.deepspeed.zero_stage: expected one of 0, 1, 2 or 3, got 4"),
     # stages: types, models, heads
     ("stage-unknown-type", lambda s: put(s, "stages.generate.type", "genrate"),
      "stages.generate.type: unknown stage type 'genrate'; did you mean 'generate'?"),

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rlhfflow.stages import STAGE_TYPES, StageParams
 
@@ -163,7 +170,6 @@ class CheckpointSpec(Strict):
     keep: NonNegInt = 2
 
 
-Fraction = Annotated[float, Field(gt=0, lt=1)]
 WorkerRef = str | NonNegInt | Annotated[list[NonNegInt], Field(min_length=1)]
 """Where something runs: a group's name, one worker index, or a list of worker indexes."""
 
@@ -179,9 +185,21 @@ class PlacementSpec(Strict):
     """
 
     strategy: Literal["colocated", "interleaved", "disaggregated"] = "interleaved"
-    groups: dict[str, Annotated[list[NonNegInt], Field(min_length=1)] | Fraction] = {}
+    groups: dict[str, list[int] | float] = {}
     models: dict[str, WorkerRef] = {}
     stages: dict[str, WorkerRef] = {}
+
+    @field_validator("groups")
+    @classmethod
+    def _group_sizes(cls, groups: dict[str, list[int] | float]) -> dict[str, Any]:
+        for name, value in groups.items():
+            bad = (not 0 < value < 1) if isinstance(value, float) else \
+                (not value or any(i < 0 for i in value))
+            if bad:
+                raise ValueError(f"group {name!r}: expected a non-empty list of worker "
+                                 f"indexes (0, 1, ...) or a fraction of the cluster between "
+                                 f"0 and 1, got {value!r}")
+        return groups
 
 
 class PipelineSpec(Strict):
