@@ -195,6 +195,8 @@ def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokeni
     for _, weights, metrics in ranks:
         assert (weights - alone).abs().max() < 1e-5
         assert metrics["grad_norm"] == pytest.approx(alone_metrics["grad_norm"], rel=1e-4)
+        for key in ("policy_loss", "kl_loss", "entropy", "clip_frac"):
+            assert metrics[key] == pytest.approx(alone_metrics[key], rel=1e-3, abs=1e-6), key
     assert torch.equal(ranks[0][1], ranks[1][1])  # the replicas stay identical
 
 

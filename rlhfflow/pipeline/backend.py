@@ -126,6 +126,9 @@ class InlineBackend:
     def restart_workers(self) -> None:
         """The in-process worker keeps its process (and its gang) for good."""
 
+    def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """The in-process worker cannot be lost."""
+
     def cancel_all(self) -> None:
         """Nothing is ever queued inline."""
 
@@ -315,6 +318,10 @@ class DaskBackend:
                     raise WorkerLost(f"a worker died while running {f.key}")
                 raise TaskFailed(f.key, cause)
             pending = list(not_done)
+
+    def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """Raise ``WorkerLost`` if one of ``pinned`` left (within ``grace`` seconds)."""
+        self._check_alive(pinned, grace)
 
     def _check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
         """Raise ``WorkerLost`` if a worker holding models has left the cluster (waiting up

@@ -643,6 +643,10 @@ class Executor:
         try:
             self.backend.wait(list(handles.values()), pinned=self.addresses)
         except TaskFailed as exc:
+            if any(self.plan.stages[n].gang for n in self.plan.stages):
+                # a gang's survivors fail in their collective when a peer dies: that is
+                # the lost worker (recoverable), not the stage's fault
+                self.backend.check_alive(self.addresses, grace=5.0)
             stage = exc.key.split("-")[0]
             if _is_disk_full(exc.cause):
                 raise RunError(_disk_full(exc.cause, f"stage {stage!r}")) from None

@@ -62,6 +62,9 @@ def _mean_metrics(history: list[dict[str, float]], weights: list[float] | None =
     return {k: v / max(totals[-1], 1e-12) for k, v in zip(keys, totals, strict=False)}
 
 
+_LOSS_TERMS = {"policy_loss", "kl_loss", "entropy", "value_loss"}
+
+
 class _Trainer(Stage):
     """Shared loop: epochs x shuffled minibatches, one optimizer step per minibatch.
 
@@ -102,8 +105,14 @@ class _Trainer(Stage):
                 shard = _rows(batch, index)
                 loss, metrics = self.loss(resident, shard, ctx, counts)
                 metrics["grad_norm"] = resident.step(loss, gang)
+                local = float(_loss_mask(shard).sum())
+                if counts is not None:
+                    # a loss term here is this rank's share of the minibatch's; as a local
+                    # mean it averages back (token-weighted) to the minibatch's value
+                    for key in _LOSS_TERMS & metrics.keys():
+                        metrics[key] *= counts["tokens"] / max(local, 1.0)
                 history.append(metrics)
-                weights.append(float(_loss_mask(shard).sum()))
+                weights.append(local)
         resident.version += 1
         return {**_mean_metrics(history, weights, gang), "version": resident.version}
 
