@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from rlhfflow.pipeline import load_pipeline
 from rlhfflow.pipeline.executor import run_pipeline
 from rlhfflow.pipeline.plan import PlanError, make_plan
 from rlhfflow.stages.models import load_model
+from rlhfflow.stages.parallel import free_port
 from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"
@@ -151,16 +151,10 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
     results.put((rank, weights.numpy().copy(), metrics))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(world: int, model_dir, batch) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_train_rank,
                          args=(rank, world, port, str(model_dir), batch, results))
              for rank in range(world)]
