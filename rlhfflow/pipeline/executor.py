@@ -517,15 +517,16 @@ class Executor:
             if node.per_batch:
                 parts = [part(handles[p]) for p in producers]
                 deps = [h for a in order for h in (handles[a] if isinstance(a, str) else [a])]
-                if node.trains:
-                    handles[name] = self._submit_trainer(name, k, parts, deps, versions)
-                    self.versions[node.model] += 1
-                    syncs.update(self._submit_syncs(name, k, handles[name]))
+                if sp.gang:
+                    handles[name] = self._submit_gang(name, k, parts, deps, versions)
                 else:
                     handles[name] = [self.backend.submit(
                         stage_task, name, k, parts, deps, versions,
                         key=f"{name}-{k}-{_token()}", worker=self._address(sp.worker(0)),
                         retries=retries, priority=-k)]
+                if node.trains:
+                    self.versions[node.model] += 1
+                    syncs.update(self._submit_syncs(name, k, handles[name]))
                 continue
             handles[name] = []
             for j, (a, b) in enumerate(bounds):
@@ -545,18 +546,13 @@ class Executor:
             checkpoint = self._submit_checkpoint(k, trainers)
         return _Iteration(k, handles, stores, checkpoint, syncs)
 
-    def _submit_trainer(self, name: str, k: int, parts: list, deps: list,
-                        versions: dict[str, int]) -> list[Any]:
-        """One task per worker of the stage: alone, or as the ranks of a gang. A gang
-        waits for the previous gang on the same workers, so two gangs never hold each
-        other's workers while waiting in a collective (a deadlock with one thread each)."""
+    def _submit_gang(self, name: str, k: int, parts: list, deps: list,
+                     versions: dict[str, int]) -> list[Any]:
+        """One task per worker of a gang, one rank each. A gang waits for the previous
+        gang on the same workers, so two gangs never hold each other's workers while
+        waiting in a collective (a deadlock with one thread each)."""
         sp = self.plan.stages[name]
         members = [self.addresses[w] for w in sp.workers]
-        if not sp.gang:
-            return [self.backend.submit(stage_task, name, k, parts, deps, versions,
-                                        key=f"{name}-{k}-{_token()}", worker=members[0],
-                                        retries=self.pipeline.spec.stages[name].retries,
-                                        priority=-k)]
         deps = deps + self._gang_tail.get(sp.workers, [])
         # no retries: one rank retried alone would wait for peers that already finished
         tasks = [self.backend.submit(stage_task, name, k, parts, deps, versions,
@@ -643,7 +639,7 @@ class Executor:
         try:
             self.backend.wait(list(handles.values()), pinned=self.addresses)
         except TaskFailed as exc:
-            if any(self.plan.stages[n].gang for n in self.plan.stages):
+            if self.plan.gangs:
                 # a gang's survivors fail in their collective when a peer dies: that is
                 # the lost worker (recoverable), not the stage's fault
                 self.backend.check_alive(self.addresses, grace=5.0)
@@ -712,9 +708,8 @@ class Executor:
     def _save_final(self) -> None:
         """Save every trainable model in transformers format under OUTPUT/models/NAME/final."""
         saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
-                                     [], key=f"save-{_token()}", worker=w)
-                 for m, w in ((m, self._home(m)) for m in self.plan.homes)
-                 if self.pipeline.spec.models[m].trainable]
+                                     [], key=f"save-{_token()}", worker=self._home(m))
+                 for m in self.plan.homes if self.pipeline.spec.models[m].trainable]
         self.backend.wait(saves)
 
     def _say(self, line: str) -> None:
