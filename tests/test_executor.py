@@ -84,8 +84,8 @@ def test_inline_and_dask_runs_give_the_same_metrics(tmp_path):
 
 def _expected_columns(config: str) -> set[str]:
     source = {"prompt_ids", "prompt_mask", "prompt_index", "sample_index", "group_ids"}
-    common = {"response_ids", "response_mask", "sample_logprobs", "scores", "score_valid",
-              "ref_logprobs", "old_logprobs", "advantages"}
+    common = {"response_ids", "response_mask", "sample_logprobs", "policy_version", "scores",
+              "score_valid", "ref_logprobs", "old_logprobs", "advantages"}
     return source | common | ({"values", "returns", "kl"} if config == "ppo" else set())
 
 
@@ -170,12 +170,14 @@ def test_tasks_are_named_after_stages(cluster, tmp_path):
     pipeline = _load(tmp_path, "ppo", _on(cluster), iterations=2)
     with Client(cluster) as client, get_task_stream(client=client) as stream:
         run_pipeline(pipeline, progress=False)
-    names = {key_split(task["key"]) for task in stream.data}
+    # fused stages run as one task, named after all of them: generate+reward+old_logprob
+    names = {n for task in stream.data for n in key_split(task["key"]).split("+")}
     assert PPO_STAGES | {"store"} <= names
     # stages of one model ran where that model lives
     workers: dict[str, set[str]] = {}
     for task in stream.data:
-        workers.setdefault(key_split(task["key"]), set()).add(task["worker"])
+        for name in key_split(task["key"]).split("+"):
+            workers.setdefault(name, set()).add(task["worker"])
     for group in ({"generate", "old_logprob", "train_actor"}, {"values", "train_critic"}):
         assert len(set().union(*(workers[name] for name in group))) == 1, group
     assert workers["generate"] != workers["values"]  # actor and critic are spread

@@ -163,7 +163,8 @@ def test_to_text(ppo: Pipeline) -> None:
         "sample_index",
         "  level 0:",
         "    generate (generate @actor)",
-        "      writes: response_ids, response_mask, sample_logprobs, response_text",
+        "      writes: response_ids, response_mask, sample_logprobs, policy_version, "
+        "response_text",
         "  level 1 (run concurrently):",
         "    reward (score)",
         "      reads:  prompt_text<-data, response_text<-generate",

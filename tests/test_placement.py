@@ -75,7 +75,8 @@ def test_explicit_groups_and_stage_placement_override_the_strategy():
 
 @pytest.mark.parametrize("strategy,expected", [
     ("colocated", ["train_actor    train_actor  workers 0,1    data-parallel gang of 2",
-                   "generate       generate     workers 0,1    mb 0 -> w0; mb 1 -> w1",
+                   "generate       generate     workers 0,1    2 micro-batch(es), each on "
+                   "whichever of them is free",
                    "actor: train_actor all-reduces gradients over workers 0,1"]),
     ("interleaved", ["actor          workers 0 (", "critic         workers 1 (",
                      "none: every model is updated where it is used"]),

@@ -55,6 +55,32 @@ def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
         return load_pipeline(file, overrides)
 
 
+def _parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as overrides (VALUE read as YAML: 1, 0.5, true, [0, 1])."""
+    import yaml
+
+    from rlhfflow.pipeline.spec import _Loader
+
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE (e.g. overlap.max_staleness=1), "
+                                     f"got {item!r}", param_hint="--set")
+        try:
+            out[key.strip()] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+        except yaml.YAMLError:
+            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML",
+                                     param_hint="--set") from None
+    return out
+
+
+SET_OPTION = click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE",
+    help="Override any key of the file, as a dotted path and a YAML value; repeatable. "
+         "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="rlhfflow")
 def main() -> None:
@@ -160,21 +186,25 @@ def graph(file: str, fmt: str) -> None:
               help="Plan for N device workers instead of the file's 'cluster.workers'.")
 @click.option("--strategy", type=click.Choice(["colocated", "interleaved", "disaggregated"]),
               help="Plan with this strategy instead of the file's 'placement.strategy'.")
-def plan(file: str, workers: int | None, strategy: str | None) -> None:
+@SET_OPTION
+def plan(file: str, workers: int | None, strategy: str | None, sets: tuple[str, ...]) -> None:
     """Print the execution plan of a pipeline FILE without running it.
 
     For every stage: the workers it runs on and how its batch is split among
-    them; for every model: the workers that hold it; and which weights move
-    where after each update, and how many bytes. A placement the cluster
-    cannot hold (a worker index past the end, more groups than workers, a
-    stage left without a worker) is an error (exit 2).
+    them; for every model: the workers that hold it; the overlap (which stages
+    run ahead with max_staleness, which are fused into one task); and which
+    weights move where after each update, and how many bytes. A placement the
+    cluster cannot hold (a worker index past the end, more groups than
+    workers, a stage left without a worker) is an error (exit 2).
 
     \b
     Example:
       rlhfflow plan configs/ppo-tiny.yaml
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated --workers 4
+      rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated \\
+          --set overlap.max_staleness=1
     """
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = _parse_sets(sets)
     if workers is not None:
         overrides["cluster.workers"] = workers
     if strategy is not None:
@@ -339,9 +369,10 @@ def init(directory: str, force: bool) -> None:
 @click.option("--force", is_flag=True,
               help="Resume even though the pipeline file changed since the run started.")
 @click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
+@SET_OPTION
 def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         scheduler: str | None, overwrite: bool, resume: str, force: bool,
-        quiet: bool) -> None:
+        quiet: bool, sets: tuple[str, ...]) -> None:
     """Run the pipeline in FILE on Dask.
 
     Options override the matching keys of the file, which is validated with
@@ -356,9 +387,11 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
       rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try --overwrite
       rlhfflow run configs/ppo-tiny.yaml --iterations 50      # continue to 50
       rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
+      rlhfflow run configs/ppo-tiny.yaml --set overlap.max_staleness=1 \\
+          --set placement.strategy=disaggregated
     """
-    overrides = {"iterations": iterations, "cluster.workers": workers, "output": out,
-                 "cluster.address": scheduler}
+    overrides = {**_parse_sets(sets), "iterations": iterations, "cluster.workers": workers,
+                 "output": out, "cluster.address": scheduler}
     pipeline = load(file, {k: v for k, v in overrides.items() if v is not None})
     from rlhfflow.pipeline.executor import RunError, run_pipeline
 

@@ -89,8 +89,9 @@ class InlineBackend:
             torch.set_num_threads(torch_threads)
         set_local_host(WorkerHost(run, device=worker_device(run.settings.get("device"))))
 
-    def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
-               retries: int = 0, priority: int = 0) -> _Done:
+    def submit(self, fn: Callable, *args: Any, key: str,
+               worker: str | Sequence[str] | None = None, retries: int = 0,
+               priority: int = 0) -> _Done:
         """Run ``fn`` now; a failure is kept and raised where the result is used."""
         for attempt in range(retries + 1):
             try:
@@ -262,12 +263,14 @@ class DaskBackend:
         """Give every worker its resident state (replacing a previous run's)."""
         self.client.register_plugin(RLHFWorkerPlugin(run, torch_threads), name=PLUGIN_NAME)
 
-    def submit(self, fn: Callable, *args: Any, key: str, worker: str | None = None,
-               retries: int = 0, priority: int = 0):
-        """Submit a task; pinned tasks run only on ``worker``."""
+    def submit(self, fn: Callable, *args: Any, key: str,
+               worker: str | Sequence[str] | None = None, retries: int = 0,
+               priority: int = 0):
+        """Submit a task; a pinned task runs only on ``worker`` (or on whichever of a list
+        of workers the scheduler finds free first)."""
+        workers = [worker] if isinstance(worker, str) else (list(worker) if worker else None)
         future = self.client.submit(fn, *args, key=key, pure=False, retries=retries,
-                                    priority=priority,
-                                    workers=[worker] if worker else None,
+                                    priority=priority, workers=workers,
                                     allow_other_workers=False)
         self._submitted.add(future)
         return future

@@ -2,13 +2,19 @@
 futures, so each task starts as soon as its inputs exist.
 
 Per iteration: the prompts are split into micro-batches; micro-batch stages (generate,
-score, log-probs, values) get one task per micro-batch, pinned to the worker that holds
-their model; whole-batch stages (advantages, training) get one task. Edges come from the
-columns a stage reads, its ``after`` list, and the model edges of the graph (a trainer
-waits for the other users of its model; next iteration's users wait for the trainer).
-Iteration k+1 is submitted while k runs, so the scheduler starts it the moment the new
-weights exist. Experience is written to zarr by ``store`` tasks on the workers that hold
-it; the coordinator owns the metadata and commits an iteration once it is complete.
+score, log-probs, values) get one task per micro-batch (their own ``micro_batches``), on
+the workers that hold their model (whichever is free); whole-batch stages (advantages,
+training) get one task. A task waits only for the micro-batches of its inputs that hold
+its rows, so a micro-batch streams through the stages as soon as it exists. Consecutive
+stages the plan fuses run as one task. Edges come from the columns a stage reads, its
+``after`` list, and the model edges of the graph (a trainer waits for the other users of
+its model; next iteration's users wait for the trainer). Iteration k+1 is submitted while
+k runs, so the scheduler starts it the moment the new weights exist; with
+``overlap.max_staleness: N`` the generating model's inference of iteration k+N is
+submitted with iteration k and runs on the weights of N updates before. Priorities put
+older iterations first and, within one, the stages with the longest path ahead of them.
+Experience is written to zarr by ``store`` tasks on the workers that hold it; the
+coordinator owns the metadata and commits an iteration once it is complete.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 from rlhfflow.pipeline.backend import DaskBackend, InlineBackend, TaskFailed, WorkerLost
 from rlhfflow.pipeline.graph import SOURCE
 from rlhfflow.pipeline.loader import Pipeline
-from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, make_plan, model_sizes
+from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, inputs_of, make_plan, model_sizes
 from rlhfflow.pipeline.runstate import (
     Resume,
     RunStateError,
@@ -40,6 +46,7 @@ from rlhfflow.pipeline.source import PromptSource, micro_batch_bounds
 from rlhfflow.pipeline.worker import (
     RunDef,
     StageDef,
+    StageFailed,
     checkpoint_task,
     export_weights_task,
     gang_port,
@@ -76,6 +83,7 @@ class RunResult:
     setup_metrics: dict[str, Any] = field(default_factory=dict)
     dashboard: str | None = None
     stopped: bool = False
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,7 +92,10 @@ class _Iteration:
 
     index: int
     handles: dict[str, list[Any]]
-    stores: list[Any]
+    bounds: dict[str, list[tuple[int, int]]]  # stage -> its micro-batches' rows
+    rows: int
+    prompt_len: int
+    stores: list[Any] = field(default_factory=list)
     checkpoint: tuple[Path, dict[str, list[Any]]] | None = None
     syncs: dict[str, list[Any]] = field(default_factory=dict)  # model -> install tasks
 
@@ -167,6 +178,7 @@ class Executor:
         self.model_bytes = model_sizes(pipeline)
         self.versions: dict[str, int] = {}  # the version each model has once submitted
         self._gang_tail: dict[tuple[int, ...], list[Any]] = {}  # last gang per worker set
+        self.summary: dict[str, Any] = {}
         self.models: dict[str, ModelConfig] = {}
         self.initial_models: dict[str, ModelConfig] = {}
         self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
@@ -181,6 +193,10 @@ class Executor:
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         self.writers = [SOURCE] + [n for n in self.graph.loop_stages
                                    if self.graph.nodes[n].writes]
+        self.rank = _upward_rank(self.graph)
+        # busy time per worker: finished compute intervals not yet past a window
+        self._busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self._window_start = time.time()
 
     # ----------------------------------------------------------------- set-up
     def run(self) -> RunResult:
@@ -212,6 +228,7 @@ class Executor:
             result.setup_metrics = self._run_setup()
         if self.graph.loop_stages and first < spec.iterations:
             result.metrics = self._run_with_recovery(first)
+        result.summary = self.summary
         result.stopped = bool(self.stop and self.stop.is_set())
         if not result.stopped:
             self._save_final()
@@ -402,16 +419,25 @@ class Executor:
         spec = self.pipeline.spec
         records = []
         # iteration k+1 is submitted before k is finished, so the scheduler starts it the
-        # moment its inputs exist (inline backends run tasks at submission: no overlap)
+        # moment its inputs exist (inline backends run tasks at submission: no overlap);
+        # stages that run ahead (max_staleness N) are submitted N iterations earlier
+        lag = self.plan.max_staleness
+        live: dict[int, _Iteration] = {}
         previous: _Iteration | None = None
-        self._last_done = time.perf_counter()
+        self._window_start = time.time()
+        self._busy.clear()
         for k in range(first, spec.iterations):
             if self.stop is not None and self.stop.is_set():
                 in_flight = f"iteration {previous.index}" if previous else "nothing"
                 self._say(f"rlhfflow: stopping: finishing {in_flight} in flight, then "
                           f"saving a checkpoint")
                 break
-            current = self._submit(k, previous)
+            for i in range(k, min(k + lag, spec.iterations - 1) + 1):
+                if i not in live:
+                    live[i] = self._begin(i)
+                    self._submit_stages(live[i], previous, ahead=True)
+            current = live.pop(k)
+            self._submit_stages(current, previous, ahead=False, later=live.get(k + lag))
             if previous is not None:
                 records.append(self._finish(previous))
             previous = current
@@ -423,6 +449,7 @@ class Executor:
         last = records[-1]["iteration"] if records else first - 1
         if last > self.last_checkpoint:
             self._publish_checkpoint(last, self._submit_checkpoint(last, {}))
+        self._summarise(records)
 
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
@@ -468,7 +495,8 @@ class Executor:
             handles[m] = [self.backend.submit(checkpoint_task, m, str(directory),
                                               after.get(m, []), rank,
                                               key=f"checkpoint-{k}-{_token()}",
-                                              worker=self.addresses[w], priority=-k)
+                                              worker=self.addresses[w],
+                                              priority=-k * 1000)
                           for rank, w in enumerate(ranks)]
         return directory, handles
 
@@ -488,66 +516,142 @@ class Executor:
         self.checkpoints.prune(self.pipeline.spec.checkpoint.keep)
         self.last_checkpoint = k
 
-    def _submit(self, k: int, previous: _Iteration | None) -> _Iteration:
-        """Submit every task of iteration ``k``; returns at once."""
-        spec = self.pipeline.spec
+    def _begin(self, k: int) -> _Iteration:
+        """Iteration ``k``'s prompts, split into the micro-batches of every stage and
+        placed next to the first stage's tasks."""
         batch = self.source.batch(k)
         rows = len(batch["prompt_ids"])
-        bounds = micro_batch_bounds(rows, spec.data.micro_batches)
+        bounds = {SOURCE: micro_batch_bounds(rows, self.pipeline.spec.data.micro_batches)}
+        for name, sp in self.plan.stages.items():
+            if sp.micro_batches is not None:
+                bounds[name] = micro_batch_bounds(rows, sp.micro_batches)
         first = self.plan.stages[self.graph.loop_stages[0]]
         handles: dict[str, list[Any]] = {
             SOURCE: [self.backend.scatter(slice_batch(batch, a, b),
                                           self._address(first.worker(j)))
-                     for j, (a, b) in enumerate(bounds)]}
-        syncs: dict[str, list[Any]] = {}
+                     for j, (a, b) in enumerate(bounds[SOURCE])]}
+        return _Iteration(k, handles, bounds, rows, batch["prompt_ids"].shape[1])
+
+    def _submit_stages(self, it: _Iteration, previous: _Iteration | None, ahead: bool,
+                       later: _Iteration | None = None) -> None:
+        """Submit the stages of iteration ``it`` that run ahead (``ahead=True``: the
+        generating model's inference with max_staleness > 0) or all the others; returns
+        at once. ``later`` is the iteration whose ahead stages were submitted last: this
+        iteration's trainers (and weight installs) must wait for them, as they use the
+        weights from before this update."""
+        spec, k, handles = self.pipeline.spec, it.index, it.handles
+        sequential = self.plan.sequential
         for name in self.graph.loop_stages:
-            node, sp = self.graph.nodes[name], self.plan.stages[name]
-            producers = list(dict.fromkeys(self.graph.producer(c, name) for c in node.reads))
-            order: list[Any] = [a for a in node.after if a not in producers]
-            order += [h for u in self.releases[name] for h in handles[u]]
-            if previous is not None:
-                order += [h for t in self.crossings[name] for h in previous.handles[t]]
-                # a shadow copy is used only once the new weights are installed on it
-                order += previous.syncs.get(node.model, [])
-                if node.trains and previous.checkpoint and node.model in previous.checkpoint[1]:
-                    # the update of k must not start before checkpoint k-1 saved the model
-                    order += previous.checkpoint[1][node.model]
-            retries = spec.stages[name].retries
-            versions = {node.model: self.versions[node.model]} if node.model else None
-            if node.per_batch:
+            sp = self.plan.stages[name]
+            if name in handles or (sp.lag > 0) != ahead:
+                continue
+            group = self.plan.group(name)
+            nodes = [self.graph.nodes[n] for n in group]
+            inputs = [x for n in group for x in inputs_of(self.graph, n) if x not in group]
+            inputs = list(dict.fromkeys(inputs))
+            producers = list(dict.fromkeys(
+                p for n in group for c in self.graph.nodes[n].reads
+                if (p := self.graph.producer(c, n)) not in group))
+            order: list[Any] = []
+            for n, node in zip(group, nodes, strict=True):
+                for user in self.releases[n]:
+                    if self.plan.stages[user].lag == 0:
+                        order += handles[user]
+                    elif later is not None and self._at_home(user):
+                        order += later.handles[user]
+                if previous is not None:
+                    order += [h for t in self.crossings[n] for h in previous.handles[t]]
+                    # a shadow copy is used only once the new weights are installed on it
+                    order += previous.syncs.get(node.model, [])
+                    if node.trains and previous.checkpoint and \
+                            node.model in previous.checkpoint[1]:
+                        # the update of k must not start before checkpoint k-1 saved it
+                        order += previous.checkpoint[1][node.model]
+            if sequential:
+                order += self._barrier(it, name, previous)
+            retries = max(spec.stages[n].retries for n in group)
+            versions = {node.model: self.versions[node.model] for node in nodes if node.model}
+            priority = -k * 1000 + max(self.rank[n] for n in group)
+            label = "+".join(group)
+            task = group if len(group) > 1 else name
+            if sp.micro_batches is None:
                 parts = [part(handles[p]) for p in producers]
-                deps = [h for a in order for h in (handles[a] if isinstance(a, str) else [a])]
+                deps = order + [h for x in inputs if x not in producers for h in handles[x]]
                 if sp.gang:
-                    handles[name] = self._submit_gang(name, k, parts, deps, versions)
+                    out = self._submit_gang(name, k, parts, deps, versions, priority)
                 else:
-                    handles[name] = [self.backend.submit(
-                        stage_task, name, k, parts, deps, versions,
-                        key=f"{name}-{k}-{_token()}", worker=self._address(sp.worker(0)),
-                        retries=retries, priority=-k)]
+                    out = [self.backend.submit(
+                        stage_task, task, k, parts, deps, versions,
+                        key=f"{label}-{k}-{_token()}", worker=self._address(sp.worker(0)),
+                        retries=retries, priority=priority)]
+            else:
+                out = []
+                where = self._addresses(sp.workers)
+                for j, (a, b) in enumerate(it.bounds[name]):
+                    parts, deps = [], list(order)
+                    for x in inputs:
+                        inp, hs = self._rows_of(it, x, a, b)
+                        deps += hs
+                        if x in producers:
+                            parts.append(inp)
+                    if SOURCE in producers:
+                        parts.append(self._rows_of(it, SOURCE, a, b)[0])
+                    out.append(self.backend.submit(
+                        stage_task, task, k, parts, deps, versions,
+                        key=f"{label}-{k}-{j}-{_token()}", worker=where, retries=retries,
+                        priority=priority))
+            for n, node in zip(group, nodes, strict=True):
+                handles[n] = out
                 if node.trains:
                     self.versions[node.model] += 1
-                    syncs.update(self._submit_syncs(name, k, handles[name]))
-                continue
-            handles[name] = []
-            for j, (a, b) in enumerate(bounds):
-                parts = [self._mb_part(handles, p, j, a, b) for p in producers]
-                deps = [h for x in order
-                        for h in (self._mb_handles(handles, x, j) if isinstance(x, str)
-                                  else [x])]
-                handles[name].append(self.backend.submit(
-                    stage_task, name, k, parts, deps, versions,
-                    key=f"{name}-{k}-{j}-{_token()}", worker=self._address(sp.worker(j)),
-                    retries=retries, priority=-k))
-        stores = self._submit_stores(k, rows, bounds, batch, handles)
-        checkpoint = None
+                    it.syncs.update(self._submit_syncs(n, k, out, later))
+        if ahead:
+            return
+        it.stores = self._submit_stores(it)
         if self._checkpoint_due(k):
             trainers = {m: [h for t in self.graph.trainers(m) if t in handles
                             for h in handles[t]] for m in self._loop_trained()}
-            checkpoint = self._submit_checkpoint(k, trainers)
-        return _Iteration(k, handles, stores, checkpoint, syncs)
+            it.checkpoint = self._submit_checkpoint(k, trainers)
+
+    def _barrier(self, it: _Iteration, name: str, previous: _Iteration | None) -> list[Any]:
+        """``overlap.sequential``: what a stage waits for besides its inputs: the whole
+        previous stage, or for the first stage all of the previous iteration."""
+        loop = self.graph.loop_stages
+        i = loop.index(name)
+        if i > 0:
+            return list(it.handles[loop[i - 1]])
+        if previous is None:
+            return []
+        return [h for hs in previous.handles.values() for h in hs] + previous.stores + \
+            [h for hs in previous.syncs.values() for h in hs]
+
+    def _at_home(self, stage: str) -> bool:
+        """Whether ``stage`` may run on a worker where its model is trained."""
+        sp = self.plan.stages[stage]
+        model = self.graph.nodes[stage].model
+        return bool(set(sp.workers) & set(self.plan.homes.get(model, ())))
+
+    def _addresses(self, workers: tuple[int, ...]) -> list[str] | None:
+        """The addresses a task may run on (None: any worker)."""
+        return [self.addresses[w] for w in workers] or None
+
+    def _rows_of(self, it: _Iteration, stage: str, a: int, b: int
+                 ) -> tuple[dict[str, Any], list[Any]]:
+        """Rows ``[a, b)`` of ``stage``'s output in iteration ``it``: the input of a task
+        (the results of the micro-batches holding those rows, and the rows to take of
+        their concatenation) and the handles it waits for."""
+        hs = it.handles[stage]
+        if stage != SOURCE and self.graph.nodes[stage].per_batch:
+            return part(hs, (a, b)), list(hs)
+        bounds = it.bounds[stage]
+        js = [j for j, (pa, pb) in enumerate(bounds) if pa < b and pb > a]
+        start, stop = bounds[js[0]][0], bounds[js[-1]][1]
+        rows = None if (a, b) == (start, stop) else (a - start, b - start)
+        chosen = [hs[j] for j in js]
+        return part(chosen, rows), chosen
 
     def _submit_gang(self, name: str, k: int, parts: list, deps: list,
-                     versions: dict[str, int]) -> list[Any]:
+                     versions: dict[str, int], priority: int) -> list[Any]:
         """One task per worker of a gang, one rank each. A gang waits for the previous
         gang on the same workers, so two gangs never hold each other's workers while
         waiting in a collective (a deadlock with one thread each)."""
@@ -557,52 +661,53 @@ class Executor:
         # no retries: one rank retried alone would wait for peers that already finished
         tasks = [self.backend.submit(stage_task, name, k, parts, deps, versions,
                                      tuple(members), key=f"{name}-{k}-r{rank}-{_token()}",
-                                     worker=address, priority=-k)
+                                     worker=address, priority=priority)
                  for rank, address in enumerate(members)]
         self._gang_tail[sp.workers] = tasks
         return tasks
 
-    def _submit_syncs(self, trainer: str, k: int, trained: list[Any]) -> dict[str, list[Any]]:
+    def _submit_syncs(self, trainer: str, k: int, trained: list[Any],
+                      later: _Iteration | None) -> dict[str, list[Any]]:
         """Send the weights ``trainer`` produced to the model's shadow copies (parameter
-        reallocation): one export at the home, one versioned install per shadow."""
+        reallocation): one export at the home, one versioned install per shadow, after
+        the stages running ahead on that shadow (they use the weights it has now)."""
         out = {}
         for t in self.plan.transfers_after(trainer):
             export = self.backend.submit(export_weights_task, t.model, k, trained,
                                          key=f"export-{k}-{_token()}",
-                                         worker=self.addresses[t.source], priority=-k)
-            out[t.model] = [self.backend.submit(
-                install_weights_task, export, self.versions[t.model], k,
-                key=f"realloc-{k}-{_token()}", worker=self.addresses[w], priority=-k)
-                for w in t.targets]
+                                         worker=self.addresses[t.source],
+                                         priority=-k * 1000 + 999)
+            out[t.model] = []
+            for w in t.targets:
+                users = [h for n, sp in self.plan.stages.items()
+                         if later is not None and sp.lag and w in sp.workers
+                         and self.graph.nodes[n].model == t.model
+                         for h in later.handles.get(n, [])]
+                out[t.model].append(self.backend.submit(
+                    install_weights_task, export, self.versions[t.model], k, users,
+                    key=f"realloc-{k}-{_token()}", worker=self.addresses[w],
+                    priority=-k * 1000 + 999))
         return out
 
-    def _mb_part(self, handles, producer: str, j: int, a: int, b: int) -> dict[str, Any]:
-        """Micro-batch ``j`` of ``producer``'s output (a slice of a whole-batch output)."""
-        if producer == SOURCE or not self.graph.nodes[producer].per_batch:
-            return part([handles[producer][j]])
-        return part(handles[producer], (a, b))
-
-    def _mb_handles(self, handles, stage: str, j: int) -> list[Any]:
-        """What micro-batch ``j`` waits for of ``stage``: its own micro-batch, or all of
-        a whole-batch stage."""
-        if stage == SOURCE or not self.graph.nodes[stage].per_batch:
-            return [handles[stage][j]]
-        return list(handles[stage])
-
-    def _submit_stores(self, k, rows, bounds, batch, handles) -> list[Any]:
+    def _submit_stores(self, it: _Iteration) -> list[Any]:
         """Create the iteration's arrays (coordinator) and one store task per micro-batch."""
-        lengths = {"prompt": batch["prompt_ids"].shape[1], "response": self._response_len()}
+        k = it.index
+        lengths = {"prompt": it.prompt_len, "response": self._response_len()}
         schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
                   for c, col in self.stored.items()}
+        bounds = it.bounds[SOURCE]
         chunk = bounds[0][1] - bounds[0][0]
-        self.buffer.begin_iteration(k, rows, schema, chunk_rows=chunk,
+        self.buffer.begin_iteration(k, it.rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
         stores = []
+        writers = list({id(it.handles[w]): w for w in self.writers}.values())  # fused: once
+        # sequential: the stores are the iteration's last stage
+        after = list(it.handles[self.graph.loop_stages[-1]]) if self.plan.sequential else []
         for j, (a, b) in enumerate(bounds):
-            parts = [self._mb_part(handles, w, j, a, b) for w in self.writers]
+            parts = [self._rows_of(it, w, a, b)[0] for w in writers]
             stores.append(self.backend.submit(
                 store_task, str(self.out / "buffer.zarr"), k, a, parts, list(self.stored),
-                key=f"store-{k}-{j}-{_token()}", priority=-k))
+                after, key=f"store-{k}-{j}-{_token()}", priority=-k * 1000 - 1))
         return stores
 
     def _response_len(self) -> int:
@@ -625,9 +730,7 @@ class Executor:
                                strict=True))
         moved = self.backend.gather(installs)
         self.buffer.commit(it.index)
-        now = time.perf_counter()
-        record = self._record(it, partials, train_stats, now - self._last_done, moved)
-        self._last_done = now
+        record = self._record(it, partials, train_stats, moved)
         self.log.append(record)
         self._report(record)
         if it.checkpoint is not None:
@@ -643,30 +746,64 @@ class Executor:
                 # a gang's survivors fail in their collective when a peer dies: that is
                 # the lost worker (recoverable), not the stage's fault
                 self.backend.check_alive(self.addresses, grace=5.0)
-            stage = exc.key.split("-")[0]
-            if _is_disk_full(exc.cause):
-                raise RunError(_disk_full(exc.cause, f"stage {stage!r}")) from None
+            stage, cause = exc.key.split("-")[0], exc.cause
+            # a fused task is retried as often as the most retried stage in it
+            retries = max((self.pipeline.spec.stages[s].retries for s in stage.split("+")
+                           if s in self.pipeline.spec.stages), default=0)
+            if isinstance(cause, StageFailed):  # one stage of a fused task
+                stage, cause = cause.stage, cause.cause
+            if _is_disk_full(cause):
+                raise RunError(_disk_full(cause, f"stage {stage!r}")) from None
             where = f" in iteration {iteration}" if iteration is not None else " (setup)"
-            retries = self.pipeline.spec.stages[stage].retries if stage in \
-                self.pipeline.spec.stages else 0
             tried = f" after {retries + 1} attempts" if retries else ""
             raise RunError(f"stage {stage!r} failed{where}{tried}: "
-                           f"{type(exc.cause).__name__}: {exc.cause}") from exc.cause
+                           f"{type(cause).__name__}: {cause}") from cause
         if not gather:
             return {}
         return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
 
     # ----------------------------------------------------------------- metrics
-    def _collect_timings(self) -> None:
+    def _collect_timings(self) -> dict[int, list[tuple[float, float]]]:
+        """Pull the workers' task intervals: per-iteration stage times, and per worker the
+        finished intervals (kept for the busy fraction); returns the running ones."""
         # timings are diagnostics: a worker that died with its timings loses them
-        for intervals in self.backend.run_on_workers(pop_timings).values():
-            for iteration, stage, start, stop in intervals:
+        running: dict[int, list[tuple[float, float]]] = {}
+        for address, report in self.backend.run_on_workers(pop_timings).items():
+            w = self.addresses.index(address) if address in self.addresses else None
+            for iteration, stage, start, stop in report["done"]:
                 self.timings[iteration][stage] += stop - start
+                if w is not None:  # busy fractions are of the device workers
+                    self._busy[w].append((start, stop))
+            if w is None:
+                continue
+            running[w] = [(start, report["now"]) for _, _, start in report["running"]]
+        return running
+
+    def _busy_fractions(self, running: dict[int, list[tuple[float, float]]], start: float,
+                        stop: float) -> list[float]:
+        """Per worker, the fraction of ``[start, stop]`` it spent computing."""
+        fractions = []
+        for w in range(len(self.addresses)):
+            spans = sorted((max(a, start), min(b, stop))
+                           for a, b in self._busy[w] + running.get(w, []))
+            busy, reach = 0.0, start
+            for a, b in spans:
+                a = max(a, reach)
+                if b > a:
+                    busy += b - a
+                    reach = b
+            fractions.append(round(busy / max(stop - start, 1e-9), 4))
+            self._busy[w] = [(a, b) for a, b in self._busy[w] if b > stop]
+        return fractions
 
     def _record(self, it: _Iteration, partials: list[dict[str, float]],
-                train: dict[str, dict[str, Any]], iteration_s: float,
-                moved: list[dict[str, float]]) -> dict[str, Any]:
-        self._collect_timings()
+                train: dict[str, dict[str, Any]], moved: list[dict[str, float]]
+                ) -> dict[str, Any]:
+        running = self._collect_timings()
+        now = time.time()
+        iteration_s = now - self._window_start
+        busy = self._busy_fractions(running, self._window_start, now)
+        self._window_start = now
         total = defaultdict(float)
         for p in partials:
             for key, value in p.items():
@@ -679,6 +816,7 @@ class Executor:
         stats = {k: v for s in train.values() for k, v in s.items()}
         kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
             else stats.get("kl_loss")
+        stage_s = {k: round(v, 4) for k, v in self.timings.pop(it.index, {}).items()}
         return {
             "iteration": it.index, "samples": int(n),
             "samples_skipped": int(total.get("skipped", 0)),
@@ -687,12 +825,43 @@ class Executor:
             "clip_frac": stats.get("clip_frac"), "approx_kl": stats.get("approx_kl"),
             "response_length_mean": total["length_sum"] / n if n else None,
             "tokens_generated": int(total["tokens"]),
+            "staleness_mean": stats.get("staleness_mean"),
+            "staleness_max": stats.get("staleness_max"),
             "iteration_s": round(iteration_s, 4),
-            "stage_s": {k: round(v, 4) for k, v in self.timings.pop(it.index, {}).items()},
+            "stage_s": stage_s,
+            "overlap": round(sum(stage_s.values()) / max(iteration_s, 1e-9), 4),
+            "busy_frac": busy,
             "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
             "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
             "train": train,
         }
+
+    def _summarise(self, records: list[dict[str, Any]]) -> None:
+        """The overlap the run achieved, over its steady iterations (not the first, which
+        loads the models, nor the last, which has nothing left to overlap with): kept in
+        ``self.summary`` and printed."""
+        steady = records[1:-1] if len(records) > 2 else records
+        if not steady:
+            return
+
+        def mean(xs):
+            return sum(xs) / len(xs)
+
+        busy = [mean([r["busy_frac"][w] for r in steady])
+                for w in range(len(steady[0]["busy_frac"]))]
+        stale = [r["staleness_max"] for r in records if r.get("staleness_max") is not None]
+        self.summary = {
+            "iterations": len(steady),
+            "iteration_s": round(mean([r["iteration_s"] for r in steady]), 4),
+            "overlap": round(mean([r["overlap"] for r in steady]), 4),
+            "busy_frac": [round(b, 4) for b in busy],
+            "staleness_max": max(stale) if stale else None,
+        }
+        workers = ", ".join(f"w{w} {b:.2f}" for w, b in enumerate(busy))
+        stale_text = f"; staleness max {max(stale)}" if stale else ""
+        self._say(f"rlhfflow: overlap {self.summary['overlap']:.2f} (sum of stage times / "
+                  f"iteration wall time, mean over {len(steady)} iteration(s)); busy: "
+                  f"{workers}{stale_text}")
 
     def _report(self, r: dict[str, Any]) -> None:
         total = self.pipeline.spec.iterations
@@ -737,3 +906,21 @@ def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
 def _format_stats(stats: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in stats.items())
+
+
+def _upward_rank(graph) -> dict[str, int]:
+    """Per loop stage, the length (in stages) of the longest path from it to the end of
+    the iteration, and for a trainer on through the next iteration's users of its model
+    (the next rollout waits for the actor's update): the priority of its tasks within
+    an iteration, so the critical path goes first. Always below 1000."""
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for name in graph.loop_stages:
+        for x in inputs_of(graph, name):
+            consumers[x].append(name)
+    rank: dict[str, int] = {}
+    for name in reversed(graph.loop_stages):
+        rank[name] = 1 + max((rank[c] for c in consumers[name] if c in rank), default=0)
+    out = dict(rank)
+    for trainer, user in graph.cross_iteration_edges():
+        out[trainer] = max(out[trainer], rank[trainer] + rank[user])
+    return {n: min(r, 998) for n, r in out.items()}

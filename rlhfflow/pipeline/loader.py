@@ -112,6 +112,9 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
             if source.head == "value" and model.head == "lm":
                 raise SpecError(file, f"models.{name}.from", f"cannot make an 'lm' model from "
                                 f"{model.from_!r}, which has a value head")
+    if spec.overlap.sequential and spec.overlap.max_staleness:
+        raise SpecError(file, "overlap.max_staleness", "a sequential run overlaps nothing: "
+                        "set max_staleness to 0 or sequential to false")
     for name in spec.placement.models:
         if name not in spec.models:
             hint = did_you_mean(name, spec.models)
@@ -175,6 +178,10 @@ def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
         if stage.deepspeed is not None and stage.backend != "deepspeed":
             raise SpecError(file, f"{where}.deepspeed", "DeepSpeed settings need "
                                                         "'backend: deepspeed' on the stage")
+        if stage.micro_batches is not None and (cls.per_batch or cls.once):
+            raise SpecError(file, f"{where}.micro_batches", f"stage type {stage.type!r} works "
+                            f"on the whole batch; only micro-batch stages (generate, score, "
+                            f"logprob, values) take micro_batches")
         params[name] = parse_params(file, name, cls.Params, stage.params)
         problem = cls.check_params(params[name], stage.model is not None, file.resolve().parent)
         if problem:

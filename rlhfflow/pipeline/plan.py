@@ -15,6 +15,12 @@ Strategies (arXiv 2312.11819), for ``W`` device workers:
 ``placement.models`` and ``placement.stages`` override the strategy per model or stage.
 A model's *home* is where it is trained; a stage placed outside its model's home runs on a
 replica (a frozen model is just loaded there; a trained one is a shadow kept in sync).
+
+The plan also fixes the overlap (``overlap:``): which stages run *ahead* (with
+``max_staleness: N``, the inference of the generating model for iteration k+N is
+submitted with iteration k and uses the actor of N updates before), each micro-batch
+stage's split (``micro_batches``), and which consecutive micro-batch stages are *fused*
+into one task per micro-batch.
 """
 
 from __future__ import annotations
@@ -41,12 +47,18 @@ class StagePlan:
         gang: a data-parallel training gang over ``workers`` (one task per worker, sharing
             a torch.distributed process group; each minibatch is split among them).
         shadow: runs on a copy of a trained model that is synced after each update.
+        micro_batches: how many micro-batches the stage splits the batch into (None for
+            whole-batch stages); each micro-batch is one task.
+        lag: iterations the stage runs ahead of training (``overlap.max_staleness`` for
+            the generating model's inference, else 0).
     """
 
     name: str
     workers: tuple[int, ...]
     gang: bool = False
     shadow: bool = False
+    micro_batches: int | None = None
+    lag: int = 0
 
     def worker(self, micro_batch: int) -> int | None:
         """The worker of micro-batch ``micro_batch`` (round robin), or None for any."""
@@ -77,6 +89,13 @@ class ExecutionPlan:
     stages: Mapping[str, StagePlan]
     transfers: tuple[Transfer, ...]
     model_bytes: Mapping[str, int]
+    fused: tuple[tuple[str, ...], ...] = ()
+    max_staleness: int = 0
+    sequential: bool = False
+
+    def group(self, stage: str) -> tuple[str, ...]:
+        """The stages fused with ``stage`` into one task (itself alone if none)."""
+        return next((g for g in self.fused if stage in g), (stage,))
 
     @property
     def gangs(self) -> tuple[tuple[int, ...], ...]:
@@ -145,6 +164,12 @@ def make_plan(pipeline: Pipeline, n_workers: int,
             homes[m] = blocks[i]
             load[i] += sizes.get(m, 0)
 
+    overlap = spec.overlap
+    staleness = 0 if overlap.sequential else overlap.max_staleness
+    # with staleness, the generating model's inference runs ahead on older weights
+    ahead_models = {graph.nodes[g].model for g in graph.of_type("generate")
+                    if staleness and graph.nodes[g].model in spec.models
+                    and spec.models[graph.nodes[g].model].trainable}
     stages: dict[str, StagePlan] = {}
     replicas: dict[str, set[int]] = {m: set(h) for m, h in homes.items()}
     for name in graph.order:
@@ -155,7 +180,7 @@ def make_plan(pipeline: Pipeline, n_workers: int,
             if explicit is not None:
                 raise PlanError(file, key, f"stage {name!r} has no model: it runs on any "
                                            f"worker, next to its inputs")
-            stages[name] = StagePlan(name, ())
+            stages[name] = StagePlan(name, (), micro_batches=_micro_batches(pipeline, name))
             continue
         home = homes[node.model]
         if node.trains:
@@ -169,15 +194,19 @@ def make_plan(pipeline: Pipeline, n_workers: int,
                 deepspeed = spec.stages[name].backend == "deepspeed"  # needs a group even alone
                 stages[name] = StagePlan(name, home, gang=len(home) > 1 or deepspeed)
             continue
+        ahead = node.model in ahead_models and not node.per_batch
         if explicit is not None:
             workers = resolve(explicit, key)
-        elif placement.strategy == "disaggregated" and node.type == "generate":
+        elif placement.strategy == "disaggregated" and (node.type == "generate" or ahead):
+            # behaviour log-probs are computed next to generation, with its weights
             workers = groups["rollout"]
         else:
             workers = home
         trained = spec.models[node.model].trainable
         shadow = trained and not set(workers) <= set(home)
-        stages[name] = StagePlan(name, workers, shadow=shadow)
+        stages[name] = StagePlan(name, workers, shadow=shadow,
+                                 micro_batches=_micro_batches(pipeline, name),
+                                 lag=staleness if ahead else 0)
         replicas[node.model].update(workers)
 
     plan_replicas = {m: tuple(sorted(w)) for m, w in replicas.items()}
@@ -188,8 +217,65 @@ def make_plan(pipeline: Pipeline, n_workers: int,
         trainers = [t for t in graph.trainers(m) if not graph.nodes[t].once]
         if targets and trainers and spec.models[m].trainable:
             transfers.append(Transfer(m, trainers[-1], homes[m][0], targets, sizes.get(m, 0)))
+    fused = () if overlap.sequential or not overlap.fuse else _fuse(pipeline, stages)
     return ExecutionPlan(placement.strategy, n_workers, groups, homes, plan_replicas, stages,
-                         tuple(transfers), sizes)
+                         tuple(transfers), sizes, fused, staleness, overlap.sequential)
+
+
+def _micro_batches(pipeline: Pipeline, name: str) -> int | None:
+    """The micro-batches of a loop stage that works on micro-batches (None otherwise)."""
+    node, spec = pipeline.graph.nodes[name], pipeline.spec
+    if node.per_batch or node.once or spec.data is None:
+        return None
+    rows = spec.data.batch_size * spec.data.samples_per_prompt
+    return min(rows, spec.stages[name].micro_batches or spec.data.micro_batches)
+
+
+def inputs_of(graph, name: str) -> list[str]:
+    """The stages whose tasks a task of ``name`` waits for in the same iteration: the
+    producers of the columns it reads, then its ``after`` list (no ``SOURCE``)."""
+    from rlhfflow.pipeline.graph import SOURCE
+
+    node = graph.nodes[name]
+    producers = [graph.producer(c, name) for c in node.reads]
+    return [s for s in dict.fromkeys([*producers, *node.after]) if s and s != SOURCE]
+
+
+def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[str, ...], ...]:
+    """Groups of micro-batch stages that run as one task per micro-batch.
+
+    Greedy, in dependency order: a stage joins an earlier group when both run on the
+    same workers (a stage with no model follows a group that has workers), with the same
+    micro-batches and lag, and every stage of the iteration it waits for is in the group
+    or is already waited for by the group. The fused task then waits for no new stage of
+    its iteration, so fusion cannot make a cycle; it does take on its members' waits for
+    the previous iteration's updates of their models (a fused ``ref_logprob + values``
+    waits for the critic's update too). Only groups of two or more are returned.
+    """
+    spec, graph = pipeline.spec, pipeline.graph
+    groups: list[dict] = []
+    for name in graph.loop_stages:
+        sp = stages[name]
+        if sp.micro_batches is None:
+            continue
+        waits = set(inputs_of(graph, name))
+        joined = None
+        if spec.stages[name].fuse:
+            for g in reversed(groups):
+                same_place = sp.workers == g["workers"] or (not sp.workers and g["workers"])
+                if (g["fuse"] and same_place and sp.micro_batches == g["mb"] and sp.lag == g["lag"]
+                        and waits <= g["members"] | g["waits"]):
+                    joined = g
+                    break
+        if joined is None:
+            groups.append({"members": {name}, "order": [name], "waits": waits,
+                           "workers": sp.workers, "mb": sp.micro_batches, "lag": sp.lag,
+                           "fuse": spec.stages[name].fuse})
+        else:
+            joined["members"].add(name)
+            joined["order"].append(name)
+            joined["waits"] |= waits - joined["members"]
+    return tuple(tuple(g["order"]) for g in groups if len(g["order"]) > 1)
 
 
 def _groups(pipeline: Pipeline, n_workers: int) -> dict[str, tuple[int, ...]]:
@@ -328,9 +414,14 @@ def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
     lines.append("stages:")
     for name in graph.order:
         node, sp = graph.nodes[name], plan.stages[name]
-        if not sp.workers:
+        n_mb = sp.micro_batches or 1
+        group = plan.group(name)
+        if not sp.workers and len(group) > 1:
+            where, split = "with its group", f"{n_mb} micro-batch(es)"
+        elif not sp.workers:
             where, split = "any worker", ("whole batch" if node.per_batch else
-                                          f"{micro} micro-batch(es), next to their inputs")
+                                          f"{n_mb} micro-batch(es), on whichever worker "
+                                          f"is free")
         elif sp.gang and len(sp.workers) == 1:
             where, split = f"worker {sp.workers[0]}", "whole batch (a gang of one)"
         elif sp.gang:
@@ -341,15 +432,37 @@ def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
             where, split = f"worker {sp.workers[0]}", "whole batch"
         else:
             where = f"worker{'s' if len(sp.workers) > 1 else ''} {_ws(sp.workers)}"
-            per = {w: [j for j in range(micro) if sp.worker(j) == w] for w in sp.workers}
-            split = "; ".join(f"mb {','.join(map(str, js)) or '-'} -> w{w}"
-                              for w, js in per.items())
-            idle = [w for w, js in per.items() if not js]
-            if idle:
-                split += f" (workers {_ws(tuple(idle))} idle: raise data.micro_batches)"
+            split = f"{n_mb} micro-batch(es)"
+            if len(sp.workers) > 1:
+                split += ", each on whichever of them is free"
+            if n_mb < len(sp.workers):
+                split += f" (only {n_mb} of {len(sp.workers)} workers busy: raise " \
+                         f"micro_batches)"
         tag = " [shadow]" if sp.shadow else ""
+        if len(group) > 1 and group[0] != name:
+            tag += f" [fused into {group[0]}]"
+        if sp.lag:
+            tag += f" [ahead {sp.lag}]"
         kind = "setup" if node.once else node.type
         lines.append(f"  {name:<14} {kind:<12} {where:<14} {split}{tag}")
+    lines.append("overlap:")
+    if plan.sequential:
+        lines.append("  sequential: each stage waits for the whole previous one, each "
+                     "iteration for the previous one (no streaming, fusion or overlap)")
+    else:
+        lines.append("  streaming: each micro-batch moves on as soon as it is ready; "
+                     "iteration k+1 starts as soon as its inputs exist")
+        if plan.max_staleness:
+            ahead = [n for n, sp in plan.stages.items() if sp.lag]
+            lines.append(f"  max_staleness {plan.max_staleness}: {', '.join(ahead)} of "
+                         f"iteration k run with the actor of iteration k-{plan.max_staleness}"
+                         f" (behaviour log-probs kept for the PPO ratio)")
+        else:
+            lines.append("  max_staleness 0: strictly on-policy")
+        for g in plan.fused:
+            lines.append(f"  fused: {' + '.join(g)} (one task per micro-batch)")
+        if not plan.fused:
+            lines.append("  fused: none")
     lines.append("weights moved:")
     moved = False
     for t in plan.transfers:

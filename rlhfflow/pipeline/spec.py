@@ -110,6 +110,8 @@ class StageSpec(Strict):
     retries: NonNegInt = 0
     backend: Literal["torch", "deepspeed"] = "torch"
     deepspeed: DeepSpeedSpec | None = None
+    micro_batches: PositiveInt | None = None
+    fuse: bool = True
 
 
 class DataSpec(Strict):
@@ -202,6 +204,22 @@ class PlacementSpec(Strict):
         return groups
 
 
+class OverlapSpec(Strict):
+    """How much the scheduler may overlap (see ``rlhfflow plan``).
+
+    ``max_staleness``: generation (and the actor's other inference, the behaviour
+    log-probs) of iteration k may run up to N actor updates behind, i.e. before training
+    on iterations k-N..k-1 finished; 0 is strictly on-policy. ``fuse``: run consecutive
+    micro-batch stages on the same workers as one task. ``sequential``: every stage waits
+    for the whole previous stage and every iteration for the previous one (no streaming,
+    fusion or overlap): the baseline the overlap is measured against.
+    """
+
+    max_staleness: NonNegInt = 0
+    fuse: bool = True
+    sequential: bool = False
+
+
 class PipelineSpec(Strict):
     """The whole pipeline file."""
 
@@ -215,6 +233,7 @@ class PipelineSpec(Strict):
     algorithm: AlgorithmSpec = AlgorithmSpec()
     cluster: ClusterSpec = ClusterSpec()
     placement: PlacementSpec = PlacementSpec()
+    overlap: OverlapSpec = OverlapSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
 
 

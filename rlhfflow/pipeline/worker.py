@@ -12,6 +12,7 @@ import gc
 import threading
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ class WorkerHost:
         self.store = ModelStore(run.models, device=device)
         self._stages: dict[str, Stage] = {}
         self.timings: list[tuple[int, str, float, float]] = []
+        self.running: dict[int, tuple[int, str, float]] = {}  # thread id -> task started
         self._lock = threading.Lock()
 
     def stage(self, name: str) -> Stage:
@@ -87,11 +89,28 @@ class WorkerHost:
         with self._lock:
             self.timings.append((iteration, stage, start, stop))
 
-    def pop_timings(self) -> list[tuple[int, str, float, float]]:
-        """Hand the recorded intervals to the coordinator and forget them."""
+    @contextmanager
+    def timed(self, iteration: int, stage: str):
+        """Record the compute interval of the block; while it runs it is reported as
+        running (so the busy time of a window that ends mid-task is not lost)."""
+        start = time.time()
+        thread = threading.get_ident()
+        with self._lock:
+            self.running[thread] = (iteration, stage, start)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.running.pop(thread, None)
+                self.timings.append((iteration, stage, start, time.time()))
+
+    def pop_timings(self) -> dict[str, list]:
+        """Hand the finished intervals to the coordinator (and forget them), with the
+        tasks still running as ``(iteration, stage, start)``."""
         with self._lock:
             out, self.timings = self.timings, []
-        return out
+            running = list(self.running.values())
+        return {"done": out, "running": running, "now": time.time()}
 
     def close(self) -> None:
         """Drop the models so their memory is freed."""
@@ -191,6 +210,17 @@ class StaleWeights(RuntimeError):
     """A task found another version of a model than the plan expects on its worker."""
 
 
+class StageFailed(RuntimeError):
+    """One stage of a fused task failed: names it, and keeps its exception as ``cause``."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"stage {stage!r}: {type(cause).__name__}: {cause}")
+        self.stage, self.cause = stage, cause
+
+    def __reduce__(self):
+        return StageFailed, (self.stage, self.cause)
+
+
 def _address(dask_worker=None) -> str:
     try:
         from distributed import get_worker
@@ -209,18 +239,21 @@ def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | No
                                f"but stage {name!r} expects version {expected}")
 
 
-def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: list[Any],
-               versions: Mapping[str, int] | None = None,
+def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
+               after: list[Any], versions: Mapping[str, int] | None = None,
                gang: tuple[str, ...] | None = None) -> Batch:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
 
+    ``name`` may be a tuple of fused stages: they run one after the other in this task,
+    each on its inputs plus the columns the ones before it wrote, and the task returns
+    every column they wrote (no serialisation or scheduling between them).
     ``versions`` are the model versions the plan expects here; ``gang`` the members of
     the data-parallel gang this task is one rank of (checked, so a misplaced task fails
     at once instead of hanging in a collective)."""
     del after
     host = current_host()
-    stage = host.stage(name)
-    check_versions(host, name, versions)
+    names = (name,) if isinstance(name, str) else tuple(name)
+    check_versions(host, "+".join(names), versions)
     ctx = host.context(iteration)
     if gang is not None:
         from rlhfflow.stages.parallel import current_gang
@@ -230,24 +263,36 @@ def stage_task(name: str, iteration: int, parts: list[dict[str, Any]], after: li
                 gang[ctx.gang.rank] != _address():
             raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
                                f"gang {list(gang)} it was sent to")
-    start = time.time()
-    out = stage.run(assemble(parts, host.run.stages[name].reads), ctx)
-    host.record(iteration, name, start, time.time())
+    defs = host.run.stages
+    batch = assemble(parts, tuple(c for n in names for c in defs[n].reads))
+    out: Batch = {}
+    for n in names:
+        stage = host.stage(n)
+        inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
+                  if c in out or c in batch}
+        with host.timed(iteration, n):
+            try:
+                out.update(stage.run(inputs, ctx))
+            except Exception as exc:
+                if len(names) == 1:
+                    raise
+                raise StageFailed(n, exc) from exc
     # results travel between workers: keep them off the accelerator
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
 def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
-               columns: list[str]) -> dict[str, float]:
+               columns: list[str], after: list[Any] = ()) -> dict[str, float]:
     """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
-    return partial sums for the iteration's metrics."""
+    return partial sums for the iteration's metrics; ``after`` only orders the task."""
+    del after
     host = current_host()
-    t0 = time.time()
-    batch = assemble(parts)
-    tensors = {k: v for k, v in batch.items() if k in columns and isinstance(v, torch.Tensor)}
-    ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
-    host.record(iteration, "store", t0, time.time())
-    return partial_metrics(batch)
+    with host.timed(iteration, "store"):
+        batch = assemble(parts)
+        tensors = {k: v for k, v in batch.items()
+                   if k in columns and isinstance(v, torch.Tensor)}
+        ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
+        return partial_metrics(batch)
 
 
 def partial_metrics(batch: Batch) -> dict[str, float]:
@@ -302,11 +347,13 @@ def export_weights_task(model: str, iteration: int, after: list[Any]) -> dict[st
             "nbytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 
-def install_weights_task(payload: dict[str, Any], version: int, iteration: int
-                         ) -> dict[str, Any]:
+def install_weights_task(payload: dict[str, Any], version: int, iteration: int,
+                         after: list[Any] = ()) -> dict[str, Any]:
     """Install weights sent by ``export_weights_task`` on this worker's copy, checking
-    they are the version the plan expects. Returns bytes received and the seconds from
-    export to installed (transfer included)."""
+    they are the version the plan expects; ``after`` (the tasks still using the copy
+    there) only orders it. Returns bytes received and the seconds from export to
+    installed (transfer included)."""
+    del after
     host = current_host()
     start = time.time()
     if payload["version"] != version:
@@ -346,7 +393,7 @@ def update_model_configs(configs: Mapping[str, ModelConfig], dask_worker=None) -
         host.store.update_config(config)
 
 
-def pop_timings(dask_worker=None) -> list[tuple[int, str, float, float]]:
+def pop_timings(dask_worker=None) -> dict[str, list]:
     """Collect this worker's task timings (called on every worker by the coordinator)."""
     return current_host(dask_worker).pop_timings()
 

@@ -110,8 +110,9 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
 
 @register_stage
 class GenerateStage(Stage):
-    """Sample responses from a causal LM (the actor). Writes response tokens, their mask
-    and the sampling log-probs."""
+    """Sample responses from a causal LM (the actor). Writes response tokens, their mask,
+    the sampling log-probs and ``policy_version``: the version of the weights that
+    sampled each row (how stale it is when trained on)."""
 
     type_name = "generate"
     Params = GenerateParams
@@ -126,6 +127,7 @@ class GenerateStage(Stage):
         return {"response_ids": Column("int64", "response"),
                 "response_mask": Column("int8", "response"),
                 "sample_logprobs": Column("float32", "response"),
+                "policy_version": Column("int64"),
                 "response_text": Column("str")}
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
@@ -138,5 +140,6 @@ class GenerateStage(Stage):
                        self.params, tok.eos_token_id, pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
         out["response_text"] = tok.batch_decode(real.tolist(), skip_special_tokens=True)
+        out["policy_version"] = torch.full((len(real),), resident.version, dtype=torch.long)
         return out
 

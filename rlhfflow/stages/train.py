@@ -113,8 +113,13 @@ class _Trainer(Stage):
                         metrics[key] *= counts["tokens"] / max(local, 1.0)
                 history.append(metrics)
                 weights.append(local)
+        stats = _mean_metrics(history, weights, gang)
+        if "policy_version" in batch:  # how many updates behind the rollout was
+            staleness = (resident.version - batch["policy_version"]).float()
+            stats.update(staleness_mean=float(staleness.mean()),
+                         staleness_max=int(staleness.max()))
         resident.version += 1
-        return {**_mean_metrics(history, weights, gang), "version": resident.version}
+        return {**stats, "version": resident.version}
 
     def _agg(self) -> str:
         return "token-mean"
@@ -146,7 +151,8 @@ class TrainActorStage(_Trainer):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = [*RESPONSE_INPUTS, "score_valid", "old_logprobs", "advantages"]
+        cols = [*RESPONSE_INPUTS, "score_valid", "old_logprobs", "advantages",
+                "policy_version"]
         return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
 
     def _agg(self) -> str:
