@@ -55,9 +55,10 @@ test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests includ
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks
 
-bench: $(STAMP)  ## benchmarks: Dask overhead, then placement strategies
+bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/placement.py
+	$(BIN)/python benchmarks/overlap.py
 
 clean:  ## remove .venv, runs/ and caches
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info
