@@ -41,10 +41,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from shared import check_gangs, shared_cluster
+
 from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.backend import default_torch_threads, local_cluster
 from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -55,21 +55,6 @@ MODES = {
 }
 GOAL_RATIO = 0.65  # async iteration time / sequential's
 GOAL_BUSY = 0.85  # every worker's busy fraction under async
-
-
-def check_gangs(config: Path, workers: int) -> None:
-    """Fail before any run if two modes would put one worker in different gangs: a worker
-    process joins one torch.distributed process group for its life, so the later run would
-    fail minutes in (none has a gang on 2 workers; more workers may)."""
-    owner: dict[int, tuple[int, ...]] = {}
-    for mode, overrides in MODES.items():
-        pipeline = load_pipeline(config, overrides)
-        for gang in make_plan(pipeline, workers).gangs:
-            for w in gang:
-                if owner.setdefault(w, gang) != gang:
-                    raise SystemExit(f"{mode} on {workers} workers puts worker {w} in gang "
-                                     f"{list(gang)}, another mode in {list(owner[w])}: "
-                                     f"they cannot share one cluster")
 
 
 def run_once(config: Path, mode: str, out: Path, settings: dict) -> dict:
@@ -118,25 +103,16 @@ def main() -> None:
                      "are left out)")
     if args.rounds < 1 or args.max_new_tokens < 1:
         parser.error("--rounds and --max-new-tokens must be at least 1")
-    check_gangs(args.config, args.workers)
-    threads = default_torch_threads(args.workers)
+    check_gangs(args.config, args.workers, MODES)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    # one cluster for all: every mode gets the same worker processes and start-up
-    # (iteration 0 is left out anyway), so only the scheduling differs
-    cluster = local_cluster(args.workers, dashboard_address=":0", torch_threads=threads)
-    # the workers' torch threads must match what the embedded cluster was started with
-    settings = {"iterations": args.iterations, "cluster.address": cluster.scheduler_address,
-                "cluster.workers": args.workers, "cluster.torch_threads": threads,
-                "cluster.dashboard_address": ":0",
-                "stages.generate.params.max_new_tokens": args.max_new_tokens}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):
-                for mode in MODES:
-                    out = Path(tmp) / f"{mode}-{r}"
-                    runs[mode].append(run_once(args.config, mode, out, settings))
-    finally:
-        cluster.close()
+    # one cluster for all, so only the scheduling differs
+    with shared_cluster(args.workers, args.iterations) as (threads, settings), \
+            tempfile.TemporaryDirectory() as tmp:
+        settings["stages.generate.params.max_new_tokens"] = args.max_new_tokens
+        for r in range(args.rounds):
+            for mode in MODES:
+                out = Path(tmp) / f"{mode}-{r}"
+                runs[mode].append(run_once(args.config, mode, out, settings))
 
     rows = {m: summarize(results) for m, results in runs.items()}
     base = rows["sequential"]["iteration_s"]

@@ -21,28 +21,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from shared import check_gangs, shared_cluster
+
 from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.backend import default_torch_threads, local_cluster
 from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("colocated", "interleaved", "disaggregated")
-
-
-def check_gangs(config: Path, workers: int) -> None:
-    """Fail before any run if two strategies would put one worker in different gangs: a
-    worker process joins one torch.distributed process group for its life, so the later
-    run would fail minutes in."""
-    owner: dict[int, tuple[int, ...]] = {}
-    for strategy in STRATEGIES:
-        pipeline = load_pipeline(config, {"placement.strategy": strategy})
-        for gang in make_plan(pipeline, workers).gangs:
-            for w in gang:
-                if owner.setdefault(w, gang) != gang:
-                    raise SystemExit(f"{strategy} on {workers} workers puts worker {w} in "
-                                     f"gang {list(gang)}, another strategy in "
-                                     f"{list(owner[w])}: they cannot share one cluster")
 
 
 def run_once(config: Path, strategy: str, out: Path, settings: dict) -> dict:
@@ -81,24 +66,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.iterations < 2:
         parser.error("--iterations must be at least 2 (iteration 0 is left out)")
-    check_gangs(args.config, args.workers)
-    threads = default_torch_threads(args.workers)
+    check_gangs(args.config, args.workers,
+                {s: {"placement.strategy": s} for s in STRATEGIES})
     runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
-    # one cluster for all: every strategy gets the same worker processes and start-up
-    # (iteration 0 is left out anyway), so only the placement differs
-    cluster = local_cluster(args.workers, dashboard_address=":0", torch_threads=threads)
-    # the workers' torch threads must match what the embedded cluster was started with
-    settings = {"iterations": args.iterations, "cluster.address": cluster.scheduler_address,
-                "cluster.workers": args.workers, "cluster.torch_threads": threads,
-                "cluster.dashboard_address": ":0"}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.rounds):
-                for strategy in STRATEGIES:
-                    out = Path(tmp) / f"{strategy}-{r}"
-                    runs[strategy].append(run_once(args.config, strategy, out, settings))
-    finally:
-        cluster.close()
+    # one cluster for all, so only the placement differs
+    with shared_cluster(args.workers, args.iterations) as (threads, settings), \
+            tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for strategy in STRATEGIES:
+                out = Path(tmp) / f"{strategy}-{r}"
+                runs[strategy].append(run_once(args.config, strategy, out, settings))
 
     reference = runs["colocated"][0]["rewards"]
     rows = {s: summarize(results, reference) for s, results in runs.items()}

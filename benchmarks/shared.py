@@ -1,0 +1,44 @@
+"""What the multi-run benchmarks share: one embedded Dask cluster for all their runs, and
+the check that their variants can share it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.pipeline import load_pipeline
+from rlhfflow.pipeline.backend import default_torch_threads, local_cluster
+from rlhfflow.pipeline.plan import make_plan
+
+
+def check_gangs(config: Path, workers: int, variants: Mapping[str, Mapping[str, Any]]) -> None:
+    """Fail before any run if two variants (name -> overrides) would put one worker in
+    different gangs: a worker process joins one torch.distributed process group for its
+    life, so the later run would fail minutes in."""
+    owner: dict[int, tuple[int, ...]] = {}
+    for name, overrides in variants.items():
+        for gang in make_plan(load_pipeline(config, overrides), workers).gangs:
+            for w in gang:
+                if owner.setdefault(w, gang) != gang:
+                    raise SystemExit(f"{name} on {workers} workers puts worker {w} in gang "
+                                     f"{list(gang)}, another variant in {list(owner[w])}: "
+                                     f"they cannot share one cluster")
+
+
+@contextmanager
+def shared_cluster(workers: int, iterations: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """One embedded cluster for every run, so all variants get the same worker processes
+    and start-up (iteration 0 is left out anyway). Yields the torch threads per worker and
+    the overrides that send a run there."""
+    threads = default_torch_threads(workers)
+    cluster = local_cluster(workers, dashboard_address=":0", torch_threads=threads)
+    # the workers' torch threads must match what the embedded cluster was started with
+    settings = {"iterations": iterations, "cluster.address": cluster.scheduler_address,
+                "cluster.workers": workers, "cluster.torch_threads": threads,
+                "cluster.dashboard_address": ":0"}
+    try:
+        yield threads, settings
+    finally:
+        cluster.close()
