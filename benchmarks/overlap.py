@@ -41,7 +41,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from shared import check_gangs, shared_cluster
+from shared import check_gangs, print_stage_table, shared_cluster
 
 from rlhfflow.pipeline import load_pipeline
 from rlhfflow.pipeline.executor import run_pipeline
@@ -134,12 +134,7 @@ def main() -> None:
         stale = "-" if row["staleness_max"] is None else str(row["staleness_max"])
         print(f"{m:<12} {row['iteration_s']:>12.4f} {ratio[m]:>7.3f} {row['overlap']:>8.3f} "
               f"{busy:>16} {min(row['busy']):>9.3f} {stale:>10}")
-    stages = sorted({st for row in rows.values() for st in row["stage_s"]})
-    print(f"\nstage_s (median){'':<8}" + "".join(f"{m:>13}" for m in MODES))
-    for st in stages:
-        cells = (rows[m]["stage_s"].get(st) for m in MODES)
-        print(f"{st:<24}" + "".join(f"{c:>13.4f}" if c is not None else f"{'-':>13}"
-                                    for c in cells))
+    print_stage_table(rows, 13)
     print(f"\nstreaming identical to sequential (reward, policy loss): {identical}")
     print(f"async staleness max: {asyn['staleness_max']} (at most 1)")
     print(f"async reward: first {asyn['reward_first']:.4f}, last {asyn['reward_last']:.4f}")

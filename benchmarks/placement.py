@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from shared import check_gangs, shared_cluster
+from shared import check_gangs, print_stage_table, shared_cluster
 
 from rlhfflow.pipeline import load_pipeline
 from rlhfflow.pipeline.executor import run_pipeline
@@ -88,12 +88,7 @@ def main() -> None:
         print(f"{s:<14} {row['iteration_s']:>12.4f} {row['iteration_s'] / base:>9.3f} "
               f"{row['realloc_bytes']:>14} {row['realloc_s']:>10.4f} "
               f"{str(row['identical']):>13}")
-    stages = sorted({st for row in rows.values() for st in row["stage_s"]})
-    print(f"\nstage_s (median){'':<8}" + "".join(f"{s:>15}" for s in STRATEGIES))
-    for st in stages:
-        cells = (rows[s]["stage_s"].get(st) for s in STRATEGIES)
-        print(f"{st:<24}" + "".join(f"{c:>15.4f}" if c is not None else f"{'-':>15}"
-                                    for c in cells))
+    print_stage_table(rows, 15)
     print(json.dumps({
         **{f"{s}_s": round(rows[s]["iteration_s"], 4) for s in STRATEGIES},
         **{f"{s}_vs_colocated": round(rows[s]["iteration_s"] / base, 4)

@@ -42,3 +42,13 @@ def shared_cluster(workers: int, iterations: int) -> Iterator[tuple[int, dict[st
         yield threads, settings
     finally:
         cluster.close()
+
+
+def print_stage_table(rows: Mapping[str, Mapping[str, Any]], width: int) -> None:
+    """The median seconds per stage (``row["stage_s"]``), one column per variant."""
+    stages = sorted({st for row in rows.values() for st in row["stage_s"]})
+    print(f"\nstage_s (median){'':<8}" + "".join(f"{name:>{width}}" for name in rows))
+    for st in stages:
+        cells = (row["stage_s"].get(st) for row in rows.values())
+        print(f"{st:<24}" + "".join(f"{c:>{width}.4f}" if c is not None else f"{'-':>{width}}"
+                                    for c in cells))
