@@ -17,18 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhfflow.pipeline.checkpointing import cut_back
 from rlhfflow.pipeline.loader import Pipeline
-from rlhfflow.storage import (
-    Checkpoint,
-    CheckpointError,
-    CheckpointStore,
-    ExperienceBuffer,
-    MetricsLog,
-)
+from rlhfflow.pipeline.telemetry import TASKS_FILE
+from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
 
 RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
-             RUN_FILE)
+             TASKS_FILE, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
 RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint")
 
@@ -101,13 +97,7 @@ def prepare_output(pipeline: Pipeline, overwrite: bool = False, resume: Resume =
                             f"--resume to continue it, or --out DIR for a new one")
     _check_same_pipeline(out, identity, force)
     checkpoint = _latest_checkpoint(out)
-    keep = checkpoint.iteration if checkpoint else -1
-    ExperienceBuffer(out / "buffer.zarr").truncate(keep)
-    MetricsLog(out / "metrics.jsonl").repair()
-    MetricsLog(out / "metrics.jsonl").truncate(keep)
-    store = CheckpointStore(out / "checkpoints")
-    store.truncate(keep)
-    store.clean_leftovers()
+    cut_back(out, checkpoint.iteration if checkpoint else -1)
     _write_run_file(pipeline, out, identity)
     return out, StartPoint(checkpoint, resumed=True)
 

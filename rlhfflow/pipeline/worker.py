@@ -65,7 +65,7 @@ class WorkerHost:
         self.run = run
         self.store = ModelStore(run.models, device=device)
         self._stages: dict[str, Stage] = {}
-        self.timings: list[tuple[int, str, float, float]] = []
+        self.timings: list[tuple[int, str, float, float, int]] = []
         self.running: dict[int, tuple[int, str, float]] = {}  # thread id -> task started
         self._lock = threading.Lock()
 
@@ -84,13 +84,15 @@ class WorkerHost:
         return StageContext(iteration=iteration, seed=self.run.seed, models=self.store,
                             algorithm=self.run.algorithm, settings=self.run.settings)
 
-    def record(self, iteration: int, stage: str, start: float, stop: float) -> None:
-        """Remember a task's compute interval (wall clock, seconds since the epoch)."""
+    def record(self, iteration: int, stage: str, start: float, stop: float,
+               rows: int = 0) -> None:
+        """Remember a task's compute interval (wall clock, seconds since the epoch) and
+        the rows it worked on (what the planner's cost model is fitted to)."""
         with self._lock:
-            self.timings.append((iteration, stage, start, stop))
+            self.timings.append((iteration, stage, start, stop, rows))
 
     @contextmanager
-    def timed(self, iteration: int, stage: str):
+    def timed(self, iteration: int, stage: str, rows: int = 0):
         """Record the compute interval of the block; while it runs it is reported as
         running (so the busy time of a window that ends mid-task is not lost)."""
         start = time.time()
@@ -102,7 +104,7 @@ class WorkerHost:
         finally:
             with self._lock:
                 self.running.pop(thread, None)
-                self.timings.append((iteration, stage, start, time.time()))
+                self.timings.append((iteration, stage, start, time.time(), rows))
 
     def pop_timings(self) -> dict[str, list]:
         """Hand the finished intervals to the coordinator (and forget them), with the
@@ -266,11 +268,12 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     defs = host.run.stages
     batch = assemble(parts, tuple(c for n in names for c in defs[n].reads))
     out: Batch = {}
+    rows = batch_rows(batch)
     for n in names:
         stage = host.stage(n)
         inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
                   if c in out or c in batch}
-        with host.timed(iteration, n):
+        with host.timed(iteration, n, rows):
             try:
                 out.update(stage.run(inputs, ctx))
             except Exception as exc:
@@ -287,12 +290,17 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
     return partial sums for the iteration's metrics; ``after`` only orders the task."""
     del after
     host = current_host()
-    with host.timed(iteration, "store"):
-        batch = assemble(parts)
+    batch = assemble(parts)
+    with host.timed(iteration, "store", batch_rows(batch)):
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
         ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
         return partial_metrics(batch)
+
+
+def batch_rows(batch: Batch) -> int:
+    """The rows of a batch (0 for a task without inputs, e.g. a setup stage)."""
+    return next((len(v) for v in batch.values()), 0)
 
 
 def partial_metrics(batch: Batch) -> dict[str, float]:

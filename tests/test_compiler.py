@@ -1,0 +1,216 @@
+"""The dependency rules of a run, tested on compiled task specs (no Dask, milliseconds):
+what each task waits for under streaming, fusion, gangs, shadows, staleness and
+checkpoints, and that every plan compiles to a well-formed task graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfflow.pipeline.compiler import (
+    CHECKPOINT,
+    INSTALL,
+    STAGE,
+    STORE,
+    by_id,
+    compile_run,
+    loop_steps,
+)
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.plan import make_plan
+from tests.conftest import CONFIGS
+
+PPO = CONFIGS / "ppo-tiny.yaml"
+GRPO = CONFIGS / "grpo-tiny.yaml"
+
+
+def _compile(config=PPO, overrides=None, workers=2, iterations=3):
+    pipeline = load_pipeline(config, overrides or {})
+    plan = make_plan(pipeline, workers, {m: 1000 for m in pipeline.spec.models})
+    versions = {m: 0 for m in pipeline.spec.models}
+    specs, _ = compile_run(pipeline, plan, versions, iterations)
+    return specs, plan
+
+
+def _tasks(specs, stage, k):
+    """The tasks of iteration ``k`` that run ``stage``."""
+    return [s for s in specs if s.iteration == k and stage in s.stages]
+
+
+def _closure(specs):
+    """Per task id, every id it transitively waits for."""
+    ids = by_id(specs)
+    memo: dict[str, set[str]] = {}
+
+    def up(i):
+        if i not in memo:
+            memo[i] = set()
+            for r in ids[i].needs():
+                memo[i] |= {r} | up(r)
+        return memo[i]
+
+    return {i: up(i) for i in ids}
+
+
+def _waits_for(closure, task, others) -> bool:
+    return all(o.id in closure[task.id] for o in others)
+
+
+STRATEGIES = [
+    {"placement.strategy": s} for s in ("colocated", "interleaved", "disaggregated")
+] + [
+    {"placement.strategy": "disaggregated", "overlap.max_staleness": 1},
+    {"placement.strategy": "disaggregated", "overlap.max_staleness": 2},
+    {"placement.strategy": "colocated", "overlap.max_staleness": 1},
+    {"overlap.sequential": True},
+    {"overlap.fuse": False, "stages.reward.micro_batches": 4},
+]
+
+
+@pytest.mark.parametrize("config", [PPO, GRPO])
+@pytest.mark.parametrize("overrides", STRATEGIES)
+def test_every_plan_compiles_to_a_task_graph_in_submission_order(config, overrides):
+    specs, _ = _compile(config, overrides)
+    seen: set[str] = set()
+    for s in specs:
+        missing = [r for r in s.needs() if r not in seen]
+        assert not missing, f"{s.id} refers to {missing} before they are compiled"
+        seen.add(s.id)
+    by_id(specs)  # ids are unique
+    for k in range(3):  # every loop stage of every iteration has tasks
+        assert {n for s in specs if s.iteration == k for n in s.stages} >= {
+            "generate", "reward", "advantages", "train_actor", "store"}
+
+
+def test_the_trainer_waits_for_every_other_user_of_its_model_and_the_next_rollout_for_it():
+    # interleaved: the critic's values are not fused into the actor's rollout tasks
+    specs, _ = _compile(PPO, {"placement.strategy": "interleaved"})
+    closure = _closure(specs)
+    for k in range(3):
+        for train in _tasks(specs, "train_actor", k):
+            assert _waits_for(closure, train, _tasks(specs, "generate", k))
+            assert _waits_for(closure, train, _tasks(specs, "old_logprob", k))
+            assert _waits_for(closure, train, _tasks(specs, "advantages", k))
+        if k:
+            for gen in _tasks(specs, "generate", k):
+                assert _waits_for(closure, gen, _tasks(specs, "train_actor", k - 1))
+                # ...but not for the critic's update, which it does not use
+                assert not any(t.id in closure[gen.id]
+                               for t in _tasks(specs, "train_critic", k - 1))
+
+
+def test_a_micro_batch_streams_on_as_soon_as_its_own_rows_exist():
+    specs, _ = _compile(PPO, {"placement.strategy": "interleaved", "overlap.fuse": False})
+    gen = _tasks(specs, "generate", 0)
+    reward = _tasks(specs, "reward", 0)
+    assert len(gen) == len(reward) == 2
+    for j in range(2):
+        assert reward[j].rows == gen[j].rows
+        assert set(reward[j].needs()) & {g.id for g in gen} == {gen[j].id}
+
+
+def test_other_micro_batches_take_the_rows_they_need_across_producers():
+    specs, _ = _compile(PPO, {"overlap.fuse": False, "stages.values.micro_batches": 4})
+    gen = _tasks(specs, "generate", 0)  # 2 micro-batches of 16 rows
+    values = _tasks(specs, "values", 0)  # 4 of 8
+    assert [v.rows for v in values] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert values[1].parts[0].refs == (gen[0].id,) and values[1].parts[0].rows == (8, 16)
+    assert values[2].parts[0].refs == (gen[1].id,) and values[2].parts[0].rows == (0, 8)
+
+
+def test_stages_on_the_same_workers_run_as_one_task_per_micro_batch():
+    specs, plan = _compile(PPO, {"placement.strategy": "colocated"})
+    fused = _tasks(specs, "reward", 0)
+    assert [t.stages for t in fused] == [plan.group("reward")] * 2
+    assert fused[0].stages == ("generate", "reward", "ref_logprob", "old_logprob", "values")
+    assert fused[0].id == "generate+reward+ref_logprob+old_logprob+values-0-0"
+
+
+def test_colocated_training_runs_as_gangs_that_take_turns_on_the_same_workers():
+    specs, _ = _compile(PPO, {"placement.strategy": "colocated"})
+    actor = _tasks(specs, "train_actor", 0)
+    critic = _tasks(specs, "train_critic", 0)
+    assert [(t.rank, t.workers, t.gang) for t in actor] == [(0, (0,), (0, 1)), (1, (1,), (0, 1))]
+    assert all(t.retries == 0 for t in actor + critic)
+    # the critic's gang follows the actor's, so the two never hold each other's workers
+    for t in critic:
+        assert {a.id for a in actor} <= set(t.waits)
+
+
+def test_disaggregated_syncs_the_new_weights_to_the_rollout_shadow():
+    specs, plan = _compile(PPO, {"placement.strategy": "disaggregated"})
+    closure = _closure(specs)
+    installs = [s for s in specs if s.kind == INSTALL and s.iteration == 0]
+    assert [(s.model, s.workers, s.version) for s in installs] == [("actor", (0,), 1)]
+    gen1 = _tasks(specs, "generate", 1)
+    assert all(installs[0].id in closure[g.id] for g in gen1)
+    assert all(g.versions == {"actor": 1} for g in gen1)
+    assert all(g.workers == plan.groups["rollout"] for g in gen1)
+
+
+def test_with_staleness_the_rollout_runs_ahead_and_only_the_install_waits_for_it():
+    specs, _ = _compile(PPO, {"placement.strategy": "disaggregated",
+                              "overlap.max_staleness": 1}, iterations=4)
+    closure = _closure(specs)
+    position = {s.id: i for i, s in enumerate(specs)}
+    train0 = _tasks(specs, "train_actor", 0)
+    gen1 = _tasks(specs, "generate", 1)
+    # iteration 1's rollout is compiled before iteration 0's update...
+    assert max(position[g.id] for g in gen1) < min(position[t.id] for t in train0)
+    # ...runs on the weights from before it (version 0), and the update does not wait
+    assert all(g.versions == {"actor": 0} for g in gen1)
+    assert not any(g.id in closure[t.id] for t in train0 for g in gen1)
+    # the install of update 0 on the shadow waits for the rollout still using it
+    install0 = next(s for s in specs if s.kind == INSTALL and s.iteration == 0)
+    assert all(g.id in closure[install0.id] for g in gen1)
+    # and iteration 2's rollout uses update 0's weights: one update old
+    assert all(g.versions == {"actor": 1} for g in _tasks(specs, "generate", 2))
+    assert all(install0.id in closure[g.id] for g in _tasks(specs, "generate", 2))
+
+
+def test_stores_take_every_written_column_of_their_rows():
+    specs, _ = _compile(PPO, {"placement.strategy": "interleaved"})
+    closure = _closure(specs)
+    stores = [s for s in specs if s.kind == STORE and s.iteration == 0]
+    assert [s.rows for s in stores] == [(0, 16), (16, 32)]
+    for store in stores:
+        for stage in ("generate", "reward", "advantages", "values"):
+            assert any(t.id in closure[store.id] for t in _tasks(specs, stage, 0))
+
+
+def test_a_checkpoint_saves_after_the_update_and_the_next_update_waits_for_it():
+    specs, _ = _compile(PPO, {"checkpoint.every": 2}, iterations=4)
+    closure = _closure(specs)
+    saves = [s for s in specs if s.kind == CHECKPOINT]
+    assert sorted({s.iteration for s in saves}) == [1, 3]
+    assert {s.model for s in saves} == {"actor", "critic"}
+    save1 = next(s for s in saves if s.iteration == 1 and s.model == "actor")
+    assert all(t.id in closure[save1.id] for t in _tasks(specs, "train_actor", 1))
+    assert all(save1.id in closure[t.id] for t in _tasks(specs, "train_actor", 2))
+
+
+def test_older_iterations_and_longer_paths_go_first():
+    specs, _ = _compile(PPO, {"placement.strategy": "colocated"})
+    gen = {k: _tasks(specs, "generate", k)[0].priority for k in range(3)}
+    assert gen[0] > gen[1] > gen[2]
+    assert _tasks(specs, "train_actor", 0)[0].priority > \
+        _tasks(specs, "train_critic", 0)[0].priority
+
+
+def test_sequential_puts_each_stage_after_the_whole_previous_one():
+    specs, _ = _compile(PPO, {"overlap.sequential": True})
+    closure = _closure(specs)
+    gen1 = _tasks(specs, "generate", 1)
+    everything0 = [s for s in specs if s.iteration == 0 and s.kind in (STAGE, STORE)]
+    assert all(_waits_for(closure, g, everything0) for g in gen1)
+
+
+def test_the_loop_compiles_the_next_iteration_before_finishing_this_one():
+    steps = [(s.kind, s.iteration) for s in loop_steps(0, 3, lag=0) if s.kind != "start"]
+    assert steps == [("ahead", 0), ("main", 0), ("ahead", 1), ("main", 1), ("finish", 0),
+                     ("ahead", 2), ("main", 2), ("finish", 1), ("finish", 2)]
+    lagged = [(s.kind, s.iteration) for s in loop_steps(0, 3, lag=1) if s.kind != "start"]
+    assert lagged[:4] == [("ahead", 0), ("ahead", 1), ("main", 0), ("ahead", 2)]
+    inline = [(s.kind, s.iteration) for s in loop_steps(0, 2, lag=0, pipelined=False)
+              if s.kind != "start"]
+    assert inline == [("ahead", 0), ("main", 0), ("finish", 0), ("ahead", 1), ("main", 1),
+                      ("finish", 1)]
