@@ -216,9 +216,10 @@ def _actor_weights(out) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_placement_changes_speed_never_results(cluster, tmp_path):
-    """Same seed, on-policy, 2 workers, 3 iterations: same rewards, same final actor."""
+    """Same seed, on-policy, 2 workers, 3 iterations: same rewards, same final actor,
+    whatever the strategy, including the one the planner chooses (auto)."""
     runs = {}
-    for strategy in ("colocated", "interleaved", "disaggregated"):
+    for strategy in ("colocated", "interleaved", "disaggregated", "auto"):
         (tmp_path / strategy).mkdir()
         path = small_pipeline(tmp_path / strategy, "ppo", iterations=3, overrides={
             "placement.strategy": strategy, "cluster.address": cluster.scheduler_address})

@@ -173,8 +173,8 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("placement-unknown-stage", lambda s: put(s, "placement.stages", {"generat": 0}),
      "placement.stages.generat: unknown stage 'generat'; did you mean 'generate'?"),
     ("placement-bad-strategy", lambda s: put(s, "placement.strategy", "spread"),
-     "placement.strategy: expected one of 'colocated', 'interleaved' or 'disaggregated', "
-     "got 'spread'"),
+     "placement.strategy: expected one of 'auto', 'colocated', 'interleaved' or "
+     "'disaggregated', got 'spread'"),
     ("placement-group-fraction", lambda s: put(s, "placement.groups", {"a": 1.5}),
      "placement.groups: group 'a': expected a non-empty list of worker indexes (0, 1, ...) "
      "or a fraction of the cluster between 0 and 1, got 1.5"),

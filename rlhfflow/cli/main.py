@@ -183,24 +183,36 @@ def graph(file: str, fmt: str) -> None:
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--workers", type=click.IntRange(min=1), metavar="N",
-              help="Plan for N device workers instead of the file's 'cluster.workers'.")
-@click.option("--strategy", type=click.Choice(["colocated", "interleaved", "disaggregated"]),
+              help="Plan for N device workers (any number: with a profile measured on "
+                   "their kind of device, a cluster larger than this machine) instead of "
+                   "the file's 'cluster.workers'.")
+@click.option("--strategy", type=click.Choice(["auto", "colocated", "interleaved",
+                                                "disaggregated"]),
               help="Plan with this strategy instead of the file's 'placement.strategy'.")
+@click.option("--candidates", type=click.IntRange(min=0), default=0, metavar="N",
+              help="With strategy auto, also list the N runners-up with their predicted "
+                   "iteration times and why they lose.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Predict with this profile instead of 'placement.profile' (default "
+                   "profiles/NAME.json beside the pipeline file, if there is one).")
 @SET_OPTION
-def plan(file: str, workers: int | None, strategy: str | None, sets: tuple[str, ...]) -> None:
+def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
+         profile_path: str | None, sets: tuple[str, ...]) -> None:
     """Print the execution plan of a pipeline FILE without running it.
 
     For every stage: the workers it runs on and how its batch is split among
     them; for every model: the workers that hold it; the overlap (which stages
-    run ahead with max_staleness, which are fused into one task); and which
-    weights move where after each update, and how many bytes. A placement the
-    cluster cannot hold (a worker index past the end, more groups than
-    workers, a stage left without a worker) is an error (exit 2).
+    run ahead with max_staleness, which are fused into one task); which
+    weights move where after each update; the predicted iteration time and a
+    timeline of one iteration per worker. With strategy auto (the default) the
+    planner's choice is shown, and --candidates N lists the runners-up. A
+    placement the cluster cannot hold is an error (exit 2).
 
     \b
     Example:
-      rlhfflow plan configs/ppo-tiny.yaml
+      rlhfflow plan configs/ppo-tiny.yaml --candidates 5
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated --workers 4
+      rlhfflow plan configs/grpo-small.yaml --workers 64 --profile gpu.json
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated \\
           --set overlap.max_staleness=1
     """
@@ -209,11 +221,89 @@ def plan(file: str, workers: int | None, strategy: str | None, sets: tuple[str, 
         overrides["cluster.workers"] = workers
     if strategy is not None:
         overrides["placement.strategy"] = strategy
+    if profile_path is not None:
+        overrides["placement.profile"] = str(Path(profile_path).resolve())
     pipeline = load(file, overrides)
-    from rlhfflow.pipeline.plan import make_plan
+    from rlhfflow.pipeline.planner import describe_choice, load_profile, plan_for_cli
 
-    with pipeline_errors():
-        click.echo(make_plan(pipeline, pipeline.spec.cluster.workers).to_text(pipeline))
+    with pipeline_errors(), profile_errors():
+        profile = load_profile(pipeline)
+        choice = plan_for_cli(pipeline, profile, workers)
+        click.echo(choice.best.plan.to_text(choice.pipeline))
+        click.echo("\n".join(describe_choice(choice, profile, candidates)))
+
+
+@contextmanager
+def profile_errors() -> Iterator[None]:
+    """A profile that cannot be used is a one-line ``UserError``."""
+    from rlhfflow.pipeline.costmodel import ProfileError
+
+    try:
+        yield
+    except ProfileError as exc:
+        raise UserError(_first_line(exc)) from None
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Where to write the profile (default: 'placement.profile', else "
+                   "profiles/NAME.json beside the pipeline file).")
+@click.option("--iterations", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Iterations per profiling run (the first, which loads the models, is "
+                   "not measured).")
+@click.option("--from-run", "from_runs", multiple=True, type=click.Path(file_okay=False),
+              metavar="DIR", help="Add the task intervals a finished run recorded "
+                                  "(DIR/tasks.jsonl) instead of profiling anew; repeatable.")
+@SET_OPTION
+def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str, ...],
+            sets: tuple[str, ...]) -> None:
+    """Measure the stages of the pipeline in FILE on this machine, for the planner.
+
+    Runs the pipeline for a few iterations on the embedded cluster under each
+    worker layout (workers x torch threads that fit the cores) and two plans,
+    records how long every stage takes on how many rows, and writes a profile
+    (JSON: the machine, the model shapes, every measured task). `placement:
+    auto` then predicts from it. With --from-run, the task intervals of
+    finished runs are added to the existing profile instead, so every run can
+    refine it.
+
+    \b
+    Example:
+      rlhfflow profile configs/grpo-small.yaml
+      rlhfflow plan configs/grpo-small.yaml --candidates 5
+      rlhfflow profile configs/grpo-small.yaml --from-run runs/grpo-small
+    """
+    pipeline = load(file, _parse_sets(sets))
+    from rlhfflow.pipeline.costmodel import Profile, machine_info, model_shapes
+    from rlhfflow.pipeline.executor import RunError
+    from rlhfflow.pipeline.planner import default_profile_path
+    from rlhfflow.pipeline.profiler import observations_from_run, profile_pipeline
+
+    path = Path(output) if output else default_profile_path(pipeline)
+    if pipeline.spec.data is None:
+        raise UserError(f"{file}: the pipeline has no iterations to profile (no 'data')")
+    with pipeline_errors(), profile_errors():
+        if from_runs:
+            found = Profile.load(path) if path.exists() else Profile(
+                pipeline.name, machine_info(),
+                {m: s.__dict__ for m, s in model_shapes(pipeline).items()})
+            for run_dir in from_runs:
+                added = observations_from_run(Path(run_dir))
+                if not added:
+                    raise UserError(f"{run_dir}: no task intervals (tasks.jsonl) to add")
+                found.observations += added
+                click.echo(f"added {len(added)} task(s) from {run_dir}")
+        else:
+            try:
+                found = profile_pipeline(pipeline, iterations=iterations,
+                                         say=lambda line: click.echo(line, err=True))
+            except RunError as exc:
+                raise click.ClickException(_first_line(exc)) from None
+        found.save(path)
+    click.echo(f"profile: {len(found.observations)} measured task(s) of "
+               f"{len(found.shapes)} model(s) on {found.machine.get('cpu')} "
+               f"({found.machine.get('cores')} cores) -> {path}")
 
 
 # --------------------------------------------------------------------------- init

@@ -26,6 +26,7 @@ from rlhfflow.pipeline.backend import (
     InlineBackend,
     TaskFailed,
     WorkerLost,
+    _cuda_count,
     default_torch_threads,
 )
 from rlhfflow.pipeline.checkpointing import (
@@ -39,6 +40,7 @@ from rlhfflow.pipeline.dataflow import Dataflow
 from rlhfflow.pipeline.graph import SOURCE
 from rlhfflow.pipeline.loader import Pipeline
 from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, make_plan, model_sizes
+from rlhfflow.pipeline.planner import PlanChoice, choose_plan, load_profile
 from rlhfflow.pipeline.runstate import (
     Resume,
     RunStateError,
@@ -93,6 +95,15 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         out, start = prepare_output(pipeline, overwrite, resume, force)
     except RunStateError as exc:
         raise RunError(str(exc)) from None
+    digest = identity_digest(pipeline_identity(pipeline))
+    auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
+    choice = None
+    if auto and (inline or pipeline.spec.cluster.address is None):
+        # the embedded cluster's workers and threads are the planner's to choose
+        gpus = 0 if inline or pipeline.spec.cluster.device == "cpu" else _cuda_count()
+        workers = 1 if inline else (min(pipeline.spec.cluster.workers, gpus) if gpus else None)
+        choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
+        pipeline = choice.pipeline
     cluster = pipeline.spec.cluster
     if inline:
         backend = InlineBackend()
@@ -109,7 +120,14 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
             raise RunError(str(exc)) from None
     try:
-        return Executor(pipeline, backend, out, progress, start, stop).run()
+        if auto and choice is None:  # a given cluster: plan for the workers it has
+            choice = choose_plan(pipeline, load_profile(pipeline),
+                                 n_workers=len(backend.workers))
+            pipeline = choice.pipeline
+        executor = Executor(pipeline, backend, out, progress, start, stop)
+        executor.digest = digest  # of the file as written: what a resume compares
+        executor.choice = choice
+        return executor.run()
     except WorkerLost as exc:  # outside the loop (setup, final save): no recovery there
         raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
     except RunError:
@@ -162,6 +180,7 @@ class Executor:
         self.initial_models: dict[str, ModelConfig] = {}
         self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
         self.digest = identity_digest(pipeline_identity(pipeline))
+        self.choice: PlanChoice | None = None  # what placement: auto chose, if it did
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         self._prompt_len: dict[int, int] = {}
@@ -192,6 +211,14 @@ class Executor:
                   + (f"; {how}" if how else ""))
         if self.backend.dashboard_link:
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
+        if self.choice is not None:
+            c = self.choice
+            source = "profile" if c.cost.profiled else "analytic cost model"
+            self._say(f"rlhfflow: plan (placement auto): {c.best.describe()}; predicted "
+                      f"{c.best.predicted_s:.3f} s/iteration ({source}; "
+                      f"`rlhfflow plan FILE --candidates 5` shows why)")
+            if c.cost.warning:
+                self._say(f"rlhfflow: warning: {c.cost.warning}")
         if self.graph.setup_stages and checkpoint is None:
             result.setup_metrics = self._run_setup()
         if self.graph.loop_stages and first < spec.iterations:
@@ -405,6 +432,11 @@ class Executor:
         if summary is not None:
             self.summary, line = summary
             self._say(line)
+            if self.choice is not None and len(records) > 2:
+                predicted, measured = self.choice.best.predicted_s, self.summary["iteration_s"]
+                self.summary["predicted_iteration_s"] = round(predicted, 4)
+                self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
+                          f"{measured:.3f} s ({measured / predicted - 1:+.0%})")
 
     def _begin(self, k: int, previous: IterationTasks | None) -> IterationTasks:
         """Iteration ``k``: its prompts, placed next to the first stage's tasks, and the

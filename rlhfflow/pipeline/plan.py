@@ -32,6 +32,7 @@ from rlhfflow.pipeline.loader import Pipeline
 from rlhfflow.pipeline.spec import SpecError, did_you_mean
 
 STRATEGIES = ("colocated", "interleaved", "disaggregated")
+"""The concrete strategies; ``auto`` picks one of them (``rlhfflow.pipeline.planner``)."""
 
 
 class PlanError(SpecError):
@@ -127,6 +128,12 @@ def make_plan(pipeline: Pipeline, n_workers: int,
     placement = spec.placement
     if n_workers < 1:
         raise PlanError(file, "cluster.workers", "the cluster has no device worker")
+    if placement.strategy == "auto":
+        # the strategy only: what else the planner may choose (micro-batches, fusion,
+        # workers) is resolved by ``choose_plan`` before a run, into a concrete pipeline
+        from rlhfflow.pipeline.planner import choose_strategy
+
+        return choose_strategy(pipeline, n_workers).plan
     sizes = dict(model_bytes) if model_bytes is not None else model_sizes(pipeline)
     groups = _groups(pipeline, n_workers)
 

@@ -179,14 +179,18 @@ WorkerRef = str | NonNegInt | Annotated[list[NonNegInt], Field(min_length=1)]
 class PlacementSpec(Strict):
     """How models and stages map onto the device workers (see ``rlhfflow plan``).
 
-    ``strategy`` gives the defaults: ``colocated`` puts every model on every worker,
-    ``interleaved`` gives models exclusive worker groups, ``disaggregated`` runs
-    generation on its own ``rollout`` group (a shadow of the actor) and the rest on
-    ``train``. ``groups`` names worker sets (indexes, or a fraction of the cluster);
-    ``models`` and ``stages`` override the strategy with a group name or indexes.
+    ``strategy`` gives the defaults: ``auto`` (the default) lets the planner choose the
+    fastest plan that fits (strategy, micro-batches, fusion, and on the embedded cluster
+    workers and threads), predicted from ``profile`` or the analytic cost model;
+    ``colocated`` puts every model on every worker, ``interleaved`` gives models
+    exclusive worker groups, ``disaggregated`` runs generation on its own ``rollout``
+    group (a shadow of the actor) and the rest on ``train``. ``groups`` names worker sets
+    (indexes, or a fraction of the cluster); ``models`` and ``stages`` override the
+    strategy with a group name or indexes.
     """
 
-    strategy: Literal["colocated", "interleaved", "disaggregated"] = "interleaved"
+    strategy: Literal["auto", "colocated", "interleaved", "disaggregated"] = "auto"
+    profile: str | None = None
     groups: dict[str, list[int] | float] = {}
     models: dict[str, WorkerRef] = {}
     stages: dict[str, WorkerRef] = {}

@@ -1,0 +1,346 @@
+"""The planner's cost model: how long a task takes and how much memory a plan needs.
+
+Two sources, the second refining the first:
+
+- an **analytic model** from the work itself: floating-point operations of the forward
+  and backward passes (parameters x tokens), per-step and per-layer overheads of
+  generation, optimizer steps, all-reduces (ring, ``2 (n-1)/n`` of the gradient bytes),
+  and Dask's per-task latency and transfer bandwidth; its constants describe a device
+  (CPU core or GPU) and are measured by ``rlhfflow profile``;
+- a **profile** of the pipeline's own stages: task intervals (stage, rows, threads,
+  gang size, seconds) recorded by real runs (``OUTPUT/tasks.jsonl``). Where a stage was
+  measured, its time is fitted as ``a + b * rows`` per thread count; where it was not
+  (another thread count, gang size or row count), the analytic model's shape is scaled
+  by the measured ratio.
+
+A profile records the machine and the model shapes it was measured on; a profile of
+other shapes is ignored with a warning (the analytic model is used), and a file that is
+not a profile is a one-line ``ProfileError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "rlhfflow-profile/1"
+
+# Analytic constants of one CPU core, measured on the 2-core development machines
+# (``rlhfflow profile`` replaces them with the machine's own).
+CPU_DEVICE = {
+    "flops_per_s": 2.0e10,       # dense matmul throughput of one thread
+    "thread_efficiency": 0.8,    # share of a task's work that scales with threads
+    "step_s": 4.0e-4,            # Python and sampling overhead of one decoding step
+    "layer_s": 1.2e-4,           # per layer per forward (kernel launches, small ops)
+    "task_s": 3.0e-3,            # per task inside the worker (assembling, slicing)
+    "latency_s": 6.0e-3,         # Dask: from a task's end to its dependent's start
+    "bytes_per_s": 5.0e8,        # Dask transfers between workers
+    "allreduce_bytes_per_s": 3.0e8,
+    "allreduce_latency_s": 2.0e-3,
+    "finish_s": 0.03,            # coordinator: commit, gather, log one iteration
+}
+
+
+class ProfileError(Exception):
+    """A profile file that cannot be used: one line naming the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of a model's work depends on."""
+
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    bytes_per_param: int = 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.params * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured task: a stage on a batch of ``rows`` rows, ``threads`` torch threads,
+    as one rank of a gang of ``gang`` (1: alone), took ``seconds``."""
+
+    stage: str
+    rows: int
+    threads: int
+    gang: int
+    seconds: float
+
+
+@dataclass
+class Profile:
+    """Measured costs of one pipeline's stages on one machine."""
+
+    pipeline: str
+    machine: dict[str, Any]
+    shapes: dict[str, dict[str, int]]
+    device: dict[str, float] = field(default_factory=lambda: dict(CPU_DEVICE))
+    observations: list[Observation] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        """Write the profile as JSON (atomically)."""
+        data = {"format": FORMAT, "pipeline": self.pipeline, "machine": self.machine,
+                "shapes": self.shapes, "device": self.device,
+                "observations": [asdict(o) for o in self.observations]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        """Read a profile; anything else is a ``ProfileError``."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: profile file not found (make one with "
+                               f"`rlhfflow profile PIPELINE`)") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ProfileError(f"{path}: not a readable profile ({_first_line(exc)})"
+                               ) from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ProfileError(f"{path}: not an rlhfflow profile (expected \"format\": "
+                               f"\"{FORMAT}\")")
+        try:
+            observations = [Observation(str(o["stage"]), int(o["rows"]), int(o["threads"]),
+                                        int(o["gang"]), float(o["seconds"]))
+                            for o in data["observations"]]
+            device = {**CPU_DEVICE, **{k: float(v) for k, v in data["device"].items()}}
+            return cls(str(data["pipeline"]), dict(data["machine"]),
+                       {m: dict(s) for m, s in data["shapes"].items()}, device, observations)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProfileError(f"{path}: malformed profile ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a profile is measured on: CPU model, cores, accelerator, torch."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count() or 1, "gpu": gpu,
+            "torch": torch.__version__, "system": platform.system()}
+
+
+def model_shapes(pipeline) -> dict[str, ModelShape]:
+    """The shape of every model of ``pipeline`` (from its config, built on the meta
+    device; a model not on disk yet has an unknown, zero shape)."""
+    from rlhfflow.stages.models import (
+        build_char_tokenizer,
+        model_config,
+        parameter_bytes,
+        tiny_config,
+    )
+    from rlhfflow.stages.resident import DTYPES
+
+    spec = pipeline.spec
+    shapes = {}
+    for name, model in spec.models.items():
+        root = spec.models[pipeline.model_root(name)]
+        if root.tiny is not None:
+            t = root.tiny
+            config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
+                                 hidden=t.hidden, n_head=t.heads,
+                                 max_positions=t.max_positions)
+        else:
+            try:
+                config = model_config(pipeline.resolve(root.path))
+            except (OSError, ValueError):
+                shapes[name] = ModelShape(0, 0, 0, 0)
+                continue
+        dtype = DTYPES[model.dtype]
+        size = dtype.itemsize
+        params = parameter_bytes(config, model.head, dtype) // size
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1)
+        shapes[name] = ModelShape(int(params), int(layers), int(hidden),
+                                  int(getattr(config, "vocab_size", 1)), size)
+    return shapes
+
+
+class CostModel:
+    """Task durations and memory of a pipeline's plans.
+
+    ``profile`` (optional) refines the analytic model with measured stage times; one
+    whose model shapes differ from the pipeline's is ignored (``warning`` says why).
+    """
+
+    def __init__(self, pipeline, profile: Profile | None = None,
+                 shapes: Mapping[str, ModelShape] | None = None) -> None:
+        self.pipeline = pipeline
+        self.graph = pipeline.graph
+        self.shapes = dict(shapes) if shapes is not None else model_shapes(pipeline)
+        self.warning: str | None = None
+        self.device = dict(CPU_DEVICE)
+        self._fits: dict[tuple[str, int, int], tuple[float, float]] = {}
+        self._ratios: dict[str, list[float]] = defaultdict(list)
+        data = pipeline.spec.data
+        self.prompt_tokens = data.max_prompt_tokens if data else 0
+        generators = self.graph.of_type("generate")
+        self.response_tokens = max((int(pipeline.params[g].max_new_tokens)
+                                    for g in generators), default=0)
+        if profile is not None:
+            self.device.update(profile.device)
+            mismatch = self._shape_mismatch(profile)
+            if mismatch:
+                self.warning = (f"the profile was measured on other model shapes "
+                                f"({mismatch}); using the analytic cost model")
+            else:
+                self._fit(profile.observations)
+        self.profiled = profile is not None and self.warning is None
+
+    def _shape_mismatch(self, profile: Profile) -> str | None:
+        for name, shape in self.shapes.items():
+            theirs = profile.shapes.get(name)
+            if theirs is None:
+                return f"no model {name!r}"
+            ours = asdict(shape)
+            for key in ("params", "layers", "hidden"):
+                if int(theirs.get(key, -1)) != ours[key]:
+                    return f"{name}.{key} {theirs.get(key)} vs {ours[key]}"
+        return None
+
+    # ----------------------------------------------------------------- fitting
+    def _fit(self, observations: list[Observation]) -> None:
+        """Per (stage, threads, gang): ``a + b * rows`` by least squares over the
+        observations (a >= 0, b >= 0); and per stage, measured / analytic ratios."""
+        groups: dict[tuple[str, int, int], list[Observation]] = defaultdict(list)
+        for o in observations:
+            if o.stage in self.graph.nodes or o.stage == "store":
+                groups[(o.stage, o.threads, o.gang)].append(o)
+        for key, obs in groups.items():
+            stage, threads, gang = key
+            xs = [o.rows for o in obs]
+            ys = [o.seconds for o in obs]
+            for o in obs:
+                analytic = self.analytic(stage, o.rows, threads, gang)
+                if analytic > 0:
+                    self._ratios[stage].append(o.seconds / analytic)
+            if len(set(xs)) < 2:
+                continue
+            n = len(xs)
+            mx, my = sum(xs) / n, sum(ys) / n
+            sxx = sum((x - mx) ** 2 for x in xs)
+            b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
+            a = max(0.0, my - b * mx)
+            self._fits[key] = (a, b)
+
+    # ----------------------------------------------------------------- durations
+    def stage_seconds(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
+        """Seconds one task of ``stage`` takes on a batch of ``rows`` rows with
+        ``threads`` torch threads (as one rank of a gang of ``gang``: each rank computes
+        on ``rows / gang`` of them)."""
+        if rows <= 0:
+            return self.device["task_s"]
+        fit = self._fits.get((stage, threads, gang))
+        if fit is not None:
+            a, b = fit
+            return a + b * rows
+        analytic = self.analytic(stage, rows, threads, gang)
+        ratios = self._ratios.get(stage)
+        if ratios:  # measured elsewhere: the analytic shape at the measured scale
+            return analytic * sorted(ratios)[len(ratios) // 2]
+        return analytic
+
+    def analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
+        """The analytic estimate of a task (see the module docstring)."""
+        d = self.device
+        speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
+                                    + d["thread_efficiency"] / max(1, threads))
+        if stage == "store":
+            return d["task_s"] + rows * (self.prompt_tokens + self.response_tokens) * 40 \
+                / d["bytes_per_s"]
+        node = self.graph.nodes[stage]
+        kind = node.type
+        params = self.pipeline.params[stage]
+        shape = self.shapes.get(node.model) if node.model else None
+        tokens = self.prompt_tokens + self.response_tokens
+        if shape is None or shape.params == 0:
+            # model-free stages: rewards are Python per row, advantages are tensor ops
+            return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
+        flops_token = 2.0 * shape.params
+        if kind == "generate":
+            steps = int(getattr(params, "max_new_tokens", self.response_tokens))
+            prefill = rows * self.prompt_tokens * flops_token / speed
+            decode = steps * (d["step_s"] + shape.layers * d["layer_s"]
+                              + rows * flops_token / speed)
+            return d["task_s"] + prefill + decode
+        if node.trains:
+            epochs = int(getattr(params, "epochs", 1))
+            minibatches = int(getattr(params, "minibatches", 1))
+            steps = epochs * minibatches
+            compute = epochs * rows / gang * tokens * 3 * flops_token / speed
+            overhead = steps * (3 * shape.layers * d["layer_s"] + 16 * shape.params / speed)
+            allreduce = 0.0
+            if gang > 1:
+                ring = 2 * (gang - 1) / gang * shape.params * 4
+                allreduce = steps * (ring / d["allreduce_bytes_per_s"]
+                                     + math.log2(gang) * d["allreduce_latency_s"])
+            return d["task_s"] + compute + overhead + allreduce
+        # one forward pass: log-probs, values, a reward model
+        return d["task_s"] + shape.layers * d["layer_s"] + rows * tokens * flops_token / speed
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Moving ``nbytes`` between two workers (Dask, or a weight reallocation)."""
+        return self.device["latency_s"] + nbytes / self.device["bytes_per_s"]
+
+    def result_bytes(self, rows: int) -> float:
+        """Bytes of a micro-batch's results (a few token-length columns)."""
+        return rows * (self.prompt_tokens + self.response_tokens) * 4 * 4
+
+    # ----------------------------------------------------------------- memory
+    def memory(self, plan, rows_per_task: Mapping[str, int]) -> list[float]:
+        """Estimated peak bytes per worker of ``plan``: every model copy's weights; at a
+        model's home the gradients and AdamW state (fp32, two moments) too; plus the
+        largest KV cache or activation footprint of a task on that worker."""
+        per_worker = [0.0] * plan.n_workers
+        peak = [0.0] * plan.n_workers
+        tokens = self.prompt_tokens + self.response_tokens
+        for model, workers in plan.replicas.items():
+            shape = self.shapes.get(model)
+            if shape is None:
+                continue
+            trained = self.pipeline.spec.models[model].trainable
+            for w in workers:
+                extra = 0.0
+                if trained and w in plan.homes.get(model, ()):
+                    extra = shape.params * 4 * 3  # gradients + two AdamW moments
+                per_worker[w] += shape.nbytes + extra
+        for name, sp in plan.stages.items():
+            node = self.graph.nodes[name]
+            shape = self.shapes.get(node.model) if node.model else None
+            if shape is None:
+                continue
+            rows = rows_per_task.get(name, 0)
+            if node.trains:
+                mb = int(getattr(self.pipeline.params[name], "minibatches", 1))
+                act = rows / max(1, mb) * tokens * shape.hidden * shape.layers * 4 * 16
+            else:  # KV cache (keys and values per layer) and the logits of a forward
+                act = rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
+            for w in sp.workers:
+                peak[w] = max(peak[w], act)
+        return [a + b for a, b in zip(per_worker, peak, strict=True)]

@@ -1,0 +1,94 @@
+"""``rlhfflow profile``: measure a pipeline's stages on this machine for the planner.
+
+A profile is made of the task intervals real runs record (``OUTPUT/tasks.jsonl``: stage,
+rows, seconds, on which worker) together with the layout they ran under (workers, torch
+threads per worker, gang sizes). The profiling pass runs the pipeline for a few
+iterations under two plans per worker layout (co-located, whose training runs in gangs,
+and interleaved, whose micro-batches are smaller and whose training runs alone), so every
+stage is measured at two row counts, alone and in a gang; the first iteration (model
+loading) is left out. A finished run's intervals can be added to a profile later
+(``--from-run``), so the profile improves with every run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rlhfflow.pipeline.costmodel import Observation, Profile, machine_info, model_shapes
+from rlhfflow.pipeline.telemetry import TASKS_FILE
+
+
+def layouts(cores: int, max_workers: int) -> list[tuple[int, int]]:
+    """Embedded worker layouts worth comparing on ``cores`` cores: ``W`` workers of
+    ``cores // W`` torch threads, for ``W`` up to ``max_workers``."""
+    return [(w, max(1, cores // w)) for w in range(1, max(1, min(cores, max_workers)) + 1)]
+
+
+def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observation]:
+    """The measured stage tasks of a run directory (``tasks.jsonl``), without the first
+    iteration's (model loading) unless ``skip_first`` is False."""
+    path = Path(run_dir) / TASKS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    first = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        layout = record.get("layout") or {}
+        threads = int(layout.get("threads") or 1)
+        gangs = layout.get("gangs") or {}
+        for _w, stage, iteration, start, stop, rows in record.get("tasks", []):
+            if first is None:
+                first = iteration
+            if skip_first and iteration <= max(0, first):
+                continue
+            if stage == "realloc" or rows <= 0:
+                continue
+            out.append(Observation(stage, int(rows), threads, int(gangs.get(stage, 1)),
+                                   float(stop - start)))
+    return out
+
+
+def profile_pipeline(pipeline, iterations: int = 3,
+                     worker_layouts: Sequence[tuple[int, int]] | None = None,
+                     say: Callable[[str], None] = print) -> Profile:
+    """Run ``pipeline`` briefly under each layout and two plans, on an embedded cluster,
+    and return the profile of its stages."""
+    from rlhfflow.pipeline.backend import default_torch_threads
+    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.pipeline.loader import derive
+
+    spec = pipeline.spec
+    cores = machine_info()["cores"]
+    chosen = list(worker_layouts or layouts(cores, spec.cluster.workers))
+    rows = spec.data.batch_size * spec.data.samples_per_prompt
+    profile = Profile(pipeline.name, machine_info(),
+                      {m: s.__dict__ for m, s in model_shapes(pipeline).items()})
+    scratch = Path(tempfile.mkdtemp(prefix="rlhfflow-profile-"))
+    try:
+        for workers, threads in chosen:
+            threads = threads or default_torch_threads(workers)
+            for strategy, micro in (("colocated", workers), ("interleaved", 4 * workers)):
+                overrides = {"iterations": iterations, "output": str(scratch / "run"),
+                             "cluster.workers": workers, "cluster.torch_threads": threads,
+                             "cluster.address": None, "placement.strategy": strategy,
+                             "data.micro_batches": min(rows, micro), "checkpoint.every": 0}
+                say(f"rlhfflow profile: {workers} worker(s) x {threads} thread(s), "
+                    f"{strategy}, {min(rows, micro)} micro-batch(es)")
+                start = time.time()
+                run_pipeline(derive(pipeline, overrides), progress=False, overwrite=True)
+                found = observations_from_run(scratch / "run")
+                profile.observations += found
+                say(f"rlhfflow profile:   {len(found)} task(s) measured in "
+                    f"{time.time() - start:.1f}s")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return profile

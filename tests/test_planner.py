@@ -1,0 +1,259 @@
+"""The planner: the cost model (analytic, fitted from measured tasks), profiles, the
+simulator walking compiled task specs, the plan search behind ``placement: auto``, and
+the ``plan`` and ``profile`` commands."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+from click.testing import CliRunner
+
+from rlhfflow.cli.main import main
+from rlhfflow.pipeline.costmodel import (
+    CostModel,
+    Observation,
+    Profile,
+    ProfileError,
+    model_shapes,
+)
+from rlhfflow.pipeline.executor import run_pipeline
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.plan import STRATEGIES, PlanError, make_plan
+from rlhfflow.pipeline.planner import choose_plan
+from rlhfflow.pipeline.profiler import observations_from_run, profile_pipeline
+from rlhfflow.pipeline.simulate import simulate
+from tests.conftest import CONFIGS, small_pipeline
+
+PPO = CONFIGS / "ppo-tiny.yaml"
+GRPO = CONFIGS / "grpo-tiny.yaml"
+
+
+def _profile(pipeline, observations) -> Profile:
+    shapes = {m: s.__dict__ for m, s in model_shapes(pipeline).items()}
+    return Profile(pipeline.name, {"cpu": "test", "cores": 2}, shapes,
+                   observations=observations)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_measured_stages_are_fitted_as_a_line_in_rows():
+    pipeline = load_pipeline(GRPO)
+    obs = [Observation("generate", rows, 1, 1, 0.05 + 0.01 * rows) for rows in (4, 8, 16)]
+    cost = CostModel(pipeline, _profile(pipeline, obs))
+    assert cost.profiled and cost.warning is None
+    assert cost.stage_seconds("generate", 32, threads=1) == pytest.approx(0.05 + 0.32)
+    # another thread count: the analytic shape, scaled to the measured level
+    analytic = CostModel(pipeline).stage_seconds("generate", 32, threads=2)
+    ratio = (0.05 + 0.01 * 8) / CostModel(pipeline).analytic("generate", 8, 1)
+    assert cost.stage_seconds("generate", 32, threads=2) == pytest.approx(analytic * ratio)
+
+
+def test_the_analytic_model_grows_with_rows_tokens_layers_and_gangs():
+    small = CostModel(load_pipeline(GRPO))
+    big = CostModel(load_pipeline(GRPO, {"models.actor.tiny.layers": 8,
+                                         "stages.generate.params.max_new_tokens": 32}))
+    for stage in ("generate", "old_logprob", "train_actor"):
+        assert small.stage_seconds(stage, 16, 1) < small.stage_seconds(stage, 32, 1)
+        assert small.stage_seconds(stage, 16, 1) < big.stage_seconds(stage, 16, 1)
+        assert small.stage_seconds(stage, 32, 2) < small.stage_seconds(stage, 32, 1)
+    # a gang of two computes on half the rows each, plus an all-reduce per step
+    alone = small.stage_seconds("train_actor", 32, 1)
+    assert small.stage_seconds("train_actor", 32, 1, gang=2) < alone
+
+
+def test_a_profile_of_other_model_shapes_falls_back_to_the_analytic_model():
+    pipeline = load_pipeline(GRPO)
+    profile = _profile(pipeline, [Observation("generate", 8, 1, 1, 99.0)])
+    profile.shapes["actor"]["layers"] = 12
+    cost = CostModel(pipeline, profile)
+    assert not cost.profiled and "actor.layers 12 vs 2" in cost.warning
+    assert cost.stage_seconds("generate", 8, 1) == CostModel(pipeline).stage_seconds(
+        "generate", 8, 1)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "profile file not found"),
+    ("{not json", "not a readable profile"),
+    ('{"format": "something-else"}', "not an rlhfflow profile"),
+    ('{"format": "rlhfflow-profile/1", "pipeline": "x"}', "malformed profile"),
+])
+def test_a_bad_profile_file_is_one_line(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ProfileError) as err:
+        Profile.load(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_profile_survives_a_round_trip(tmp_path):
+    pipeline = load_pipeline(GRPO)
+    profile = _profile(pipeline, [Observation("train_actor", 32, 1, 2, 0.5)])
+    profile.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    assert again.observations == profile.observations and again.shapes == profile.shapes
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_simulated_schedule_keeps_every_dependency_and_one_task_per_worker(strategy):
+    pipeline = load_pipeline(PPO, {"placement.strategy": strategy})
+    plan = make_plan(pipeline, 2)
+    sim = simulate(pipeline, plan, CostModel(pipeline), threads=1, iterations=4)
+    specs = {s.id: s for s in sim.specs}
+    for task_id, (_w, start, _stop) in sim.intervals.items():
+        for need in specs[task_id].needs():
+            if need in sim.intervals:
+                assert sim.intervals[need][2] <= start + 1e-9, (need, task_id)
+    per_worker = defaultdict(list)
+    for task_id, (w, a, b) in sim.intervals.items():
+        per_worker[w].append((a, b, task_id))
+    for spans in per_worker.values():
+        spans.sort()
+        for (_a1, b1, t1), (a2, _b2, t2) in zip(spans, spans[1:], strict=False):
+            assert b1 <= a2 + 1e-9, (t1, t2)
+    assert sorted(sim.finishes) == [0, 1, 2, 3]
+    assert sim.iteration_s > 0 and all(0 <= b <= 1 for b in sim.busy_frac)
+
+
+def test_a_gang_runs_all_its_ranks_at_once():
+    pipeline = load_pipeline(PPO, {"placement.strategy": "colocated"})
+    sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=3)
+    ranks = [v for k, v in sim.intervals.items() if k.startswith("train_actor-1-r")]
+    assert len(ranks) == 2 and ranks[0][2] == ranks[1][2]  # they end together
+    assert {w for w, _, _ in ranks} == {0, 1}
+
+
+def test_the_timeline_draws_every_worker():
+    pipeline = load_pipeline(PPO, {"placement.strategy": "interleaved"})
+    sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=4)
+    lines = sim.timeline(2, 2)
+    assert lines[0].startswith("  w0") and lines[1].startswith("  w1")
+    assert "generate" in lines[-1] and "train_actor" in lines[-1]
+
+
+# --------------------------------------------------------------------------- search
+
+
+def test_auto_picks_the_fastest_plan_that_fits_and_changes_nothing_computed():
+    pipeline = load_pipeline(PPO, {"overlap.max_staleness": 1})
+    choice = choose_plan(pipeline, n_workers=2)
+    times = [c.predicted_s for c in choice.candidates if not c.problem]
+    assert choice.best.predicted_s == min(times)
+    assert {c.strategy for c in choice.candidates} == set(STRATEGIES)
+    chosen = choice.pipeline.spec
+    assert chosen.placement.strategy == choice.best.strategy
+    assert chosen.overlap.max_staleness == 1
+    assert chosen.algorithm == pipeline.spec.algorithm
+    assert chosen.stages == pipeline.spec.stages
+    assert choice.pipeline.params == pipeline.params
+
+
+def test_the_embedded_cluster_searches_workers_and_threads():
+    pipeline = load_pipeline(GRPO)
+    choice = choose_plan(pipeline, cores=2)
+    layouts = {(c.workers, c.threads) for c in choice.candidates}
+    assert {(1, 2), (2, 1)} <= layouts
+    assert choice.pipeline.spec.cluster.workers == choice.best.workers
+    # a given cluster keeps its layout
+    given = choose_plan(load_pipeline(GRPO, {"cluster.torch_threads": 1}), n_workers=3)
+    assert {(c.workers, c.threads) for c in given.candidates} == {(3, 1)}
+
+
+def test_a_plan_that_does_not_fit_is_never_chosen():
+    pipeline = load_pipeline(PPO, {"cluster.memory_limit": "1MB"})
+    with pytest.raises(PlanError) as err:
+        choose_plan(pipeline, n_workers=2)
+    assert "placement.strategy: no plan fits the cluster (does not fit: worker" in str(err.value)
+
+
+def test_make_plan_with_auto_returns_a_concrete_strategy():
+    plan = make_plan(load_pipeline(PPO), 2)
+    assert plan.strategy in STRATEGIES
+
+
+def test_large_clusters_are_planned_with_a_guided_search():
+    pipeline = load_pipeline(GRPO, {"data.batch_size": 64})
+    choice = choose_plan(pipeline, n_workers=64)
+    assert not choice.exhaustive
+    assert choice.best.workers == 64 and choice.best.simulation is not None
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_plan_command_shows_the_prediction_timeline_and_candidates():
+    result = CliRunner().invoke(main, ["plan", str(PPO), "--candidates", "3"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "predicted:" in text and "s per iteration" in text
+    assert "planner: chose" in text and "timeline of one steady iteration" in text
+    assert "  w0  |" in text and "  w1  |" in text
+    assert "candidates:" in text and "  2. " in text and "(chosen)" in text
+
+
+def test_plan_command_plans_a_larger_cluster_with_a_profile(tmp_path):
+    pipeline = load_pipeline(GRPO)
+    profile = _profile(pipeline, [Observation("generate", r, 1, 1, 0.01 * r) for r in (2, 4)])
+    profile.save(tmp_path / "gpu.json")
+    result = CliRunner().invoke(main, ["plan", str(GRPO), "--workers", "16", "--profile",
+                                       str(tmp_path / "gpu.json")])
+    assert result.exit_code == 0, result.output
+    assert "on 16 worker(s)" in result.output and "from the profile of 2 measured" in \
+        result.output
+
+
+def test_plan_command_rejects_a_bad_profile_with_exit_2(tmp_path):
+    (tmp_path / "bad.json").write_text("[]")
+    result = CliRunner().invoke(main, ["plan", str(GRPO), "--profile",
+                                       str(tmp_path / "bad.json")])
+    assert result.exit_code == 2
+    assert "placement.profile" in result.output and "not an rlhfflow profile" in result.output
+
+
+def test_plan_command_says_when_no_plan_fits():
+    result = CliRunner().invoke(main, ["plan", str(PPO), "--set", "cluster.memory_limit=1MB"])
+    assert result.exit_code == 2 and "no plan fits the cluster" in result.output
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@pytest.mark.slow
+def test_a_run_records_task_intervals_a_profile_is_made_of(tmp_path):
+    """Inline (no Dask): tasks.jsonl keeps every stage task with its rows; --from-run
+    turns them into a profile the planner then predicts from."""
+    path = small_pipeline(tmp_path, "grpo", iterations=3)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    observed = observations_from_run(tmp_path / "out")
+    stages = {o.stage for o in observed}
+    assert {"generate", "reward", "train_actor", "store"} <= stages
+    assert all(o.rows > 0 and o.seconds >= 0 for o in observed)
+    lines = (tmp_path / "out" / "tasks.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
+    result = CliRunner().invoke(main, ["profile", str(path), "--from-run",
+                                       str(tmp_path / "out"), "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    profile = Profile.load(tmp_path / "p.json")
+    assert len(profile.observations) == len(observed)
+    assert CostModel(load_pipeline(path), profile).profiled
+
+
+@pytest.mark.slow
+def test_the_profiling_pass_measures_every_stage_on_an_embedded_cluster(tmp_path):
+    path = small_pipeline(tmp_path, "grpo", iterations=2)
+    pipeline = load_pipeline(path)
+    profile = profile_pipeline(pipeline, iterations=2, worker_layouts=[(2, 1)],
+                               say=lambda line: None)
+    stages = {(o.stage, o.gang) for o in profile.observations}
+    # co-located trains in a gang of two, interleaved alone
+    assert {("generate", 1), ("train_actor", 2), ("train_actor", 1)} <= stages
+    rows = {o.rows for o in profile.observations if o.stage == "generate"}
+    assert len(rows) >= 2  # two splits: a line can be fitted
+    assert CostModel(pipeline, profile).profiled
