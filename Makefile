@@ -55,10 +55,11 @@ test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests includ
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks
 
-bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap
+bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, the planner
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/placement.py
 	$(BIN)/python benchmarks/overlap.py
+	$(BIN)/python benchmarks/planner.py
 
 clean:  ## remove .venv, runs/ and caches
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info

@@ -44,6 +44,7 @@ class Candidate:
     memory: list[float] = field(default_factory=list)
     capacity: float = 0.0
     problem: str | None = None  # why it cannot run (does not fit, invalid placement)
+    error: PlanError | None = None  # the placement error behind ``problem``, if one
 
     @property
     def predicted_s(self) -> float:
@@ -185,7 +186,10 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     evaluated = [c for c in space if c.simulation is not None or c.problem]
     ranked = sorted(evaluated, key=lambda c: (c.problem is not None, c.predicted_s))
     if not ranked or ranked[0].problem:
-        why = ranked[0].problem if ranked else "no candidate"
+        placement = [c.error for c in ranked if c.error is not None]
+        if len(placement) == len(ranked) and placement:
+            raise placement[0]  # the user's placement, whatever the strategy: its key
+        why = next((c.problem for c in ranked if c.error is None), "no candidate")
         raise PlanError(pipeline.source, "placement.strategy",
                         f"no plan fits the cluster ({why})")
     best = ranked[0]
@@ -213,7 +217,7 @@ def _evaluate(pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
     try:
         c.plan = make_plan(run, c.workers, {m: s.nbytes for m, s in cost.shapes.items()})
     except PlanError as exc:
-        c.problem = exc.message
+        c.problem, c.error = exc.message, exc
         return
     rows = run.spec.data.batch_size * run.spec.data.samples_per_prompt
     per_task = {n: (rows if sp.micro_batches is None else -(-rows // sp.micro_batches))
