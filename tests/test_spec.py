@@ -344,6 +344,81 @@ def test_scientific_float_is_accepted(tmp_path: Path) -> None:
     assert isinstance(lr, float) and lr == pytest.approx(1e-3)
 
 
+def _ppo_text() -> str:
+    """configs/ppo-tiny.yaml as written (comments, block and flow style), runnable here."""
+    return PPO_TINY.read_text().replace("prompts: data/prompts.jsonl", f"prompts: {PROMPTS}")
+
+
+def _line_of(text: str, needle: str, start: int = 0) -> int:
+    return text[:text.index(needle, start)].count("\n") + 1
+
+
+# (id, edit of the real file text, key, where the second one is, where the first one is)
+DUPLICATES = [
+    ("top-level", lambda t: t + "seed: 7\n", "seed", "seed: 7", "seed: 0"),
+    ("stage-defined-twice", lambda t: t + "  reward:\n    type: score\n    after: [generate]\n"
+     "    params: {function: rlhfflow.stages.rewards:length_ratio}\n", "reward",
+     "  reward:\n    type: score\n    after: [generate]\n    params: {function",
+     "  reward:"),
+    ("nested-block", lambda t: t.replace("    trainable: true\n", "    trainable: true\n"
+                                         "    trainable: false\n", 1),
+     "trainable", "trainable: false", "trainable: true"),
+    ("flow-mapping", lambda t: t.replace("optimizer: {lr: 3.0e-3}", "optimizer: {lr: 3.0e-3, "
+                                         "lr: 1.0e-3}", 1), "lr", "lr: 1.0e-3", "lr: 3.0e-3"),
+    ("inside-params", lambda t: t.replace("params: {max_new_tokens: 16", "params: "
+                                          "{max_new_tokens: 16, max_new_tokens: 8", 1),
+     "max_new_tokens", "max_new_tokens: 8", "max_new_tokens: 16"),
+]
+
+
+@pytest.mark.parametrize(("edit", "key", "second", "first"), [d[1:] for d in DUPLICATES],
+                         ids=[d[0] for d in DUPLICATES])
+def test_a_duplicate_key_anywhere_is_one_line_naming_file_line_and_key(
+        tmp_path: Path, edit: Callable[[str], str], key: str, second: str, first: str) -> None:
+    text = edit(_ppo_text())
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    second_line = _line_of(text, second, text.index(first) + 1)
+    result = validate(path)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"Error: {path}: invalid YAML: line {second_line}, ")
+    assert result.stderr.endswith(f"duplicate key {key!r} (first at line "
+                                  f"{_line_of(text, first)})\n")
+    assert result.stderr.count("\n") == 1
+
+
+def test_keys_that_load_as_the_same_value_are_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(_ppo_text().replace(
+        "function: rlhfflow.stages.rewards:vowel_ratio",
+        "function: rlhfflow.stages.rewards:vowel_ratio\n      kwargs: {1: a, 0x1: b}"))
+    with pytest.raises(SpecError, match=r"duplicate key '0x1' \(first at line \d+\)$"):
+        load_pipeline(path)
+
+
+def test_an_unedited_example_has_no_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(_ppo_text())
+    assert validate(path).exit_code == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "seed=1", "--set", "seed=2"], "Error: --set seed: given twice; keep one\n"),
+    (["--set", "cluster.workers=1", "--workers", "2"],
+     "Error: --set cluster.workers and --workers both given; keep one\n"),
+])
+def test_an_override_given_twice_is_one_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["plan", str(PPO_TINY), *args])
+    assert (result.exit_code, result.stderr, result.stdout) == (2, message, "")
+
+
+def test_a_duplicate_key_in_a_set_value_is_an_error() -> None:
+    result = CliRunner().invoke(main, ["plan", str(PPO_TINY), "--set",
+                                       "overlap={fuse: true, fuse: false}"])
+    assert result.exit_code == 2
+    assert "duplicate key 'fuse'" in result.stderr
+
+
 def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
     spec = base_spec()
     text = yaml.safe_dump(spec, sort_keys=False)

@@ -67,12 +67,27 @@ def _parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise click.BadParameter(f"expected KEY=VALUE (e.g. overlap.max_staleness=1), "
                                      f"got {item!r}", param_hint="--set")
+        key = key.strip()
+        if key in out:  # the last one would win silently, like a duplicate key in the file
+            raise UserError(f"--set {key}: given twice; keep one")
         try:
-            out[key.strip()] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
-        except yaml.YAMLError:
-            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML",
+            out[key] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+        except yaml.YAMLError as exc:
+            # a duplicate key inside a flow mapping (--set 'overlap={a: 1, a: 2}') too
+            problem = getattr(exc, "problem", None)
+            detail = f" ({problem})" if problem and "duplicate key" in problem else ""
+            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML{detail}",
                                      param_hint="--set") from None
     return out
+
+
+def _merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """``--set`` overrides plus the dedicated options (``--iterations``...); one key given
+    both ways is a mistake, not a silent choice of one of them."""
+    for key, (flag, value) in options.items():
+        if value is not None and key in sets:
+            raise UserError(f"--set {key} and {flag} both given; keep one")
+    return {**sets, **{k: v for k, (_, v) in options.items() if v is not None}}
 
 
 SET_OPTION = click.option(
@@ -204,11 +219,9 @@ def plan(file: str, workers: int | None, strategy: str | None, sets: tuple[str, 
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated \\
           --set overlap.max_staleness=1
     """
-    overrides: dict[str, Any] = _parse_sets(sets)
-    if workers is not None:
-        overrides["cluster.workers"] = workers
-    if strategy is not None:
-        overrides["placement.strategy"] = strategy
+    overrides = _merge_options(_parse_sets(sets), {
+        "cluster.workers": ("--workers", workers),
+        "placement.strategy": ("--strategy", strategy)})
     pipeline = load(file, overrides)
     from rlhfflow.pipeline.plan import make_plan
 
@@ -390,9 +403,10 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
       rlhfflow run configs/ppo-tiny.yaml --set overlap.max_staleness=1 \\
           --set placement.strategy=disaggregated
     """
-    overrides = {**_parse_sets(sets), "iterations": iterations, "cluster.workers": workers,
-                 "output": out, "cluster.address": scheduler}
-    pipeline = load(file, {k: v for k, v in overrides.items() if v is not None})
+    overrides = _merge_options(_parse_sets(sets), {
+        "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
+        "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
+    pipeline = load(file, overrides)
     from rlhfflow.pipeline.executor import RunError, run_pipeline
 
     stop = threading.Event()
