@@ -264,6 +264,41 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("function-format", lambda s: put(s, "stages.reward.params.function", "vowel_ratio"),
      "stages.reward.params.function: expected 'module:function' or 'file.py:function', "
      "got 'vowel_ratio'"),
+    # kwargs against the reward function's signature, several functions, error handling
+    ("kwargs-typo", lambda s: put(s, "stages.reward.params.kwargs", {"min_len": 4}),
+     "stages.reward.params.kwargs.min_len: vowel_ratio() has no argument 'min_len'; "
+     "did you mean 'min_length'?"),
+    ("kwargs-unknown", lambda s: put(s, "stages.reward.params.kwargs", {"temperature": 1}),
+     "stages.reward.params.kwargs.temperature: vowel_ratio() has no argument 'temperature'; "
+     "it takes min_length"),
+    ("functions-kwargs-unknown", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:vowel_ratio"},
+        {"function": "rlhfflow.stages.rewards:length_ratio", "kwargs": {"targte": 8}}]}),
+     "stages.reward.params.functions[1].kwargs.targte: length_ratio() has no argument "
+     "'targte'; did you mean 'target'?"),
+    ("function-and-functions", lambda s: put(s, "stages.reward.params.functions",
+                                             [{"function": "rlhfflow.stages.rewards:length_ratio"}]),
+     "stages.reward.params.functions: give either params.function or params.functions, "
+     "not both"),
+    ("functions-same-name", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio"},
+        {"function": "rlhfflow.stages.rewards:length_ratio", "kwargs": {"target": 8}}]}),
+     "stages.reward.params.functions[1].function: params.functions[0] already writes "
+     "'score_length_ratio'; give one of them another 'name'"),
+    ("functions-reserved-name", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio", "name": "valid"}]}),
+     "stages.reward.params.functions[0].name: 'valid' cannot name a score column (letters, "
+     "digits and underscores; not 'valid' or 'error' or 'retries')"),
+    ("functions-weight-type", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio", "weight": "0.5"}]}),
+     "stages.reward.params.functions[0].weight: expected a number, got '0.5'"),
+    ("on-error-value", lambda s: put(s, "stages.reward.params.on_error", "ignore"),
+     "stages.reward.params.on_error: expected one of 'error' or 'skip', got 'ignore'"),
+    ("retries-without-skip", lambda s: put(s, "stages.reward.params.retries", 2),
+     "stages.reward.params.retries: retries each failing sample with on_error: skip; with "
+     "on_error: error, the stage's own 'retries' re-runs the whole task"),
+    ("max-errors-negative", lambda s: put(s, "stages.reward.params.max_errors", -1),
+     "stages.reward.params.max_errors: expected an integer >= 0, got -1"),
 ]
 
 
@@ -342,6 +377,30 @@ def test_scientific_float_is_accepted(tmp_path: Path) -> None:
     assert validate(path).exit_code == 0
     lr = load_pipeline(path).spec.models["actor"].optimizer.lr
     assert isinstance(lr, float) and lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(("source", "params", "expected"), [
+    ("def judge(prompts, responses, *, rubric):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge"},
+     "stages.reward.params.kwargs: judge() needs argument 'rubric'; add it to kwargs"),
+    ("def judge(responses):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge"},
+     "stages.reward.params.function: judge() cannot be called as judge(prompts, responses, "
+     "**kwargs): too many positional arguments"),
+    ("def judge(prompts, responses, **options):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge", "kwargs": {"anything": 1}}, None),
+])
+def test_reward_kwargs_are_checked_against_the_function_in_a_file(
+        tmp_path: Path, source: str, params: dict, expected: str | None) -> None:
+    (tmp_path / "reward.py").write_text(source)
+    spec = base_spec()
+    put(spec, "stages.reward.params", params)
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    if expected is None:
+        assert result.exit_code == 0, result.stderr
+    else:
+        assert (result.exit_code, result.stderr) == (2, f"Error: {path}: {expected}\n")
 
 
 def _ppo_text() -> str:

@@ -25,10 +25,12 @@ from rlhfflow.storage import (
     ExperienceBuffer,
     MetricsLog,
 )
+from rlhfflow.storage.errors import DIRECTORY as ERRORS_DIRECTORY
+from rlhfflow.storage.errors import truncate_score_errors
 
 RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
-             RUN_FILE)
+             ERRORS_DIRECTORY, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
 RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint")
 
@@ -105,6 +107,7 @@ def prepare_output(pipeline: Pipeline, overwrite: bool = False, resume: Resume =
     ExperienceBuffer(out / "buffer.zarr").truncate(keep)
     MetricsLog(out / "metrics.jsonl").repair()
     MetricsLog(out / "metrics.jsonl").truncate(keep)
+    truncate_score_errors(out, keep)
     store = CheckpointStore(out / "checkpoints")
     store.truncate(keep)
     store.clean_leftovers()
