@@ -382,10 +382,16 @@ def init(directory: str, force: bool) -> None:
 @click.option("--force", is_flag=True,
               help="Resume even though the pipeline file changed since the run started.")
 @click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
+@click.option("--supervise", is_flag=True,
+              help="Run the coordinator as a child process and restart it (resuming from "
+                   "the last checkpoint) when it dies, up to --max-restarts times.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              metavar="N", help="With --supervise: restarts of a dead coordinator before "
+                                "giving up.")
 @SET_OPTION
 def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         scheduler: str | None, overwrite: bool, resume: str, force: bool,
-        quiet: bool, sets: tuple[str, ...]) -> None:
+        quiet: bool, supervise: bool, max_restarts: int, sets: tuple[str, ...]) -> None:
     """Run the pipeline in FILE on Dask.
 
     Options override the matching keys of the file, which is validated with
@@ -395,6 +401,10 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     saves a checkpoint and exits 130; a second Ctrl-C stops at once. Exits 2 on
     a mistake in the file and 1 when the run fails.
 
+    With --supervise the run is a child process, restarted when it dies from a
+    signal (or fails after committing an iteration), resuming from its last
+    checkpoint; not after a clean finish, a mistake (2) or a stop (130).
+
     \b
     Example:
       rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try --overwrite
@@ -402,11 +412,26 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
       rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
       rlhfflow run configs/ppo-tiny.yaml --set overlap.max_staleness=1 \\
           --set placement.strategy=disaggregated
+      rlhfflow run configs/ppo-tiny.yaml --supervise --max-restarts 5
     """
     overrides = _merge_options(_parse_sets(sets), {
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     pipeline = load(file, overrides)
+    if supervise:
+        from rlhfflow.cli.supervise import supervise as supervise_run
+
+        options = [file, *(f"--set={item}" for item in sets)]
+        for flag, value in (("--iterations", iterations), ("--workers", workers),
+                            ("--out", out), ("--scheduler", scheduler)):
+            if value is not None:
+                options.append(f"{flag}={value}")
+        options += ["--force"] * force + ["--quiet"] * quiet
+        # a restart resumes whatever the first attempt left; never wipes it again
+        first = [*options, f"--resume={resume}", *["--overwrite"] * overwrite]
+        code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
+                             max_restarts, lambda line: click.echo(line, err=True))
+        raise SystemExit(code)
     from rlhfflow.pipeline.executor import RunError, run_pipeline
 
     stop = threading.Event()
