@@ -230,3 +230,20 @@ def test_supervise_checks_the_file_before_starting_anything(tmp_path):
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == f"Error: {path}: iterations: expected an integer >= 0, got -1\n"
     assert not (tmp_path / "p" / "out").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_a_supervised_run_once_and_is_not_restarted(tmp_path):
+    iterations = 8
+    path = _pipeline(tmp_path, iterations=iterations, workers=2, every=0)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path), "--supervise", start_new_session=True)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the supervisor's group
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    # one SIGINT reached the run: it finished the iteration instead of stopping at once
+    assert "finishing the iteration in flight" in stderr and "checkpoint saved" in stderr
+    assert "interrupted at once" not in stderr and "supervisor:" not in stderr
+    done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
+    assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
