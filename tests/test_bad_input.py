@@ -141,6 +141,22 @@ def test_a_reward_function_that_raises_can_be_skipped_counted_and_listed(tmp_pat
     assert all(r["response"] is not None and r["prompt"] for r in listed)
 
 
+@pytest.mark.slow
+def test_skipped_reward_errors_are_listed_by_the_dask_workers(tmp_path):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    path = small_pipeline(tmp_path, iterations=2, overrides={
+        "cluster.workers": 2, "stages.reward.params.function": "sometimes.py:score",
+        "stages.reward.params.on_error": "skip", "stages.reward.params.max_errors": 100})
+    result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out"
+    listed = read_score_errors(out)
+    records = MetricsLog(out / "metrics.jsonl").read()
+    assert [r["samples_skipped"] for r in records] == [
+        sum(1 for e in listed if e["iteration"] == k) for k in range(2)]
+    assert len(listed) > 0 and all("ZeroDivisionError" in e["error"] for e in listed)
+
+
 def test_the_error_budget_per_iteration_and_in_total(tmp_path):
     (tmp_path / "sometimes.py").write_text(SOMETIMES)
     path = small_pipeline(tmp_path, iterations=3, overrides={

@@ -247,3 +247,11 @@ def test_ctrl_c_reaches_a_supervised_run_once_and_is_not_restarted(tmp_path):
     assert "interrupted at once" not in stderr and "supervisor:" not in stderr
     done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
     assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
+
+
+def test_max_restarts_without_supervise_is_a_mistake(tmp_path):
+    path = _pipeline(tmp_path, iterations=1)
+    result = CliRunner().invoke(main, ["run", str(path), "--max-restarts", "5"])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == ("Error: --max-restarts bounds the restarts of --supervise; add "
+                             "--supervise\n")

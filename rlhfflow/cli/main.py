@@ -417,6 +417,9 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     overrides = _merge_options(_parse_sets(sets), {
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
+    source = click.get_current_context().get_parameter_source("max_restarts")
+    if not supervise and source is not click.core.ParameterSource.DEFAULT:
+        raise UserError("--max-restarts bounds the restarts of --supervise; add --supervise")
     pipeline = load(file, overrides)
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run

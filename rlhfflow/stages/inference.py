@@ -210,7 +210,7 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
                                                            p.KEYWORD_ONLY)]
     for key in kwargs:
         if not takes_any and key not in named:
-            hint = did_you_mean_arg(key, named) or (
+            hint = _did_you_mean(key, named) or (
                 f"; it takes {', '.join(named)}" if named else "; it takes no keyword arguments")
             return (f"kwargs.{key}", f"{fn.__name__}() has no argument {key!r}{hint}")
     try:
@@ -225,8 +225,9 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
     return None
 
 
-def did_you_mean_arg(word: str, choices: list[str]) -> str:
-    """``"; did you mean 'x'?"`` for a close argument name, else ``""``."""
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for a close argument name, else ``""`` (the spec's own
+    helper is in ``pipeline``, which stages must not import)."""
     match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f"; did you mean {match[0]!r}?" if match else ""
 
