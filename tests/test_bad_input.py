@@ -9,13 +9,21 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
+from click.testing import CliRunner
 
+from rlhfflow.cli.main import main
+from rlhfflow.pipeline.budget import score_error_budget
 from rlhfflow.pipeline.executor import RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.pipeline.worker import partial_metrics
+from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.stages.data import DataError
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
+from rlhfflow.storage.errors import read_score_errors, truncate_score_errors
 from tests.conftest import DATA, small_pipeline
 
 
@@ -68,7 +76,9 @@ def test_prompt_and_response_must_fit_the_model_context(tmp_path):
 @pytest.mark.parametrize(("body", "expected"), [
     ("return [float('nan')] * len(responses)",
      "reward is not finite for 4 of 4 responses (first: row 0)"),
-    ("raise KeyError('judge unavailable')", "KeyError: 'judge unavailable'"),
+    ("raise KeyError('judge unavailable')", "RewardError: reward function score() raised at "
+     "{file}:2: KeyError: 'judge unavailable'; set params.on_error: skip to leave such "
+     "samples out"),
     ("return [1.0]", "reward returned 1 scores for 4 responses"),
 ])
 def test_a_bad_reward_function_stops_the_run_naming_the_stage(tmp_path, body, expected):
@@ -78,8 +88,151 @@ def test_a_bad_reward_function_stops_the_run_naming_the_stage(tmp_path, body, ex
         "stages.reward.params.function": str(tmp_path / "bad_reward.py") + ":score"})
     with pytest.raises(RunError, match=r"^stage 'reward' failed in iteration 0: ") as err:
         run_pipeline(load_pipeline(path), progress=False, inline=True)
-    assert expected in str(err.value)
+    assert expected.format(file=tmp_path / "bad_reward.py") in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_the_cli_names_the_file_and_line_where_a_reward_function_raised(tmp_path):
+    (tmp_path / "judge.py").write_text(
+        "def score(prompts, responses):\n"
+        "    verdicts = {}\n"
+        "    return [verdicts['missing_key'] for r in responses]\n")
+    path = small_pipeline(tmp_path, iterations=1, overrides={
+        "cluster.workers": 1, "stages.reward.params.function": "judge.py:score"})
+    result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"Error: stage 'reward' failed in iteration 0: RewardError: reward function score() "
+        f"raised at {tmp_path / 'judge.py'}:3: KeyError: 'missing_key'; set "
+        f"params.on_error: skip to leave such samples out\n")
+
+
+SOMETIMES = (
+    "def score(prompts, responses):\n"
+    "    # raises on about one response in four, as a judge choking on some inputs does\n"
+    "    return [1 / (sum(map(ord, r)) % 4) for r in responses]\n")
+
+
+@pytest.mark.parametrize("config", ["ppo", "grpo"])
+def test_a_reward_function_that_raises_can_be_skipped_counted_and_listed(tmp_path, config):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    path = small_pipeline(tmp_path, config, iterations=3, overrides={
+        "stages.reward.params.function": "sometimes.py:score",
+        "stages.reward.params.on_error": "skip",
+        "stages.reward.params.max_errors": 100, "stages.reward.params.max_errors_total": 100})
+    pipeline = load_pipeline(path)
+    result = run_pipeline(pipeline, progress=False, inline=True)
+    listed = read_score_errors(result.output_dir)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr")
+    for record in result.metrics:
+        k = record["iteration"]
+        data = buffer.read(k)
+        failed = [r["row"] for r in listed if r["iteration"] == k]
+        assert sorted(np.flatnonzero(data["score_valid"] == 0).tolist()) == failed
+        assert record["samples_skipped"] == len(failed)
+        assert (data["advantages"][failed] == 0).all()  # nothing learnt from them
+        assert score_error_budget(pipeline, result.output_dir, k, len(failed)) is None
+        assert record["policy_loss"] is not None and math.isfinite(record["policy_loss"])
+    assert len(listed) > 0
+    assert {r["error"] for r in listed} == {
+        f"reward function score() raised at {tmp_path / 'sometimes.py'}:3: "
+        f"ZeroDivisionError: division by zero"}
+    assert all(r["response"] is not None and r["prompt"] for r in listed)
+
+
+@pytest.mark.slow
+def test_skipped_reward_errors_are_listed_by_the_dask_workers(tmp_path):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    path = small_pipeline(tmp_path, iterations=2, overrides={
+        "cluster.workers": 2, "stages.reward.params.function": "sometimes.py:score",
+        "stages.reward.params.on_error": "skip", "stages.reward.params.max_errors": 100})
+    result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out"
+    listed = read_score_errors(out)
+    records = MetricsLog(out / "metrics.jsonl").read()
+    assert [r["samples_skipped"] for r in records] == [
+        sum(1 for e in listed if e["iteration"] == k) for k in range(2)]
+    assert len(listed) > 0 and all("ZeroDivisionError" in e["error"] for e in listed)
+
+
+def test_the_error_budget_per_iteration_and_in_total(tmp_path):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    path = small_pipeline(tmp_path, iterations=3, overrides={
+        "stages.reward.params.function": "sometimes.py:score",
+        "stages.reward.params.on_error": "skip",
+        "stages.reward.params.max_errors": 100, "stages.reward.params.max_errors_total": 100})
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    out = result.output_dir
+    per_iteration = [sum(1 for r in read_score_errors(out) if r["iteration"] == k)
+                     for k in range(3)]
+    worst = max(per_iteration)
+    tight = load_pipeline(path, {"stages.reward.params.max_errors": worst - 1})
+    k = per_iteration.index(worst)
+    assert score_error_budget(tight, out, k, worst) == (
+        f"stage 'reward': the reward function raised on {worst} samples in iteration {k}, "
+        f"more than stages.reward.params.max_errors={worst - 1} (listed in "
+        f"{out / 'score_errors'}); fix the function or raise the budget")
+    total = sum(per_iteration)
+    spent = load_pipeline(path, {"stages.reward.params.max_errors_total": total - 1})
+    assert per_iteration[2] > 0  # (seeded) so the last iteration is the one over budget
+    assert score_error_budget(spent, out, 1, per_iteration[1]) is None
+    assert score_error_budget(spent, out, 2, per_iteration[2]) == (
+        f"stage 'reward': the reward function raised on {total} samples so far, more than "
+        f"stages.reward.params.max_errors_total={total - 1} (listed in "
+        f"{out / 'score_errors'}); fix the function or raise the budget")
+    # a resume forgets the listing of the iterations it cuts away
+    truncate_score_errors(out, 0)
+    assert {r["iteration"] for r in read_score_errors(out)} <= {0}
+
+
+def test_a_run_past_the_error_budget_stops_with_one_line_and_keeps_what_it_did(tmp_path):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    path = small_pipeline(tmp_path, iterations=3, overrides={
+        "stages.reward.params.function": "sometimes.py:score",
+        "stages.reward.params.on_error": "skip", "stages.reward.params.max_errors": 0})
+    with pytest.raises(RunError) as err:
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+    text = str(err.value)
+    assert "more than stages.reward.params.max_errors=0" in text and "\n" not in text
+    records = MetricsLog(tmp_path / "out" / "metrics.jsonl").read()
+    # the run stops after the first iteration with an error; that iteration is kept
+    assert len(records) < 3 and f"iteration {records[-1]['iteration']}," in text
+    assert records[-1]["score_errors"] == records[-1]["samples_skipped"] > 0
+    assert all(r["score_errors"] == 0 for r in records[:-1])
+
+
+def test_each_reward_function_is_logged_alone(tmp_path):
+    path = small_pipeline(tmp_path, iterations=2, overrides={
+        "stages.reward.params": {"functions": [
+            {"function": "rlhfflow.stages.rewards:vowel_ratio", "weight": 0.5},
+            {"function": "rlhfflow.stages.rewards:length_ratio", "weight": 0.5,
+             "kwargs": {"target": 8}}]}})
+    for record in run_pipeline(load_pipeline(path), progress=False, inline=True).metrics:
+        vowels, length = record["reward_mean_vowel_ratio"], record["reward_mean_length_ratio"]
+        assert record["reward_mean"] == pytest.approx(0.5 * vowels + 0.5 * length)
+        assert record["score_errors"] == 0 and record["score_retries"] == 0
+
+
+def test_partial_sums_carry_errors_retries_and_each_functions_score(tmp_path):
+    (tmp_path / "sometimes.py").write_text(SOMETIMES)
+    stage = create_stage("score", name="reward", params={
+        "functions": [{"function": "sometimes.py:score", "weight": 2.0},
+                      {"function": "rlhfflow.stages.rewards:vowel_ratio"}],
+        "on_error": "skip"})
+    responses = ["a", "b", "c", "d", "aeiou", "xyz", "hello", "ok"]
+    batch = {"prompt_text": ["p"] * 8, "response_text": responses,
+             "response_mask": torch.ones(8, 3)}
+    batch |= stage.run(batch, StageContext(0, 0, settings={"base_dir": str(tmp_path)}))
+    partial = partial_metrics(batch)
+    valid = batch["score_valid"].bool()
+    assert partial["score_errors"] == float((~valid).sum()) > 0
+    assert partial["skipped"] == partial["score_errors"] and partial["score_retries"] == 0
+    for column in ("score_score", "score_vowel_ratio"):
+        assert partial[f"{column}_sum"] == pytest.approx(float(batch[column][valid].sum()))
+    assert partial["score_sum"] == pytest.approx(
+        float((2 * batch["score_score"] + batch["score_vowel_ratio"])[valid].sum()))
 
 
 @pytest.fixture

@@ -246,8 +246,10 @@ def test_a_failing_stage_stops_the_run_naming_stage_iteration_and_cause(cluster,
         "stages.reward.params.function": "broken.py:reward", "stages.reward.retries": 0}))
     with pytest.raises(RunError) as info:
         run_pipeline(pipeline, progress=False)
-    assert str(info.value) == ("stage 'reward' failed in iteration 0: ConnectionError: "
-                               "reward service down")
+    assert str(info.value) == (f"stage 'reward' failed in iteration 0: RewardError: reward "
+                               f"function reward() raised at {tmp_path / 'broken.py'}:2: "
+                               f"ConnectionError: reward service down; set params.on_error: "
+                               f"skip to leave such samples out")
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or \
         MetricsLog(tmp_path / "out" / "metrics.jsonl").read() == []
     assert ExperienceBuffer(tmp_path / "out" / "buffer.zarr").iterations() == []

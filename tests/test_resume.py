@@ -13,7 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from click.testing import CliRunner
 
+from rlhfflow.cli.main import main
 from rlhfflow.pipeline.executor import RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
@@ -174,3 +176,82 @@ def test_ctrl_c_finishes_the_iteration_checkpoints_and_resumes(tmp_path):
     stdout, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr
     _assert_each_iteration_once(out, iterations)
+
+
+@pytest.mark.slow
+def test_supervise_restarts_a_killed_coordinator_and_the_run_completes(tmp_path):
+    iterations = 6
+    path = _pipeline(tmp_path, iterations=iterations)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path), "--supervise")
+    _wait_for_lines(out / "metrics.jsonl", 3, proc)
+    coordinators = psutil.Process(proc.pid).children()
+    assert len(coordinators) == 1 and "run" in coordinators[0].cmdline()
+    workers = coordinators[0].children(recursive=True)
+    coordinators[0].kill()  # mid-run, as the OOM killer would
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    restarts = [line for line in stderr.splitlines() if "supervisor:" in line]
+    assert len(restarts) == 1, stderr
+    assert restarts[0].startswith("rlhfflow: supervisor: the run died from SIGKILL after "
+                                  "iteration ")
+    assert restarts[0].endswith("; restarting it (1/3), resuming from its last checkpoint")
+    assert "resuming after iteration" in stderr
+    psutil.wait_procs(workers, timeout=60)  # the dead coordinator's workers exit too
+    _assert_each_iteration_once(out, iterations)
+
+    whole = _pipeline(tmp_path, iterations=iterations, name="whole")
+    run_pipeline(load_pipeline(whole), progress=False, inline=True)
+    assert _results(out) == _results(tmp_path / "whole" / "out")
+
+
+@pytest.mark.slow
+def test_supervise_does_not_restart_a_run_that_fails_where_it_started(tmp_path):
+    (tmp_path / "judge.py").write_text("def score(prompts, responses):\n"
+                                       "    raise RuntimeError('no judge configured')\n")
+    path = small_pipeline(tmp_path, iterations=2, overrides={
+        "cluster.workers": 1, "stages.reward.params.function": str(tmp_path / "judge.py")
+        + ":score"})
+    proc = _cli(str(path), "--supervise", "--quiet")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    assert stderr.splitlines() == [
+        f"Error: stage 'reward' failed in iteration 0: RewardError: reward function score() "
+        f"raised at {tmp_path / 'judge.py'}:2: RuntimeError: no judge configured; set "
+        f"params.on_error: skip to leave such samples out",
+        "rlhfflow: supervisor: the run exited with 1 without committing an iteration; "
+        "not restarting it"]
+
+
+def test_supervise_checks_the_file_before_starting_anything(tmp_path):
+    path = _pipeline(tmp_path, iterations=1)
+    result = CliRunner().invoke(main, ["run", str(path), "--supervise", "--set",
+                                       "iterations=-1"])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == f"Error: {path}: iterations: expected an integer >= 0, got -1\n"
+    assert not (tmp_path / "p" / "out").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_a_supervised_run_once_and_is_not_restarted(tmp_path):
+    iterations = 8
+    path = _pipeline(tmp_path, iterations=iterations, workers=2, every=0)
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path), "--supervise", start_new_session=True)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the supervisor's group
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    # one SIGINT reached the run: it finished the iteration instead of stopping at once
+    assert "finishing the iteration in flight" in stderr and "checkpoint saved" in stderr
+    assert "interrupted at once" not in stderr and "supervisor:" not in stderr
+    done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
+    assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
+
+
+def test_max_restarts_without_supervise_is_a_mistake(tmp_path):
+    path = _pipeline(tmp_path, iterations=1)
+    result = CliRunner().invoke(main, ["run", str(path), "--max-restarts", "5"])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == ("Error: --max-restarts bounds the restarts of --supervise; add "
+                             "--supervise\n")

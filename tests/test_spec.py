@@ -264,6 +264,41 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("function-format", lambda s: put(s, "stages.reward.params.function", "vowel_ratio"),
      "stages.reward.params.function: expected 'module:function' or 'file.py:function', "
      "got 'vowel_ratio'"),
+    # kwargs against the reward function's signature, several functions, error handling
+    ("kwargs-typo", lambda s: put(s, "stages.reward.params.kwargs", {"min_len": 4}),
+     "stages.reward.params.kwargs.min_len: vowel_ratio() has no argument 'min_len'; "
+     "did you mean 'min_length'?"),
+    ("kwargs-unknown", lambda s: put(s, "stages.reward.params.kwargs", {"temperature": 1}),
+     "stages.reward.params.kwargs.temperature: vowel_ratio() has no argument 'temperature'; "
+     "it takes min_length"),
+    ("functions-kwargs-unknown", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:vowel_ratio"},
+        {"function": "rlhfflow.stages.rewards:length_ratio", "kwargs": {"targte": 8}}]}),
+     "stages.reward.params.functions[1].kwargs.targte: length_ratio() has no argument "
+     "'targte'; did you mean 'target'?"),
+    ("function-and-functions", lambda s: put(s, "stages.reward.params.functions",
+                                             [{"function": "rlhfflow.stages.rewards:length_ratio"}]),
+     "stages.reward.params.functions: give either params.function or params.functions, "
+     "not both"),
+    ("functions-same-name", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio"},
+        {"function": "rlhfflow.stages.rewards:length_ratio", "kwargs": {"target": 8}}]}),
+     "stages.reward.params.functions[1].function: params.functions[0] already writes "
+     "'score_length_ratio'; give one of them another 'name'"),
+    ("functions-reserved-name", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio", "name": "valid"}]}),
+     "stages.reward.params.functions[0].name: 'valid' cannot name a score column (letters, "
+     "digits and underscores; not 'valid' or 'error' or 'retries')"),
+    ("functions-weight-type", lambda s: put(s, "stages.reward.params", {"functions": [
+        {"function": "rlhfflow.stages.rewards:length_ratio", "weight": "0.5"}]}),
+     "stages.reward.params.functions[0].weight: expected a number, got '0.5'"),
+    ("on-error-value", lambda s: put(s, "stages.reward.params.on_error", "ignore"),
+     "stages.reward.params.on_error: expected one of 'error' or 'skip', got 'ignore'"),
+    ("retries-without-skip", lambda s: put(s, "stages.reward.params.retries", 2),
+     "stages.reward.params.retries: retries each failing sample with on_error: skip; with "
+     "on_error: error, the stage's own 'retries' re-runs the whole task"),
+    ("max-errors-negative", lambda s: put(s, "stages.reward.params.max_errors", -1),
+     "stages.reward.params.max_errors: expected an integer >= 0, got -1"),
 ]
 
 
@@ -342,6 +377,105 @@ def test_scientific_float_is_accepted(tmp_path: Path) -> None:
     assert validate(path).exit_code == 0
     lr = load_pipeline(path).spec.models["actor"].optimizer.lr
     assert isinstance(lr, float) and lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(("source", "params", "expected"), [
+    ("def judge(prompts, responses, *, rubric):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge"},
+     "stages.reward.params.kwargs: judge() needs argument 'rubric'; add it to kwargs"),
+    ("def judge(responses):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge"},
+     "stages.reward.params.function: judge() cannot be called as judge(prompts, responses, "
+     "**kwargs): too many positional arguments"),
+    ("def judge(prompts, responses, **options):\n    return [0.0] * len(responses)\n",
+     {"function": "reward.py:judge", "kwargs": {"anything": 1}}, None),
+])
+def test_reward_kwargs_are_checked_against_the_function_in_a_file(
+        tmp_path: Path, source: str, params: dict, expected: str | None) -> None:
+    (tmp_path / "reward.py").write_text(source)
+    spec = base_spec()
+    put(spec, "stages.reward.params", params)
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    if expected is None:
+        assert result.exit_code == 0, result.stderr
+    else:
+        assert (result.exit_code, result.stderr) == (2, f"Error: {path}: {expected}\n")
+
+
+def _ppo_text() -> str:
+    """configs/ppo-tiny.yaml as written (comments, block and flow style), runnable here."""
+    return PPO_TINY.read_text().replace("prompts: data/prompts.jsonl", f"prompts: {PROMPTS}")
+
+
+def _line_of(text: str, needle: str, start: int = 0) -> int:
+    return text[:text.index(needle, start)].count("\n") + 1
+
+
+# (id, edit of the real file text, key, where the second one is, where the first one is)
+DUPLICATES = [
+    ("top-level", lambda t: t + "seed: 7\n", "seed", "seed: 7", "seed: 0"),
+    ("stage-defined-twice", lambda t: t + "  reward:\n    type: score\n    after: [generate]\n"
+     "    params: {function: rlhfflow.stages.rewards:length_ratio}\n", "reward",
+     "  reward:\n    type: score\n    after: [generate]\n    params: {function",
+     "  reward:"),
+    ("nested-block", lambda t: t.replace("    trainable: true\n", "    trainable: true\n"
+                                         "    trainable: false\n", 1),
+     "trainable", "trainable: false", "trainable: true"),
+    ("flow-mapping", lambda t: t.replace("optimizer: {lr: 3.0e-3}", "optimizer: {lr: 3.0e-3, "
+                                         "lr: 1.0e-3}", 1), "lr", "lr: 1.0e-3", "lr: 3.0e-3"),
+    ("inside-params", lambda t: t.replace("params: {max_new_tokens: 16", "params: "
+                                          "{max_new_tokens: 16, max_new_tokens: 8", 1),
+     "max_new_tokens", "max_new_tokens: 8", "max_new_tokens: 16"),
+]
+
+
+@pytest.mark.parametrize(("edit", "key", "second", "first"), [d[1:] for d in DUPLICATES],
+                         ids=[d[0] for d in DUPLICATES])
+def test_a_duplicate_key_anywhere_is_one_line_naming_file_line_and_key(
+        tmp_path: Path, edit: Callable[[str], str], key: str, second: str, first: str) -> None:
+    text = edit(_ppo_text())
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    second_line = _line_of(text, second, text.index(first) + 1)
+    result = validate(path)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"Error: {path}: invalid YAML: line {second_line}, ")
+    assert result.stderr.endswith(f"duplicate key {key!r} (first at line "
+                                  f"{_line_of(text, first)})\n")
+    assert result.stderr.count("\n") == 1
+
+
+def test_keys_that_load_as_the_same_value_are_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(_ppo_text().replace(
+        "function: rlhfflow.stages.rewards:vowel_ratio",
+        "function: rlhfflow.stages.rewards:vowel_ratio\n      kwargs: {1: a, 0x1: b}"))
+    with pytest.raises(SpecError, match=r"duplicate key '0x1' \(first at line \d+\)$"):
+        load_pipeline(path)
+
+
+def test_an_unedited_example_has_no_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(_ppo_text())
+    assert validate(path).exit_code == 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "seed=1", "--set", "seed=2"], "Error: --set seed: given twice; keep one\n"),
+    (["--set", "cluster.workers=1", "--workers", "2"],
+     "Error: --set cluster.workers and --workers both given; keep one\n"),
+])
+def test_an_override_given_twice_is_one_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["plan", str(PPO_TINY), *args])
+    assert (result.exit_code, result.stderr, result.stdout) == (2, message, "")
+
+
+def test_a_duplicate_key_in_a_set_value_is_an_error() -> None:
+    result = CliRunner().invoke(main, ["plan", str(PPO_TINY), "--set",
+                                       "overlap={fuse: true, fuse: false}"])
+    assert result.exit_code == 2
+    assert "duplicate key 'fuse'" in result.stderr
 
 
 def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ from rlhfflow import ops
 from rlhfflow.pipeline.spec import AlgorithmSpec
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
 from rlhfflow.stages.generate import filter_logits
+from rlhfflow.stages.inference import RewardError
 from rlhfflow.stages.models import sequence_scores
-from rlhfflow.stages.rewards import vowel_ratio
+from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, make_prompt_batch
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
@@ -217,6 +218,83 @@ def test_score_rejects_a_wrong_number_of_rewards(tmp_path):
     stage = create_stage("score", name="reward", params={"function": "short_reward.py:reward"})
     with pytest.raises(ValueError, match="returned 1 scores for 3 responses"):
         stage.run(_score_batch(["a", "b", "c"]), _ctx(None, base_dir=str(tmp_path)))
+
+
+MOODY_REWARD = """\
+tried = set()
+
+
+def lookup(prompts, responses):
+    table = {"a": 1.0, "bb": 2.0}
+    return [table[r] for r in responses]
+
+
+def flaky(prompts, responses):
+    # a remote judge that takes no batches and times out on the first try of a response
+    if len(responses) > 1:
+        raise ValueError("one response at a time")
+    if responses[0] not in tried:
+        tried.add(responses[0])
+        raise TimeoutError("judge timed out")
+    return [0.5]
+"""
+
+
+def test_a_raising_reward_function_is_named_by_its_file_and_line(tmp_path):
+    (tmp_path / "moody.py").write_text(MOODY_REWARD)
+    stage = create_stage("score", name="reward", params={"function": "moody.py:lookup"})
+    with pytest.raises(RewardError) as err:
+        stage.run(_score_batch(["a", "missing_key"]), _ctx(None, base_dir=str(tmp_path)))
+    assert str(err.value) == (f"reward function lookup() raised at {tmp_path / 'moody.py'}:6: "
+                              f"KeyError: 'missing_key'; set params.on_error: skip to leave "
+                              f"such samples out")
+
+
+def test_on_error_skip_leaves_out_only_the_samples_the_function_raises_on(tmp_path):
+    (tmp_path / "moody.py").write_text(MOODY_REWARD)
+    stage = create_stage("score", name="reward", params={"function": "moody.py:lookup",
+                                                         "on_error": "skip"})
+    out = stage.run(_score_batch(["a", "zz", "bb", "q"]), _ctx(None, base_dir=str(tmp_path)))
+    assert out["score_valid"].tolist() == [1, 0, 1, 0]
+    assert out["scores"].tolist() == [1.0, 0.0, 2.0, 0.0]
+    where = f"reward function lookup() raised at {tmp_path / 'moody.py'}:6: KeyError"
+    assert out["score_error"] == ["", f"{where}: 'zz'", "", f"{where}: 'q'"]
+    assert out["score_retries"].tolist() == [0, 0, 0, 0]
+
+
+def test_on_error_skip_retries_each_failing_sample_and_counts_the_retries(tmp_path):
+    (tmp_path / "moody.py").write_text(MOODY_REWARD)
+    stage = create_stage("score", name="reward", params={"function": "moody.py:flaky",
+                                                         "on_error": "skip", "retries": 1})
+    out = stage.run(_score_batch(["a", "b", "c"]), _ctx(None, base_dir=str(tmp_path)))
+    # the batch call fails; each sample alone fails once, then succeeds on its retry
+    assert out["score_valid"].tolist() == [1, 1, 1]
+    assert out["scores"].tolist() == [0.5, 0.5, 0.5]
+    assert out["score_retries"].tolist() == [1, 1, 1]
+    assert out["score_error"] == ["", "", ""]
+
+
+def test_several_weighted_reward_functions_each_keep_their_column():
+    responses = ["aeiou", "xyz", "hello world", ""]
+    stage = create_stage("score", params={"functions": [
+        {"function": "rlhfflow.stages.rewards:vowel_ratio", "weight": 0.75},
+        {"function": "rlhfflow.stages.rewards:length_ratio", "weight": 0.25,
+         "kwargs": {"target": 8}, "name": "length"}]})
+    assert set(stage.writes(stage.params, None, False)) == {
+        "scores", "score_valid", "score_vowel_ratio", "score_length"}
+    out = stage.run(_score_batch(responses), _ctx(None))
+    vowels = torch.tensor(vowel_ratio([], responses))
+    length = torch.tensor(length_ratio([], responses, target=8))
+    assert torch.equal(out["score_vowel_ratio"], vowels)
+    assert torch.equal(out["score_length"], length)
+    assert torch.allclose(out["scores"], 0.75 * vowels + 0.25 * length)
+    assert out["score_valid"].tolist() == [1, 1, 1, 1]
+
+
+def test_one_function_writes_only_scores_and_score_valid():
+    stage = create_stage("score", params={"function": "rlhfflow.stages.rewards:vowel_ratio"})
+    assert set(stage.writes(stage.params, None, False)) == {"scores", "score_valid"}
+    assert set(stage.run(_score_batch(["ab"]), _ctx(None))) == {"scores", "score_valid"}
 
 
 def test_score_with_a_reward_model(store):

@@ -67,12 +67,27 @@ def _parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise click.BadParameter(f"expected KEY=VALUE (e.g. overlap.max_staleness=1), "
                                      f"got {item!r}", param_hint="--set")
+        key = key.strip()
+        if key in out:  # the last one would win silently, like a duplicate key in the file
+            raise UserError(f"--set {key}: given twice; keep one")
         try:
-            out[key.strip()] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
-        except yaml.YAMLError:
-            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML",
+            out[key] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+        except yaml.YAMLError as exc:
+            # a duplicate key inside a flow mapping (--set 'overlap={a: 1, a: 2}') too
+            problem = getattr(exc, "problem", None)
+            detail = f" ({problem})" if problem and "duplicate key" in problem else ""
+            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML{detail}",
                                      param_hint="--set") from None
     return out
+
+
+def _merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """``--set`` overrides plus the dedicated options (``--iterations``...); one key given
+    both ways is a mistake, not a silent choice of one of them."""
+    for key, (flag, value) in options.items():
+        if value is not None and key in sets:
+            raise UserError(f"--set {key} and {flag} both given; keep one")
+    return {**sets, **{k: v for k, (_, v) in options.items() if v is not None}}
 
 
 SET_OPTION = click.option(
@@ -216,13 +231,11 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated \\
           --set overlap.max_staleness=1
     """
-    overrides: dict[str, Any] = _parse_sets(sets)
-    if workers is not None:
-        overrides["cluster.workers"] = workers
-    if strategy is not None:
-        overrides["placement.strategy"] = strategy
-    if profile_path is not None:
-        overrides["placement.profile"] = str(Path(profile_path).resolve())
+    overrides = _merge_options(_parse_sets(sets), {
+        "cluster.workers": ("--workers", workers),
+        "placement.strategy": ("--strategy", strategy),
+        "placement.profile": ("--profile", str(Path(profile_path).resolve())
+                              if profile_path is not None else None)})
     pipeline = load(file, overrides)
     from rlhfflow.pipeline.planner import describe_choice, load_profile, plan_for_cli
 
@@ -459,10 +472,16 @@ def init(directory: str, force: bool) -> None:
 @click.option("--force", is_flag=True,
               help="Resume even though the pipeline file changed since the run started.")
 @click.option("--quiet", is_flag=True, help="Print no progress, only the result.")
+@click.option("--supervise", is_flag=True,
+              help="Run the coordinator as a child process and restart it (resuming from "
+                   "the last checkpoint) when it dies, up to --max-restarts times.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              metavar="N", help="With --supervise: restarts of a dead coordinator before "
+                                "giving up.")
 @SET_OPTION
 def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         scheduler: str | None, overwrite: bool, resume: str, force: bool,
-        quiet: bool, sets: tuple[str, ...]) -> None:
+        quiet: bool, supervise: bool, max_restarts: int, sets: tuple[str, ...]) -> None:
     """Run the pipeline in FILE on Dask.
 
     Options override the matching keys of the file, which is validated with
@@ -472,6 +491,10 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     saves a checkpoint and exits 130; a second Ctrl-C stops at once. Exits 2 on
     a mistake in the file and 1 when the run fails.
 
+    With --supervise the run is a child process, restarted when it dies from a
+    signal (or fails after committing an iteration), resuming from its last
+    checkpoint; not after a clean finish, a mistake (2) or a stop (130).
+
     \b
     Example:
       rlhfflow run configs/ppo-tiny.yaml --iterations 5 --out runs/try --overwrite
@@ -479,10 +502,29 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
       rlhfflow run configs/grpo-tiny.yaml --scheduler tcp://10.0.0.5:8786
       rlhfflow run configs/ppo-tiny.yaml --set overlap.max_staleness=1 \\
           --set placement.strategy=disaggregated
+      rlhfflow run configs/ppo-tiny.yaml --supervise --max-restarts 5
     """
-    overrides = {**_parse_sets(sets), "iterations": iterations, "cluster.workers": workers,
-                 "output": out, "cluster.address": scheduler}
-    pipeline = load(file, {k: v for k, v in overrides.items() if v is not None})
+    overrides = _merge_options(_parse_sets(sets), {
+        "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
+        "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
+    source = click.get_current_context().get_parameter_source("max_restarts")
+    if not supervise and source is not click.core.ParameterSource.DEFAULT:
+        raise UserError("--max-restarts bounds the restarts of --supervise; add --supervise")
+    pipeline = load(file, overrides)
+    if supervise:
+        from rlhfflow.cli.supervise import supervise as supervise_run
+
+        options = [file, *(f"--set={item}" for item in sets)]
+        for flag, value in (("--iterations", iterations), ("--workers", workers),
+                            ("--out", out), ("--scheduler", scheduler)):
+            if value is not None:
+                options.append(f"{flag}={value}")
+        options += ["--force"] * force + ["--quiet"] * quiet
+        # a restart resumes whatever the first attempt left; never wipes it again
+        first = [*options, f"--resume={resume}", *["--overwrite"] * overwrite]
+        code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
+                             max_restarts, lambda line: click.echo(line, err=True))
+        raise SystemExit(code)
     from rlhfflow.pipeline.executor import RunError, run_pipeline
 
     stop = threading.Event()

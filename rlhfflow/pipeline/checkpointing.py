@@ -18,6 +18,7 @@ from rlhfflow.pipeline.compiler import TaskSpec
 from rlhfflow.pipeline.telemetry import TASKS_FILE
 from rlhfflow.stages import ModelConfig
 from rlhfflow.storage import Checkpoint, CheckpointStore, ExperienceBuffer, MetricsLog
+from rlhfflow.storage.errors import truncate_score_errors
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -25,12 +26,15 @@ class CorruptCheckpoint(RuntimeError):
 
 
 def cut_back(out: Path, keep: int, buffer: ExperienceBuffer | None = None) -> None:
-    """Cut the run in ``out`` back to checkpoint ``keep`` (-1: to the start)."""
+    """Cut the run in ``out`` back to checkpoint ``keep`` (-1: to the start): buffer
+    iterations, metrics and task records, listed reward errors and checkpoints after it,
+    and checkpoints never published."""
     (buffer or ExperienceBuffer(out / "buffer.zarr")).truncate(keep)
     for name in ("metrics.jsonl", TASKS_FILE):
         log = MetricsLog(out / name)
         log.repair()
         log.truncate(keep)
+    truncate_score_errors(out, keep)
     store = CheckpointStore(out / "checkpoints")
     store.truncate(keep)
     store.clean_leftovers()

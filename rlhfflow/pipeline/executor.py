@@ -29,6 +29,7 @@ from rlhfflow.pipeline.backend import (
     _cuda_count,
     default_torch_threads,
 )
+from rlhfflow.pipeline.budget import score_error_budget
 from rlhfflow.pipeline.checkpointing import (
     Checkpointer,
     CorruptCheckpoint,
@@ -513,6 +514,9 @@ class Executor:
         record = self.telemetry.record(it.index, partials, train_stats, moved)
         self.log.append(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
+        problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])
+        if problem:  # after the record: the iteration is committed, a resume keeps it
+            raise RunError(problem)
         if it.index in self.checkpointer.pending:
             self._publish_checkpoint(it.index)
         return record

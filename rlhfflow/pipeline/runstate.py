@@ -21,10 +21,11 @@ from rlhfflow.pipeline.checkpointing import cut_back
 from rlhfflow.pipeline.loader import Pipeline
 from rlhfflow.pipeline.telemetry import TASKS_FILE
 from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
+from rlhfflow.storage.errors import DIRECTORY as ERRORS_DIRECTORY
 
 RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
-             TASKS_FILE, RUN_FILE)
+             TASKS_FILE, ERRORS_DIRECTORY, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
 RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint")
 

@@ -262,14 +262,20 @@ _Loader.yaml_implicit_resolvers = {
 }
 
 
-def _check_duplicate_keys(node: yaml.MappingNode) -> None:
+def _check_duplicate_keys(loader: _Loader, node: yaml.MappingNode) -> None:
     """PyYAML keeps the last of two equal keys silently; in a pipeline that hides a whole
-    stage or model, so it is an error (merge keys ``<<`` may repeat keys on purpose)."""
-    seen: dict[tuple[str, str], yaml.Mark] = {}
+    stage or model, so it is an error (merge keys ``<<`` may repeat keys on purpose).
+
+    Keys are compared by the value they load as, not their spelling: ``1`` and ``0x1``, or
+    ``yes`` and ``true``, are one dict key and would overwrite each other just the same.
+    """
+    seen: dict[Any, yaml.Mark] = {}
     for key_node, _ in node.value:
         if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
             continue
-        key = (key_node.tag, key_node.value)
+        value = key_node.value if key_node.tag == "tag:yaml.org,2002:str" else \
+            loader.construct_object(key_node)
+        key = value  # as a dict key: 1, 1.0 and true collide in Python too
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key_node.value!r} (first at line "
@@ -278,7 +284,7 @@ def _check_duplicate_keys(node: yaml.MappingNode) -> None:
 
 
 def _construct_map(loader: _Loader, node: yaml.MappingNode) -> typing.Iterator[dict]:
-    _check_duplicate_keys(node)
+    _check_duplicate_keys(loader, node)
     yield from yaml.constructor.SafeConstructor.construct_yaml_map(loader, node)
 
 

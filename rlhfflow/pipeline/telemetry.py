@@ -127,6 +127,11 @@ class Telemetry:
             "busy_frac": busy,
             "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
             "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
+            "score_errors": int(total.get("score_errors", 0)),
+            "score_retries": int(total.get("score_retries", 0)),
+            **{f"reward_mean_{k[len('score_'):-len('_sum')]}": total[k] / scored if scored
+               else None for k in sorted(total) if k.startswith("score_")
+               and k.endswith("_sum")},
             "train": train,
         }
 

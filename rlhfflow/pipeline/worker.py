@@ -31,6 +31,7 @@ from rlhfflow.stages import (
     slice_batch,
 )
 from rlhfflow.storage import ExperienceBuffer
+from rlhfflow.storage.errors import write_score_errors
 
 PLUGIN_NAME = "rlhfflow"
 
@@ -295,6 +296,9 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
         ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
+        if "score_error" in batch:  # reward errors skipped (on_error: skip): list them
+            write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
+                               batch.get("prompt_text"), batch.get("response_text"))
         return partial_metrics(batch)
 
 
@@ -315,9 +319,20 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
         scores = batch["scores"].double()[valid]
         out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()),
                    scored=float(valid.sum()), skipped=float((~valid).sum()))
+        for column, value in batch.items():  # each reward function's own score (functions:)
+            if column.startswith("score_") and column not in SCORE_STAGE_COLUMNS:
+                out[f"{column}_sum"] = float(value.double()[valid].sum())
     if "kl" in batch:
         out["kl_sum"] = float((batch["kl"] * mask).sum())
+    if "score_error" in batch:
+        out["score_errors"] = float(sum(1 for e in batch["score_error"] if e))
+    if "score_retries" in batch:
+        out["score_retries"] = float(batch["score_retries"].sum())
     return out
+
+
+# the score stage's own columns; any other score_<name> is one reward function's score
+SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")
 
 
 def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:

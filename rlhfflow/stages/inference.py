@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import inspect
+import re
 import sys
+import traceback
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.common import response_logprobs, response_values
@@ -71,19 +76,56 @@ class ValuesStage(Stage):
         return {"values": response_values(resident.module, batch)}
 
 
+class RewardFunctionSpec(BaseModel):
+    """One reward function of a ``score`` stage with several: ``function`` as in
+    ``params.function``, its ``weight`` in the stage's ``scores``, its ``kwargs``, and the
+    ``name`` of its own column ``score_<name>`` (default: the function's name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    function: str
+    weight: float = 1.0
+    kwargs: dict[str, Any] = {}
+    name: str | None = None
+
+    @property
+    def column(self) -> str:
+        """The column this function's own score is written to."""
+        return f"score_{self.name or self.function.rpartition(':')[2]}"
+
+
 class ScoreParams(StageParams):
-    """Either a reward model (the stage's ``model``) or ``function``: a Python callable
-    named ``package.module:function`` or ``file.py:function`` (relative to the pipeline
-    file), called as ``function(prompts, responses, **kwargs)`` with lists of str and
-    returning one float per response.
+    """Either a reward model (the stage's ``model``) or reward functions: ``function``, a
+    Python callable named ``package.module:function`` or ``file.py:function`` (relative to
+    the pipeline file), called as ``function(prompts, responses, **kwargs)`` with lists of
+    str and returning one float per response; or ``functions``, a list of them with
+    weights, whose weighted sum is ``scores`` and each of which is kept as
+    ``score_<name>``.
 
     ``on_invalid``: a score that is NaN or infinite stops the run (``error``), or
     (``skip``) its sample is left out of advantages and training and counted in the
-    metrics (``samples_skipped``)."""
+    metrics (``samples_skipped``).
+
+    ``on_error``: a reward function that raises stops the run (``error``, naming the file
+    and line where it raised), or (``skip``) each sample is scored alone, and a sample
+    whose call still raises after ``retries`` more tries is left out like an invalid score,
+    its error kept in the ``score_error`` column; the coordinator stops the run when more
+    than ``max_errors`` samples fail in one iteration or ``max_errors_total`` in the run."""
 
     function: str | None = None
     kwargs: dict[str, Any] = {}
+    functions: list[RewardFunctionSpec] = []
     on_invalid: Literal["error", "skip"] = "error"
+    on_error: Literal["error", "skip"] = "error"
+    retries: Annotated[int, Field(ge=0)] = 0
+    max_errors: Annotated[int, Field(ge=0)] = 8
+    max_errors_total: Annotated[int, Field(ge=0)] = 64
+
+    def reward_functions(self) -> list[RewardFunctionSpec]:
+        """The functions the stage calls: ``functions``, or ``function`` alone (weight 1)."""
+        if self.function is not None:
+            return [RewardFunctionSpec(function=self.function, kwargs=self.kwargs)]
+        return list(self.functions)
 
 
 def load_function(ref: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
@@ -119,9 +161,80 @@ def _load_function(ref: str, base_dir: str | None) -> Callable[..., Any]:
     return fn
 
 
+class RewardError(RuntimeError):
+    """A reward function raised: names where (the user's file and line) and what."""
+
+
+class RewardLengthError(ValueError):
+    """A reward function returned another number of scores than responses: a bug in the
+    function, never skipped."""
+
+
+SCORE_COLUMN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_SCORE_NAMES = ("valid", "error", "retries")  # the stage's own score_* columns
+
+
+def raised_where(exc: BaseException, fn: Callable[..., Any]) -> str:
+    """``file:line`` where ``exc`` was raised in the user's code: the last traceback frame
+    in the reward function's own file, else the last frame outside rlhfflow."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    try:
+        own = str(Path(inspect.getsourcefile(fn) or "").resolve())
+    except TypeError:  # a builtin or C function
+        own = ""
+    ours = str(Path(__file__).resolve().parent.parent)
+    mine = [f for f in frames if own and str(Path(f.filename).resolve()) == own] or \
+        [f for f in frames if not str(Path(f.filename).resolve()).startswith(ours)]
+    frame = mine[-1] if mine else (frames[-1] if frames else None)
+    return f"{frame.filename}:{frame.lineno}" if frame else "?"
+
+
+def describe_error(exc: BaseException, fn: Callable[..., Any]) -> str:
+    """One line: the reward function, where it raised, and the exception."""
+    text = str(exc).strip().splitlines()
+    message = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"reward function {name}() raised at {raised_where(exc, fn)}: {message}"
+
+
+def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """Whether ``fn(prompts, responses, **kwargs)`` binds: ``(key, message)`` relative to
+    the function's entry (``"kwargs.scale"``, ``"function"``), or None."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (some builtins)
+        return None
+    parameters = list(signature.parameters.values())
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    named = [p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                           p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if not takes_any and key not in named:
+            hint = _did_you_mean(key, named) or (
+                f"; it takes {', '.join(named)}" if named else "; it takes no keyword arguments")
+            return (f"kwargs.{key}", f"{fn.__name__}() has no argument {key!r}{hint}")
+    try:
+        signature.bind(["prompt"], ["response"], **kwargs)
+    except TypeError as exc:
+        missing = [p.name for p in parameters[2:] if p.default is p.empty and
+                   p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs]
+        if missing:
+            return ("kwargs", f"{fn.__name__}() needs argument {missing[0]!r}; add it to kwargs")
+        return ("function", f"{fn.__name__}() cannot be called as "
+                            f"{fn.__name__}(prompts, responses, **kwargs): {exc}")
+    return None
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for a close argument name, else ``""`` (the spec's own
+    helper is in ``pipeline``, which stages must not import)."""
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
 @register_stage
 class ScoreStage(Stage):
-    """One scalar score per response, from a reward model or a reward function."""
+    """One scalar score per response, from a reward model or reward functions."""
 
     type_name = "score"
     Params = ScoreParams
@@ -130,14 +243,42 @@ class ScoreStage(Stage):
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
-        if has_model == (params.function is not None):
+        functions = params.reward_functions()
+        if params.function is not None and params.functions:
+            return ("params.functions", "give either params.function or params.functions, "
+                                        "not both")
+        if params.kwargs and params.function is None:
+            return ("params.kwargs", "kwargs go with params.function; with params.functions "
+                                     "give each entry its own kwargs")
+        if params.retries and params.on_error != "skip":
+            return ("params.retries", "retries each failing sample with on_error: skip; "
+                    "with on_error: error, the stage's own 'retries' re-runs the whole task")
+        if has_model == bool(functions):
             return ("params.function", "give either a reward 'model' for the stage or "
                     "params.function ('module:function'), not both or neither")
-        if params.function is not None:
+        columns: dict[str, int] = {}
+        for i, entry in enumerate(functions):
+            where = "params" if params.function is not None else f"params.functions[{i}]"
             try:
-                load_function(params.function, base_dir)
+                fn = load_function(entry.function, base_dir)
             except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-                return ("params.function", str(exc).splitlines()[0])
+                return (f"{where}.function", str(exc).splitlines()[0])
+            problem = check_signature(fn, entry.kwargs)
+            if problem:
+                key = "function" if problem[0] == "function" and where == "params" else \
+                    problem[0]
+                return (f"{where}.{key}", problem[1])
+            if params.function is None:
+                name = entry.column.removeprefix("score_")
+                if not SCORE_COLUMN_NAME.match(name) or name in RESERVED_SCORE_NAMES:
+                    return (f"{where}.name", f"{name!r} cannot name a score column "
+                            f"(letters, digits and underscores; not "
+                            f"{' or '.join(map(repr, RESERVED_SCORE_NAMES))})")
+                if entry.column in columns:
+                    return (f"{where}.name" if entry.name else f"{where}.function",
+                            f"params.functions[{columns[entry.column]}] already writes "
+                            f"{entry.column!r}; give one of them another 'name'")
+                columns[entry.column] = i
         return None
 
     @classmethod
@@ -146,29 +287,85 @@ class ScoreStage(Stage):
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
-        return {"scores": Column("float32"), "score_valid": Column("int8")}
+        out = {"scores": Column("float32"), "score_valid": Column("int8")}
+        out.update({entry.column: Column("float32") for entry in params.functions})
+        if params.on_error == "skip":
+            out["score_error"] = Column("str")  # listed by the store task, not stored
+            out["score_retries"] = Column("int32")
+        return out
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         prompts, responses = list(batch["prompt_text"]), list(batch["response_text"])
-        if self.params.function is not None:
-            fn = load_function(self.params.function, ctx.settings.get("base_dir"))
-            scores = torch.as_tensor(fn(prompts, responses, **self.params.kwargs),
-                                     dtype=torch.float32).flatten()
+        out: Batch = {}
+        errors = [""] * len(responses)
+        retried = torch.zeros(len(responses), dtype=torch.int32)
+        if self.params.function is not None or self.params.functions:
+            scores = torch.zeros(len(responses), dtype=torch.float32)
+            for entry in self.params.reward_functions():
+                own = self._function_scores(entry, prompts, responses, ctx, errors, retried)
+                if self.params.functions:
+                    out[entry.column] = torch.nan_to_num(own, nan=0.0, posinf=0.0, neginf=0.0)
+                scores += entry.weight * own
+            failed = torch.tensor([bool(e) for e in errors])
+            scores[failed] = 0.0  # a failed sample is left out below, not an invalid score
         else:
             scores = self._model_scores(ctx.models.get(self.model), prompts, responses)
+            failed = torch.zeros(len(responses), dtype=torch.bool)
         if scores.shape[0] != len(responses):
             raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} scores "
                              f"for {len(responses)} responses")
-        valid = torch.isfinite(scores)
-        if not valid.all() and self.params.on_invalid == "error":
-            bad = int((~valid).sum())
-            first = int((~valid).nonzero()[0, 0])
+        finite = torch.isfinite(scores)
+        if not finite.all() and self.params.on_invalid == "error":
+            bad = int((~finite).sum())
+            first = int((~finite).nonzero()[0, 0])
             raise ValueError(f"stage {self.name!r}: reward is not finite for {bad} of "
                              f"{len(responses)} responses (first: row {first}); set "
                              f"params.on_invalid: skip to leave such samples out")
+        valid = finite & ~failed
         # a skipped sample keeps a finite placeholder score; score_valid masks it out
-        return {"scores": torch.where(valid, scores, torch.zeros_like(scores)),
-                "score_valid": valid.to(torch.int8)}
+        out.update(scores=torch.where(valid, scores, torch.zeros_like(scores)),
+                   score_valid=valid.to(torch.int8))
+        if self.params.on_error == "skip":
+            out.update(score_error=errors, score_retries=retried)
+        return out
+
+    def _function_scores(self, entry: RewardFunctionSpec, prompts: list[str],
+                         responses: list[str], ctx: StageContext, errors: list[str],
+                         retried: torch.Tensor) -> torch.Tensor:
+        """One function's scores. With ``on_error: skip``, a call that raises is repeated
+        one sample at a time (each up to ``retries`` more times, counted in ``retried``),
+        so only the samples it keeps raising on are lost: their error lines go into
+        ``errors`` and their scores are NaN."""
+        fn = load_function(entry.function, ctx.settings.get("base_dir"))
+        try:
+            return self._as_scores(fn(prompts, responses, **entry.kwargs), len(responses))
+        except RewardLengthError:
+            raise
+        except Exception as exc:
+            if self.params.on_error == "error":
+                raise RewardError(f"{describe_error(exc, fn)}; set params.on_error: skip "
+                                  f"to leave such samples out") from exc
+        scores = torch.full((len(responses),), float("nan"))
+        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            for attempt in range(self.params.retries + 1):
+                try:
+                    scores[row] = self._as_scores(fn([prompt], [response], **entry.kwargs), 1)[0]
+                    break
+                except RewardLengthError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the user's function, any error
+                    if attempt < self.params.retries:
+                        retried[row] += 1
+                    elif not errors[row]:
+                        errors[row] = describe_error(exc, fn)
+        return scores
+
+    def _as_scores(self, values: Any, rows: int) -> torch.Tensor:
+        scores = torch.as_tensor(values, dtype=torch.float32).flatten()
+        if scores.shape[0] != rows:
+            raise RewardLengthError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
+                                    f"scores for {rows} responses")
+        return scores
 
     @torch.no_grad()
     def _model_scores(self, resident, prompts: list[str], responses: list[str]) -> torch.Tensor:

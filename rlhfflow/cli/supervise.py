@@ -1,0 +1,92 @@
+"""``rlhfflow run --supervise``: keep an unattended run going when its coordinator dies.
+
+The coordinator is the ``rlhfflow run`` process: it holds the Dask client and the run's
+bookkeeping, and nothing else notices when it is killed (the OOM killer, a segfault in a
+native library, a lost SSH session). The supervisor is a small parent process that runs
+the real run as a child and, when the child dies, starts it again: the run resumes from
+its last checkpoint by itself (``--resume auto``), so each restart loses at most the
+iterations since that checkpoint and repeats none.
+
+What it does not restart: a clean finish (0), a mistake in what the user gave (2), a stop
+the user asked for (130), nor a run that failed (1) without committing an iteration
+since it started, which would only fail again at the same point (a reward function that
+raises, a full disk). A death by signal is always restarted, up to ``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.storage import MetricsLog
+
+USER_MISTAKE, STOPPED = 2, 130
+
+
+def last_iteration(output_dir: Path) -> int:
+    """The last iteration in the run's metrics log (-1: none)."""
+    records = MetricsLog(output_dir / "metrics.jsonl").read() \
+        if (output_dir / "metrics.jsonl").exists() else []
+    return max((r.get("iteration", -1) for r in records), default=-1)
+
+
+def describe_exit(code: int) -> str:
+    """``died from SIGKILL`` or ``exited with 1``."""
+    if code < 0:
+        try:
+            return f"died from {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died from signal {-code}"
+    return f"exited with {code}"
+
+
+def supervise(child_args: Sequence[str], restart_args: Sequence[str], output_dir: Path,
+              max_restarts: int, say: Callable[[str], Any]) -> int:
+    """Run ``rlhfflow run CHILD_ARGS`` until it ends for good; return its exit code.
+
+    ``restart_args`` are the arguments of a restart (without ``--overwrite``, which must
+    not wipe what the first attempt did). ``say`` prints the one line per restart.
+    """
+    args, restarts = list(child_args), 0
+    while True:
+        before = last_iteration(output_dir)
+        code = _run_child(args)
+        if code in (0, USER_MISTAKE, STOPPED):
+            return code
+        progressed = last_iteration(output_dir) > before
+        if code > 0 and not progressed:
+            say(f"rlhfflow: supervisor: the run {describe_exit(code)} without committing an "
+                f"iteration; not restarting it")
+            return code
+        if restarts >= max_restarts:
+            say(f"rlhfflow: supervisor: the run {describe_exit(code)}; gave up after "
+                f"{restarts} restart(s) (--max-restarts {max_restarts}); run the same command "
+                f"again to resume from the last checkpoint")
+            return code if code > 0 else 1
+        restarts += 1
+        say(f"rlhfflow: supervisor: the run {describe_exit(code)} after iteration "
+            f"{last_iteration(output_dir)}; restarting it ({restarts}/{max_restarts}), "
+            f"resuming from its last checkpoint")
+        args = list(restart_args)
+
+
+def _run_child(args: Sequence[str]) -> int:
+    """One attempt. The child gets its own process group so that a Ctrl-C at the terminal
+    reaches it once, through us: two SIGINTs would mean "stop at once" to it."""
+    child = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
+                             process_group=0)
+
+    def forward(signum: int, frame: Any) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
