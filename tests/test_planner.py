@@ -28,6 +28,7 @@ from tests.conftest import CONFIGS, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"
 GRPO = CONFIGS / "grpo-tiny.yaml"
+SMALL = CONFIGS / "grpo-small.yaml"  # sets no data.micro_batches: the planner splits
 
 
 def _profile(pipeline, observations) -> Profile:
@@ -155,6 +156,16 @@ def test_auto_picks_the_fastest_plan_that_fits_and_changes_nothing_computed():
     assert choice.pipeline.params == pipeline.params
 
 
+def test_what_the_file_sets_is_not_searched():
+    explicit = choose_plan(load_pipeline(GRPO), n_workers=2)  # micro_batches: 2 in the file
+    assert {c.micro_batches for c in explicit.candidates} == {2}
+    searched = choose_plan(load_pipeline(SMALL), n_workers=2)
+    assert {c.micro_batches for c in searched.candidates} == {2, 4, 8}
+    assert {c.fuse for c in searched.candidates} == {True, False}
+    fixed = choose_plan(load_pipeline(SMALL, {"overlap.fuse": True}), n_workers=2)
+    assert {c.fuse for c in fixed.candidates} == {True}
+
+
 def test_the_embedded_cluster_searches_workers_and_threads():
     pipeline = load_pipeline(GRPO)
     choice = choose_plan(pipeline, cores=2)
@@ -179,7 +190,7 @@ def test_make_plan_with_auto_returns_a_concrete_strategy():
 
 
 def test_large_clusters_are_planned_with_a_guided_search():
-    pipeline = load_pipeline(GRPO, {"data.batch_size": 64})
+    pipeline = load_pipeline(SMALL, {"data.batch_size": 64})
     choice = choose_plan(pipeline, n_workers=64)
     assert not choice.exhaustive
     assert choice.best.workers == 64 and choice.best.simulation is not None

@@ -142,7 +142,8 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count() or 1, "gpu": gpu,
+    memory = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    return {"cpu": cpu, "cores": os.cpu_count() or 1, "gpu": gpu, "gpu_memory": memory,
             "torch": torch.__version__, "system": platform.system()}
 
 
@@ -336,9 +337,10 @@ class CostModel:
             if shape is None:
                 continue
             rows = rows_per_task.get(name, 0)
-            if node.trains:
+            if node.trains:  # a gang's rank holds the activations of its share only
                 mb = int(getattr(self.pipeline.params[name], "minibatches", 1))
-                act = rows / max(1, mb) * tokens * shape.hidden * shape.layers * 4 * 16
+                share = rows / max(1, mb) / (len(sp.workers) if sp.gang else 1)
+                act = share * tokens * shape.hidden * shape.layers * 4 * 16
             else:  # KV cache (keys and values per layer) and the logits of a forward
                 act = rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
             for w in sp.workers:

@@ -39,7 +39,7 @@ from rlhfflow.pipeline.checkpointing import (
 from rlhfflow.pipeline.compiler import IterationTasks, TaskCompiler, loop_steps
 from rlhfflow.pipeline.dataflow import Dataflow
 from rlhfflow.pipeline.graph import SOURCE
-from rlhfflow.pipeline.loader import Pipeline
+from rlhfflow.pipeline.loader import Pipeline, derive
 from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, make_plan, model_sizes
 from rlhfflow.pipeline.planner import PlanChoice, choose_plan, load_profile
 from rlhfflow.pipeline.runstate import (
@@ -99,10 +99,13 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
     digest = identity_digest(pipeline_identity(pipeline))
     auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
     choice = None
-    if auto and (inline or pipeline.spec.cluster.address is None):
+    if auto and inline:  # one in-process worker: every strategy is the same plan
+        pipeline = derive(pipeline, {"placement.strategy": "colocated"})
+        auto = False
+    elif auto and pipeline.spec.cluster.address is None:
         # the embedded cluster's workers and threads are the planner's to choose
-        gpus = 0 if inline or pipeline.spec.cluster.device == "cpu" else _cuda_count()
-        workers = 1 if inline else (min(pipeline.spec.cluster.workers, gpus) if gpus else None)
+        gpus = 0 if pipeline.spec.cluster.device == "cpu" else _cuda_count()
+        workers = min(pipeline.spec.cluster.workers, gpus) if gpus else None
         choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
         pipeline = choice.pipeline
     cluster = pipeline.spec.cluster

@@ -4,7 +4,8 @@ fits, as ReaL (arXiv 2406.14088) does with its runtime estimator and plan search
 A candidate is a strategy (co-located, interleaved, disaggregated; the model homes and
 gangs follow from it and from ``placement.groups/models/stages``), a split of the batch
 into micro-batches, fusion on or off, and, on the embedded cluster, the number of workers
-and torch threads per worker. Each candidate's plan compiles to the task specs the
+(up to ``cluster.workers``) and torch threads per worker. A ``data.micro_batches``,
+``overlap.fuse`` or ``cluster.torch_threads`` written in the file is kept as written. Each candidate's plan compiles to the task specs the
 executor would submit; the simulator walks them with the cost model's durations, and the
 memory estimate drops plans that do not fit. The search never changes what is computed:
 ``max_staleness``, the algorithm and its hyperparameters, explicit placements and
@@ -114,8 +115,8 @@ class PlanChoice:
 
 
 def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
-    """Bytes one worker may hold: ``cluster.memory_limit``, else the GPU's memory of the
-    profile's machine, else this machine's memory split between the workers."""
+    """Bytes one worker may hold: ``cluster.memory_limit``, else the device memory the
+    profile recorded (a GPU's), else this machine's memory split between the workers."""
     from dask.utils import parse_bytes
 
     limit = pipeline.spec.cluster.memory_limit
@@ -126,9 +127,13 @@ def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
             pass
     if profile is not None and profile.device.get("memory_bytes"):
         return float(profile.device["memory_bytes"])
+    import os
+
     import psutil
 
-    return psutil.virtual_memory().total / max(1, workers)
+    # this machine's memory, split among the workers it could run (a cluster planned
+    # larger than the machine is assumed to have machines like it)
+    return psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1))
 
 
 def _layouts(pipeline, n_workers: int | None, cores: int) -> list[tuple[int, int]]:
@@ -166,12 +171,15 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     cores = cores or (profile.machine.get("cores") if profile else None) or os.cpu_count() or 1
     strategies = [spec.placement.strategy] if spec.placement.strategy != "auto" else \
         list(STRATEGIES)
-    fuse_options = [True, False] if spec.overlap.fuse and not spec.overlap.sequential \
-        and vary else [spec.overlap.fuse]
+    # what the file sets explicitly is the user's; only defaults are searched
+    vary_fuse = vary and "fuse" not in spec.overlap.model_fields_set and \
+        not spec.overlap.sequential
+    vary_split = vary and "micro_batches" not in spec.data.model_fields_set
+    fuse_options = [True, False] if vary_fuse else [spec.overlap.fuse]
     space = []
     for workers, threads in _layouts(pipeline, n_workers, cores):
         splits = sorted({min(rows, m) for m in (workers, 2 * workers, 4 * workers,
-                                                 spec.data.micro_batches)}) if vary \
+                                                 spec.data.micro_batches)}) if vary_split \
             else [spec.data.micro_batches]
         for strategy, micro, fuse in itertools.product(strategies, splits, fuse_options):
             space.append(Candidate(strategy, workers, threads, micro, fuse,

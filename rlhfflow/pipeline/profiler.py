@@ -72,6 +72,8 @@ def profile_pipeline(pipeline, iterations: int = 3,
     rows = spec.data.batch_size * spec.data.samples_per_prompt
     profile = Profile(pipeline.name, machine_info(),
                       {m: s.__dict__ for m, s in model_shapes(pipeline).items()})
+    if profile.machine.get("gpu_memory"):  # what one worker may hold, for the planner
+        profile.device["memory_bytes"] = float(profile.machine["gpu_memory"])
     scratch = Path(tempfile.mkdtemp(prefix="rlhfflow-profile-"))
     try:
         for workers, threads in chosen:
