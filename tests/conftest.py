@@ -90,6 +90,7 @@ def make_prompt_batch(tokenizer: Any, texts: Sequence[str], samples: int = 1,
         "sample_index": torch.tensor([s for _, _, s in rows]),
         "group_ids": torch.tensor([index for _, index, _ in rows]),
         "prompt_text": prompt_texts,
+        "prompt_fields": ["{}"] * len(rows),
     }
 
 

@@ -42,7 +42,8 @@ def test_bad_prompts_can_be_skipped_counted_and_listed(tmp_path, capsys):
     assert len(result.metrics) == 2
     listed = (result.output_dir / "skipped_prompts.txt").read_text().splitlines()
     assert listed == [f"{prompts}:3: expected a JSON object",
-                      f"{prompts}:4: expected a string field 'prompt'",
+                      f"{prompts}:4: expected a string field 'prompt' or a "
+                      f"'messages' list",
                       f"{prompts}:5: the prompt has 201 tokens, more than "
                       f"data.max_prompt_tokens=64"]
     assert "skipped 3 bad prompt(s) (data.on_bad_prompt: skip)" in capsys.readouterr().err

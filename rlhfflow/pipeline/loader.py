@@ -95,6 +95,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     _check_files(file, pipeline)
+    _check_prompts(file, pipeline)
     return pipeline
 
 
@@ -252,7 +253,7 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
                             f"directory (no config.json): {path}")
     prompts = pipeline.prompts_path
-    if prompts is not None and pipeline.graph.loop_stages and not prompts.is_file():
+    if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
         raise SpecError(file, "data.prompts", f"file not found: {prompts}")
     _check_context(file, pipeline)
 
@@ -287,3 +288,27 @@ def _check_context(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
                             f"+ {new_tokens} new tokens = {needed} exceed the {context} "
                             f"positions of model {model!r} (stage {name!r})")
+
+
+def _check_prompts(file: Path, pipeline: Pipeline) -> None:
+    """Read the prompts file as the run will (records, chat template, token counts), and
+    check that every record has the fields the reward functions ask for."""
+    from rlhfflow.pipeline.source import PromptSource
+    from rlhfflow.stages.inference import load_function, reward_fields
+
+    generates = pipeline.graph.of_type("generate")
+    if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
+        return
+    source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
+    for name in pipeline.graph.of_type("score"):
+        params = pipeline.params[name]
+        if params.function is None:
+            continue
+        fn = load_function(params.function, pipeline.base_dir)
+        required, _, _ = reward_fields(fn, params.kwargs)
+        for field in required:
+            line = source.missing_field(field)
+            if line is not None:
+                raise SpecError(file, f"stages.{name}.params.function", f"the reward function "
+                                f"takes {field!r}, which record {pipeline.prompts_path}:"
+                                f"{line} does not have (give it a default, or add the field)")

@@ -115,7 +115,13 @@ class StageSpec(Strict):
 
 
 class DataSpec(Strict):
-    """Where prompts come from and how many make one iteration."""
+    """Where prompts come from and how many make one iteration.
+
+    ``prompts``: a JSONL file, a Parquet file or a saved HF ``datasets`` directory of
+    records with ``prompt_field`` (text) or ``messages`` (chat turns); their other fields
+    reach reward functions. ``chat_template``: ``auto`` renders ``messages`` records with
+    the tokenizer's chat template, ``true`` renders every record (a plain prompt as one
+    user turn) and needs a tokenizer with a template, ``false`` never renders."""
 
     prompts: str
     prompt_field: str = "prompt"
@@ -125,6 +131,7 @@ class DataSpec(Strict):
     max_prompt_tokens: PositiveInt = 64
     shuffle: bool = True
     on_bad_prompt: Literal["error", "skip"] = "error"
+    chat_template: Literal["auto"] | bool = "auto"
 
 
 class AlgorithmSpec(Strict):

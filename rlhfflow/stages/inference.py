@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import json
 import sys
 from collections.abc import Callable
 from functools import lru_cache
@@ -142,7 +144,8 @@ class ScoreStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        return ("prompt_text", "response_text")
+        fields = ("prompt_fields",) if params.function is not None else ()
+        return ("prompt_text", "response_text", *fields)
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
@@ -152,7 +155,8 @@ class ScoreStage(Stage):
         prompts, responses = list(batch["prompt_text"]), list(batch["response_text"])
         if self.params.function is not None:
             fn = load_function(self.params.function, ctx.settings.get("base_dir"))
-            scores = torch.as_tensor(fn(prompts, responses, **self.params.kwargs),
+            columns = record_columns(fn, self.params.kwargs, batch.get("prompt_fields"))
+            scores = torch.as_tensor(fn(prompts, responses, **columns, **self.params.kwargs),
                                      dtype=torch.float32).flatten()
         else:
             scores = self._model_scores(ctx.models.get(self.model), prompts, responses)
@@ -181,3 +185,38 @@ class ScoreStage(Stage):
         device = next(resident.module.parameters()).device
         return sequence_scores(resident.module, enc["input_ids"].to(device),
                                enc["attention_mask"].to(device)).float().cpu()
+
+
+# ---------------------------------------------------------------------------------------
+# Record fields as keyword columns of reward functions (owned by the data side: prompt
+# records travel as the JSON text column ``prompt_fields``; see pipeline/source.py).
+
+
+def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[str], list[str],
+                                                                           bool]:
+    """What a reward function asks of the prompt records, from its signature: the
+    ``required`` and ``optional`` (defaulted) keyword parameters after
+    ``(prompts, responses)`` that ``params.kwargs`` does not already give, and whether
+    it takes ``**kwargs`` (then it gets every field, as TRL's reward functions do)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: give it nothing
+        return [], [], False
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = [p for p in named[2:] if p.name not in fixed] if len(named) >= 2 else []
+    required = [p.name for p in named if p.default is p.empty]
+    optional = [p.name for p in named if p.default is not p.empty]
+    return required, optional, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def record_columns(fn: Callable[..., Any], fixed: dict[str, Any],
+                   fields_json: list[str] | None) -> dict[str, list[Any]]:
+    """The record fields ``fn`` takes, one list per field with a value per row (the
+    loader has checked that every record has the required ones)."""
+    if not fields_json:
+        return {}
+    rows = [json.loads(text) for text in fields_json]
+    required, optional, takes_all = reward_fields(fn, fixed)
+    names = {k for row in rows for k in row} - set(fixed) if takes_all else \
+        set(required) | {n for n in optional if all(n in row for row in rows)}
+    return {name: [row.get(name) for row in rows] for name in sorted(names)}
