@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     _check_files(file, pipeline)
+    pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     _check_prompts(file, pipeline)
     return pipeline
 
@@ -104,6 +105,12 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
         if not MODEL_NAME.match(name):
             raise SpecError(file, f"models.{name}", "model names are letters, digits and "
                                                     "underscores, starting with a letter")
+        # measured: fp16 AdamW with no loss scaling turned every weight to NaN (eps 1e-8
+        # underflows, gradients overflow) and the run still exited 0
+        if model.trainable and model.dtype == "float16":
+            raise SpecError(file, f"models.{name}.dtype", "float16 cannot train (no loss "
+                            "scaling: AdamW's eps underflows and the weights become NaN); use "
+                            "bfloat16 (mixed precision, fp32 master weights) or float32")
         if model.from_ is not None:
             if model.from_ not in spec.models:
                 hint = did_you_mean(model.from_, spec.models)
@@ -288,6 +295,35 @@ def _check_context(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
                             f"+ {new_tokens} new tokens = {needed} exceed the {context} "
                             f"positions of model {model!r} (stage {name!r})")
+
+
+def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
+    """The spec with each trainable model's ``optimizer.total_steps`` (for a decaying
+    schedule) and ``optimizer.checkpoint`` filled in, so the workers need nothing else."""
+    spec, graph = pipeline.spec, pipeline.graph
+    models = dict(spec.models)
+    for name, model in spec.models.items():
+        if not model.trainable:
+            continue
+        opt = model.optimizer
+        updates: dict[str, Any] = {}
+        if opt.checkpoint is None:
+            updates["checkpoint"] = spec.checkpoint.optimizer
+        if opt.total_steps is None and opt.schedule != "constant":
+            per_iteration = sum(
+                pipeline.params[t].epochs * pipeline.params[t].minibatches
+                for t in graph.trainers(name) if not graph.nodes[t].once)
+            if per_iteration == 0 or spec.iterations == 0:
+                raise SpecError(file, f"models.{name}.optimizer.total_steps", f"schedule "
+                                f"{opt.schedule!r} needs total_steps: no loop stage trains "
+                                f"{name!r}, so it cannot be derived from the iterations")
+            updates["total_steps"] = spec.iterations * per_iteration
+        if opt.total_steps is not None and opt.warmup_steps > opt.total_steps:
+            raise SpecError(file, f"models.{name}.optimizer.warmup_steps", f"{opt.warmup_steps} "
+                            f"warmup steps exceed total_steps={opt.total_steps}")
+        if updates:
+            models[name] = model.model_copy(update={"optimizer": opt.model_copy(update=updates)})
+    return spec.model_copy(update={"models": models})
 
 
 def _check_prompts(file: Path, pipeline: Pipeline) -> None:
