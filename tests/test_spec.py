@@ -264,6 +264,21 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("function-format", lambda s: put(s, "stages.reward.params.function", "vowel_ratio"),
      "stages.reward.params.function: expected 'module:function' or 'file.py:function', "
      "got 'vowel_ratio'"),
+    ("fp16-training", lambda s: put(s, "models.actor.dtype", "float16"),
+     "models.actor.dtype: float16 cannot train (no loss scaling: AdamW's eps underflows and "
+     "the weights become NaN); use bfloat16 (mixed precision, fp32 master weights) or "
+     "float32"),
+    ("chat-template-missing", lambda s: put(s, "data.chat_template", True),
+     "data.chat_template: true, but the tokenizer of model 'actor' has no chat template; set "
+     "it to auto or false, or give the model a tokenizer with one"),
+    ("chat-template-value", lambda s: put(s, "data.chat_template", "yes"),
+     "data.chat_template: expected one of 'auto', True or False, got 'yes'"),
+    ("warmup-over-total", lambda s: put(s, "models.actor.optimizer",
+                                        {"warmup_steps": 10, "total_steps": 5}),
+     "models.actor.optimizer.warmup_steps: 10 warmup steps exceed total_steps=5"),
+    ("schedule-value", lambda s: put(s, "models.actor.optimizer.schedule", "step"),
+     "models.actor.optimizer.schedule: expected one of 'constant', 'linear' or 'cosine', "
+     "got 'step'"),
 ]
 
 
@@ -375,3 +390,19 @@ def test_python_tag_in_a_real_process(tmp_path: Path) -> None:
                            "'!!python/object/apply:os.system'; pipeline files hold plain data "
                            "(mappings, lists, strings, numbers)\n")
     assert not marker.exists()
+
+
+def test_optimizer_total_steps_and_checkpoint_are_resolved(tmp_path: Path) -> None:
+    spec = base_spec()
+    put(spec, "models.actor.optimizer.schedule", "cosine")
+    put(spec, "models.critic.optimizer.total_steps", 7)
+    put(spec, "checkpoint.optimizer", False)
+    put(spec, "models.critic.optimizer.checkpoint", True)
+    pipeline = load_pipeline(write_spec(tmp_path, spec))
+    params = pipeline.params["train_actor"]
+    actor, critic = (pipeline.spec.models[m].optimizer for m in ("actor", "critic"))
+    # derived: iterations x (epochs x minibatches) of the stage training it
+    assert actor.total_steps == spec["iterations"] * params.epochs * params.minibatches
+    assert critic.total_steps == 7
+    assert (actor.checkpoint, critic.checkpoint) == (False, True)
+    assert pipeline.spec.models["ref"].optimizer.checkpoint is None  # not trainable

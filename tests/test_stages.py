@@ -493,3 +493,42 @@ def test_a_stop_string_ends_the_response_after_it(store, tokenizer):
     assert (cut["sample_logprobs"][0, length:] == 0).all()
     torch.testing.assert_close(cut["sample_logprobs"][0, :length],
                                free["sample_logprobs"][0, :length])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
+        tmp_path, chat_lm_dir):
+    import json
+
+    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.storage import ExperienceBuffer
+    from tests.conftest import small_pipeline
+
+    prompts = tmp_path / "qa.jsonl"
+    records = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"}],
+                "answer": str(a + b)} for a, b in [(1, 1), (2, 2), (3, 4), (5, 0)]]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "exact.py").write_text(
+        "def score(prompts, responses, answer):\n"
+        "    assert all(p.endswith('<|im_start|>assistant: ') for p in prompts)\n"
+        "    return [float(a in r) for r, a in zip(responses, answer)]\n")
+    path = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, overrides={
+        "data.prompts": str(prompts), "models.actor": {
+            "path": str(chat_lm_dir), "trainable": True, "dtype": "bfloat16",
+            "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 1}},
+        "stages.reward.params.function": str(tmp_path / "exact.py") + ":score"})
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert result.metrics[0]["samples"] == 16
+    # 4 steps (2 epochs x 2 minibatches): warmup 1, then cosine from 1e-3 down to 0 at step 4
+    assert result.metrics[0]["train"]["train_actor"]["lr"] == pytest.approx(0.25e-3)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr")
+    rows = buffer.read(0, ["prompt_ids", "prompt_mask", "prompt_index"])
+    tok = chat_tokenizer()
+    for ids, mask, index in zip(rows["prompt_ids"], rows["prompt_mask"], rows["prompt_index"],
+                                strict=True):
+        content = records[index]["messages"][0]["content"]
+        assert tok.decode(ids[mask == 1].tolist()) == (
+            f"<bos><|im_start|>user: {content}<|im_end|><|im_start|>assistant: ")

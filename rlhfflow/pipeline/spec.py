@@ -147,7 +147,7 @@ class DataSpec(Strict):
     max_prompt_tokens: PositiveInt = 64
     shuffle: bool = True
     on_bad_prompt: Literal["error", "skip"] = "error"
-    chat_template: Literal["auto"] | bool = "auto"
+    chat_template: Literal["auto", True, False] = "auto"
 
 
 class AlgorithmSpec(Strict):

@@ -108,6 +108,7 @@ class ResidentModel:
         self._optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.skipped_steps = 0  # non-finite steps skipped (optimizer.skip_nonfinite)
+        self.last_lr = 0.0  # the learning rate of the last optimizer step taken
         self.engine = None  # a DeepSpeed engine, when a stage trains it with DeepSpeed
 
     @property
@@ -187,6 +188,7 @@ class ResidentModel:
         if self.engine is not None:
             # DeepSpeed averages gradients over the gang; the shares are meant to be summed
             self.engine.backward(loss * (gang.size if gang else 1))
+            self.last_lr = optimizer.param_groups[0]["lr"]
             self.engine.step()
             self.scheduler.step()
             norm = self.engine.get_global_grad_norm()
@@ -206,6 +208,7 @@ class ResidentModel:
             optimizer.zero_grad(set_to_none=True)
             self._nonfinite(f"gradient norm is {float(norm)}")
             return float("nan")
+        self.last_lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         self.scheduler.step()
         return float(norm)

@@ -120,7 +120,7 @@ class _Trainer(Stage):
                          staleness_max=int(staleness.max()))
         # the learning rate the last step used, and the non-finite steps skipped so far
         # (optimizer.skip_nonfinite): reported by the model's optimizer (resident.py)
-        stats["lr"] = resident.scheduler.get_last_lr()[0] if resident.scheduler else 0.0
+        stats["lr"] = resident.last_lr
         if resident.skipped_steps:
             stats["nonfinite_steps"] = resident.skipped_steps
         resident.version += 1
