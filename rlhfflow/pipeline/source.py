@@ -70,7 +70,8 @@ class PromptSource:
         self.max_tokens = max_prompt_tokens
         self.token_ids = list(token_ids) if token_ids is not None else None
         self.fields = [dict(f) for f in fields] if fields is not None else [{}] * len(texts)
-        self._fields_json = [json.dumps(f, ensure_ascii=False, sort_keys=True)
+        # default=str: Parquet and datasets rows may hold dates or bytes, kept as their text
+        self._fields_json = [json.dumps(f, ensure_ascii=False, sort_keys=True, default=str)
                              for f in self.fields]
         self._epochs: dict[int, list[int]] = {}
         self.skipped: list[str] = []

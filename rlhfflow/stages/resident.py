@@ -179,10 +179,14 @@ class ResidentModel:
         step; returns the gradient norm. ``loss`` is this rank's share of the batch loss,
         so the gang's gradients add up to the whole batch's."""
         optimizer = self.optimizer  # created (with its schedule) before the first step
-        if not torch.isfinite(loss.detach()).all():
-            # every rank of a gang sees the same minibatch and skips together: a NaN
-            # in one shard reaches all ranks' losses only through the all-reduce, so the
-            # gradient check below covers the rest
+        bad = float(not torch.isfinite(loss.detach()).all())
+        if gang is not None and gang.size > 1:
+            # the ranks of a gang must skip (or stop) together: one rank leaving the step
+            # alone would leave the others waiting in the gradient all-reduce
+            from rlhfflow.stages.parallel import allreduce_sum
+
+            bad = allreduce_sum([bad], gang)[0]
+        if bad:
             self._nonfinite(f"loss is {float(loss.detach().float().sum())}")
             return float("nan")
         if self.engine is not None:
