@@ -460,6 +460,29 @@ def test_score_passes_record_fields_as_keyword_columns(tmp_path, tokenizer):
     assert out["scores"].tolist() == [1.0, 0.0]
 
 
+def test_prompts_come_from_parquet_with_rows_named_in_errors(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # an optional dependency: skipped where absent
+    import pyarrow.parquet as pq
+
+    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.pipeline.source import PromptSource
+    from rlhfflow.stages.data import DataError
+    from tests.conftest import small_pipeline
+
+    table = pa.Table.from_pylist([{"prompt": "speak of the sun:", "answer": "5"},
+                                  {"prompt": "a", "answer": "6"}])
+    pq.write_table(table, tmp_path / "qa.parquet")
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(tmp_path / "qa.parquet")})
+    source = PromptSource.from_pipeline(load_pipeline(path), "actor")
+    assert source.texts == ["speak of the sun:", "a"]
+    assert source.fields == [{"answer": "5"}, {"answer": "6"}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a"}, {"prompt": "x" * 200}]),
+                   tmp_path / "long.parquet")
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(tmp_path / "long.parquet")})
+    with pytest.raises(DataError, match=r"long.parquet:2: the prompt has 201 tokens"):
+        load_pipeline(path)
+
+
 # --------------------------------------------------------------------------- where responses end
 
 
