@@ -142,8 +142,8 @@ class ResidentModel:
                 self.skipped_steps = int(state.get("skipped_steps", 0))
         return self._optimizer
 
-    def _nonfinite(self, what: str) -> bool:
-        """Count a step with a non-finite ``what``; True to skip it, or raise once the
+    def _nonfinite(self, what: str) -> None:
+        """Count a step with a non-finite ``what`` (the caller skips it); raise once the
         budget ``optimizer.skip_nonfinite`` is spent."""
         self.skipped_steps += 1
         budget = int(self.config.optimizer.get("skip_nonfinite", 0))
@@ -152,8 +152,7 @@ class ResidentModel:
             raise NonFiniteError(
                 f"model {self.config.name!r}: {what} at optimizer step {step} (non-finite "
                 f"steps so far: {self.skipped_steps}, optimizer.skip_nonfinite: {budget}); "
-                f"lower the learning rate, or train in float32 or bfloat16")
-        return True
+                f"lower optimizer.lr, or let optimizer.skip_nonfinite skip such steps")
 
     def use_deepspeed(self, zero_stage: int, extra: Mapping[str, Any], rank: int) -> None:
         """Train from now on through a DeepSpeed engine (ZeRO ``zero_stage``) wrapping
