@@ -374,6 +374,26 @@ def test_bf16_training_keeps_fp32_master_weights_and_loses_no_update(tiny_lm_dir
     assert _changed_fraction(pure, tok, 3) < 0.5
 
 
+def test_fp16_training_scales_the_loss_and_skips_overflowing_steps(tiny_lm_dir, tok):
+    fp16 = _resident(tiny_lm_dir, "float16")
+    assert all(p.dtype == torch.float32 for p in fp16.module.parameters())
+    fp32 = _resident(tiny_lm_dir, "float32")
+    # at lr 1e-5 without scaling, fp16 AdamW turned every weight to NaN (measured)
+    assert _changed_fraction(fp16, tok, 3) == pytest.approx(_changed_fraction(fp32, tok, 3),
+                                                            abs=0.01)
+    assert fp16.scaler is not None
+    overflows = fp16.overflow_steps  # the first scale (65536) may be too high: normal
+    assert overflows <= 1
+    assert all(torch.isfinite(p).all() for p in fp16.module.parameters())
+    before = {k: v.clone() for k, v in fp16.module.state_dict().items()}
+    scale = fp16.scaler.get_scale()
+    # gradients too large for fp16 at this scale: skipped and the scale halved, no error
+    assert math.isnan(fp16.step(_lm_loss(fp16, tok) * 1e12))
+    assert (fp16.overflow_steps, fp16.skipped_steps) == (overflows + 1, 0)
+    assert fp16.scaler.get_scale() == scale / 2
+    assert all(torch.equal(v, before[k]) for k, v in fp16.module.state_dict().items())
+
+
 def test_a_frozen_bf16_model_stays_pure_bf16(tiny_lm_dir):
     from rlhfflow.stages import ModelConfig, ModelStore
 

@@ -264,10 +264,10 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("function-format", lambda s: put(s, "stages.reward.params.function", "vowel_ratio"),
      "stages.reward.params.function: expected 'module:function' or 'file.py:function', "
      "got 'vowel_ratio'"),
-    ("fp16-training", lambda s: put(s, "models.actor.dtype", "float16"),
-     "models.actor.dtype: float16 cannot train (no loss scaling: AdamW's eps underflows and "
-     "the weights become NaN); use bfloat16 (mixed precision, fp32 master weights) or "
-     "float32"),
+    ("fp16-deepspeed", lambda s: (put(s, "models.actor.dtype", "float16"),
+                                  put(s, "stages.train_actor.backend", "deepspeed")),
+     "models.actor.dtype: float16 training has no loss scaling under backend: deepspeed "
+     "(stage 'train_actor'); use bfloat16 or float32, or backend: torch"),
     ("chat-template-missing", lambda s: put(s, "data.chat_template", True),
      "data.chat_template: true, but the tokenizer of model 'actor' has no chat template; set "
      "it to auto or false, or give the model a tokenizer with one"),

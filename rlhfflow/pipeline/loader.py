@@ -105,12 +105,6 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
         if not MODEL_NAME.match(name):
             raise SpecError(file, f"models.{name}", "model names are letters, digits and "
                                                     "underscores, starting with a letter")
-        # measured: fp16 AdamW with no loss scaling turned every weight to NaN (eps 1e-8
-        # underflows, gradients overflow) and the run still exited 0
-        if model.trainable and model.dtype == "float16":
-            raise SpecError(file, f"models.{name}.dtype", "float16 cannot train (no loss "
-                            "scaling: AdamW's eps underflows and the weights become NaN); use "
-                            "bfloat16 (mixed precision, fp32 master weights) or float32")
         if model.from_ is not None:
             if model.from_ not in spec.models:
                 hint = did_you_mean(model.from_, spec.models)
@@ -238,6 +232,13 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
     spec, graph = pipeline.spec, pipeline.graph
     for name, model in spec.models.items():
         trainers = graph.trainers(name)
+        deepspeed = [t for t in trainers if spec.stages[t].backend == "deepspeed"]
+        if model.dtype == "float16" and deepspeed:
+            # our fp16 loss scaler wraps the torch optimizer step, which DeepSpeed replaces;
+            # without scaling fp16 AdamW turned every weight to NaN (measured)
+            raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
+                            f"scaling under backend: deepspeed (stage {deepspeed[0]!r}); use "
+                            f"bfloat16 or float32, or backend: torch")
         if model.trainable and not trainers:
             raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
                             "stage trains it; add a training stage or set trainable: false")

@@ -6,7 +6,9 @@ models stay in worker memory between tasks. Used alone, it serves stages run fro
 Precision: a trainable model with ``dtype: bfloat16`` trains in mixed precision: fp32
 master weights and AdamW state, forward passes under bf16 autocast (measured on
 SmolLM2-135M: pure bf16 kept only 3.45% of the updates after 6 steps, the rounding of
-lr-sized steps to bf16 drops them). Frozen models load in their dtype as they are.
+lr-sized steps to bf16 drops them). ``float16`` does the same with dynamic loss scaling
+(fp16 gradients underflow without it; pure fp16 AdamW turned every weight to NaN).
+Frozen models load in their dtype as they are.
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class ResidentModel:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.skipped_steps = 0  # non-finite steps skipped (optimizer.skip_nonfinite)
         self.last_lr = 0.0  # the learning rate of the last optimizer step taken
+        # fp16 mixed precision: the loss scaler, and the steps it skipped on overflow
+        self.scaler: torch.amp.GradScaler | None = None
+        self.overflow_steps = 0
         self.engine = None  # a DeepSpeed engine, when a stage trains it with DeepSpeed
 
     @property
@@ -130,6 +135,8 @@ class ResidentModel:
                     warmup_steps=opt.get("warmup_steps", 0),
                     total_steps=opt.get("total_steps"),
                     min_lr_ratio=opt.get("min_lr_ratio", 0.0)))
+            if self.config.dtype == "float16":
+                self.scaler = torch.amp.GradScaler(torch.device(self.device).type)
             saved = self.config.optimizer_state
             if saved and Path(saved).is_file():  # resuming: moments and steps as saved
                 state = torch.load(saved, map_location=self.device, weights_only=True)
@@ -139,6 +146,8 @@ class ResidentModel:
                     self._optimizer.load_state_dict(state["optimizer"])
                 if state["scheduler"] is not None:
                     self.scheduler.load_state_dict(state["scheduler"])
+                if state.get("scaler") and self.scaler is not None:
+                    self.scaler.load_state_dict(state["scaler"])
                 self.skipped_steps = int(state.get("skipped_steps", 0))
         return self._optimizer
 
@@ -197,7 +206,7 @@ class ResidentModel:
             norm = self.engine.get_global_grad_norm()
             return float(norm) if norm is not None else float("nan")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         clip = self.config.optimizer.get("grad_clip")
         if gang is not None and gang.size > 1:
             from rlhfflow.stages.parallel import allreduce_gradients
@@ -206,15 +215,37 @@ class ResidentModel:
             allreduce_gradients(params, gang)
         else:
             params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.scaler is not None:  # after the all-reduce: every rank sees the same infs
+            self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
         if not torch.isfinite(norm):
+            if self.scaler is not None:
+                return self._overflow(optimizer, norm)
             optimizer.zero_grad(set_to_none=True)
             self._nonfinite(f"gradient norm is {float(norm)}")
             return float("nan")
         self.last_lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
         self.scheduler.step()
         return float(norm)
+
+    def _overflow(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> float:
+        """fp16: the gradients overflowed at this loss scale. The scaler skips the step
+        and halves the scale (counted in ``overflow_steps``, the usual price of dynamic
+        scaling); once the scale is below 1 they overflow at any scale, and that is a
+        non-finite gradient like any other."""
+        self.scaler.step(optimizer)  # a no-op: unscale_ found the infs
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        self.overflow_steps += 1
+        if self.scaler.get_scale() < 1.0:
+            self._nonfinite(f"gradient norm is {float(norm)} even at loss scale "
+                            f"{self.scaler.get_scale()}")
+        return float("nan")
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors, to send to another worker's copy."""
@@ -250,7 +281,8 @@ class ResidentModel:
             moments = self.optimizer.state_dict()
         self.optimizer  # noqa: B018 - creates the schedule when no step was taken yet
         state = {"format": _OPTIMIZER_FORMAT, "optimizer": moments,
-                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
+                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         staged = path.with_name(path.name + ".tmp")
         try:
             torch.save(state, staged)

@@ -123,6 +123,8 @@ class _Trainer(Stage):
         stats["lr"] = resident.last_lr
         if resident.skipped_steps:
             stats["nonfinite_steps"] = resident.skipped_steps
+        if resident.overflow_steps:  # fp16: steps the loss scaler skipped so far
+            stats["overflow_steps"] = resident.overflow_steps
         resident.version += 1
         return {**stats, "version": resident.version}
 
