@@ -521,8 +521,9 @@ def test_a_stop_string_ends_the_response_after_it(store, tokenizer):
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
-        tmp_path, chat_lm_dir):
+        tmp_path, chat_lm_dir, dtype):
     import json
 
     from rlhfflow.pipeline.executor import run_pipeline
@@ -540,13 +541,15 @@ def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
         "    return [float(a in r) for r, a in zip(responses, answer)]\n")
     path = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, overrides={
         "data.prompts": str(prompts), "models.actor": {
-            "path": str(chat_lm_dir), "trainable": True, "dtype": "bfloat16",
+            "path": str(chat_lm_dir), "trainable": True, "dtype": dtype,
             "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 1}},
         "stages.reward.params.function": str(tmp_path / "exact.py") + ":score"})
     result = run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert result.metrics[0]["samples"] == 16
     # 4 steps (2 epochs x 2 minibatches): warmup 1, then cosine from 1e-3 down to 0 at step 4
     assert result.metrics[0]["train"]["train_actor"]["lr"] == pytest.approx(0.25e-3)
+    final, _ = load_model(str(result.output_dir / "models" / "actor" / "final"), "lm")
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in final.parameters())
     buffer = ExperienceBuffer(result.output_dir / "buffer.zarr")
     rows = buffer.read(0, ["prompt_ids", "prompt_mask", "prompt_index"])
     tok = chat_tokenizer()
