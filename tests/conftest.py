@@ -90,6 +90,7 @@ def make_prompt_batch(tokenizer: Any, texts: Sequence[str], samples: int = 1,
         "sample_index": torch.tensor([s for _, _, s in rows]),
         "group_ids": torch.tensor([index for _, index, _ in rows]),
         "prompt_text": prompt_texts,
+        "prompt_fields": ["{}"] * len(rows),
     }
 
 
@@ -115,4 +116,32 @@ def small_pipeline(tmp_path: Path, config: str = "ppo", *, iterations: int = 2,
     data = apply_overrides(data, {**settings, **(overrides or {})})
     path = tmp_path / (file_name or f"{config}-small.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# A ChatML-like template over the character tokenizer's alphabet (it has no newline), with
+# the BOS in front as Llama-3 and Gemma templates put it: rendering must not double it.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}: "
+                 "{{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
+
+
+def chat_tokenizer():
+    """The character tokenizer with ``<|im_start|>``/``<|im_end|>`` and a chat template."""
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def chat_lm_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama whose tokenizer has a chat template and whose generation
+    config ends a turn at ``<|im_end|>`` too (as chat models do)."""
+    tok = chat_tokenizer()
+    model = build_tiny_model(tok, "lm", seed=0)
+    model.generation_config.eos_token_id = [tok.eos_token_id,
+                                            tok.convert_tokens_to_ids("<|im_end|>")]
+    path = tmp_path_factory.mktemp("models") / "chat-lm"
+    save_model(model, tok, path)
     return path

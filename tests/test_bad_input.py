@@ -50,7 +50,8 @@ def test_bad_prompts_can_be_skipped_counted_and_listed(tmp_path, capsys):
     assert len(result.metrics) == 2
     listed = (result.output_dir / "skipped_prompts.txt").read_text().splitlines()
     assert listed == [f"{prompts}:3: expected a JSON object",
-                      f"{prompts}:4: expected a string field 'prompt'",
+                      f"{prompts}:4: expected a string field 'prompt' or a "
+                      f"'messages' list",
                       f"{prompts}:5: the prompt has 201 tokens, more than "
                       f"data.max_prompt_tokens=64"]
     assert "skipped 3 bad prompt(s) (data.on_bad_prompt: skip)" in capsys.readouterr().err
@@ -298,3 +299,59 @@ def test_invalid_rewards_can_be_skipped_and_counted(tmp_path, config):
         learned_from += int((data["advantages"][valid] != 0).any())
         assert record["policy_loss"] is not None and math.isfinite(record["policy_loss"])
     assert learned_from > 0  # the scored samples still train the policy
+
+
+# --------------------------------------------------------------------------- prompts, rewards
+
+
+def test_validate_reads_the_prompts_file_and_names_a_bad_chat_turn(tmp_path):
+    from click.testing import CliRunner
+
+    from rlhfflow.cli.main import main
+
+    prompts = _prompts(tmp_path, json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "bot", "content": "x"}]}))
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(prompts)})
+    expected = (f"{prompts}:3: messages[1].role: unknown role 'bot' (expected one of "
+                f"system, user, assistant, tool, developer)")
+    with pytest.raises(DataError) as err:
+        load_pipeline(path)
+    assert str(err.value) == expected
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert (result.exit_code, result.stderr) == (2, f"Error: {expected}\n")
+
+
+def test_a_chat_record_needs_a_tokenizer_with_a_template(tmp_path):
+    prompts = _prompts(tmp_path, json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(prompts)})
+    with pytest.raises(DataError, match=rf"^{prompts}:3: the tokenizer has no chat template "
+                                        r"\(chat_template in its tokenizer_config.json\) to "
+                                        r"render 'messages' records \(model 'actor'\)$"):
+        load_pipeline(path)
+
+
+def test_a_reward_argument_missing_from_a_record_is_named(tmp_path):
+    (tmp_path / "exact.py").write_text(
+        "def score(prompts, responses, answer):\n    return [0.0] * len(responses)\n")
+    prompts = tmp_path / "qa.jsonl"
+    prompts.write_text('{"prompt": "one plus one:", "answer": "2"}\n'
+                       '{"prompt": "two plus two:"}\n')
+    path = small_pipeline(tmp_path, overrides={
+        "data.prompts": str(prompts),
+        "stages.reward.params.function": str(tmp_path / "exact.py") + ":score"})
+    with pytest.raises(SpecError) as err:
+        load_pipeline(path)
+    assert str(err.value) == (f"{path}: stages.reward.params.function: the reward function "
+                              f"takes 'answer', which record {prompts}:2 does not have (give "
+                              f"it a default, or add the field)")
+
+
+def test_a_non_finite_loss_stops_the_run_naming_stage_iteration_and_model(tmp_path):
+    # an absurd learning rate: the weights blow up in the first update, the next loss is NaN
+    path = small_pipeline(tmp_path, "grpo", overrides={"models.actor.optimizer.lr": 1e30,
+                                                       "models.actor.optimizer.grad_clip": None})
+    with pytest.raises(RunError, match=r"^stage 'train_actor' failed in iteration \d: "
+                                       r"NonFiniteError: model 'actor': (loss|gradient norm) "
+                                       r"is (nan|inf)") as err:
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert "\n" not in str(err.value)

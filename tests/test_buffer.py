@@ -321,3 +321,21 @@ def test_to_jsonable():
     value = {1: (np.bool_(True), np.arange(2)), "x": [float("-inf"), np.float64("nan")]}
     assert to_jsonable(value) == {"1": [True, [0, 1]], "x": [None, None]}
     assert json.dumps(to_jsonable(torch.tensor([[1, 2]])), allow_nan=False) == "[[1, 2]]"
+
+
+def test_text_columns_round_trip_as_utf8_bytes_and_offsets(buf):
+    texts = ["héllo", "", "wörld ☃", '{"answer": "4"}'] + [f"row {i}" for i in range(ROWS - 4)]
+    buf.begin_iteration(0, ROWS, SPECS, chunk_rows=CHUNK)
+    buf.write_text(0, {"prompt_text": texts, "empty": [""] * ROWS})
+    with pytest.raises(ValueError, match="text column 'short' has 1 rows, the iteration has"):
+        buf.write_text(0, {"short": ["x"]})
+    _fill(buf.path, 0)
+    buf.commit(0)
+    assert buf.read_text(0, "prompt_text") == texts
+    assert buf.read_text(0, "empty") == [""] * ROWS
+    assert buf.text_columns(0) == ["empty", "prompt_text"]
+    assert set(buf.columns(0)) == set(SPECS)  # text stays out of the tensor columns
+    with pytest.raises(ValueError, match="already committed"):
+        buf.write_text(0, {"prompt_text": texts})
+    with pytest.raises(KeyError, match="no text column 'answer'"):
+        buf.read_text(0, "answer")

@@ -328,3 +328,16 @@ def test_the_grpo_demo_learns(cluster, tmp_path):
     # measured: 0.092 -> 0.632 (seed 0); a broken update or data path stays near 0.1
     assert last - first > 0.3, rewards
 
+
+
+def test_the_buffer_keeps_each_iterations_text(tmp_path):
+    """Prompts, record fields and responses are stored as text beside the tensors."""
+    path = small_pipeline(tmp_path, "grpo", iterations=2)
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
+    for k in range(2):
+        assert buffer.text_columns(k) == ["prompt_fields", "prompt_text", "response_text"]
+        prompts = buffer.read_text(k, "prompt_text")
+        responses = buffer.read_text(k, "response_text")
+        rows = len(buffer.read(k, ["scores"])["scores"])
+        assert len(prompts) == len(responses) == rows and all(prompts)

@@ -159,15 +159,15 @@ def test_to_text(ppo: Pipeline) -> None:
     lines = ppo.graph.to_text().splitlines()
     for line in [
         "each iteration:",
-        "  data  -> group_ids, prompt_ids, prompt_index, prompt_mask, prompt_text, "
-        "sample_index",
+        "  data  -> group_ids, prompt_fields, prompt_ids, prompt_index, prompt_mask, "
+        "prompt_text, sample_index",
         "  level 0:",
         "    generate (generate @actor)",
         "      writes: response_ids, response_mask, sample_logprobs, policy_version, "
         "response_text",
         "  level 1 (run concurrently):",
         "    reward (score)",
-        "      reads:  prompt_text<-data, response_text<-generate",
+        "      reads:  prompt_text<-data, response_text<-generate, prompt_fields<-data",
         "  level 2:",
         "      reads:  scores<-reward, score_valid<-reward, response_mask<-generate, "
         "values<-values, old_logprobs<-old_logprob, ref_logprobs<-ref_logprob",

@@ -80,6 +80,43 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     assert state["iteration"] == 4 and state["versions"] == {"actor": 5, "critic": 5}
 
 
+def test_the_learning_rate_schedule_survives_a_resume(tmp_path):
+    # total_steps fixed: a derived one follows `iterations`, which the resume changes
+    schedule = {"models.actor.optimizer.schedule": "cosine",
+                "models.actor.optimizer.warmup_steps": 3,
+                "models.actor.optimizer.total_steps": 12}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    stopped = small_pipeline(tmp_path / "a", iterations=2, overrides={
+        **schedule, "checkpoint.every": 2})
+    run_pipeline(load_pipeline(stopped), progress=False, inline=True)
+    run_pipeline(load_pipeline(stopped, {"iterations": 4}), progress=False, inline=True)
+    whole = small_pipeline(tmp_path / "b", iterations=4, overrides=schedule)
+    run_pipeline(load_pipeline(whole), progress=False, inline=True)
+
+    def lrs(out: Path) -> list[float]:
+        return [r["train"]["train_actor"]["lr"] for r in MetricsLog(out / "metrics.jsonl").read()]
+
+    assert _results(tmp_path / "a" / "out") == _results(tmp_path / "b" / "out")
+    assert lrs(tmp_path / "a" / "out") == lrs(tmp_path / "b" / "out")
+    assert len(set(lrs(tmp_path / "b" / "out"))) == 4  # it did change every iteration
+
+
+def test_a_checkpoint_without_optimizer_state_is_small_and_resumes(tmp_path):
+    path = small_pipeline(tmp_path, iterations=2, overrides={"checkpoint.optimizer": False,
+                                                             "checkpoint.every": 2})
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    checkpoint = CheckpointStore(tmp_path / "out" / "checkpoints").latest()
+    weights = (checkpoint.model_dir("actor") / "model.safetensors").stat().st_size
+    assert checkpoint.optimizer_file("actor").stat().st_size < 4096  # the schedule's place
+    assert weights > 100_000
+    # the weights are stored once: nothing else in the checkpoint is near their size
+    sizes = sorted(f.stat().st_size for f in checkpoint.path.rglob("*") if f.is_file())
+    assert sizes[-3] < weights / 2  # the two largest: actor and critic weights
+    result = run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
+    assert [r["iteration"] for r in result.metrics] == [2]  # AdamW restarted, run goes on
+
+
 def test_resume_cuts_back_to_the_last_checkpoint(tmp_path):
     path = _pipeline(tmp_path, iterations=5, every=2)
     run_pipeline(load_pipeline(path), progress=False, inline=True)

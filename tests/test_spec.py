@@ -299,6 +299,21 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
      "on_error: error, the stage's own 'retries' re-runs the whole task"),
     ("max-errors-negative", lambda s: put(s, "stages.reward.params.max_errors", -1),
      "stages.reward.params.max_errors: expected an integer >= 0, got -1"),
+    ("fp16-deepspeed", lambda s: (put(s, "models.actor.dtype", "float16"),
+                                  put(s, "stages.train_actor.backend", "deepspeed")),
+     "models.actor.dtype: float16 training has no loss scaling under backend: deepspeed "
+     "(stage 'train_actor'); use bfloat16 or float32, or backend: torch"),
+    ("chat-template-missing", lambda s: put(s, "data.chat_template", True),
+     "data.chat_template: true, but the tokenizer of model 'actor' has no chat template; set "
+     "it to auto or false, or give the model a tokenizer with one"),
+    ("chat-template-value", lambda s: put(s, "data.chat_template", "yes"),
+     "data.chat_template: expected one of 'auto', True or False, got 'yes'"),
+    ("warmup-over-total", lambda s: put(s, "models.actor.optimizer",
+                                        {"warmup_steps": 10, "total_steps": 5}),
+     "models.actor.optimizer.warmup_steps: 10 warmup steps exceed total_steps=5"),
+    ("schedule-value", lambda s: put(s, "models.actor.optimizer.schedule", "step"),
+     "models.actor.optimizer.schedule: expected one of 'constant', 'linear' or 'cosine', "
+     "got 'step'"),
 ]
 
 
@@ -382,7 +397,8 @@ def test_scientific_float_is_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("source", "params", "expected"), [
     ("def judge(prompts, responses, *, rubric):\n    return [0.0] * len(responses)\n",
      {"function": "reward.py:judge"},
-     "stages.reward.params.kwargs: judge() needs argument 'rubric'; add it to kwargs"),
+     "stages.reward.params.function: the reward function takes 'rubric', which record "
+     "{prompts}:1 does not have (give it a default, or add the field)"),
     ("def judge(responses):\n    return [0.0] * len(responses)\n",
      {"function": "reward.py:judge"},
      "stages.reward.params.function: judge() cannot be called as judge(prompts, responses, "
@@ -400,6 +416,8 @@ def test_reward_kwargs_are_checked_against_the_function_in_a_file(
     if expected is None:
         assert result.exit_code == 0, result.stderr
     else:
+        # a required argument the kwargs do not give must come from every prompt record
+        expected = expected.format(prompts=(path.parent / spec["data"]["prompts"]).resolve())
         assert (result.exit_code, result.stderr) == (2, f"Error: {path}: {expected}\n")
 
 
@@ -509,3 +527,19 @@ def test_python_tag_in_a_real_process(tmp_path: Path) -> None:
                            "'!!python/object/apply:os.system'; pipeline files hold plain data "
                            "(mappings, lists, strings, numbers)\n")
     assert not marker.exists()
+
+
+def test_optimizer_total_steps_and_checkpoint_are_resolved(tmp_path: Path) -> None:
+    spec = base_spec()
+    put(spec, "models.actor.optimizer.schedule", "cosine")
+    put(spec, "models.critic.optimizer.total_steps", 7)
+    put(spec, "checkpoint.optimizer", False)
+    put(spec, "models.critic.optimizer.checkpoint", True)
+    pipeline = load_pipeline(write_spec(tmp_path, spec))
+    params = pipeline.params["train_actor"]
+    actor, critic = (pipeline.spec.models[m].optimizer for m in ("actor", "critic"))
+    # derived: iterations x (epochs x minibatches) of the stage training it
+    assert actor.total_steps == spec["iterations"] * params.epochs * params.minibatches
+    assert critic.total_steps == 7
+    assert (actor.checkpoint, critic.checkpoint) == (False, True)
+    assert pipeline.spec.models["ref"].optimizer.checkpoint is None  # not trainable

@@ -10,11 +10,12 @@ import torch
 from rlhfflow import ops
 from rlhfflow.pipeline.spec import AlgorithmSpec
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
-from rlhfflow.stages.generate import filter_logits
-from rlhfflow.stages.inference import RewardError
-from rlhfflow.stages.models import sequence_scores
+from rlhfflow.stages.data import prompt_problem, prompt_token_ids, render_prompt
+from rlhfflow.stages.generate import eos_ids, filter_logits
+from rlhfflow.stages.inference import RewardError, record_columns, reward_fields
+from rlhfflow.stages.models import load_model, sequence_scores
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
-from tests.conftest import CONFIGS, make_prompt_batch
+from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
          "speak of the star:", "x y z"]
@@ -457,3 +458,180 @@ def test_model_store_loads_each_model_once(store):
     assert store.loaded() == {"actor": 0, "ref": 0}
     with pytest.raises(KeyError, match="unknown model 'nope'"):
         store.get("nope")
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_a_chat_record_is_rendered_with_one_bos_and_the_generation_prompt():
+    tok = chat_tokenizer()
+    record = {"messages": [{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": "hi"}]}
+    text, templated = render_prompt(tok, record, "auto")
+    assert templated
+    assert text == ("<bos><|im_start|>system: be brief<|im_end|><|im_start|>user: hi"
+                    "<|im_end|><|im_start|>assistant: ")
+    ids = prompt_token_ids(tok, text, templated)
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert ids[-len("assistant: ") - 1:] == [start] + tok("assistant: ",
+                                                          add_special_tokens=False)["input_ids"]
+    assert ids.count(end) == 2
+
+
+def test_plain_prompts_follow_the_chat_template_setting():
+    tok = chat_tokenizer()
+    plain = {"prompt": "hi", "answer": "4"}
+    assert render_prompt(tok, plain, "auto") == ("hi", False)
+    assert render_prompt(tok, plain, False) == ("hi", False)
+    text, templated = render_prompt(tok, plain, True)  # a plain question as a user turn
+    assert templated and text.endswith("<|im_start|>user: hi<|im_end|><|im_start|>assistant: ")
+    with pytest.raises(ValueError, match="needs a chat template; data.chat_template is false"):
+        render_prompt(tok, {"messages": [{"role": "user", "content": "hi"}]}, False)
+
+
+def test_a_typed_bos_is_not_doubled(tokenizer):
+    bos = tokenizer.bos_token_id
+    assert prompt_token_ids(tokenizer, "hi") == [bos] + tokenizer("hi")["input_ids"]
+    assert prompt_token_ids(tokenizer, "<bos>hi") == prompt_token_ids(tokenizer, "hi")
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    ({"messages": [{"role": "bot", "content": "hi"}]},
+     "messages[0].role: unknown role 'bot' (expected one of system, user, assistant, tool, "
+     "developer)"),
+    ({"messages": [{"role": "user"}]}, "messages[0]: expected"),
+    ({"messages": []}, "'messages' must be a non-empty list"),
+    ({"question": "hi"}, "expected a string field 'prompt' or a 'messages' list"),
+    (["hi"], "expected a JSON object"),
+])
+def test_bad_prompt_records_are_described(record, problem):
+    assert prompt_problem(record).startswith(problem)
+
+
+def test_reward_functions_get_the_record_fields_they_name():
+    def exact(prompts, responses, answer, scale=1.0):
+        return [scale * (r == a) for r, a in zip(responses, answer, strict=True)]
+
+    def everything(prompts, responses, **kwargs):
+        return kwargs
+
+    assert reward_fields(exact, {}) == (["answer"], ["scale"], False)
+    assert reward_fields(exact, {"answer": "x"}) == ([], ["scale"], False)
+    assert reward_fields(vowel_ratio, {}) == ([], ["min_length"], False)
+    fields = ['{"answer": "4", "id": 1}', '{"answer": "5", "id": 2}']
+    assert record_columns(exact, {}, fields) == {"answer": ["4", "5"]}
+    assert record_columns(everything, {"id": 0}, fields) == {"answer": ["4", "5"]}
+    assert record_columns(vowel_ratio, {}, ["{}", "{}"]) == {}
+
+
+def test_score_passes_record_fields_as_keyword_columns(tmp_path, tokenizer):
+    (tmp_path / "exact.py").write_text(
+        "def score(prompts, responses, answer):\n"
+        "    return [float(a in r) for r, a in zip(responses, answer)]\n")
+    batch = make_prompt_batch(tokenizer, ["one plus one:", "two plus two:"])
+    batch.update(response_text=["it is 2", "5"],
+                 prompt_fields=['{"answer": "2"}', '{"answer": "4"}'])
+    stage = create_stage("score", params={"function": "exact.py:score"})
+    out = stage.run(batch, _ctx(None, base_dir=str(tmp_path)))
+    assert out["scores"].tolist() == [1.0, 0.0]
+
+
+def test_prompts_come_from_parquet_with_rows_named_in_errors(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # an optional dependency: skipped where absent
+    import pyarrow.parquet as pq
+
+    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.pipeline.source import PromptSource
+    from rlhfflow.stages.data import DataError
+    from tests.conftest import small_pipeline
+
+    table = pa.Table.from_pylist([{"prompt": "speak of the sun:", "answer": "5"},
+                                  {"prompt": "a", "answer": "6"}])
+    pq.write_table(table, tmp_path / "qa.parquet")
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(tmp_path / "qa.parquet")})
+    source = PromptSource.from_pipeline(load_pipeline(path), "actor")
+    assert source.texts == ["speak of the sun:", "a"]
+    assert source.fields == [{"answer": "5"}, {"answer": "6"}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a"}, {"prompt": "x" * 200}]),
+                   tmp_path / "long.parquet")
+    path = small_pipeline(tmp_path, overrides={"data.prompts": str(tmp_path / "long.parquet")})
+    with pytest.raises(DataError, match=r"long.parquet:2: the prompt has 201 tokens"):
+        load_pipeline(path)
+
+
+# --------------------------------------------------------------------------- where responses end
+
+
+def test_generation_stops_at_every_eos_id_of_the_model(chat_lm_dir):
+    module, tok = load_model(str(chat_lm_dir), "lm")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert eos_ids(module, tok) == [tok.eos_token_id, end]
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir))})
+    batch = make_prompt_batch(tok, TEXTS)
+    free = _generate(store, batch, greedy=True)
+    # whatever token the model says third in row 0 now ends the turn, as <|im_end|> would
+    store.get("actor").module.generation_config.eos_token_id = [
+        tok.eos_token_id, int(free["response_ids"][0, 2])]
+    stopped = _generate(store, batch, greedy=True)
+    length = int(stopped["response_mask"][0].sum())
+    assert length <= 3
+    assert stopped["response_ids"][0, :length].tolist() == \
+        free["response_ids"][0, :length].tolist()
+
+
+def test_a_stop_string_ends_the_response_after_it(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS)
+    free = _generate(store, batch, greedy=True)
+    text = free["response_text"][0]
+    assert len(text) >= 6
+    stop = text[3:5]
+    cut = _generate(store, batch, greedy=True, stop=[stop])
+    assert cut["response_text"][0] == text[:text.index(stop) + len(stop)]
+    length = int(cut["response_mask"][0].sum())
+    assert (cut["response_ids"][0, length:] == tokenizer.pad_token_id).all()
+    assert (cut["sample_logprobs"][0, length:] == 0).all()
+    torch.testing.assert_close(cut["sample_logprobs"][0, :length],
+                               free["sample_logprobs"][0, :length])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
+        tmp_path, chat_lm_dir, dtype):
+    import json
+
+    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.storage import ExperienceBuffer
+    from tests.conftest import small_pipeline
+
+    prompts = tmp_path / "qa.jsonl"
+    records = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"}],
+                "answer": str(a + b)} for a, b in [(1, 1), (2, 2), (3, 4), (5, 0)]]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "exact.py").write_text(
+        "def score(prompts, responses, answer):\n"
+        "    assert all(p.endswith('<|im_start|>assistant: ') for p in prompts)\n"
+        "    return [float(a in r) for r, a in zip(responses, answer)]\n")
+    path = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, overrides={
+        "data.prompts": str(prompts), "models.actor": {
+            "path": str(chat_lm_dir), "trainable": True, "dtype": dtype,
+            "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 1}},
+        "stages.reward.params.function": str(tmp_path / "exact.py") + ":score"})
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert result.metrics[0]["samples"] == 16
+    # 4 steps (2 epochs x 2 minibatches): warmup 1, then cosine from 1e-3 down to 0 at step 4
+    assert result.metrics[0]["train"]["train_actor"]["lr"] == pytest.approx(0.25e-3)
+    final, _ = load_model(str(result.output_dir / "models" / "actor" / "final"), "lm")
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in final.parameters())
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr")
+    rows = buffer.read(0, ["prompt_ids", "prompt_mask", "prompt_index"])
+    tok = chat_tokenizer()
+    for ids, mask, index in zip(rows["prompt_ids"], rows["prompt_mask"], rows["prompt_index"],
+                                strict=True):
+        content = records[index]["messages"][0]["content"]
+        assert tok.decode(ids[mask == 1].tolist()) == (
+            f"<bos><|im_start|>user: {content}<|im_end|><|im_start|>assistant: ")

@@ -144,6 +144,10 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         backend.close()
 
 
+TEXT_COLUMNS = ("prompt_text", "prompt_fields")
+"""Source text columns the coordinator stores in the buffer (as utf-8 with offsets)."""
+
+
 def _is_disk_full(exc: BaseException) -> bool:
     """ENOSPC, however a library wraps it (safetensors and zarr keep only the message)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -188,6 +192,7 @@ class Executor:
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         self._prompt_len: dict[int, int] = {}
+        self._texts: dict[int, dict[str, list[str]]] = {}
 
     # ----------------------------------------------------------------- set-up
     def run(self) -> RunResult:
@@ -447,6 +452,9 @@ class Executor:
         stages that run ahead."""
         batch = self.source.batch(k)
         self._prompt_len[k] = batch["prompt_ids"].shape[1]
+        # the coordinator keeps the iteration's text (prompts, record fields) for the
+        # buffer: zarr metadata and ragged text are its to write
+        self._texts[k] = {c: list(batch[c]) for c in TEXT_COLUMNS if c in batch}
         it, source = self.compiler.begin(k, len(batch["prompt_ids"]))
         self.dataflow.submit(source, batch)
         self.dataflow.submit(self.compiler.stages(it, previous, ahead=True))
@@ -464,6 +472,7 @@ class Executor:
         chunk = it.bounds[SOURCE][0][1] - it.bounds[SOURCE][0][0]
         self.buffer.begin_iteration(k, it.rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
+        self.buffer.write_text(k, self._texts.pop(k))
         self.dataflow.submit(self.compiler.stores(it))
         self.checkpointer.submit(k, self.compiler.iteration_checkpoint(it))
 
@@ -510,6 +519,9 @@ class Executor:
         all_handles.update({f"realloc[{j}]": h for j, h in enumerate(installs)})
         self._wait_and_gather(all_handles, it.index, gather=False)
         partials = self.backend.gather(stores)
+        responses = [t for p in partials for t in p.pop("response_text", [])]
+        if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
+            self.buffer.write_text(it.index, {"response_text": responses})
         train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
                                strict=True))
         moved = self.backend.gather(installs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,8 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     _check_files(file, pipeline)
+    pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
+    _check_prompts(file, pipeline)
     return pipeline
 
 
@@ -230,6 +232,13 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
     spec, graph = pipeline.spec, pipeline.graph
     for name, model in spec.models.items():
         trainers = graph.trainers(name)
+        deepspeed = [t for t in trainers if spec.stages[t].backend == "deepspeed"]
+        if model.dtype == "float16" and deepspeed:
+            # our fp16 loss scaler wraps the torch optimizer step, which DeepSpeed replaces;
+            # without scaling fp16 AdamW turned every weight to NaN (measured)
+            raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
+                            f"scaling under backend: deepspeed (stage {deepspeed[0]!r}); use "
+                            f"bfloat16 or float32, or backend: torch")
         if model.trainable and not trainers:
             raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
                             "stage trains it; add a training stage or set trainable: false")
@@ -252,7 +261,7 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
                             f"directory (no config.json): {path}")
     prompts = pipeline.prompts_path
-    if prompts is not None and pipeline.graph.loop_stages and not prompts.is_file():
+    if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
         raise SpecError(file, "data.prompts", f"file not found: {prompts}")
     _check_context(file, pipeline)
 
@@ -309,3 +318,54 @@ def _set(node: Any, path: list[str], value: Any) -> Any:
         return {**node, head: _set(current, rest, value) if rest else value}
     current = getattr(node, head)
     return node.model_copy(update={head: _set(current, rest, value) if rest else value})
+def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
+    """The spec with each trainable model's ``optimizer.total_steps`` (for a decaying
+    schedule) and ``optimizer.checkpoint`` filled in, so the workers need nothing else."""
+    spec, graph = pipeline.spec, pipeline.graph
+    models = dict(spec.models)
+    for name, model in spec.models.items():
+        if not model.trainable:
+            continue
+        opt = model.optimizer
+        updates: dict[str, Any] = {}
+        if opt.checkpoint is None:
+            updates["checkpoint"] = spec.checkpoint.optimizer
+        if opt.total_steps is None and opt.schedule != "constant":
+            per_iteration = sum(
+                pipeline.params[t].epochs * pipeline.params[t].minibatches
+                for t in graph.trainers(name) if not graph.nodes[t].once)
+            if per_iteration == 0 or spec.iterations == 0:
+                raise SpecError(file, f"models.{name}.optimizer.total_steps", f"schedule "
+                                f"{opt.schedule!r} needs total_steps: no loop stage trains "
+                                f"{name!r}, so it cannot be derived from the iterations")
+            updates["total_steps"] = spec.iterations * per_iteration
+        if opt.total_steps is not None and opt.warmup_steps > opt.total_steps:
+            raise SpecError(file, f"models.{name}.optimizer.warmup_steps", f"{opt.warmup_steps} "
+                            f"warmup steps exceed total_steps={opt.total_steps}")
+        if updates:
+            models[name] = model.model_copy(update={"optimizer": opt.model_copy(update=updates)})
+    return spec.model_copy(update={"models": models})
+
+
+def _check_prompts(file: Path, pipeline: Pipeline) -> None:
+    """Read the prompts file as the run will (records, chat template, token counts), and
+    check that every record has the fields the reward functions ask for."""
+    from rlhfflow.pipeline.source import PromptSource
+    from rlhfflow.stages.inference import load_function, reward_fields
+
+    generates = pipeline.graph.of_type("generate")
+    if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
+        return
+    source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
+    for name in pipeline.graph.of_type("score"):
+        params = pipeline.params[name]
+        if params.function is None:
+            continue
+        fn = load_function(params.function, pipeline.base_dir)
+        required, _, _ = reward_fields(fn, params.kwargs)
+        for field in required:
+            line = source.missing_field(field)
+            if line is not None:
+                raise SpecError(file, f"stages.{name}.params.function", f"the reward function "
+                                f"takes {field!r}, which record {pipeline.prompts_path}:"
+                                f"{line} does not have (give it a default, or add the field)")

@@ -52,13 +52,29 @@ MODEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class OptimizerSpec(Strict):
-    """AdamW settings of a trainable model."""
+    """AdamW settings of a trainable model, its learning-rate schedule, and what to do
+    with a non-finite loss or gradient.
+
+    The schedule counts optimizer steps: ``warmup_steps`` rise linearly from 0 to ``lr``,
+    then ``schedule`` keeps it (``constant``) or decays it to ``min_lr_ratio * lr`` at
+    ``total_steps`` (``linear``, ``cosine``). ``total_steps`` defaults to what the loop
+    takes: ``iterations`` x the ``epochs * minibatches`` of every stage training the model.
+    ``skip_nonfinite``: how many optimizer steps with a NaN/inf loss or gradient may be
+    skipped (and counted) over the run before the stage stops; 0 stops at the first.
+    ``checkpoint``: keep the optimizer state in checkpoints (default: ``checkpoint.optimizer``).
+    """
 
     lr: PositiveFloat = 1e-5
     betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
     weight_decay: NonNegFloat = 0.0
     eps: PositiveFloat = 1e-8
     grad_clip: PositiveFloat | None = 1.0
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: NonNegInt = 0
+    total_steps: PositiveInt | None = None
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    skip_nonfinite: NonNegInt = 0
+    checkpoint: bool | None = None
 
 
 class TinyModelSpec(Strict):
@@ -115,7 +131,13 @@ class StageSpec(Strict):
 
 
 class DataSpec(Strict):
-    """Where prompts come from and how many make one iteration."""
+    """Where prompts come from and how many make one iteration.
+
+    ``prompts``: a JSONL file, a Parquet file or a saved HF ``datasets`` directory of
+    records with ``prompt_field`` (text) or ``messages`` (chat turns); their other fields
+    reach reward functions. ``chat_template``: ``auto`` renders ``messages`` records with
+    the tokenizer's chat template, ``true`` renders every record (a plain prompt as one
+    user turn) and needs a tokenizer with a template, ``false`` never renders."""
 
     prompts: str
     prompt_field: str = "prompt"
@@ -125,6 +147,7 @@ class DataSpec(Strict):
     max_prompt_tokens: PositiveInt = 64
     shuffle: bool = True
     on_bad_prompt: Literal["error", "skip"] = "error"
+    chat_template: Literal["auto", True, False] = "auto"
 
 
 class AlgorithmSpec(Strict):
@@ -166,10 +189,13 @@ class ClusterSpec(Strict):
 
 
 class CheckpointSpec(Strict):
-    """When to checkpoint the trainable models (weights, optimizer state, versions)."""
+    """When to checkpoint the trainable models (weights, optimizer state, versions).
+    ``optimizer: false`` leaves the optimizer moments out (a third of the size with
+    AdamW); a resume then restarts the optimizer (the learning-rate schedule goes on)."""
 
     every: NonNegInt = 5
     keep: NonNegInt = 2
+    optimizer: bool = True
 
 
 WorkerRef = str | NonNegInt | Annotated[list[NonNegInt], Field(min_length=1)]

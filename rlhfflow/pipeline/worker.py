@@ -286,9 +286,10 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
 
 
 def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
-               columns: list[str], after: list[Any] = ()) -> dict[str, float]:
+               columns: list[str], after: list[Any] = ()) -> dict[str, Any]:
     """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
-    return partial sums for the iteration's metrics; ``after`` only orders the task."""
+    return partial sums for the iteration's metrics, with the micro-batch's response
+    texts for the coordinator to store; ``after`` only orders the task."""
     del after
     host = current_host()
     batch = assemble(parts)
@@ -299,7 +300,10 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
         if "score_error" in batch:  # reward errors skipped (on_error: skip): list them
             write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
                                batch.get("prompt_text"), batch.get("response_text"))
-        return partial_metrics(batch)
+        out: dict[str, Any] = partial_metrics(batch)
+        if "response_text" in batch:  # ragged text: the coordinator stores it
+            out["response_text"] = list(batch["response_text"])
+        return out
 
 
 def batch_rows(batch: Batch) -> int:

@@ -49,6 +49,8 @@ SOURCE_COLUMNS: dict[str, Column] = {
     "sample_index": Column("int64"),
     "group_ids": Column("int64"),
     "prompt_text": Column("str"),
+    # the record's other fields (answer, tests, ...) as a JSON object, for reward functions
+    "prompt_fields": Column("str"),
 }
 
 

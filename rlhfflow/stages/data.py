@@ -1,8 +1,10 @@
-"""Reading JSONL data sets and turning text into the batch layout stages share."""
+"""Reading data sets (JSONL, Parquet, a saved HF ``datasets`` directory) and turning
+prompts (plain text or chat turns) into the batch layout stages share."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,33 +57,149 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...], skipped: list[str] | N
     return records
 
 
+#: Roles a ``messages`` turn may have (those chat templates of the HF hub know).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def read_records(path: str | Path, skipped: list[str] | None = None,
+                 line_numbers: list[int] | None = None) -> list[dict[str, Any]]:
+    """Records of a data set: a JSONL file, a Parquet file (needs ``pyarrow``) or a
+    directory saved with ``datasets.Dataset.save_to_disk`` (needs ``datasets``). Errors
+    and ``line_numbers`` count lines of a JSONL file and rows (from 1) otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        rows = _hf_rows(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet_rows(path)
+    else:
+        return read_jsonl(path, (), skipped, line_numbers)
+    if not rows:
+        raise DataError(f"{path}: no records")
+    if line_numbers is not None:
+        line_numbers.extend(range(1, len(rows) + 1))
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read Parquet: {str(exc).splitlines()[0]}") from None
+
+
+def _hf_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: a directory is read as a saved HF dataset, which needs "
+                        f"the datasets package (pip install datasets)") from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, FileNotFoundError) as exc:
+        raise DataError(f"{path}: not a dataset saved with save_to_disk: "
+                        f"{str(exc).splitlines()[0]}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split "
+                            f"(has {', '.join(loaded)})")
+        loaded = loaded["train"]
+    return [dict(row) for row in loaded]
+
+
+def prompt_problem(record: Any, prompt_field: str = "prompt") -> str | None:
+    """What is wrong with a prompt record, or None: it must be an object with a string
+    ``prompt_field`` or a ``messages`` list of ``{"role", "content"}`` turns with known
+    roles."""
+    if not isinstance(record, dict):
+        return "expected a JSON object"
+    messages = record.get("messages")
+    if messages is None:
+        if not isinstance(record.get(prompt_field), str):
+            return f"expected a string field {prompt_field!r} or a 'messages' list"
+        return None
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {\"role\", \"content\"} turns"
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
+            return f"messages[{i}]: expected {{\"role\": ..., \"content\": \"text\"}}"
+        if turn.get("role") not in CHAT_ROLES:
+            return (f"messages[{i}].role: unknown role {turn.get('role')!r} (expected one "
+                    f"of {', '.join(CHAT_ROLES)})")
+    return None
+
+
+def render_prompt(tokenizer: Any, record: dict[str, Any], chat_template: bool | str,
+                  prompt_field: str = "prompt") -> tuple[str, bool]:
+    """The text the model is given for a (checked) prompt record, and whether it came
+    from the tokenizer's chat template (which then owns every special token).
+
+    ``chat_template``: ``"auto"`` applies the template to ``messages`` records when the
+    tokenizer has one; ``True`` applies it to every record (a plain prompt becomes one
+    user turn); ``False`` never does. The generation prompt (the assistant's header) is
+    appended, so the model answers instead of continuing the user's turn. Raises
+    ``ValueError`` when the record needs a template the tokenizer lacks."""
+    messages = record.get("messages")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    use = chat_template is True or (chat_template == "auto" and messages is not None)
+    if not use:
+        if messages is not None:
+            raise ValueError("a 'messages' record needs a chat template; data.chat_template "
+                             "is false")
+        return record[prompt_field], False
+    if not has_template:
+        raise ValueError("the tokenizer has no chat template (chat_template in its "
+                         "tokenizer_config.json)" + ("" if chat_template is True else
+                                                     " to render 'messages' records"))
+    if messages is None:
+        messages = [{"role": "user", "content": record[prompt_field]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, True
+
+
+def prompt_token_ids(tokenizer: Any, text: str, templated: bool = False) -> list[int]:
+    """Token ids of a prompt. A plain prompt gets the BOS token in front unless it
+    already starts with it (the user typed it); a templated one is taken as the
+    template wrote it, since templates place their own start tokens."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if not templated and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
+
+
 def prompt_length(tokenizer: Any, text: str) -> int:
-    """Tokens a prompt takes in a batch: its own plus the BOS token, if there is one."""
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + (
-        tokenizer.bos_token_id is not None)
+    """Tokens a plain prompt takes in a batch: its own plus the BOS token, if any."""
+    return len(prompt_token_ids(tokenizer, text))
+
+
+def pad_prompts(encoded: Sequence[Sequence[int]], pad_id: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)``; L is the longest."""
+    width = max(len(ids) for ids in encoded)
+    ids = torch.full((len(encoded), width), pad_id if pad_id is not None else 0,
+                     dtype=torch.long)
+    mask = torch.zeros(len(encoded), width, dtype=torch.int8)
+    for row, seq in enumerate(encoded):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(list(seq))
+            mask[row, width - len(seq):] = 1
+    return ids, mask
 
 
 def encode_prompts(tokenizer: Any, texts: list[str], max_tokens: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)``; L is the longest
-    prompt. A prompt longer than ``max_tokens`` is an error naming its index."""
-    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    bos = tokenizer.bos_token_id
-    if bos is not None:
-        encoded = [[bos] + ids for ids in encoded]
+    """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)`` of plain prompts; L is
+    the longest prompt. A prompt longer than ``max_tokens`` is an error naming its index."""
+    encoded = [prompt_token_ids(tokenizer, t) for t in texts]
     for i, ids in enumerate(encoded):
         if len(ids) > max_tokens:
             raise DataError(f"prompt {i} has {len(ids)} tokens, more than max_prompt_tokens="
                             f"{max_tokens}: {texts[i][:40]!r}")
-    width = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(texts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(texts), width, dtype=torch.int8)
-    for row, seq in enumerate(encoded):
-        if seq:
-            ids[row, width - len(seq):] = torch.tensor(seq)
-            mask[row, width - len(seq):] = 1
-    return ids, mask
+    return pad_prompts(encoded, tokenizer.pad_token_id)
 
 
 def encode_responses(tokenizer: Any, texts: list[str], max_tokens: int

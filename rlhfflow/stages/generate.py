@@ -8,6 +8,7 @@ inverse CDF with that row's uniform draw, which is exact categorical sampling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import torch
@@ -18,13 +19,15 @@ from rlhfflow.stages.common import position_ids, stage_seed
 
 
 class GenerateParams(StageParams):
-    """Sampling settings."""
+    """Sampling settings. A response ends at an EOS id (the tokenizer's and the model's
+    ``generation_config``'s) or right after the first of the ``stop`` strings."""
 
     max_new_tokens: Annotated[int, Field(gt=0)] = 32
     temperature: Annotated[float, Field(gt=0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     greedy: bool = False
+    stop: list[str] = []
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -68,8 +71,8 @@ def sample_step(logits: torch.Tensor, uniforms: torch.Tensor, params: GeneratePa
 
 @torch.no_grad()
 def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             uniforms: torch.Tensor, params: GenerateParams, eos_id: int | None, pad_id: int
-             ) -> dict[str, torch.Tensor]:
+             uniforms: torch.Tensor, params: GenerateParams,
+             eos_id: int | Sequence[int] | None, pad_id: int) -> dict[str, torch.Tensor]:
     """Sample up to ``max_new_tokens`` per left-padded prompt with a KV cache.
 
     Returns ``response_ids [N, max_new_tokens]`` (right-padded with ``pad_id``),
@@ -96,7 +99,7 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
         tokens[:, t] = token
         response_mask[:, t] = alive
         if eos_id is not None:
-            alive &= token != eos_id
+            alive &= ~torch.isin(token, torch.as_tensor(eos_id))
         if not alive.any() or t == steps - 1:
             break
         mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
@@ -137,9 +140,52 @@ class GenerateStage(Stage):
                                    batch["sample_index"], self.params.max_new_tokens)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"], uniforms,
-                       self.params, tok.eos_token_id, pad_id)
+                       self.params, eos_ids(resident.module, tok), pad_id)
+        if self.params.stop:
+            cut_at_stop(out, tok, self.params.stop, pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
         out["response_text"] = tok.batch_decode(real.tolist(), skip_special_tokens=True)
         out["policy_version"] = torch.full((len(real),), resident.version, dtype=torch.long)
         return out
 
+
+
+# ---------------------------------------------------------------------------------------
+# Where a response ends (owned by the data side): EOS ids and stop strings.
+
+
+def eos_ids(module: torch.nn.Module, tokenizer) -> list[int] | None:
+    """Every EOS id of a model: the tokenizer's and its ``generation_config``'s (an int or
+    a list: chat models often end a turn with a token that is not the tokenizer's EOS,
+    e.g. ``<|im_end|>``)."""
+    ids = [tokenizer.eos_token_id]
+    config_eos = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+    ids += config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]
+    ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+    return ids or None
+
+
+def cut_at_stop(out: dict[str, torch.Tensor], tokenizer, stops: Sequence[str],
+                pad_id: int) -> None:
+    """End each response at the token that completes its first stop string (kept, as
+    transformers' ``stop_strings`` does): later tokens are padded and masked out. Done
+    after sampling: tokens after a stop never influence those before it, so the kept
+    tokens, log-probs and mask are those of a loop that had stopped there."""
+    for row in range(out["response_ids"].shape[0]):
+        length = int(out["response_mask"][row].sum())
+        ids = out["response_ids"][row, :length].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if not any(stop in text for stop in stops):
+            continue
+        # the shortest prefix whose text holds a stop string (decoded prefixes grow)
+        low, high = 1, length
+        while low < high:
+            mid = (low + high) // 2
+            prefix = tokenizer.decode(ids[:mid], skip_special_tokens=True)
+            if any(stop in prefix for stop in stops):
+                high = mid
+            else:
+                low = mid + 1
+        out["response_ids"][row, low:] = pad_id
+        out["response_mask"][row, low:] = 0
+        out["sample_logprobs"][row, low:] = 0.0

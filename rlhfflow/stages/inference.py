@@ -7,6 +7,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import sys
 import traceback
@@ -213,13 +214,13 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
             hint = _did_you_mean(key, named) or (
                 f"; it takes {', '.join(named)}" if named else "; it takes no keyword arguments")
             return (f"kwargs.{key}", f"{fn.__name__}() has no argument {key!r}{hint}")
+    # a required argument the kwargs do not give comes from the prompt records (the
+    # loader checks that every record has it)
+    fields = {p.name: None for p in parameters[2:] if p.default is p.empty and
+              p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs}
     try:
-        signature.bind(["prompt"], ["response"], **kwargs)
+        signature.bind(["prompt"], ["response"], **kwargs, **fields)
     except TypeError as exc:
-        missing = [p.name for p in parameters[2:] if p.default is p.empty and
-                   p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs]
-        if missing:
-            return ("kwargs", f"{fn.__name__}() needs argument {missing[0]!r}; add it to kwargs")
         return ("function", f"{fn.__name__}() cannot be called as "
                             f"{fn.__name__}(prompts, responses, **kwargs): {exc}")
     return None
@@ -283,7 +284,8 @@ class ScoreStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        return ("prompt_text", "response_text")
+        fields = ("prompt_fields",) if params.function is not None or params.functions else ()
+        return ("prompt_text", "response_text", *fields)
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
@@ -302,7 +304,8 @@ class ScoreStage(Stage):
         if self.params.function is not None or self.params.functions:
             scores = torch.zeros(len(responses), dtype=torch.float32)
             for entry in self.params.reward_functions():
-                own = self._function_scores(entry, prompts, responses, ctx, errors, retried)
+                own = self._function_scores(entry, prompts, responses,
+                                            batch.get("prompt_fields"), ctx, errors, retried)
                 if self.params.functions:
                     out[entry.column] = torch.nan_to_num(own, nan=0.0, posinf=0.0, neginf=0.0)
                 scores += entry.weight * own
@@ -330,15 +333,18 @@ class ScoreStage(Stage):
         return out
 
     def _function_scores(self, entry: RewardFunctionSpec, prompts: list[str],
-                         responses: list[str], ctx: StageContext, errors: list[str],
-                         retried: torch.Tensor) -> torch.Tensor:
+                         responses: list[str], fields: list[str] | None, ctx: StageContext,
+                         errors: list[str], retried: torch.Tensor) -> torch.Tensor:
         """One function's scores. With ``on_error: skip``, a call that raises is repeated
         one sample at a time (each up to ``retries`` more times, counted in ``retried``),
         so only the samples it keeps raising on are lost: their error lines go into
         ``errors`` and their scores are NaN."""
         fn = load_function(entry.function, ctx.settings.get("base_dir"))
+        # the prompt records' other fields (a reference answer, tests) the function takes
+        columns = record_columns(fn, entry.kwargs, fields)
         try:
-            return self._as_scores(fn(prompts, responses, **entry.kwargs), len(responses))
+            return self._as_scores(fn(prompts, responses, **columns, **entry.kwargs),
+                                   len(responses))
         except RewardLengthError:
             raise
         except Exception as exc:
@@ -349,7 +355,9 @@ class ScoreStage(Stage):
         for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
             for attempt in range(self.params.retries + 1):
                 try:
-                    scores[row] = self._as_scores(fn([prompt], [response], **entry.kwargs), 1)[0]
+                    own = {k: v[row:row + 1] for k, v in columns.items()}
+                    scores[row] = self._as_scores(fn([prompt], [response], **own,
+                                                     **entry.kwargs), 1)[0]
                     break
                 except RewardLengthError:
                     raise
@@ -378,3 +386,38 @@ class ScoreStage(Stage):
         device = next(resident.module.parameters()).device
         return sequence_scores(resident.module, enc["input_ids"].to(device),
                                enc["attention_mask"].to(device)).float().cpu()
+
+
+# ---------------------------------------------------------------------------------------
+# Record fields as keyword columns of reward functions (owned by the data side: prompt
+# records travel as the JSON text column ``prompt_fields``; see pipeline/source.py).
+
+
+def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[str], list[str],
+                                                                           bool]:
+    """What a reward function asks of the prompt records, from its signature: the
+    ``required`` and ``optional`` (defaulted) keyword parameters after
+    ``(prompts, responses)`` that ``params.kwargs`` does not already give, and whether
+    it takes ``**kwargs`` (then it gets every field, as TRL's reward functions do)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: give it nothing
+        return [], [], False
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    named = [p for p in named[2:] if p.name not in fixed] if len(named) >= 2 else []
+    required = [p.name for p in named if p.default is p.empty]
+    optional = [p.name for p in named if p.default is not p.empty]
+    return required, optional, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def record_columns(fn: Callable[..., Any], fixed: dict[str, Any],
+                   fields_json: list[str] | None) -> dict[str, list[Any]]:
+    """The record fields ``fn`` takes, one list per field with a value per row (the
+    loader has checked that every record has the required ones)."""
+    if not fields_json:
+        return {}
+    rows = [json.loads(text) for text in fields_json]
+    required, optional, takes_all = reward_fields(fn, fixed)
+    names = {k for row in rows for k in row} - set(fixed) if takes_all else \
+        set(required) | {n for n in optional if all(n in row for row in rows)}
+    return {name: [row.get(name) for row in rows] for name in sorted(names)}

@@ -118,6 +118,13 @@ class _Trainer(Stage):
             staleness = (resident.version - batch["policy_version"]).float()
             stats.update(staleness_mean=float(staleness.mean()),
                          staleness_max=int(staleness.max()))
+        # the learning rate the last step used, and the non-finite steps skipped so far
+        # (optimizer.skip_nonfinite): reported by the model's optimizer (resident.py)
+        stats["lr"] = resident.last_lr
+        if resident.skipped_steps:
+            stats["nonfinite_steps"] = resident.skipped_steps
+        if resident.overflow_steps:  # fp16: steps the loss scaler skipped so far
+            stats["overflow_steps"] = resident.overflow_steps
         resident.version += 1
         return {**stats, "version": resident.version}
 

@@ -6,6 +6,8 @@ Layout (``OUTPUT/buffer.zarr``, a zarr v3 ``LocalStore``)::
         iter_000000/            one group per iteration, attrs {"complete": bool, "rows", ...}
             prompt_ids          array (rows, *spec.shape), chunks (chunk_rows, *spec.shape)
             logprobs            ...
+            text/prompt_text/   a text column: utf-8 ``bytes`` (uint8, flat) and ``offsets``
+                                (int64, rows + 1); row i is bytes[offsets[i]:offsets[i+1]]
 
 Protocol (see DESIGN.md, "zarr v3: rules for experience buffers"):
 
@@ -359,6 +361,56 @@ class ExperienceBuffer:
         for it in doomed:
             self._delete(group_name(it))
         return doomed
+
+    def write_text(self, iteration: int, columns: Mapping[str, Sequence[str]]) -> None:
+        """Store text columns of a begun iteration, one string per row (coordinator).
+
+        Text is ragged, so it is kept as a flat array of utf-8 bytes plus offsets (no
+        object or vlen dtypes, DESIGN.md) in the ``text/`` subgroup, written whole by the
+        one process that owns the iteration's metadata; call it before :meth:`commit`.
+        """
+        name = group_name(iteration)
+        if not self._exists(name):
+            raise ValueError(f"cannot store text of iteration {iteration}: it was never begun")
+        if self._is_committed(name):
+            raise ValueError(f"iteration {iteration} is already committed in {self.path}")
+        group = self._root[name]
+        rows = group.attrs["rows"]
+        texts = group.require_group("text")
+        for col, values in columns.items():
+            if not col or "/" in col:
+                raise ValueError(f"{name}: invalid text column name {col!r}")
+            if len(values) != rows:
+                raise ValueError(f"{name}: text column {col!r} has {len(values)} rows, the "
+                                 f"iteration has {rows}")
+            encoded = [str(v).encode("utf-8") for v in values]
+            offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+            np.cumsum([len(b) for b in encoded], out=offsets[1:])
+            flat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+            if col in texts:
+                del texts[col]
+            column = texts.create_group(col)
+            for key, data in (("bytes", flat), ("offsets", offsets)):
+                array = column.create_array(key, shape=data.shape, dtype=data.dtype,
+                                            chunks=(max(1, len(data)),), fill_value=0)
+                array.with_config({"write_empty_chunks": True})[:] = data
+
+    def read_text(self, iteration: int, column: str) -> list[str]:
+        """The strings of text column ``column`` of a committed iteration."""
+        group = self._committed_group(iteration)
+        names = self.text_columns(iteration)
+        if column not in names:
+            raise KeyError(f"iteration {iteration} has no text column {column!r}; it has "
+                           f"{names}")
+        stored = group["text"][column]
+        flat, offsets = stored["bytes"][:].tobytes(), stored["offsets"][:]
+        return [flat[a:b].decode("utf-8") for a, b in zip(offsets[:-1], offsets[1:],
+                                                          strict=True)]
+
+    def text_columns(self, iteration: int) -> list[str]:
+        """Names of the text columns of a committed iteration."""
+        group = self._committed_group(iteration)
+        return sorted(group["text"].group_keys()) if "text" in group else []
 
     # -- workers -------------------------------------------------------------------------
 
