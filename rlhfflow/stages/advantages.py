@@ -1,9 +1,12 @@
 """``advantages``: turn scores (and values, KL) into per-token advantages.
 
-PPO: per-token KL penalty plus the score at the last token, GAE, whitened advantages.
-GRPO / RLOO / Dr. GRPO: group-relative advantages over the samples of each prompt,
-broadcast to every response token; the KL term goes in the reward or in the loss
-(``algorithm.kl_in``). The stage needs the whole batch (whitening and groups span it).
+The estimator is the one ``algorithm`` names (``AlgorithmSpec.estimator``), looked up in
+the ops registry (``ops.resolve_advantage_estimator``) and called with the standard inputs
+its signature names (``ops.registry``): PPO's GAE over per-token rewards (KL penalty plus
+the score at the last token), group-relative GRPO / RLOO / Dr. GRPO, REINFORCE++ (with
+or without a group baseline), ReMax, or a user's function by import path. The KL term goes
+in the reward or in the loss (``algorithm.kl_in``). The stage needs the whole batch
+(whitening and groups span it).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ class AdvantagesStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = ["scores", "score_valid", "response_mask"]
-        cols += ["values"] if algorithm.uses_critic else ["group_ids"]
+        cols = ["scores", "score_valid", "response_mask", *algorithm.estimator_needs]
+        if ops.takes(ops.resolve_advantage_estimator(algorithm.estimator), "group_ids"):
+            cols.append("group_ids")
         if _kl_in_reward(algorithm):
             cols += ["old_logprobs", "ref_logprobs"]
         return tuple(cols)
@@ -61,22 +65,36 @@ class AdvantagesStage(Stage):
         if _kl_in_reward(algo):
             kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_estimator) * mask
             out["kl"] = kl
+        kl_term = kl if kl is not None else torch.zeros_like(mask)
+        token_rewards = ops.token_rewards(scores, kl_term, mask,
+                                          algo.kl_coef if kl is not None else 0.0)
+        if kl is not None:  # the same penalty, summed, for the outcome-level estimators
+            scores = scores - algo.kl_coef * (kl * mask).sum(-1)
+        inputs = {"scores": scores, "token_rewards": token_rewards, "mask": mask,
+                  "config": algo}
+        if "group_ids" in batch:  # read only when the estimator takes it (see reads)
+            inputs["group_ids"] = batch["group_ids"]
+        for column in algo.estimator_needs:
+            inputs[column] = batch[column].float()
+        # estimators see only the samples with a score: group statistics, whitening and
+        # baselines never include a skipped sample
+        rows = None if bool(valid.all()) else valid
+        if rows is not None:
+            inputs = {k: (v[rows] if isinstance(v, torch.Tensor) else v)
+                      for k, v in inputs.items()}
+        estimator = ops.resolve_advantage_estimator(algo.estimator)
+        advantages, returns = ops.call(estimator, inputs)
+        if rows is not None:
+            advantages = _scatter_rows(advantages, rows, mask)
+            returns = None if returns is None else _scatter_rows(returns, rows, mask)
         if algo.uses_critic:
-            kl_term = kl if kl is not None else torch.zeros_like(mask)
-            rewards = ops.token_rewards(scores, kl_term, mask, algo.kl_coef if kl is not None
-                                        else 0.0)
-            advantages, returns = ops.gae(rewards, batch["values"].float(), mask,
-                                          algo.gamma, algo.lam)
             out["returns"] = returns
-        else:
-            if kl is not None:  # sequence-level KL penalty folded into the score
-                scores = scores - algo.kl_coef * (kl * mask).sum(-1)
-            # group statistics over the samples that have a score
-            seq_adv = torch.zeros_like(scores)
-            seq_adv[valid] = ops.group_advantages(scores[valid], batch["group_ids"][valid],
-                                                  algo.name)
-            advantages = seq_adv[:, None] * mask
-        if algo.whiten_advantages and algo.uses_critic:
-            advantages = ops.masked_whiten(advantages, mask)
         out["advantages"] = advantages * mask
         return out
+
+
+def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (a bool [N] mask) of a zero tensor shaped ``like`` set to ``part``."""
+    full = torch.zeros_like(like, dtype=part.dtype)
+    full[rows] = part
+    return full
