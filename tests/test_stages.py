@@ -368,6 +368,26 @@ def test_a_registered_estimator_with_values_needs_a_critic():
     torch.testing.assert_close(out["returns"][:4], batch["scores"][:4, None] * mask[:4])
 
 
+def test_remax_baseline_scores_each_prompt_greedy_response(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS[:3], samples=2)
+    stage = create_stage("remax_baseline", model="actor", params={
+        "max_new_tokens": 12, "function": "rlhfflow.stages.rewards:vowel_ratio"})
+    out = stage.run(batch, _ctx(store))
+    assert set(out) == {"baseline_scores"} and out["baseline_scores"].shape == (6,)
+    greedy = _generate(store, batch, greedy=True)
+    expected = torch.tensor(vowel_ratio(batch["prompt_text"], greedy["response_text"]),
+                            dtype=torch.float32)
+    torch.testing.assert_close(out["baseline_scores"], expected)
+    assert torch.equal(out["baseline_scores"][0::2], out["baseline_scores"][1::2])
+
+
+def test_remax_baseline_needs_a_reward_function():
+    from rlhfflow.stages.advantages import RemaxBaselineStage
+
+    params = RemaxBaselineStage.Params()
+    assert RemaxBaselineStage.check_params(params, True, CONFIGS)[0] == "params.function"
+
+
 # --------------------------------------------------------------------------- training
 
 

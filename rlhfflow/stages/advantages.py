@@ -1,5 +1,8 @@
 """``advantages``: turn scores (and values, KL) into per-token advantages.
 
+``remax_baseline``: the score of one greedy response per prompt, the baseline ReMax's
+estimator reads (``baseline_scores``).
+
 The estimator is the one ``algorithm`` names (``AlgorithmSpec.estimator``), looked up in
 the ops registry (``ops.resolve_advantage_estimator``) and called with the standard inputs
 its signature names (``ops.registry``): PPO's GAE over per-token rewards (KL penalty plus
@@ -11,10 +14,15 @@ in the reward or in the loss (``algorithm.kl_in``). The stage needs the whole ba
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import torch
+from pydantic import Field
 
 from rlhfflow import ops
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
+from rlhfflow.stages.generate import GenerateParams, generate
+from rlhfflow.stages.inference import load_function
 
 
 def score_valid(batch: Batch) -> torch.Tensor:
@@ -98,3 +106,78 @@ def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) ->
     full = torch.zeros_like(like, dtype=part.dtype)
     full[rows] = part
     return full
+
+
+class RemaxBaselineParams(StageParams):
+    """The greedy response's length and the reward ``function`` that scores it (named and
+    called as a ``score`` stage's: ``function(prompts, responses, **kwargs)``; give the
+    same one as the pipeline's score stage, so the baseline is on the same scale)."""
+
+    max_new_tokens: Annotated[int, Field(gt=0)] = 32
+    function: str | None = None
+    kwargs: dict[str, Any] = {}
+
+
+@register_stage
+class RemaxBaselineStage(Stage):
+    """ReMax's baseline (Li et al., 2023): decode one response per prompt greedily with
+    the actor and score it; every sample of the prompt gets that score as
+    ``baseline_scores``. A stage of its own (not a second ``generate`` + ``score``),
+    because those write fixed column names that would collide with the sampled ones."""
+
+    type_name = "remax_baseline"
+    Params = RemaxBaselineParams
+    model_head = "lm"
+
+    @classmethod
+    def check_params(cls, params, has_model, base_dir):
+        if params.function is None:
+            return ("params.function", "required key is missing: the reward function "
+                    "('module:function') that scores the greedy response")
+        try:
+            load_function(params.function, base_dir)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+            return ("params.function", str(exc).splitlines()[0])
+        return None
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return ("prompt_ids", "prompt_mask", "prompt_index", "prompt_text")
+
+    @classmethod
+    def writes(cls, params, algorithm, has_model):
+        return {"baseline_scores": Column("float32")}
+
+    @torch.no_grad()
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        resident = ctx.models.get(self.model)
+        tok = resident.tokenizer
+        # the samples of one prompt share its greedy response: decode each prompt once
+        prompts, first = _first_rows(batch["prompt_index"])
+        params = GenerateParams(max_new_tokens=self.params.max_new_tokens, greedy=True)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        unused = torch.zeros(len(first), params.max_new_tokens)  # greedy draws nothing
+        out = generate(resident.module, batch["prompt_ids"][first],
+                       batch["prompt_mask"][first], unused, params, tok.eos_token_id, pad_id)
+        real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
+        responses = tok.batch_decode(real.tolist(), skip_special_tokens=True)
+        fn = load_function(self.params.function, ctx.settings.get("base_dir"))
+        texts = [batch["prompt_text"][i] for i in first.tolist()]
+        scores = torch.as_tensor(fn(texts, responses, **self.params.kwargs),
+                                 dtype=torch.float32).flatten()
+        if scores.shape[0] != len(responses):
+            raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} scores "
+                             f"for {len(responses)} responses")
+        if not torch.isfinite(scores).all():  # a baseline has no sample to leave out
+            raise ValueError(f"stage {self.name!r}: the reward of a greedy response is not "
+                             f"finite")
+        return {"baseline_scores": scores[prompts]}
+
+
+def _first_rows(prompt_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``prompt_index [N]``: each row's prompt as 0..P-1, and the first row of each."""
+    uniq, inverse = torch.unique(prompt_index, return_inverse=True)
+    rows = torch.arange(len(prompt_index))
+    first = torch.full((len(uniq),), len(prompt_index), dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, rows, "amin")
+    return inverse, first
