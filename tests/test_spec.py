@@ -432,6 +432,18 @@ def test_unknown_estimator_in_a_real_process(tmp_path: Path) -> None:
                            "'package.module:function')\n")
 
 
+def test_run_with_an_unresolvable_estimator_starts_nothing(tmp_path: Path) -> None:
+    spec = base_spec()
+    put(spec, "algorithm.advantage_estimator", "my_algos:best")
+    put(spec, "output", str(tmp_path / "out"))
+    path = write_spec(tmp_path, spec)
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert (result.exit_code, result.stderr) == (
+        2, f"Error: {path}: algorithm.advantage_estimator: cannot import module 'my_algos': "
+           "No module named 'my_algos'\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_python_tag_in_a_real_process(tmp_path: Path) -> None:
     """``python -m rlhfflow.cli.main validate`` on a file that tries to run a command:
     nothing runs, one line on stderr, exit 2, no traceback."""
