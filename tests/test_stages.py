@@ -353,6 +353,14 @@ def test_grpo_stage_leaves_skipped_samples_out_of_the_group_statistics():
     assert (out["advantages"][2] == 0).all()
 
 
+def test_an_estimator_returning_the_wrong_shape_is_named():
+    algo = AlgorithmSpec(name="grpo", advantage_estimator="tests.algorithms_plugin:per_sample")
+    with pytest.raises(ValueError, match=r"advantage estimator 'tests.algorithms_plugin:"
+                                         r"per_sample' returned \(advantages, returns\) of "
+                                         r"shapes \(\(6,\), None\); expected \(6, 5\)"):
+        create_stage("advantages", algorithm=algo).run(_experience(), _ctx(None))
+
+
 def test_a_registered_estimator_with_values_needs_a_critic():
     algo = AlgorithmSpec(name="grpo",
                          advantage_estimator="tests.algorithms_plugin:value_baseline",

@@ -39,7 +39,8 @@ def _kl_in_reward(algorithm) -> bool:
 
 @register_stage
 class AdvantagesStage(Stage):
-    """Advantages and (for PPO) returns, per the pipeline's ``algorithm``."""
+    """Advantages (and returns, for estimators with a critic) from the estimator the
+    pipeline's ``algorithm`` names."""
 
     type_name = "advantages"
     Params = StageParams
@@ -67,23 +68,12 @@ class AdvantagesStage(Stage):
         algo = self.algorithm
         valid = score_valid(batch)
         mask = batch["response_mask"].float() * valid[:, None]  # skipped samples: no tokens
-        scores = batch["scores"].float()
         out: Batch = {}
         kl = None
         if _kl_in_reward(algo):
             kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_estimator) * mask
             out["kl"] = kl
-        kl_term = kl if kl is not None else torch.zeros_like(mask)
-        token_rewards = ops.token_rewards(scores, kl_term, mask,
-                                          algo.kl_coef if kl is not None else 0.0)
-        if kl is not None:  # the same penalty, summed, for the outcome-level estimators
-            scores = scores - algo.kl_coef * (kl * mask).sum(-1)
-        inputs = {"scores": scores, "token_rewards": token_rewards, "mask": mask,
-                  "config": algo}
-        if "group_ids" in batch:  # read only when the estimator takes it (see reads)
-            inputs["group_ids"] = batch["group_ids"]
-        for column in algo.estimator_needs:
-            inputs[column] = batch[column].float()
+        inputs = _estimator_inputs(batch, algo, mask, kl)
         # estimators see only the samples with a score: group statistics, whitening and
         # baselines never include a skipped sample
         rows = None if bool(valid.all()) else valid
@@ -92,6 +82,13 @@ class AdvantagesStage(Stage):
                       for k, v in inputs.items()}
         estimator = ops.resolve_advantage_estimator(algo.estimator)
         advantages, returns = ops.call(estimator, inputs)
+        expected = tuple(inputs["mask"].shape)
+        if tuple(advantages.shape) != expected or (
+                algo.uses_critic and (returns is None or tuple(returns.shape) != expected)):
+            got = (tuple(advantages.shape), None if returns is None else tuple(returns.shape))
+            raise ValueError(f"advantage estimator {algo.estimator!r} returned (advantages, "
+                             f"returns) of shapes {got}; expected {expected} for both "
+                             f"(returns may be None without a critic)")
         if rows is not None:
             advantages = _scatter_rows(advantages, rows, mask)
             returns = None if returns is None else _scatter_rows(returns, rows, mask)
@@ -99,6 +96,23 @@ class AdvantagesStage(Stage):
             out["returns"] = returns
         out["advantages"] = advantages * mask
         return out
+
+
+def _estimator_inputs(batch: Batch, algo, mask: torch.Tensor,
+                      kl: torch.Tensor | None) -> dict[str, object]:
+    """The standard estimator inputs (``ops.registry``) for all rows of ``batch``."""
+    scores = batch["scores"].float()
+    kl_term = kl if kl is not None else torch.zeros_like(mask)
+    token_rewards = ops.token_rewards(scores, kl_term, mask,
+                                      algo.kl_coef if kl is not None else 0.0)
+    if kl is not None:  # the same penalty, summed, for the outcome-level estimators
+        scores = scores - algo.kl_coef * (kl * mask).sum(-1)
+    inputs = {"scores": scores, "token_rewards": token_rewards, "mask": mask, "config": algo}
+    if "group_ids" in batch:  # read only when the estimator takes it (see reads)
+        inputs["group_ids"] = batch["group_ids"]
+    for column in algo.estimator_needs:
+        inputs[column] = batch[column].float()
+    return inputs
 
 
 def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
