@@ -156,8 +156,10 @@ def _kl_in_loss(algorithm) -> bool:
 
 @register_stage
 class TrainActorStage(_Trainer):
-    """PPO update of the actor: clipped surrogate (optionally dual-clip), optional KL
-    to the reference in the loss, optional entropy bonus."""
+    """Policy update of the actor: the policy loss ``algorithm.policy_loss`` names (PPO's
+    clipped surrogate by default, token or sequence ratios, optionally dual-clip), optional
+    KL to the reference in the loss, optional entropy bonus, all aggregated with
+    ``algorithm.loss_agg``. Every stat the policy loss returns becomes a metric."""
 
     type_name = "train_actor"
     model_head = "lm"
