@@ -1,7 +1,7 @@
-"""Training stages: ``train_actor`` (the policy loss ``algorithm.policy_loss`` names in the
-ops registry: PPO's clipped surrogate by default, GSPO with sequence-level ratios),
-``train_critic`` (clipped value loss), and the stages run once before the loop: ``sft`` and ``reward_model``
-(pairwise Bradley-Terry). Each returns metrics, not columns, and bumps the model version.
+"""Training stages: ``train_actor`` (the policy loss ``algorithm.policy_loss`` names in
+the ops registry: PPO's clipped surrogate by default, GSPO with sequence-level ratios),
+``train_critic`` (clipped value loss), and the stages run once before the loop: ``sft``
+and ``reward_model`` (pairwise Bradley-Terry). Each returns metrics, not columns, and bumps the model version.
 
 Models stay in eval mode while training (dropout off), as is usual in RLHF: the log-probs
 of the update must match those the rollout was scored with.
@@ -189,10 +189,13 @@ class TrainActorStage(_Trainer):
         # the KL and entropy terms aggregate like the policy term (veRL, TRL), so a
         # seq-mean loss does not pair with a token-mean penalty
         if _kl_in_loss(algo):
-            kl = ops.aggregate_loss(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator),
-                                    mask, agg, divisor)
+            kl_tok = ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator)
+            kl = ops.aggregate_loss(kl_tok, mask, agg, divisor)
             loss = loss + algo.kl_coef * kl
+            # kl_loss is the term as aggregated (a sum under token-sum); kl_mean stays a
+            # per-token mean whatever loss_agg is, comparable across configs
             metrics["kl_loss"] = kl.item()
+            metrics["kl_mean"] = ops.masked_mean(kl_tok.detach(), mask).item()
         if algo.entropy_coef > 0:
             entropy = ops.entropy(logits, mask, divisor, agg)
             loss = loss - algo.entropy_coef * entropy
