@@ -335,33 +335,285 @@ def test_token_rewards_hand_case():
     )
 
 
+# --- group scaling (TRL scale_rewards) ------------------------------------------------------
+
+
+def test_grpo_scale_batch_and_none_hand_case():
+    # groups {1, 3} and {2, 6}: centred [-1, 1, -2, 2]; batch std of [1, 3, 2, 6] (unbiased)
+    scores, ids = torch.tensor([1.0, 3.0, 2.0, 6.0]), torch.tensor([0, 0, 1, 1])
+    batch_std = math.sqrt(((1 - 3) ** 2 + 0 + (2 - 3) ** 2 + (6 - 3) ** 2) / 3)  # sqrt(14/3)
+    close(ops.group_advantages(scores, ids, scale="batch"),
+          [-1 / batch_std, 1 / batch_std, -2 / batch_std, 2 / batch_std])
+    close(ops.group_advantages(scores, ids, scale="none"), [-1.0, 1.0, -2.0, 2.0])
+    close(ops.group_advantages(scores, ids, scale="none"),
+          ops.group_advantages(scores, ids, "dr_grpo"))
+    r = 1 / math.sqrt(2)  # group std: sqrt(2) and 2*sqrt(2)
+    close(ops.group_advantages(scores, ids, scale="group"), [-r, r, -r, r])
+    with pytest.raises(ValueError, match="batch"):
+        ops.group_advantages(scores, ids, scale="global")
+
+
+def test_grpo_scale_batch_keeps_a_group_of_one_at_zero():
+    adv = ops.group_advantages(torch.tensor([5.0, 1.0, 3.0]), torch.tensor([9, 4, 4]),
+                               scale="batch")
+    assert adv[0] == 0.0
+
+
+# --- REINFORCE++ and ReMax ------------------------------------------------------------------
+
+
+def test_reinforce_plus_plus_hand_case():
+    # gamma 0.5: row 0 rewards [1, 0, 2] -> returns [1 + 0.5*(0 + 0.5*2), 0 + 0.5*2, 2]
+    #            row 1 rewards [0, 4, pad] -> returns [2, 4, 0]
+    rewards = torch.tensor([[1.0, 0.0, 2.0], [0.0, 4.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = ops.reinforce_plus_plus(rewards, mask, gamma=0.5)
+    close(ret, [[1.5, 1.0, 2.0], [2.0, 4.0, 0.0]])
+    valid = torch.tensor([1.5, 1.0, 2.0, 2.0, 4.0])
+    expected = (valid - valid.mean()) / valid.std()
+    close(adv, [expected[:3].tolist(), [*expected[3:].tolist(), 0.0]], atol=1e-4)
+
+
+def test_reinforce_plus_plus_baseline_hand_case():
+    # groups {1, 3} -> centred [-1, 1]; {5} alone -> 0; tokens: 2, 1, 2 valid
+    scores, ids = torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    adv = ops.reinforce_plus_plus_baseline(scores, ids, mask)
+    tokens = torch.tensor([-1.0, -1.0, 1.0, 0.0, 0.0])  # valid tokens, row by row
+    w = (tokens - tokens.mean()) / tokens.std()
+    close(adv, [[w[0], w[1]], [w[2], 0.0], [w[3], w[4]]], atol=1e-4)
+
+
+def test_remax_hand_case():
+    token_rewards = torch.tensor([[-0.1, -0.1, 2.0], [0.0, 1.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = ops.remax(token_rewards, torch.tensor([1.0, 0.5]), mask)
+    close(ret, [[1.8, 1.9, 2.0], [1.0, 1.0, 0.0]])
+    close(adv, [[0.8, 0.9, 1.0], [0.5, 0.5, 0.0]])
+
+
+# --- loss aggregation (veRL agg_loss) -------------------------------------------------------
+
+
+AGG_LOSS = torch.tensor([[1.0, 2.0, 99.0, 99.0], [3.0, 99.0, 99.0, 99.0],
+                         [99.0, 99.0, 99.0, 99.0], [4.0, 5.0, 6.0, 7.0]])
+AGG_MASK = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize(("agg", "expected"), [
+    ("token-mean", (1 + 2 + 3 + 4 + 5 + 6 + 7) / 7),
+    ("seq-mean-token-mean", (1.5 + 3.0 + 5.5) / 3),  # the empty row is not a sequence
+    ("token-sum", 28.0),
+    ("seq-mean-token-sum", (3 + 3 + 22) / 3),
+    ("seq-mean-token-sum-norm", 28.0 / 4),  # divided by the response length
+])
+def test_aggregate_loss_hand_values(agg, expected):
+    close(ops.aggregate_loss(AGG_LOSS, AGG_MASK, agg), expected)
+
+
+@pytest.mark.parametrize("agg", ops.LOSS_AGGS)
+def test_aggregate_loss_shards_add_up_to_the_whole_batch(agg):
+    loss = torch.randn(8, 6)
+    mask = (torch.rand(8, 6) > 0.4).long()
+    mask[3] = 0
+    whole = ops.aggregate_loss(loss, mask, agg)
+    count = ops.loss_count(mask, agg)
+    shards = [ops.aggregate_loss(loss[i:i + 3], mask[i:i + 3], agg, count) for i in (0, 3, 6)]
+    close(sum(shards), whole)
+
+
+def test_seq_mean_token_sum_norm_takes_a_constant_divisor():
+    close(ops.aggregate_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", count=16.0), 1.75)
+    assert ops.loss_count(AGG_MASK, "seq-mean-token-sum-norm", 16.0) == 16.0
+    assert ops.loss_count(AGG_MASK, "seq-mean-token-sum-norm") == 4.0
+    assert ops.loss_count(AGG_MASK, "token-sum") == 1.0
+    assert ops.loss_count(AGG_MASK, "seq-mean-token-sum") == 3.0
+    with pytest.raises(ValueError, match="token-sum"):
+        ops.aggregate_loss(AGG_LOSS, AGG_MASK, "seq-sum")
+
+
+def test_policy_value_and_entropy_losses_take_every_mode():
+    lp = torch.zeros(4, 4)
+    for agg in ops.LOSS_AGGS:
+        loss, _ = ops.policy_loss(lp, lp, -AGG_LOSS, AGG_MASK, agg=agg)  # ratio 1: loss = -A
+        close(loss, ops.aggregate_loss(AGG_LOSS, AGG_MASK, agg))
+        values = torch.zeros(4, 4)
+        vloss, _ = ops.value_loss(values, values, AGG_LOSS.sqrt(), AGG_MASK, clip=None, agg=agg)
+        close(vloss, 0.5 * ops.aggregate_loss(AGG_LOSS, AGG_MASK, agg))
+        logits = torch.zeros(4, 4, 5)  # uniform: every token's entropy is log 5
+        close(ops.entropy(logits, AGG_MASK, agg=agg),
+              math.log(5) * ops.aggregate_loss(torch.ones(4, 4), AGG_MASK, agg))
+
+
+# --- sequence-level importance ratios (GSPO) ------------------------------------------------
+
+
+def test_sequence_level_ratio_is_the_geometric_mean_of_token_ratios():
+    old = torch.zeros(2, 3)
+    lp = torch.tensor([[0.1, -0.3, 0.5], [0.2, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    loss, stats = ops.policy_loss(lp, old, adv, mask, clip_low=1.0, clip_high=1.0,
+                                  agg="seq-mean-token-mean", level="sequence")
+    s0, s1 = math.exp(0.3 / 3), math.exp(0.2)  # padding (9.0) is left out of the mean
+    close(loss, (-s0 + s1) / 2)
+    assert stats["ratio_mean"] == pytest.approx((3 * s0 + s1) / 4)
+
+
+def test_sequence_level_gradient_matches_trl_under_seq_mean_token_mean():
+    # TRL: ratio (B, 1) = exp(mean log-ratio) broadcast over the tokens; veRL's GSPO-token
+    # form used here must give the same gradient under seq-mean-token-mean.
+    old = -torch.rand(3, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    adv = torch.tensor([0.7, -1.2, 0.4])[:, None].expand(3, 5)
+    base = old + 0.05 * torch.randn(3, 5)
+    lp = base.clone().requires_grad_(True)
+    loss, _ = ops.policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean", level="sequence")
+    loss.backward()
+    lp_trl = base.clone().requires_grad_(True)
+    seq = ((lp_trl - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    ratio = seq.exp()
+    per_token = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    trl = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    trl.backward()
+    close(loss.detach(), trl.detach())
+    close(lp.grad, lp_trl.grad)
+
+
+def test_sequence_level_clips_whole_sequences():
+    old = torch.zeros(1, 2)
+    lp = torch.log(torch.tensor([[2.0, 2.0]]))  # token ratios 2 -> sequence ratio 2
+    loss, stats = ops.policy_loss(lp, old, torch.ones(1, 2), torch.ones(1, 2),
+                                  level="sequence")
+    close(loss, -1.2)
+    assert stats["clip_frac"] == 1.0
+    with pytest.raises(ValueError, match="sequence"):
+        ops.policy_loss(lp, old, torch.ones(1, 2), torch.ones(1, 2), level="seq")
+
+
+def test_clip_frac_lower_counts_dual_clip_activity():
+    lp = torch.log(torch.tensor([[5.0, 2.0, 5.0, 0.5]]))
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]])
+    # A<0 tokens: ratio 5 -> max(5, 1.2) = 5 > cap 3 (active); ratio 2 -> 2 < 3; ratio
+    # 0.5 -> max(0.5, 0.8) = 0.8 < 3; A>0 never counts
+    _, stats = ops.policy_loss(lp, torch.zeros(1, 4), adv, torch.ones(1, 4), dual_clip=3.0)
+    assert stats["clip_frac_lower"] == pytest.approx(0.25)
+    _, stats = ops.policy_loss(lp, torch.zeros(1, 4), adv, torch.ones(1, 4))
+    assert "clip_frac_lower" not in stats
+
+
+# --- value clip fraction --------------------------------------------------------------------
+
+
+def test_value_clip_frac_counts_only_tokens_outside_the_clip_range():
+    # v and old of different signs and sizes, so that v - old is rounded in float32 and
+    # old + (v - old) is often not v: the old formula counted such in-range tokens as
+    # clipped (0.182 here, and 0.025 on in-range tokens only). Reference: float64.
+    old = torch.randn(64, 32) * 0.1
+    values = torch.randn(64, 32) * 0.2
+    returns = torch.randn(64, 32)
+    _, stats = ops.value_loss(values, old, returns, torch.ones(64, 32), clip=0.2)
+    v, o, r = values.double(), old.double(), returns.double()
+    v_clip = torch.minimum(torch.maximum(v, o - 0.2), o + 0.2)
+    expected = ((v_clip - r).square() > (v - r).square()).double().mean().item()
+    assert stats["value_clip_frac"] == pytest.approx(expected, abs=1e-6)
+    inside = (values - old).abs() < 0.19
+    assert inside.any() and not inside.all()
+    _, stats = ops.value_loss(values, old, returns, inside, clip=0.2)
+    assert stats["value_clip_frac"] == 0.0
+
+
 # --- registry -------------------------------------------------------------------------------
 
 
+class _Config:
+    """The algorithm settings the built-in estimators read (as AlgorithmSpec has them)."""
+
+    gamma, lam, whiten_advantages, scale_rewards = 0.9, 0.8, False, None
+    clip_low, clip_high, dual_clip, importance_sampling_level = 0.2, 0.2, None, "token"
+
+
+def _inputs(**extra):
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    base = {"scores": torch.rand(4, generator=g), "token_rewards": torch.randn(4, 4, generator=g),
+            "mask": mask, "group_ids": torch.tensor([0, 0, 1, 1]), "config": _Config()}
+    return {**base, **extra}
+
+
 def test_advantage_estimator_registry():
-    assert {"gae", "grpo", "rloo", "dr_grpo"} <= set(ops.ADVANTAGE_ESTIMATORS)
-    rewards, values, mask = torch.randn(2, 4), torch.randn(2, 4), torch.ones(2, 4)
-    adv, ret = ops.get_advantage_estimator("gae")(rewards, values, mask, gamma=0.9, lam=0.8)
-    ref_adv, ref_ret = ops.gae(rewards, values, mask, 0.9, 0.8)
+    assert {"gae", "grpo", "rloo", "dr_grpo", "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline", "remax"} <= set(ops.ADVANTAGE_ESTIMATORS)
+    values = torch.randn(4, 4)
+    inputs = _inputs(values=values)
+    adv, ret = ops.call(ops.get_advantage_estimator("gae"), inputs)
+    ref_adv, ref_ret = ops.gae(inputs["token_rewards"], values, inputs["mask"], 0.9, 0.8)
     close(adv, ref_adv)
     close(ret, ref_ret)
-    scores, ids = torch.randn(6), torch.tensor([0, 0, 0, 1, 1, 1])
+    scores, ids, mask = inputs["scores"], inputs["group_ids"], inputs["mask"]
     for mode in ("grpo", "rloo", "dr_grpo"):
-        close(
-            ops.get_advantage_estimator(mode)(scores, ids), ops.group_advantages(scores, ids, mode)
-        )
+        adv, ret = ops.call(ops.get_advantage_estimator(mode), inputs)
+        close(adv, ops.group_advantages(scores, ids, mode)[:, None] * mask)
+        assert ret is None
+    adv, _ = ops.call(ops.get_advantage_estimator("reinforce_plus_plus"), inputs)
+    close(adv, ops.reinforce_plus_plus(inputs["token_rewards"], mask, 0.9)[0])
+    baseline = torch.tensor([0.5, 0.1, 0.2, 0.3])
+    adv, _ = ops.call(ops.get_advantage_estimator("remax"), _inputs(baseline_scores=baseline))
+    close(adv, ops.remax(inputs["token_rewards"], baseline, mask)[0])
+    assert ops.estimator_needs(ops.get_advantage_estimator("gae")) == ("values",)
+    assert ops.estimator_needs(ops.get_advantage_estimator("remax")) == ("baseline_scores",)
+    assert ops.estimator_needs(ops.get_advantage_estimator("grpo")) == ()
     with pytest.raises(ValueError, match="grpo"):
         ops.get_advantage_estimator("nope")
 
 
+def test_grpo_estimator_reads_scale_rewards_from_the_config():
+    config = _Config()
+    config.scale_rewards = "batch"
+    inputs = _inputs(config=config)
+    adv, _ = ops.call(ops.get_advantage_estimator("grpo"), inputs)
+    expected = ops.group_advantages(inputs["scores"], inputs["group_ids"], scale="batch")
+    close(adv, expected[:, None] * inputs["mask"])
+    adv, _ = ops.call(ops.get_advantage_estimator("dr_grpo"), inputs)
+    close(adv, expected[:, None] * inputs["mask"])
+
+
 def test_register_new_estimator_and_reject_conflicts():
     @ops.register_advantage_estimator("_test_constant")
-    def constant(scores, group_ids):
-        return torch.ones_like(scores)
+    def constant(scores, mask):
+        return torch.ones_like(scores)[:, None] * mask, None
 
     try:
         assert ops.get_advantage_estimator("_test_constant") is constant
+        adv, _ = ops.call(constant, _inputs())  # takes only the inputs it names
+        close(adv, _inputs()["mask"].float())
         with pytest.raises(ValueError):
             ops.register_advantage_estimator("_test_constant")(lambda s, g: s)
+        with pytest.raises(ValueError, match="needs"):
+            ops.register_advantage_estimator("_test_other", needs=("critic",))
     finally:
         ops.ADVANTAGE_ESTIMATORS.pop("_test_constant")
+
+
+def test_policy_loss_registry_and_import_paths():
+    assert ops.get_policy_loss("ppo") is ops.resolve_policy_loss("ppo")
+    lp, mask = torch.randn(2, 3), torch.ones(2, 3)
+    adv = torch.randn(2, 3)
+    loss, stats = ops.call(ops.get_policy_loss("ppo"), {
+        "logprobs": lp, "old_logprobs": lp, "advantages": adv, "mask": mask,
+        "agg": "token-mean", "count": None, "config": _Config()})
+    close(loss, -adv.mean())
+    assert ops.resolve_advantage_estimator("rlhfflow.ops.core:remax") is ops.remax
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        ops.resolve_policy_loss("no_such_mod:f")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        ops.resolve_advantage_estimator("rlhfflow.ops:nope")
+
+
+def test_signature_problem_names_the_missing_input():
+    assert ops.signature_problem(lambda scores, mask, **_: None, ops.ESTIMATOR_INPUTS) is None
+    assert ops.signature_problem(lambda scores, prompts: None, ops.ESTIMATOR_INPUTS) == (
+        "it takes parameter 'prompts', which is not provided (provided: scores, "
+        "token_rewards, mask, group_ids, values, baseline_scores, config)")
+    assert ops.takes(lambda scores, **kw: None, "group_ids")
+    assert not ops.takes(lambda scores: None, "group_ids")

@@ -127,7 +127,7 @@ def test_plan_command_reports_an_impossible_placement_with_exit_2():
 
 
 def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
-                results) -> None:
+                results, algorithm_settings: dict) -> None:
     """One rank of a gang training the actor on ``batch`` (or alone when world is 1)."""
     from rlhfflow.pipeline.spec import AlgorithmSpec
     from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
@@ -140,8 +140,7 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
                          port, 60.0)
     store = ModelStore({"actor": ModelConfig("actor", "lm", model_dir, trainable=True,
                                              optimizer={"lr": 1e-2, "grad_clip": 1.0})})
-    algorithm = AlgorithmSpec(loss_agg="seq-mean-token-mean", entropy_coef=0.01,
-                              kl_coef=0.1, kl_in="loss")
+    algorithm = AlgorithmSpec(**algorithm_settings)
     stage = create_stage("train_actor", "train_actor", {"epochs": 2, "minibatches": 2},
                          algorithm, "actor")
     ctx = StageContext(iteration=0, seed=0, models=store, algorithm=algorithm, gang=gang)
@@ -152,12 +151,13 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
     results.put((rank, weights.numpy().copy(), metrics))
 
 
-def _train(world: int, model_dir, batch) -> list:
+def _train(world: int, model_dir, batch, algorithm_settings: dict) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_train_rank,
-                         args=(rank, world, port, str(model_dir), batch, results))
+                         args=(rank, world, port, str(model_dir), batch, results,
+                               algorithm_settings))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -169,10 +169,22 @@ def _train(world: int, model_dir, batch) -> list:
     return out
 
 
-def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokenizer):
-    """gloo all-reduce of gradients scaled by the whole minibatch's counts equals the
-    single-worker update on the whole batch, for a loss mixing sequence and token means
-    and with uneven masks (up to float rounding)."""
+@pytest.mark.parametrize(("algorithm_settings", "weights_atol"), [
+    ({"loss_agg": "seq-mean-token-mean", "entropy_coef": 0.01, "kl_coef": 0.1,
+      "kl_in": "loss"}, 1e-5),
+    # each part alone (constant divisor, sequence ratios, dual clip) stays within 1e-5;
+    # together their rounding differences reach 1.2e-5 after Adam's four steps (losses
+    # and grad norms still agree as tightly as the other cases below)
+    ({"loss_agg": "seq-mean-token-sum-norm", "loss_scale_factor": 4.0, "entropy_coef": 0.01,
+      "kl_coef": 0.1, "kl_in": "loss", "importance_sampling_level": "sequence",
+      "dual_clip": 3.0}, 1e-4),
+    ({"loss_agg": "token-sum", "kl_coef": 0.1, "kl_in": "loss"}, 1e-5),
+], ids=["seq-mean-token-mean", "gspo-token-sum-norm", "token-sum"])
+def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokenizer,
+                                                              algorithm_settings, weights_atol):
+    """gloo all-reduce of gradients scaled by the whole minibatch's divisors equals the
+    single-worker update on the whole batch, for every loss aggregation (policy, KL and
+    entropy terms alike) and with uneven masks (up to float rounding)."""
     gen = torch.Generator().manual_seed(0)
     batch = make_prompt_batch(tokenizer, ["abc", "hello there", "x", "vowels please", "ok"],
                               samples=2)
@@ -185,12 +197,12 @@ def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokeni
     batch["ref_logprobs"] = -torch.rand(rows, length, generator=gen) * 3
     batch["advantages"] = torch.randn(rows, length, generator=gen)
     batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    [(_, alone, alone_metrics)] = _train(1, tiny_lm_dir, batch)
-    ranks = _train(2, tiny_lm_dir, batch)
+    [(_, alone, alone_metrics)] = _train(1, tiny_lm_dir, batch, algorithm_settings)
+    ranks = _train(2, tiny_lm_dir, batch, algorithm_settings)
     for _, weights, metrics in ranks:
-        assert (weights - alone).abs().max() < 1e-5
+        assert (weights - alone).abs().max() < weights_atol
         assert metrics["grad_norm"] == pytest.approx(alone_metrics["grad_norm"], rel=1e-4)
-        for key in ("policy_loss", "kl_loss", "entropy", "clip_frac"):
+        for key in ("policy_loss", "kl_loss", "entropy", "clip_frac") & metrics.keys():
             assert metrics[key] == pytest.approx(alone_metrics[key], rel=1e-3, abs=1e-6), key
     assert torch.equal(ranks[0][1], ranks[1][1])  # the replicas stay identical
 

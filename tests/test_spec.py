@@ -132,6 +132,44 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
      "stages.reward.after[0]: expected a string, got 1"),
     ("algorithm-name", lambda s: put(s, "algorithm.name", "ppo2"),
      "algorithm.name: expected one of 'ppo', 'grpo', 'rloo' or 'dr_grpo', got 'ppo2'"),
+    # algorithm: estimators and policy losses by registered name or import path
+    ("estimator-typo", lambda s: put(s, "algorithm.advantage_estimator", "grop"),
+     "algorithm.advantage_estimator: unknown advantage estimator 'grop'; did you mean "
+     "'grpo'? (or give an import path 'package.module:function')"),
+    ("estimator-unknown", lambda s: put(s, "algorithm.advantage_estimator", "zzz"),
+     "algorithm.advantage_estimator: unknown advantage estimator 'zzz'; known: dr_grpo, gae, "
+     "grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo (or give an "
+     "import path 'package.module:function')"),
+    ("estimator-module", lambda s: put(s, "algorithm.advantage_estimator", "no_such_mod:est"),
+     "algorithm.advantage_estimator: cannot import module 'no_such_mod': "
+     "No module named 'no_such_mod'"),
+    ("estimator-attr", lambda s: put(s, "algorithm.advantage_estimator",
+                                     "tests.algorithms_plugin:nope"),
+     "algorithm.advantage_estimator: 'tests.algorithms_plugin' has no callable 'nope'"),
+    ("estimator-signature", lambda s: put(s, "algorithm.advantage_estimator",
+                                          "tests.algorithms_plugin:needs_prompts"),
+     "algorithm.advantage_estimator: advantage estimator "
+     "'tests.algorithms_plugin:needs_prompts': it takes parameter 'prompts', which is not "
+     "provided (provided: scores, token_rewards, mask, group_ids, values, baseline_scores, "
+     "config)"),
+    ("policy-loss-typo", lambda s: put(s, "algorithm.policy_loss", "ppo2"),
+     "algorithm.policy_loss: unknown policy loss 'ppo2'; did you mean 'ppo'? (or give an "
+     "import path 'package.module:function')"),
+    ("policy-loss-module", lambda s: put(s, "algorithm.policy_loss", "my_losses.gspo:loss"),
+     "algorithm.policy_loss: cannot import module 'my_losses.gspo': "
+     "No module named 'my_losses'"),
+    ("loss-agg", lambda s: put(s, "algorithm.loss_agg", "seq-mean"),
+     "algorithm.loss_agg: expected one of 'token-mean', 'seq-mean-token-mean', 'token-sum', "
+     "'seq-mean-token-sum' or 'seq-mean-token-sum-norm', got 'seq-mean'"),
+    ("scale-rewards-ppo", lambda s: put(s, "algorithm.scale_rewards", "batch"),
+     "algorithm: scale_rewards applies to the grpo and dr_grpo estimators, not 'gae'; "
+     "remove it"),
+    ("scale-factor-alone", lambda s: put(s, "algorithm.loss_scale_factor", 64.0),
+     "algorithm: loss_scale_factor is the divisor of loss_agg 'seq-mean-token-sum-norm'; "
+     "set loss_agg (or value_loss_agg) to it or remove the factor"),
+    ("remax-without-baseline", lambda s: put(s, "algorithm.advantage_estimator", "remax"),
+     "stages.advantages: reads column 'baseline_scores', which no upstream stage writes; "
+     "no stage in the pipeline writes it"),
     ("head-value", lambda s: put(s, "models.critic.head", "values"),
      "models.critic.head: expected one of 'lm' or 'value', got 'values'"),
     ("logprob-output", lambda s: put(s, "stages.ref_logprob.params.output", "ref_logprob"),
@@ -511,6 +549,51 @@ def test_overrides_are_validated(tmp_path: Path) -> None:
     assert load_pipeline(path, {"cluster.workers": 1}).spec.cluster.workers == 1
     with pytest.raises(SpecError, match=r"cluster\.workers: expected an integer > 0, got 0$"):
         load_pipeline(path, {"cluster.workers": 0})
+
+
+def test_estimator_and_policy_loss_by_import_path_are_accepted(tmp_path: Path) -> None:
+    spec = base_spec()
+    put(spec, "algorithm.advantage_estimator", "tests.algorithms_plugin:value_baseline")
+    put(spec, "algorithm.policy_loss", "tests.algorithms_plugin:reinforce_loss")
+    put(spec, "algorithm.importance_sampling_level", "sequence")
+    algorithm = load_pipeline(write_spec(tmp_path, spec)).spec.algorithm
+    assert algorithm.estimator == "tests.algorithms_plugin:value_baseline"
+    assert algorithm.uses_critic  # it registered needs=("values",)
+
+
+def test_presets_keep_their_estimators() -> None:
+    from rlhfflow.pipeline.spec import AlgorithmSpec
+
+    assert {n: AlgorithmSpec(name=n).estimator for n in ("ppo", "grpo", "rloo", "dr_grpo")} \
+        == {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "dr_grpo": "dr_grpo"}
+    assert [AlgorithmSpec(name=n).uses_critic for n in ("ppo", "grpo", "rloo", "dr_grpo")] \
+        == [True, False, False, False]
+
+
+def test_unknown_estimator_in_a_real_process(tmp_path: Path) -> None:
+    """``rlhfflow validate`` as a subprocess: one line naming file and key, exit 2."""
+    spec = base_spec()
+    put(spec, "algorithm.advantage_estimator", "reinforce_plus_plus_basline")
+    path = write_spec(tmp_path, spec)
+    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"Error: {path}: algorithm.advantage_estimator: unknown advantage "
+                           "estimator 'reinforce_plus_plus_basline'; did you mean "
+                           "'reinforce_plus_plus_baseline'? (or give an import path "
+                           "'package.module:function')\n")
+
+
+def test_run_with_an_unresolvable_estimator_starts_nothing(tmp_path: Path) -> None:
+    spec = base_spec()
+    put(spec, "algorithm.advantage_estimator", "my_algos:best")
+    put(spec, "output", str(tmp_path / "out"))
+    path = write_spec(tmp_path, spec)
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert (result.exit_code, result.stderr) == (
+        2, f"Error: {path}: algorithm.advantage_estimator: cannot import module 'my_algos': "
+           "No module named 'my_algos'\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_python_tag_in_a_real_process(tmp_path: Path) -> None:

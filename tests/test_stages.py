@@ -367,6 +367,114 @@ def test_grpo_advantages_are_zero_mean_per_group_and_broadcast():
                                                          "grpo"))
 
 
+def test_advantages_stage_calls_the_registered_estimator():
+    algo = AlgorithmSpec(name="grpo", advantage_estimator="reinforce_plus_plus_baseline",
+                         kl_coef=0.0)
+    batch = _experience()
+    stage = create_stage("advantages", algorithm=algo)
+    assert not algo.uses_critic
+    assert set(stage.reads(stage.params, algo, False)) == {"scores", "score_valid",
+                                                           "response_mask", "group_ids"}
+    out = stage.run(batch, _ctx(None))
+    mask = batch["response_mask"].float()
+    expected = ops.reinforce_plus_plus_baseline(batch["scores"], batch["group_ids"], mask)
+    torch.testing.assert_close(out["advantages"], expected * mask)
+    assert ops.masked_mean(out["advantages"], mask).abs() < 1e-5  # whitened over tokens
+
+
+def test_reinforce_plus_plus_takes_the_kl_penalty_per_token():
+    algo = AlgorithmSpec(name="ppo", advantage_estimator="reinforce_plus_plus", kl_coef=0.1,
+                         kl_estimator="k3", gamma=0.9)
+    batch = _experience()
+    stage = create_stage("advantages", algorithm=algo)
+    assert "values" not in stage.reads(stage.params, algo, False)
+    assert set(stage.writes(stage.params, algo, False)) == {"advantages", "kl"}
+    out = stage.run(batch, _ctx(None))
+    mask = batch["response_mask"].float()
+    kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], "k3") * mask
+    rewards = ops.token_rewards(batch["scores"], kl, mask, 0.1)
+    torch.testing.assert_close(out["advantages"], ops.reinforce_plus_plus(rewards, mask, 0.9)[0])
+
+
+def test_remax_reads_the_baseline_scores_column():
+    algo = AlgorithmSpec(name="grpo", advantage_estimator="remax", kl_coef=0.0)
+    batch = _experience()
+    batch["baseline_scores"] = torch.full((6,), 0.5)
+    stage = create_stage("advantages", algorithm=algo)
+    assert "baseline_scores" in stage.reads(stage.params, algo, False)
+    out = stage.run(batch, _ctx(None))
+    mask = batch["response_mask"].float()
+    torch.testing.assert_close(out["advantages"], (batch["scores"] - 0.5)[:, None] * mask)
+
+
+def test_an_estimator_by_import_path_sees_only_scored_samples():
+    algo = AlgorithmSpec(name="grpo", advantage_estimator="tests.algorithms_plugin:best_of_group",
+                         kl_coef=0.0)
+    batch = _experience()
+    batch["scores"] = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.2, 0.8])
+    batch["score_valid"] = torch.tensor([1, 0, 1, 1, 1, 1], dtype=torch.int8)
+    out = create_stage("advantages", algorithm=algo).run(batch, _ctx(None))
+    # row 1 has the group's best score but no valid one: row 2 is the best of group 7
+    best = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    torch.testing.assert_close(out["advantages"], best[:, None] * batch["response_mask"])
+
+
+def test_grpo_stage_leaves_skipped_samples_out_of_the_group_statistics():
+    algo = AlgorithmSpec(name="grpo", kl_coef=0.0, scale_rewards="batch")
+    batch = _experience()
+    batch["score_valid"] = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int8)
+    out = create_stage("advantages", algorithm=algo).run(batch, _ctx(None))
+    keep = batch["score_valid"].bool()
+    expected = torch.zeros(6)
+    expected[keep] = ops.group_advantages(batch["scores"][keep], batch["group_ids"][keep],
+                                          scale="batch")
+    torch.testing.assert_close(out["advantages"], expected[:, None] * batch["response_mask"])
+    assert (out["advantages"][2] == 0).all()
+
+
+def test_an_estimator_returning_the_wrong_shape_is_named():
+    algo = AlgorithmSpec(name="grpo", advantage_estimator="tests.algorithms_plugin:per_sample")
+    with pytest.raises(ValueError, match=r"advantage estimator 'tests.algorithms_plugin:"
+                                         r"per_sample' returned \(advantages, returns\) of "
+                                         r"shapes \(\(6,\), None\); expected \(6, 5\)"):
+        create_stage("advantages", algorithm=algo).run(_experience(), _ctx(None))
+
+
+def test_a_registered_estimator_with_values_needs_a_critic():
+    algo = AlgorithmSpec(name="grpo",
+                         advantage_estimator="tests.algorithms_plugin:value_baseline",
+                         kl_coef=0.0)
+    assert algo.uses_critic and algo.estimator_needs == ("values",)
+    batch = _experience()
+    stage = create_stage("advantages", algorithm=algo)
+    assert "returns" in stage.writes(stage.params, algo, False)
+    out = create_stage("advantages", algorithm=algo).run(
+        {**batch, "score_valid": torch.tensor([1, 1, 1, 1, 0, 1])}, _ctx(None))
+    mask = batch["response_mask"].float()
+    assert (out["returns"][4] == 0).all() and (out["advantages"][4] == 0).all()
+    torch.testing.assert_close(out["returns"][:4], batch["scores"][:4, None] * mask[:4])
+
+
+def test_remax_baseline_scores_each_prompt_greedy_response(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS[:3], samples=2)
+    stage = create_stage("remax_baseline", model="actor", params={
+        "max_new_tokens": 12, "function": "rlhfflow.stages.rewards:vowel_ratio"})
+    out = stage.run(batch, _ctx(store))
+    assert set(out) == {"baseline_scores"} and out["baseline_scores"].shape == (6,)
+    greedy = _generate(store, batch, greedy=True)
+    expected = torch.tensor(vowel_ratio(batch["prompt_text"], greedy["response_text"]),
+                            dtype=torch.float32)
+    torch.testing.assert_close(out["baseline_scores"], expected)
+    assert torch.equal(out["baseline_scores"][0::2], out["baseline_scores"][1::2])
+
+
+def test_remax_baseline_needs_a_reward_function():
+    from rlhfflow.stages.advantages import RemaxBaselineStage
+
+    params = RemaxBaselineStage.Params()
+    assert RemaxBaselineStage.check_params(params, True, CONFIGS)[0] == "params.function"
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -414,6 +522,68 @@ def test_train_critic_reduces_the_value_loss(store, rollout):
     losses = [stage.run(rollout, _ctx(store, iteration=i)) for i in range(5)]
     assert [m["version"] for m in losses] == [1, 2, 3, 4, 5]
     assert losses[-1]["value_loss"] < 0.5 * losses[0]["value_loss"]
+
+
+def _rollout_for_training(store, tokenizer):
+    batch = make_prompt_batch(tokenizer, TEXTS[:4])
+    batch.update(_generate(store, batch, max_new_tokens=8))
+    batch["old_logprobs"] = create_stage("logprob", model="actor").run(
+        batch, _ctx(store))["old_logprobs"]
+    advantages = torch.zeros_like(batch["old_logprobs"])
+    advantages[0] = batch["response_mask"][0].float()  # reward response 0 only
+    batch["advantages"] = advantages
+    return batch
+
+
+def test_train_actor_with_a_policy_loss_by_import_path(store, tokenizer):
+    algo = AlgorithmSpec(name="grpo", policy_loss="tests.algorithms_plugin:reinforce_loss",
+                         kl_coef=0.0, loss_agg="token-sum")
+    batch = _rollout_for_training(store, tokenizer)
+    before = batch["old_logprobs"].sum(-1)
+    stage = create_stage("train_actor", params={"epochs": 3}, algorithm=algo, model="actor")
+    metrics = stage.run(batch, _ctx(store))
+    assert set(metrics) >= {"policy_loss", "logprob_mean", "grad_norm"}
+    assert "clip_frac" not in metrics  # the loss reports its own metrics
+    assert _response_logprob(store, "actor", batch)[0] > before[0] + 0.1
+
+
+def test_gspo_with_kl_and_entropy_aggregated_like_the_policy_term(store, tokenizer):
+    agg = "seq-mean-token-sum-norm"
+    algo = AlgorithmSpec(name="grpo", importance_sampling_level="sequence", loss_agg=agg,
+                         loss_scale_factor=4.0, kl_coef=0.1, kl_in="loss",
+                         kl_estimator="k3", entropy_coef=0.01, dual_clip=3.0)
+    batch = _rollout_for_training(store, tokenizer)
+    mask = batch["response_mask"].float()
+    batch["ref_logprobs"] = batch["old_logprobs"] - 0.3 * mask
+    stage = create_stage("train_actor", params={"epochs": 1, "minibatches": 1},
+                         algorithm=algo, model="actor")
+    metrics = stage.run(batch, _ctx(store))
+    # one step, taken after the loss was measured at the rollout weights
+    kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], "k3")
+    assert metrics["kl_loss"] == pytest.approx(
+        ops.aggregate_loss(kl, mask, agg, 4.0).item(), abs=1e-4)
+    assert metrics["kl_mean"] == pytest.approx(ops.masked_mean(kl, mask).item(), abs=1e-4)
+    assert metrics["kl_loss"] != pytest.approx(metrics["kl_mean"], abs=1e-3)
+    assert metrics["policy_loss"] == pytest.approx(-mask[0].sum().item() / 4.0, abs=1e-4)
+    assert metrics["clip_frac"] == 0.0 and metrics["clip_frac_lower"] == 0.0
+    assert math.isfinite(metrics["entropy"]) and math.isfinite(metrics["grad_norm"])
+
+
+def test_train_critic_aggregates_with_value_loss_agg(store, rollout):
+    algo = AlgorithmSpec(name="ppo", value_loss_agg="seq-mean-token-mean")
+    mask = rollout["response_mask"].float()
+    rollout["values"] = torch.zeros_like(mask)
+    returns = torch.linspace(-0.15, 0.15, len(mask))[:, None] * mask
+    returns[:, 0] *= 3  # token 0 weighs more in a short sequence than in a long one
+    rollout["returns"] = returns
+    stage = create_stage("train_critic", params={"epochs": 1, "minibatches": 1},
+                         algorithm=algo, model="critic")
+    metrics = stage.run(rollout, _ctx(store))
+    # the critic starts at 0 everywhere, so the first (only) loss is 0.5 * agg(R^2)
+    expected = 0.5 * ops.aggregate_loss(returns.square(), mask, "seq-mean-token-mean")
+    assert metrics["value_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["value_loss"] != pytest.approx(
+        0.5 * ops.masked_mean(returns.square(), mask).item(), rel=1e-3)
 
 
 def test_sft_lowers_the_loss_over_epochs(store):

@@ -1,17 +1,23 @@
 """Pure, vectorised torch ops for RLHF: log-probs, KL estimators, masked statistics,
-advantage estimators (GAE, GRPO, RLOO, Dr. GRPO), PPO policy/value losses and entropy.
+advantage estimators (GAE, GRPO, RLOO, Dr. GRPO, REINFORCE++, ReMax), PPO/GSPO policy
+and value losses with veRL's loss aggregations, entropy; and the registries through
+which configs pick an estimator and a policy loss.
 
 Use as ``from rlhfflow import ops; adv, ret = ops.gae(rewards, values, mask, 1.0, 0.95)``.
 Every function is free of I/O and of imports from the rest of rlhfflow; shapes are
-documented in each docstring (see :mod:`rlhfflow.ops.core`).
+documented in each docstring (see :mod:`rlhfflow.ops.core`, :mod:`rlhfflow.ops.registry`).
 """
 
 from rlhfflow.ops.core import (
-    ADVANTAGE_ESTIMATORS,
+    GROUP_MODES,
+    IS_LEVELS,
+    KL_KINDS,
+    LOSS_AGGS,
+    SCALE_REWARDS,
+    aggregate_loss,
     entropy,
     entropy_from_logits,
     gae,
-    get_advantage_estimator,
     group_advantages,
     kl,
     logprobs_from_logits,
@@ -20,19 +26,53 @@ from rlhfflow.ops.core import (
     masked_var,
     masked_whiten,
     policy_loss,
-    register_advantage_estimator,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    remax,
     token_rewards,
     value_loss,
+)
+from rlhfflow.ops.registry import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_INPUTS,
+    ESTIMATOR_NEEDS,
+    POLICY_LOSS_INPUTS,
+    POLICY_LOSSES,
+    call,
+    estimator_needs,
+    get_advantage_estimator,
+    get_policy_loss,
+    load_callable,
+    register_advantage_estimator,
+    register_policy_loss,
+    resolve_advantage_estimator,
+    resolve_policy_loss,
+    signature_problem,
+    takes,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ESTIMATOR_INPUTS",
+    "ESTIMATOR_NEEDS",
+    "GROUP_MODES",
+    "IS_LEVELS",
+    "KL_KINDS",
+    "LOSS_AGGS",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_INPUTS",
+    "SCALE_REWARDS",
+    "aggregate_loss",
+    "call",
     "entropy",
     "entropy_from_logits",
+    "estimator_needs",
     "gae",
     "get_advantage_estimator",
+    "get_policy_loss",
     "group_advantages",
     "kl",
+    "load_callable",
     "logprobs_from_logits",
     "loss_count",
     "masked_mean",
@@ -40,6 +80,14 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "register_advantage_estimator",
+    "register_policy_loss",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "resolve_advantage_estimator",
+    "resolve_policy_loss",
+    "signature_problem",
+    "takes",
     "token_rewards",
     "value_loss",
 ]

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from rlhfflow import ops
 from rlhfflow.stages import STAGE_TYPES, StageParams
 
 
@@ -150,10 +151,38 @@ class DataSpec(Strict):
     chat_template: Literal["auto", True, False] = "auto"
 
 
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"]
+# The estimator each preset ``name`` uses unless ``advantage_estimator`` says otherwise.
+PRESET_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "dr_grpo": "dr_grpo"}
+# Built-in estimators that read ``scale_rewards``; a user's function gets the config too.
+_SCALED_ESTIMATORS = ("grpo", "dr_grpo")
+
+
+def _resolve_problem(ref: str, kind: str, registry: Mapping[str, Any],
+                     resolve: typing.Callable[[str], Any], provided: tuple[str, ...]) -> str | None:
+    """Why ``ref`` (a registered name or ``module:function``) is not usable, or None."""
+    if ":" not in ref and ref not in registry:
+        hint = did_you_mean(ref, registry) or f"; known: {', '.join(sorted(registry))}"
+        return (f"unknown {kind} {ref!r}{hint} (or give an import path "
+                f"'package.module:function')")
+    try:
+        fn = resolve(ref)
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
+    problem = ops.signature_problem(fn, provided)
+    return f"{kind} {ref!r}: {problem}" if problem else None
+
+
 class AlgorithmSpec(Strict):
-    """The RL algorithm: advantage estimator, KL penalty, clipping."""
+    """The RL algorithm: a preset ``name`` whose parts (advantage estimator, policy loss,
+    reward scaling) can each be overridden, plus KL penalty, clipping and aggregation."""
 
     name: Literal["ppo", "grpo", "rloo", "dr_grpo"] = "ppo"
+    advantage_estimator: str | None = None
+    policy_loss: str = "ppo"
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
     kl_coef: NonNegFloat = 0.05
@@ -164,13 +193,58 @@ class AlgorithmSpec(Strict):
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     value_clip: PositiveFloat | None = 0.2
     whiten_advantages: bool = True
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: LossAgg = "token-mean"
+    value_loss_agg: LossAgg = "token-mean"
+    loss_scale_factor: PositiveFloat | None = None
     entropy_coef: NonNegFloat = 0.0
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, ref: str | None) -> str | None:
+        if ref is not None:
+            problem = _resolve_problem(ref, "advantage estimator", ops.ADVANTAGE_ESTIMATORS,
+                                       ops.resolve_advantage_estimator, ops.ESTIMATOR_INPUTS)
+            if problem:
+                raise ValueError(problem)
+        return ref
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, ref: str) -> str:
+        problem = _resolve_problem(ref, "policy loss", ops.POLICY_LOSSES,
+                                   ops.resolve_policy_loss, ops.POLICY_LOSS_INPUTS)
+        if problem:
+            raise ValueError(problem)
+        return ref
+
+    @model_validator(mode="after")
+    def _options_that_apply(self) -> AlgorithmSpec:
+        if self.scale_rewards is not None and self.estimator in ops.ADVANTAGE_ESTIMATORS \
+                and self.estimator not in _SCALED_ESTIMATORS:
+            raise ValueError(f"scale_rewards applies to the grpo and dr_grpo estimators, not "
+                             f"{self.estimator!r}; remove it")
+        norm = "seq-mean-token-sum-norm"
+        if self.loss_scale_factor is not None and norm not in (self.loss_agg,
+                                                               self.value_loss_agg):
+            raise ValueError(f"loss_scale_factor is the divisor of loss_agg {norm!r}; "
+                             f"set loss_agg (or value_loss_agg) to it or remove the factor")
+        return self
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator: ``advantage_estimator``, or the preset's."""
+        return self.advantage_estimator or PRESET_ESTIMATORS[self.name]
+
+    @property
+    def estimator_needs(self) -> tuple[str, ...]:
+        """Optional inputs the estimator reads (``"values"``, ``"baseline_scores"``)."""
+        return ops.estimator_needs(ops.resolve_advantage_estimator(self.estimator))
 
     @property
     def uses_critic(self) -> bool:
-        """PPO needs values from a critic; the group-relative estimators do not."""
-        return self.name == "ppo"
+        """Whether the estimator reads a critic's values (GAE does; the group-relative
+        estimators, REINFORCE++ and ReMax do not)."""
+        return "values" in self.estimator_needs
 
 
 class ClusterSpec(Strict):

@@ -108,8 +108,9 @@ class Telemetry:
         std = math.sqrt(max(0.0, total["score_sq"] / scored - mean ** 2)) if mean is not None \
             else None
         stats = {k: v for s in train.values() for k, v in s.items()}
+        # per token, whatever the loss aggregation (kl_loss is the aggregated term)
         kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
-            else stats.get("kl_loss")
+            else stats.get("kl_mean", stats.get("kl_loss"))
         stage_s = {k: round(v, 4) for k, v in self.timings.pop(iteration, {}).items()}
         return {
             "iteration": iteration, "samples": int(n),
@@ -117,6 +118,7 @@ class Telemetry:
             "reward_mean": mean, "reward_std": std, "kl_mean": kl_mean,
             "policy_loss": stats.get("policy_loss"), "value_loss": stats.get("value_loss"),
             "clip_frac": stats.get("clip_frac"), "approx_kl": stats.get("approx_kl"),
+            "clip_frac_lower": stats.get("clip_frac_lower"), "lr": stats.get("lr"),
             "response_length_mean": total["length_sum"] / n if n else None,
             "tokens_generated": int(total["tokens"]),
             "staleness_mean": stats.get("staleness_mean"),

@@ -1,6 +1,7 @@
-"""Training stages: ``train_actor`` (PPO clipped policy loss), ``train_critic`` (clipped
-value loss), and the stages run once before the loop: ``sft`` and ``reward_model``
-(pairwise Bradley-Terry). Each returns metrics, not columns, and bumps the model version.
+"""Training stages: ``train_actor`` (the policy loss ``algorithm.policy_loss`` names in
+the ops registry: PPO's clipped surrogate by default, GSPO with sequence-level ratios),
+``train_critic`` (clipped value loss), and the stages run once before the loop: ``sft``
+and ``reward_model`` (pairwise Bradley-Terry). Each returns metrics, not columns, and bumps the model version.
 
 Models stay in eval mode while training (dropout off), as is usual in RLHF: the log-probs
 of the update must match those the rollout was scored with.
@@ -100,7 +101,8 @@ class _Trainer(Stage):
                 if gang is not None:
                     mask = _loss_mask(_rows(batch, index))
                     counts = {"tokens": ops.loss_count(mask),
-                              "agg": ops.loss_count(mask, self._agg())}
+                              "agg": ops.loss_count(mask, self._agg(),
+                                                    self.algorithm.loss_scale_factor)}
                     index = index[gang.shard(len(index))]
                 shard = _rows(batch, index)
                 loss, metrics = self.loss(resident, shard, ctx, counts)
@@ -129,7 +131,18 @@ class _Trainer(Stage):
         return {**stats, "version": resident.version}
 
     def _agg(self) -> str:
+        """How this stage's loss aggregates tokens (``ops.LOSS_AGGS``)."""
         return "token-mean"
+
+    def _divisor(self, counts: dict[str, float] | None) -> float | None:
+        """The ``count`` to pass to the loss: the whole minibatch's divisor when this is a
+        shard of it; else None (the batch's own), except that Dr. GRPO's constant
+        normaliser comes from the config when it sets one."""
+        if counts:
+            return counts["agg"]
+        if self._agg() == "seq-mean-token-sum-norm":
+            return self.algorithm.loss_scale_factor
+        return None
 
     def loss(self, resident, batch: Batch, ctx: StageContext,
              counts: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -150,8 +163,10 @@ def _kl_in_loss(algorithm) -> bool:
 
 @register_stage
 class TrainActorStage(_Trainer):
-    """PPO update of the actor: clipped surrogate (optionally dual-clip), optional KL
-    to the reference in the loss, optional entropy bonus."""
+    """Policy update of the actor: the policy loss ``algorithm.policy_loss`` names (PPO's
+    clipped surrogate by default, token or sequence ratios, optionally dual-clip), optional
+    KL to the reference in the loss, optional entropy bonus, all aggregated with
+    ``algorithm.loss_agg``. Every stat the policy loss returns becomes a metric."""
 
     type_name = "train_actor"
     model_head = "lm"
@@ -167,24 +182,29 @@ class TrainActorStage(_Trainer):
 
     def loss(self, resident, batch, ctx, counts=None):
         algo = self.algorithm
-        counts = counts or {}
-        tokens = counts.get("tokens")
+        agg, divisor = algo.loss_agg, self._divisor(counts)
         mask = _loss_mask(batch)
         temperature = float(ctx.settings.get("temperature", 1.0))
         logits = response_logits(resident.module, batch, temperature)
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
-        loss, stats = ops.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                      mask, algo.clip_low, algo.clip_high, algo.dual_clip,
-                                      algo.loss_agg, counts.get("agg"))
-        metrics = {"policy_loss": loss.item(), "clip_frac": stats["clip_frac"],
-                   "approx_kl": stats["approx_kl"]}
+        policy_loss = ops.resolve_policy_loss(algo.policy_loss)
+        loss, stats = ops.call(policy_loss, {
+            "logprobs": logprobs, "old_logprobs": batch["old_logprobs"],
+            "advantages": batch["advantages"], "mask": mask, "agg": agg, "count": divisor,
+            "config": algo})
+        metrics = {"policy_loss": loss.item(), **stats}
+        # the KL and entropy terms aggregate like the policy term (veRL, TRL), so a
+        # seq-mean loss does not pair with a token-mean penalty
         if _kl_in_loss(algo):
-            kl = ops.masked_mean(ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator), mask,
-                                 count=tokens)
+            kl_tok = ops.kl(logprobs, batch["ref_logprobs"], algo.kl_estimator)
+            kl = ops.aggregate_loss(kl_tok, mask, agg, divisor)
             loss = loss + algo.kl_coef * kl
+            # kl_loss is the term as aggregated (a sum under token-sum); kl_mean stays a
+            # per-token mean whatever loss_agg is, comparable across configs
             metrics["kl_loss"] = kl.item()
+            metrics["kl_mean"] = ops.masked_mean(kl_tok.detach(), mask).item()
         if algo.entropy_coef > 0:
-            entropy = ops.entropy(logits, mask, tokens)
+            entropy = ops.entropy(logits, mask, divisor, agg)
             loss = loss - algo.entropy_coef * entropy
             metrics["entropy"] = entropy.item()
         return loss, metrics
@@ -201,11 +221,15 @@ class TrainCriticStage(_Trainer):
     def reads(cls, params, algorithm, has_model):
         return (*RESPONSE_INPUTS, "score_valid", "values", "returns")
 
+    def _agg(self) -> str:
+        return self.algorithm.value_loss_agg
+
     def loss(self, resident, batch, ctx, counts=None):
         mask = _loss_mask(batch)
         values = response_values(resident.module, batch)
         loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
-                                     self.algorithm.value_clip, (counts or {}).get("tokens"))
+                                     self.algorithm.value_clip, self._divisor(counts),
+                                     self.algorithm.value_loss_agg)
         return loss, {"value_loss": loss.item(), "value_clip_frac": stats["value_clip_frac"]}
 
 
