@@ -170,6 +170,8 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
     return {"iteration_s": [m["iteration_s"] for m in result.metrics],
             "reward": [m["reward_mean"] for m in result.metrics],
             "summary_s": result.summary.get("iteration_s"),
+            # TRL is on-policy: the comparison holds only while rlhfflow's default is too
+            "staleness_max": max((m["staleness_max"] or 0 for m in result.metrics), default=0),
             "first_iteration_s": first_done[0] - job["launched"] if first_done else None}
 
 
@@ -267,6 +269,9 @@ def steady(times: list[float]) -> float:
 
 def compare(name: str, iterations: int, threads: int, work: Path) -> dict[str, Any]:
     """Both systems on config ``name``; the figures of the comparison."""
+    # other processes on the machine skew TRL's 2 OpenMP threads far more than rlhfflow's
+    # single-threaded workers: keep the load beside the figures to judge them by
+    load = os.getloadavg()[0]
     out = work / "rlhfflow"
     base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
     ours = spawn("rlhfflow", {**base, "output": str(out)}, work)
@@ -282,6 +287,7 @@ def compare(name: str, iterations: int, threads: int, work: Path) -> dict[str, A
         "trl_samples_per_s": round(rows / theirs_s, 2),
         "speedup": round(theirs_s / ours_s, 3),
         "rlhfflow_summary_s": ours["summary_s"],
+        "rlhfflow_staleness_max": ours["staleness_max"],
         "rlhfflow_first_iteration_s": _round(ours["first_iteration_s"]),
         "trl_first_iteration_s": _round(theirs["first_iteration_s"]),
         "rlhfflow_reward": [_round(ours["reward"][0]), _round(ours["reward"][-1])],
@@ -291,6 +297,7 @@ def compare(name: str, iterations: int, threads: int, work: Path) -> dict[str, A
         "rlhfflow_rewards": [_round(r) for r in ours["reward"]],
         "trl_rewards": [_round(r) for r in theirs["reward"]],
         "trl_version": theirs["version"], "trl_threads": theirs["threads"],
+        "load_1min": round(load, 2), "cpus": os.cpu_count(),
     }
 
 
@@ -311,7 +318,8 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
               f"{first_it if first_it is not None else float('nan'):>14.2f}"
               f"{first:>14.4f}{last:>13.4f}")
     print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio; TRL on "
-          f"{fig['trl_threads']} torch thread(s))")
+          f"{fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
+          f"{fig['cpus']} cores before the runs)")
 
 
 def main() -> None:
