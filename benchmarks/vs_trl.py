@@ -269,7 +269,7 @@ def steady(times: list[float]) -> float:
 
 def compare(name: str, iterations: int, threads: int, work: Path) -> dict[str, Any]:
     """Both systems on config ``name``; the figures of the comparison."""
-    # other processes on the machine skew TRL's 2 OpenMP threads far more than rlhfflow's
+    # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
     out = work / "rlhfflow"
