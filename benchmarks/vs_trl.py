@@ -19,11 +19,13 @@ process to the end of the first iteration (imports and model loading included).
 TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
-    python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--threads T]
+    python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--rounds R]
+                                [--threads T] [--workdir DIR]
 
-``--iterations`` defaults to 12 for tiny and 8 for small; ``--threads`` (TRL's torch
-threads) to the machine's cores. Prints a table per config, then one JSON object with the
-figures as its last line.
+``--iterations`` defaults to 12 for tiny and 8 for small; ``--rounds`` (runs of each
+system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
+machine's cores; ``--workdir`` keeps the runs' outputs and logs. Prints a table per
+config, then one JSON object with the figures as its last line.
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ def spawn(system: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
     """Run ``system`` in a fresh Python process; its result, or exit with its log's tail."""
     import rlhfflow
 
+    work.mkdir(parents=True, exist_ok=True)
     job_file, result_file = work / f"{system}-job.json", work / f"{system}-result.json"
     log = work / f"{system}.log"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -267,36 +270,49 @@ def steady(times: list[float]) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def compare(name: str, iterations: int, threads: int, work: Path) -> dict[str, Any]:
-    """Both systems on config ``name``; the figures of the comparison."""
+def compare(name: str, iterations: int, threads: int, rounds: int, work: Path
+            ) -> dict[str, Any]:
+    """Both systems on config ``name``, ``rounds`` times, alternating so that drift of the
+    machine hits both alike; the figures of the comparison."""
     # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
-    out = work / "rlhfflow"
-    base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
-    ours = spawn("rlhfflow", {**base, "output": str(out)}, work)
-    theirs = spawn("trl", {**base, "output": str(work / "trl"), "threads": threads}, work)
-    ours_s, theirs_s = steady(ours["iteration_s"]), steady(theirs["iteration_s"])
+    ours, theirs = [], []
+    for r in range(rounds):
+        out = work / f"rlhfflow-{r}"
+        base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
+        ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
+        theirs.append(spawn("trl", {**base, "output": str(work / f"trl-{r}"),
+                                    "threads": threads}, work / f"round-{r}"))
+    ours_s = statistics.median(steady(run["iteration_s"]) for run in ours)
+    theirs_s = statistics.median(steady(run["iteration_s"]) for run in theirs)
     rows = base["rows"]
+    first, other = ours[0], theirs[0]
     return {
-        "config": CONFIGS[name].name, "iterations": iterations, "rows": rows,
+        "config": CONFIGS[name].name, "iterations": iterations, "rounds": rounds,
+        "rows": rows,
         "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
                 f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps",
         "rlhfflow_s": round(ours_s, 4), "trl_s": round(theirs_s, 4),
         "rlhfflow_samples_per_s": round(rows / ours_s, 2),
         "trl_samples_per_s": round(rows / theirs_s, 2),
         "speedup": round(theirs_s / ours_s, 3),
-        "rlhfflow_summary_s": ours["summary_s"],
-        "rlhfflow_staleness_max": ours["staleness_max"],
-        "rlhfflow_first_iteration_s": _round(ours["first_iteration_s"]),
-        "trl_first_iteration_s": _round(theirs["first_iteration_s"]),
-        "rlhfflow_reward": [_round(ours["reward"][0]), _round(ours["reward"][-1])],
-        "trl_reward": [_round(theirs["reward"][0]), _round(theirs["reward"][-1])],
-        "rlhfflow_iteration_s": [_round(t) for t in ours["iteration_s"]],
-        "trl_iteration_s": [_round(t) for t in theirs["iteration_s"]],
-        "rlhfflow_rewards": [_round(r) for r in ours["reward"]],
-        "trl_rewards": [_round(r) for r in theirs["reward"]],
-        "trl_version": theirs["version"], "trl_threads": theirs["threads"],
+        "rlhfflow_summary_s": [run["summary_s"] for run in ours],
+        "rlhfflow_staleness_max": max(run["staleness_max"] for run in ours),
+        "rlhfflow_first_iteration_s": _round(statistics.median(
+            run["first_iteration_s"] for run in ours)),
+        "trl_first_iteration_s": _round(statistics.median(
+            run["first_iteration_s"] for run in theirs)),
+        "rlhfflow_reward": [_round(first["reward"][0]), _round(first["reward"][-1])],
+        "trl_reward": [_round(other["reward"][0]), _round(other["reward"][-1])],
+        # both are seeded: every round must learn the same numbers
+        "same_rewards_every_round": all(run["reward"] == first["reward"] for run in ours)
+        and all(run["reward"] == other["reward"] for run in theirs),
+        "rlhfflow_iteration_s": [[_round(t) for t in run["iteration_s"]] for run in ours],
+        "trl_iteration_s": [[_round(t) for t in run["iteration_s"]] for run in theirs],
+        "rlhfflow_rewards": [_round(r) for r in first["reward"]],
+        "trl_rewards": [_round(r) for r in other["reward"]],
+        "trl_version": other["version"], "trl_threads": other["threads"],
         "load_1min": round(load, 2), "cpus": os.cpu_count(),
     }
 
@@ -308,7 +324,8 @@ def _round(x: float | None, digits: int = 4) -> float | None:
 def print_table(name: str, fig: dict[str, Any]) -> None:
     """One config's comparison as a small table."""
     print(f"\n{name}: {fig['config']}, {fig['work']} per iteration, "
-          f"{fig['iterations']} iterations (steady: median of iterations 1..)")
+          f"{fig['iterations']} iterations x {fig['rounds']} round(s) (s/iter: median of "
+          f"iterations 1.., median over rounds)")
     print(f"{'system':<12}{'s/iter':>9}{'samples/s':>11}{'first iter s':>14}"
           f"{'reward first':>14}{'reward last':>13}")
     for system, label in (("rlhfflow", "rlhfflow"), ("trl", f"TRL {fig['trl_version']}")):
@@ -320,6 +337,8 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
     print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio; TRL on "
           f"{fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
           f"{fig['cpus']} cores before the runs)")
+    if not fig["same_rewards_every_round"]:
+        print("warning: the rewards differed between rounds of one system (not seeded?)")
 
 
 def main() -> None:
@@ -328,6 +347,8 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per run (default: 12 for tiny, 8 for small)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each system, alternating; the median counts")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="TRL's torch threads (default: the machine's cores)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -344,6 +365,8 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         parser.error(f"--configs: expected names from {', '.join(CONFIGS)}, got {args.configs!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.iterations is not None and args.iterations < 2:
         parser.error("--iterations must be at least 2 (iteration 0 is left out)")
     missing = [p for p in BENCH_PACKAGES if importlib.util.find_spec(p) is None]
@@ -356,10 +379,11 @@ def main() -> None:
         if args.workdir is not None:
             work = args.workdir / name
             work.mkdir(parents=True, exist_ok=True)
-            figures[name] = compare(name, iterations, args.threads, work)
+            figures[name] = compare(name, iterations, args.threads, args.rounds, work)
         else:
             with tempfile.TemporaryDirectory(prefix=f"vs-trl-{name}-") as tmp:
-                figures[name] = compare(name, iterations, args.threads, Path(tmp))
+                figures[name] = compare(name, iterations, args.threads, args.rounds,
+                                       Path(tmp))
         print_table(name, figures[name])
     print(json.dumps(figures))
 
