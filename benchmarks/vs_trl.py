@@ -20,12 +20,14 @@ TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
     python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--rounds R]
-                                [--threads T] [--workdir DIR]
+                                [--threads T[,T]] [--workdir DIR]
 
 ``--iterations`` defaults to 12 for tiny and 8 for small; ``--rounds`` (runs of each
 system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
-machine's cores; ``--workdir`` keeps the runs' outputs and logs. Prints a table per
-config, then one JSON object with the figures as its last line.
+machine's cores, and ``--threads 1,2`` runs TRL at each, its fastest counting (on a busy
+machine 2 OpenMP threads on 2 cores are many times slower than 1); ``--workdir`` keeps the
+runs' outputs and logs. Prints a table per config, then one JSON object with the figures
+as its last line.
 """
 
 from __future__ import annotations
@@ -270,50 +272,56 @@ def steady(times: list[float]) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def compare(name: str, iterations: int, threads: int, rounds: int, work: Path
+def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path
             ) -> dict[str, Any]:
-    """Both systems on config ``name``, ``rounds`` times, alternating so that drift of the
-    machine hits both alike; the figures of the comparison."""
+    """rlhfflow, then TRL at each of ``threads``, on config ``name``, ``rounds`` times,
+    alternating so that drift of the machine hits all alike; the figures of the
+    comparison, TRL's being those of its fastest thread count."""
     # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
-    ours, theirs = [], []
+    ours: list[dict[str, Any]] = []
+    theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     for r in range(rounds):
         out = work / f"rlhfflow-{r}"
         base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
         ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
-        theirs.append(spawn("trl", {**base, "output": str(work / f"trl-{r}"),
-                                    "threads": threads}, work / f"round-{r}"))
-    ours_s = statistics.median(steady(run["iteration_s"]) for run in ours)
-    theirs_s = statistics.median(steady(run["iteration_s"]) for run in theirs)
+        for t in threads:
+            theirs[t].append(spawn("trl", {**base, "output": str(work / f"trl-{t}-{r}"),
+                                           "threads": t}, work / f"round-{r}" / f"trl-{t}"))
     rows = base["rows"]
-    first, other = ours[0], theirs[0]
-    return {
-        "config": CONFIGS[name].name, "iterations": iterations, "rounds": rounds,
-        "rows": rows,
-        "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
-                f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps",
-        "rlhfflow_s": round(ours_s, 4), "trl_s": round(theirs_s, 4),
-        "rlhfflow_samples_per_s": round(rows / ours_s, 2),
-        "trl_samples_per_s": round(rows / theirs_s, 2),
-        "speedup": round(theirs_s / ours_s, 3),
+    by_threads = {t: summarize(runs, rows) for t, runs in theirs.items()}
+    best = min(by_threads, key=lambda t: by_threads[t]["s"])
+    fig = {"config": CONFIGS[name].name, "iterations": iterations, "rounds": rounds,
+           "rows": rows,
+           "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
+                   f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps"}
+    fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
+    fig.update({f"trl_{k}": v for k, v in by_threads[best].items()})
+    fig["speedup"] = round(fig["trl_s"] / fig["rlhfflow_s"], 3)
+    fig.update({
         "rlhfflow_summary_s": [run["summary_s"] for run in ours],
         "rlhfflow_staleness_max": max(run["staleness_max"] for run in ours),
-        "rlhfflow_first_iteration_s": _round(statistics.median(
-            run["first_iteration_s"] for run in ours)),
-        "trl_first_iteration_s": _round(statistics.median(
-            run["first_iteration_s"] for run in theirs)),
-        "rlhfflow_reward": [_round(first["reward"][0]), _round(first["reward"][-1])],
-        "trl_reward": [_round(other["reward"][0]), _round(other["reward"][-1])],
-        # both are seeded: every round must learn the same numbers
-        "same_rewards_every_round": all(run["reward"] == first["reward"] for run in ours)
-        and all(run["reward"] == other["reward"] for run in theirs),
-        "rlhfflow_iteration_s": [[_round(t) for t in run["iteration_s"]] for run in ours],
-        "trl_iteration_s": [[_round(t) for t in run["iteration_s"]] for run in theirs],
-        "rlhfflow_rewards": [_round(r) for r in first["reward"]],
-        "trl_rewards": [_round(r) for r in other["reward"]],
-        "trl_version": other["version"], "trl_threads": other["threads"],
-        "load_1min": round(load, 2), "cpus": os.cpu_count(),
+        "trl_threads": best, "trl_version": theirs[best][0]["version"],
+        "trl_by_threads": {str(t): f for t, f in by_threads.items()},
+        "load_1min": round(load, 2), "cpus": os.cpu_count()})
+    return fig
+
+
+def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
+    """The figures of one system's rounds: s/iteration (median of the steady medians),
+    samples/s, time to the first iteration, and the rewards of the first round."""
+    seconds = statistics.median(steady(run["iteration_s"]) for run in runs)
+    first = runs[0]
+    return {
+        "s": round(seconds, 4), "samples_per_s": round(rows / seconds, 2),
+        "first_iteration_s": _round(statistics.median(
+            run["first_iteration_s"] for run in runs)),
+        "reward": [_round(first["reward"][0]), _round(first["reward"][-1])],
+        "rewards": [_round(r) for r in first["reward"]],
+        # seeded: every round must learn the same numbers
+        "same_rewards_every_round": all(run["reward"] == first["reward"] for run in runs),
+        "iteration_s": [[_round(t) for t in run["iteration_s"]] for run in runs],
     }
 
 
@@ -322,23 +330,28 @@ def _round(x: float | None, digits: int = 4) -> float | None:
 
 
 def print_table(name: str, fig: dict[str, Any]) -> None:
-    """One config's comparison as a small table."""
+    """One config's comparison as a small table: rlhfflow, then TRL per thread count."""
     print(f"\n{name}: {fig['config']}, {fig['work']} per iteration, "
           f"{fig['iterations']} iterations x {fig['rounds']} round(s) (s/iter: median of "
           f"iterations 1.., median over rounds)")
-    print(f"{'system':<12}{'s/iter':>9}{'samples/s':>11}{'first iter s':>14}"
-          f"{'reward first':>14}{'reward last':>13}")
-    for system, label in (("rlhfflow", "rlhfflow"), ("trl", f"TRL {fig['trl_version']}")):
-        first, last = fig[f"{system}_reward"]
-        first_it = fig[f"{system}_first_iteration_s"]
-        print(f"{label:<12}{fig[f'{system}_s']:>9.4f}{fig[f'{system}_samples_per_s']:>11.1f}"
+    print(f"{'system':<18}{'s/iter':>9}{'samples/s':>11}{'vs rlhfflow':>13}"
+          f"{'first iter s':>14}{'reward first':>14}{'reward last':>13}")
+    rows = {"rlhfflow": {k.removeprefix("rlhfflow_"): v for k, v in fig.items()
+                         if k.startswith("rlhfflow_")}}
+    for t, f in fig["trl_by_threads"].items():
+        rows[f"TRL {fig['trl_version']} {t}thr"] = f
+    for label, row in rows.items():
+        first, last = row["reward"]
+        first_it = row["first_iteration_s"]
+        print(f"{label:<18}{row['s']:>9.4f}{row['samples_per_s']:>11.1f}"
+              f"{row['s'] / fig['rlhfflow_s']:>13.3f}"
               f"{first_it if first_it is not None else float('nan'):>14.2f}"
               f"{first:>14.4f}{last:>13.4f}")
-    print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio; TRL on "
-          f"{fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
+        if not row["same_rewards_every_round"]:
+            print(f"warning: {label}'s rewards differed between rounds (not seeded?)")
+    print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio, against TRL's "
+          f"fastest: {fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
           f"{fig['cpus']} cores before the runs)")
-    if not fig["same_rewards_every_round"]:
-        print("warning: the rewards differed between rounds of one system (not seeded?)")
 
 
 def main() -> None:
@@ -349,8 +362,9 @@ def main() -> None:
                         help="iterations per run (default: 12 for tiny, 8 for small)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each system, alternating; the median counts")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="TRL's torch threads (default: the machine's cores)")
+    parser.add_argument("--threads", default=str(os.cpu_count() or 1),
+                        help="TRL's torch threads, comma-separated to try several; the "
+                             "fastest counts (default: the machine's cores)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the runs' outputs and logs here (default: a temporary "
                              "folder, removed)")
@@ -365,6 +379,12 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         parser.error(f"--configs: expected names from {', '.join(CONFIGS)}, got {args.configs!r}")
+    try:
+        threads = sorted({int(t) for t in args.threads.split(",") if t.strip()})
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        parser.error(f"--threads: expected positive integers, got {args.threads!r}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.iterations is not None and args.iterations < 2:
@@ -379,10 +399,10 @@ def main() -> None:
         if args.workdir is not None:
             work = args.workdir / name
             work.mkdir(parents=True, exist_ok=True)
-            figures[name] = compare(name, iterations, args.threads, args.rounds, work)
+            figures[name] = compare(name, iterations, threads, args.rounds, work)
         else:
             with tempfile.TemporaryDirectory(prefix=f"vs-trl-{name}-") as tmp:
-                figures[name] = compare(name, iterations, args.threads, args.rounds,
+                figures[name] = compare(name, iterations, threads, args.rounds,
                                        Path(tmp))
         print_table(name, figures[name])
     print(json.dumps(figures))
