@@ -1,0 +1,412 @@
+"""rlhfflow's default against TRL's ``GRPOTrainer`` on the same GRPO work.
+
+For each config, rlhfflow runs the pipeline as the file has it (the product's default
+placement), then TRL's ``GRPOTrainer`` does the same work: the actor's initial weights from
+that run's ``OUTPUT/models/actor/init``, the same prompts in the same order, the same
+reward function, samples per prompt, response length, sampling temperature, optimizer
+steps per generated batch, AdamW settings, gradient clipping, clip range, and k3 KL to the
+reference in the loss with the same coefficient (``trl_settings`` maps each one). Each
+system runs in its own fresh process (``sys.executable``), so neither's imports or torch
+thread settings reach the other and both start alike; the parent only collects their JSON.
+
+The figure is seconds per iteration (one generated batch and its ``epochs x minibatches``
+optimizer steps), the median over the steady iterations (all but the first, which loads
+the models) on both sides, and the samples per second that gives. The learning check is
+the mean reward of the first and of the last iterations on each side (sampling noise
+differs: the two draw different random numbers). Also the wall time from launching the
+process to the end of the first iteration (imports and model loading included).
+
+TRL is an optional extra, never a dependency of rlhfflow::
+
+    pip install -c constraints.txt -e ".[bench]"
+    python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--rounds R]
+                                [--threads T[,T]] [--workdir DIR]
+
+``--iterations`` defaults to 12 for tiny and 8 for small; ``--rounds`` (runs of each
+system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
+machine's cores, and ``--threads 1,2`` runs TRL at each, its fastest counting (on a busy
+machine 2 OpenMP threads on 2 cores are many times slower than 1); ``--workdir`` keeps the
+runs' outputs and logs. Prints a table per config, then one JSON object with the figures
+as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"tiny": ROOT / "configs" / "grpo-tiny.yaml",
+           "small": ROOT / "configs" / "grpo-small.yaml"}
+DEFAULT_ITERATIONS = {"tiny": 12, "small": 8}
+BENCH_PACKAGES = ("trl", "datasets", "accelerate")
+INSTALL_HINT = 'pip install -c constraints.txt -e ".[bench]"'
+
+
+# ------------------------------------------------------------------ the work, from the config
+def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, Any]:
+    """What one run of ``config`` does, in plain data both children read: the prompts of
+    every iteration in rlhfflow's order, and the settings TRL needs (``trl_settings``)."""
+    from rlhfflow.pipeline import load_pipeline
+    from rlhfflow.pipeline.source import PromptSource
+
+    pipeline = load_pipeline(config, {"iterations": iterations})
+    spec, graph = pipeline.spec, pipeline.graph
+    algo = spec.algorithm
+    if algo.name != "grpo" or algo.kl_in != "loss" or algo.kl_estimator != "k3":
+        raise SystemExit(f"{config}: vs_trl compares GRPO with k3 KL in the loss (TRL's "
+                         f"only form); the file has {algo.name}, {algo.kl_estimator} in "
+                         f"{algo.kl_in}")
+    generate = graph.nodes[graph.of_type("generate")[0]]
+    score = pipeline.params[graph.of_type("score")[0]]
+    train = pipeline.params[graph.of_type("train_actor")[0]]
+    actor = spec.models[generate.model]
+    if score.function is None or actor.dtype != "float32":
+        raise SystemExit(f"{config}: vs_trl needs a reward function and a float32 actor")
+    source = PromptSource.from_pipeline(pipeline, generate.model)
+    rows = spec.data.batch_size * spec.data.samples_per_prompt
+    if rows % train.minibatches:
+        raise SystemExit(f"{config}: {rows} rows do not split into {train.minibatches} "
+                         f"equal minibatches, which TRL needs")
+    return {
+        "config": str(config), "iterations": iterations, "seed": spec.seed,
+        "init_path": str(init_path), "base_dir": str(pipeline.base_dir),
+        # iteration k's prompts, as rlhfflow's data stage draws them
+        "prompts": [source.texts[i] for k in range(iterations)
+                    for i in source.prompt_indices(k)],
+        "reward": {"function": score.function, "kwargs": dict(score.kwargs)},
+        "rows": rows, "batch_size": spec.data.batch_size,
+        "samples_per_prompt": spec.data.samples_per_prompt,
+        "max_new_tokens": pipeline.params[generate.name].max_new_tokens,
+        "steps_per_iteration": train.epochs * train.minibatches,
+        "trl": trl_settings(pipeline, train, rows),
+    }
+
+
+def trl_settings(pipeline, train, rows: int) -> dict[str, Any]:
+    """``GRPOConfig`` arguments that make TRL do what ``pipeline`` does; each line says
+    which part of the pipeline it copies."""
+    spec = pipeline.spec
+    algo, data = spec.algorithm, spec.data
+    generate = pipeline.params[pipeline.graph.of_type("generate")[0]]
+    opt = spec.models[pipeline.graph.nodes[pipeline.graph.of_type("train_actor")[0]].model
+                      ].optimizer
+    return {
+        # one generation = batch_size prompts x samples_per_prompt rows, trained on for
+        # `epochs` passes of `minibatches` optimizer steps (no gradient accumulation)
+        "num_generations": data.samples_per_prompt,
+        "per_device_train_batch_size": rows // train.minibatches,
+        "steps_per_generation": train.minibatches,
+        "gradient_accumulation_steps": 1,
+        "num_iterations": train.epochs,
+        "max_completion_length": generate.max_new_tokens,
+        "temperature": generate.temperature,
+        "top_k": generate.top_k,
+        "top_p": generate.top_p,
+        # rlhfflow's AdamW, constant lr, gradient clipping
+        "learning_rate": opt.lr,
+        "adam_beta1": opt.betas[0],
+        "adam_beta2": opt.betas[1],
+        "adam_epsilon": opt.eps,
+        "weight_decay": opt.weight_decay,
+        "max_grad_norm": opt.grad_clip or 0.0,
+        "optim": "adamw_torch",
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        # the loss: PPO clip range, k3 KL to the reference in the loss, group-std scaling;
+        # "bnpo" divides by the minibatch's own token count like rlhfflow's token-mean
+        # ("dapo", TRL's default, divides by the generation's mean tokens per step)
+        "beta": algo.kl_coef,
+        "epsilon": algo.clip_low,
+        "epsilon_high": algo.clip_high,
+        "scale_rewards": "group",
+        "loss_type": "bnpo" if algo.loss_agg == "token-mean" else "grpo",
+        # the prompts arrive in rlhfflow's order: no reshuffling
+        "shuffle_dataset": False,
+        "seed": spec.seed,
+        # rlhfflow trains in fp32 without activation checkpointing (TRL defaults to both
+        # bf16 and gradient checkpointing); its tiny models have no dropout
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "disable_dropout": True,
+        "use_cpu": True,
+        "use_vllm": False,
+    }
+
+
+# ------------------------------------------------------------------ the children
+def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
+    """One rlhfflow run with the pipeline's own settings; the per-iteration times and
+    rewards from its metrics."""
+    from rlhfflow.pipeline import load_pipeline
+    from rlhfflow.pipeline.executor import run_pipeline
+
+    out = Path(job["output"])
+    first_done: list[float] = []
+    stop = threading.Event()
+
+    def watch_first_iteration() -> None:
+        # iteration 0's record is the first line of metrics.jsonl; nothing in the result
+        # says when it finished, so poll for it (cheap beside the run)
+        metrics = out / "metrics.jsonl"
+        while not stop.is_set():
+            if metrics.is_file() and metrics.stat().st_size > 0:
+                first_done.append(time.time())
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch_first_iteration, daemon=True)
+    watcher.start()
+    pipeline = load_pipeline(job["config"], {"iterations": job["iterations"],
+                                             "output": str(out)})
+    result = run_pipeline(pipeline, progress=False, overwrite=True)
+    stop.set()
+    return {"iteration_s": [m["iteration_s"] for m in result.metrics],
+            "reward": [m["reward_mean"] for m in result.metrics],
+            "summary_s": result.summary.get("iteration_s"),
+            # TRL is on-policy: the comparison holds only while rlhfflow's default is too
+            "staleness_max": max((m["staleness_max"] or 0 for m in result.metrics), default=0),
+            "first_iteration_s": first_done[0] - job["launched"] if first_done else None}
+
+
+def run_trl(job: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer`` on the work ``job`` describes; times each optimizer step."""
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhfflow.stages.inference import load_function
+
+    tokenizer = AutoTokenizer.from_pretrained(job["init_path"])
+    # rlhfflow puts BOS before every prompt; TRL tokenizes the text as it is, and the
+    # tokenizer turns the literal "<bos>" into that token
+    bos = tokenizer.bos_token or ""
+    dataset = Dataset.from_dict({"prompt": [bos + p for p in job["prompts"]]})
+    reward = load_function(job["reward"]["function"], job["base_dir"])
+    kwargs = job["reward"]["kwargs"]
+
+    def reward_fn(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        """The pipeline's reward function, given the prompts as rlhfflow gives them."""
+        return reward([p.removeprefix(bos) for p in prompts], completions, **kwargs)
+
+    reward_fn.__name__ = job["reward"]["function"].rsplit(":", 1)[-1]
+
+    class StepClock(TrainerCallback):
+        """Wall time at the start of training and at the end of every optimizer step."""
+
+        def __init__(self) -> None:
+            self.begin = 0.0
+            self.ends: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.begin = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.time())
+
+    clock = StepClock()
+    steps = job["steps_per_iteration"]
+    config = GRPOConfig(output_dir=job["output"], max_steps=job["iterations"] * steps,
+                        logging_steps=1, save_strategy="no", report_to="none",
+                        disable_tqdm=True, dataloader_num_workers=0, **job["trl"])
+    trainer = GRPOTrainer(model=job["init_path"], reward_funcs=reward_fn, args=config,
+                          train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[clock])
+    trainer.train()
+    # iteration k = the generation at step k*steps and its `steps` optimizer steps
+    ends = [clock.begin] + clock.ends
+    iteration_s = [ends[(k + 1) * steps] - ends[k * steps] for k in range(job["iterations"])]
+    # TRL logs the batch's mean reward at the step that generated it
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    return {"iteration_s": iteration_s, "reward": rewards, "version": trl.__version__,
+            "threads": torch.get_num_threads(),
+            "first_iteration_s": ends[steps] - job["launched"]}
+
+
+def child(system: str, job_file: Path, result_file: Path) -> None:
+    """Entry point of a child process: run ``system`` on the job, write its result."""
+    job = json.loads(job_file.read_text())
+    result = run_rlhfflow(job) if system == "rlhfflow" else run_trl(job)
+    result_file.write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------ the parent
+def spawn(system: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run ``system`` in a fresh Python process; its result, or exit with its log's tail."""
+    import rlhfflow
+
+    work.mkdir(parents=True, exist_ok=True)
+    job_file, result_file = work / f"{system}-job.json", work / f"{system}-result.json"
+    log = work / f"{system}.log"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    # the child imports the same rlhfflow as this process, wherever it was found
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [
+        str(Path(rlhfflow.__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    job_file.write_text(json.dumps({**job, "launched": time.time()}))
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, __file__, "--child", system, str(job_file),
+                               str(result_file)], stdout=out, stderr=subprocess.STDOUT,
+                              env=env, cwd=ROOT)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"{tail}\nvs_trl: the {system} run failed (exit {done.returncode})")
+    return json.loads(result_file.read_text())
+
+
+def steady(times: list[float]) -> float:
+    """The median over the steady iterations: all but the first, which loads models."""
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path
+            ) -> dict[str, Any]:
+    """rlhfflow, then TRL at each of ``threads``, on config ``name``, ``rounds`` times,
+    alternating so that drift of the machine hits all alike; the figures of the
+    comparison, TRL's being those of its fastest thread count."""
+    # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
+    # single-threaded workers: keep the load beside the figures to judge them by
+    load = os.getloadavg()[0]
+    ours: list[dict[str, Any]] = []
+    theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
+    for r in range(rounds):
+        out = work / f"rlhfflow-{r}"
+        base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
+        ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
+        for t in threads:
+            theirs[t].append(spawn("trl", {**base, "output": str(work / f"trl-{t}-{r}"),
+                                           "threads": t}, work / f"round-{r}" / f"trl-{t}"))
+    rows = base["rows"]
+    by_threads = {t: summarize(runs, rows) for t, runs in theirs.items()}
+    best = min(by_threads, key=lambda t: by_threads[t]["s"])
+    fig = {"config": CONFIGS[name].name, "iterations": iterations, "rounds": rounds,
+           "rows": rows,
+           "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
+                   f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps"}
+    fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
+    fig.update({f"trl_{k}": v for k, v in by_threads[best].items()})
+    fig["speedup"] = round(fig["trl_s"] / fig["rlhfflow_s"], 3)
+    fig.update({
+        "rlhfflow_summary_s": [run["summary_s"] for run in ours],
+        "rlhfflow_staleness_max": max(run["staleness_max"] for run in ours),
+        "trl_threads": best, "trl_version": theirs[best][0]["version"],
+        "trl_by_threads": {str(t): f for t, f in by_threads.items()},
+        "load_1min": round(load, 2), "cpus": os.cpu_count()})
+    return fig
+
+
+def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
+    """The figures of one system's rounds: s/iteration (median of the steady medians),
+    samples/s, time to the first iteration, and the rewards of the first round."""
+    seconds = statistics.median(steady(run["iteration_s"]) for run in runs)
+    first = runs[0]
+    return {
+        "s": round(seconds, 4), "samples_per_s": round(rows / seconds, 2),
+        "first_iteration_s": _round(statistics.median(
+            run["first_iteration_s"] for run in runs)),
+        "reward": [_round(first["reward"][0]), _round(first["reward"][-1])],
+        "rewards": [_round(r) for r in first["reward"]],
+        # seeded: every round must learn the same numbers
+        "same_rewards_every_round": all(run["reward"] == first["reward"] for run in runs),
+        "iteration_s": [[_round(t) for t in run["iteration_s"]] for run in runs],
+    }
+
+
+def _round(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def print_table(name: str, fig: dict[str, Any]) -> None:
+    """One config's comparison as a small table: rlhfflow, then TRL per thread count."""
+    print(f"\n{name}: {fig['config']}, {fig['work']} per iteration, "
+          f"{fig['iterations']} iterations x {fig['rounds']} round(s) (s/iter: median of "
+          f"iterations 1.., median over rounds)")
+    print(f"{'system':<18}{'s/iter':>9}{'samples/s':>11}{'vs rlhfflow':>13}"
+          f"{'first iter s':>14}{'reward first':>14}{'reward last':>13}")
+    rows = {"rlhfflow": {k.removeprefix("rlhfflow_"): v for k, v in fig.items()
+                         if k.startswith("rlhfflow_")}}
+    for t, f in fig["trl_by_threads"].items():
+        rows[f"TRL {fig['trl_version']} {t}thr"] = f
+    for label, row in rows.items():
+        first, last = row["reward"]
+        first_it = row["first_iteration_s"]
+        print(f"{label:<18}{row['s']:>9.4f}{row['samples_per_s']:>11.1f}"
+              f"{row['s'] / fig['rlhfflow_s']:>13.3f}"
+              f"{first_it if first_it is not None else float('nan'):>14.2f}"
+              f"{first:>14.4f}{last:>13.4f}")
+        if not row["same_rewards_every_round"]:
+            print(f"warning: {label}'s rewards differed between rounds (not seeded?)")
+    print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio, against TRL's "
+          f"fastest: {fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
+          f"{fig['cpus']} cores before the runs)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="tiny,small",
+                        help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="iterations per run (default: 12 for tiny, 8 for small)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each system, alternating; the median counts")
+    parser.add_argument("--threads", default=str(os.cpu_count() or 1),
+                        help="TRL's torch threads, comma-separated to try several; the "
+                             "fastest counts (default: the machine's cores)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the runs' outputs and logs here (default: a temporary "
+                             "folder, removed)")
+    parser.add_argument("--child", nargs=3, metavar=("SYSTEM", "JOB", "RESULT"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        system, job_file, result_file = args.child
+        child(system, Path(job_file), Path(result_file))
+        return
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        parser.error(f"--configs: expected names from {', '.join(CONFIGS)}, got {args.configs!r}")
+    try:
+        threads = sorted({int(t) for t in args.threads.split(",") if t.strip()})
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        parser.error(f"--threads: expected positive integers, got {args.threads!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.iterations is not None and args.iterations < 2:
+        parser.error("--iterations must be at least 2 (iteration 0 is left out)")
+    missing = [p for p in BENCH_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise SystemExit(f"vs_trl.py needs {', '.join(missing)}: {INSTALL_HINT}")
+
+    figures = {}
+    for name in names:
+        iterations = args.iterations or DEFAULT_ITERATIONS[name]
+        if args.workdir is not None:
+            work = args.workdir / name
+            work.mkdir(parents=True, exist_ok=True)
+            figures[name] = compare(name, iterations, threads, args.rounds, work)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"vs-trl-{name}-") as tmp:
+                figures[name] = compare(name, iterations, threads, args.rounds,
+                                       Path(tmp))
+        print_table(name, figures[name])
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
