@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint bench clean
+.PHONY: help install run test lint bench bench-trl clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
@@ -60,6 +60,10 @@ bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, th
 	$(BIN)/python benchmarks/placement.py
 	$(BIN)/python benchmarks/overlap.py
 	$(BIN)/python benchmarks/planner.py
+
+bench-trl: $(STAMP)  ## rlhfflow vs TRL's GRPOTrainer on the same work (installs trl first)
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[bench]"
+	$(BIN)/python benchmarks/vs_trl.py --threads 1,2 --rounds 2
 
 clean:  ## remove .venv, runs/ and caches
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info
