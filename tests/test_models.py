@@ -470,3 +470,21 @@ def test_the_optimizer_follows_its_schedule_and_saves_it_apart(tiny_lm_dir, tok,
         assert again.scheduler.last_epoch == 3
         assert again.scheduler.get_last_lr()[0] == pytest.approx(0.5e-3)
         assert bool(optimizer.state) is moments
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_response_logits_equal_the_full_forwards(tokenizer, arch):
+    """Only the response positions go through the LM head; the values are those of a
+    forward over every position."""
+    from rlhfflow.stages.common import response_logits, sequence_inputs
+
+    module = build_tiny_model(tokenizer, "lm", seed=0, arch=arch)
+    gen = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": torch.randint(5, 40, (3, 7), generator=gen),
+             "prompt_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * 3),
+             "response_ids": torch.randint(5, 40, (3, 5), generator=gen),
+             "response_mask": torch.tensor([[1, 1, 1, 0, 0]] * 3)}
+    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
+    full = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                  use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + 5]
+    assert torch.equal(response_logits(module, batch), full.float())

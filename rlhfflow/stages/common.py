@@ -38,10 +38,31 @@ def response_logits(module: torch.nn.Module, batch: Batch, temperature: float = 
     device = next(module.parameters()).device
     input_ids, mask, positions, prompt_len = sequence_inputs(batch, device)
     response_len = batch["response_ids"].shape[1]
-    out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                 use_cache=False)
-    logits = out.logits[:, prompt_len - 1: prompt_len - 1 + response_len].float()
+    if _keeps_logits(module):
+        # the LM head only where a response token is predicted (positions Lp-1 ..
+        # Lp+Lr-2): with a real vocabulary the head is a large share of the forward, and
+        # the prompt's logits were computed only to be thrown away (same values, tested)
+        out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                     use_cache=False, logits_to_keep=response_len + 1)
+        logits = out.logits[:, :response_len].float()
+    else:
+        out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                     use_cache=False)
+        logits = out.logits[:, prompt_len - 1: prompt_len - 1 + response_len].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+def _keeps_logits(module: torch.nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs)."""
+    import inspect
+
+    forward = type(module).forward
+    if forward not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[forward] = "logits_to_keep" in inspect.signature(forward).parameters
+    return _KEEPS_LOGITS[forward]
+
+
+_KEEPS_LOGITS: dict = {}
 
 
 def response_logprobs(module: torch.nn.Module, batch: Batch, temperature: float = 1.0
