@@ -357,32 +357,11 @@ def _check_gangs(file, stages: Mapping[str, StagePlan], graph) -> None:
 
 
 def model_sizes(pipeline: Pipeline) -> dict[str, int]:
-    """Parameter bytes of every model, from its config (built on the meta device)."""
-    from rlhfflow.stages.models import (
-        build_char_tokenizer,
-        model_config,
-        parameter_bytes,
-        tiny_config,
-    )
-    from rlhfflow.stages.resident import DTYPES
+    """Parameter bytes of every model, from its config (built on the meta device; 0 for
+    a model not on disk yet)."""
+    from rlhfflow.pipeline.costmodel import model_shapes
 
-    spec = pipeline.spec
-    sizes = {}
-    for name, model in spec.models.items():
-        root = spec.models[pipeline.model_root(name)]
-        if root.tiny is not None:
-            tiny = root.tiny
-            config = tiny_config(build_char_tokenizer(), arch=tiny.arch, n_layer=tiny.layers,
-                                 hidden=tiny.hidden, n_head=tiny.heads,
-                                 max_positions=tiny.max_positions)
-        else:
-            try:
-                config = model_config(pipeline.resolve(root.path))
-            except (OSError, ValueError):  # not materialised yet: unknown size
-                sizes[name] = 0
-                continue
-        sizes[name] = parameter_bytes(config, model.head, DTYPES[model.dtype])
-    return sizes
+    return {name: shape.nbytes for name, shape in model_shapes(pipeline).items()}
 
 
 # --------------------------------------------------------------------------- text
