@@ -10,10 +10,15 @@ freshly initialised model nearly every draft would be accepted and a broken resi
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.spec import SpecError
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from rlhfflow.stages.models import (
     DEFAULT_ALPHABET,
@@ -22,7 +27,7 @@ from rlhfflow.stages.models import (
     save_model,
 )
 from rlhfflow.stages.speculative import CostModel, shallow_view
-from tests.conftest import make_prompt_batch
+from tests.conftest import REPO, make_prompt_batch, small_pipeline
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
          "speak of the star:", "x y z"]
@@ -261,3 +266,62 @@ def test_the_cost_model_interpolates_its_measured_points():
     cost = CostModel([(1, 1.0), (4, 1.0), (16, 4.0)])
     assert cost(2) == 1.0 and cost(10) == 2.5 and cost(28) == 7.0
     assert CostModel.linear(0.5, 0.25)(4) == 1.5
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_model(tmp_path_factory) -> Path:
+    """A tiny LM whose character tokenizer knows only "abc" (another vocabulary)."""
+    path = tmp_path_factory.mktemp("bad") / "other"
+    other = build_char_tokenizer("abc")
+    save_model(build_tiny_model(other, "lm", seed=2), other, path)
+    return path
+
+
+@pytest.mark.parametrize(("overrides", "key", "message"), [
+    ({"stages.generate.params.drafter": "oracle"}, "stages.generate.params.drafter",
+     "expected one of"),
+    ({"stages.generate.params.drafter": "ngram", "stages.generate.params.draft_k": 0},
+     "stages.generate.params.draft_k", "expected an integer >= 1, got 0"),
+    ({"stages.generate.params.drafter": "ngram", "stages.generate.params.draft_k": 17},
+     "stages.generate.params.draft_k", "16, got 17"),
+    ({"stages.generate.params.drafter": "model"}, "stages.generate.params.drafter",
+     "needs params.draft_model"),
+    ({"stages.generate.params.drafter": "model",
+      "stages.generate.params.draft_model": "drafty"},
+     "stages.generate.params.draft_model", "unknown model 'drafty'"),
+    ({"stages.generate.params.drafter": "model",
+      "stages.generate.params.draft_model": "draft"},
+     "stages.generate.params.draft_model", "has another vocabulary than 'actor'"),
+])
+def test_bad_drafting_settings_are_one_line_naming_the_key(tmp_path, other_tokenizer_model,
+                                                           overrides, key, message):
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "models.draft": {"path": str(other_tokenizer_model)}, **overrides})
+    with pytest.raises(SpecError) as info:
+        load_pipeline(path)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(f"{path}: {key}: ") and message in line
+
+
+def test_a_bad_drafter_exits_2_from_the_command_line(tmp_path, other_tokenizer_model):
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "models.draft": {"path": str(other_tokenizer_model)},
+        "stages.generate.params.drafter": "model",
+        "stages.generate.params.draft_model": "draft"})
+    done = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(
+        "a draft model must share the actor's tokenizer")
+
+
+def test_a_draft_model_with_the_actors_tokenizer_validates(tmp_path):
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "models.draft": {"tiny": {"layers": 1, "hidden": 32, "heads": 2}},
+        "stages.generate.params.drafter": "adaptive",
+        "stages.generate.params.adaptive_drafters": ["ngram", "model"],
+        "stages.generate.params.draft_model": "draft"})
+    assert load_pipeline(path).params["generate"].drafter == "adaptive"
