@@ -163,6 +163,8 @@ class GenerateStage(Stage):
         super().__init__(*args, **kwargs)
         # earlier prompt+response token sequences per prompt, for the n-gram drafter
         self.history: dict[int, deque] = {}
+        # acceptance per drafter measured by earlier calls: adaptive starts from it
+        self.acceptance: dict = {}
         self.last_stats = None
 
     @classmethod
@@ -217,7 +219,8 @@ class GenerateStage(Stage):
         else:
             from rlhfflow.stages.speculative import decode
 
-            out, stats = decode_batch(resident, batch, ctx, params, self.history, decode)
+            out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
+                                      self.acceptance)
             self.last_stats = stats
             out.update(gen_steps=stats.steps, gen_drafted=stats.drafted,
                        gen_accepted=stats.accepted, gen_k_sum=stats.k_sum)
@@ -237,9 +240,11 @@ def used_drafters(params: GenerateParams) -> tuple[str, ...]:
 
 
 def decode_batch(resident, batch: Batch, ctx: StageContext, params: GenerateParams,
-                 history: dict[int, deque], decode) -> tuple[Batch, object]:
+                 history: dict[int, deque], decode, acceptance: dict
+                 ) -> tuple[Batch, object]:
     """Run ``speculative.decode`` on a batch with the drafters ``params`` ask for, and
-    remember the responses for the n-gram drafter's history."""
+    remember the responses for the n-gram drafter's history. ``acceptance`` (drafter ->
+    ``Acceptance``) carries measured acceptance from call to call, halved each call."""
     from rlhfflow.stages import speculative as spec
     from rlhfflow.stages.decoding import row_streams
 
@@ -283,7 +288,9 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
     if params.drafter == "adaptive":
         verify_cost = (spec.CostModel.linear(*params.verify_cost) if params.verify_cost
                        else spec.measure_cost(module, width))
-        policy = spec.AdaptivePolicy(verify_cost, params.draft_k)
+        for known in acceptance.values():
+            known.decay(0.5)  # earlier calls count, the latest most
+        policy = spec.AdaptivePolicy(verify_cost, params.draft_k, acceptance)
     else:
         policy = spec.FixedPolicy(None if params.drafter == "none" else params.drafter,
                                   0 if params.drafter == "none" else params.draft_k)

@@ -269,14 +269,20 @@ def shallow_view(module: torch.nn.Module, layers: int) -> torch.nn.Module:
 class Acceptance:
     """Draft tokens the target evaluated and accepted, and rows that got any draft."""
 
-    accepted: int = 0
-    evaluated: int = 0
-    covered: int = 0
-    offered: int = 0
+    accepted: float = 0
+    evaluated: float = 0
+    covered: float = 0
+    offered: float = 0
 
     def rate(self) -> float:
-        """Per-token acceptance, with a Beta(1, 1) prior so a drafter gets tried."""
-        return (self.accepted + 1) / (self.evaluated + 2)
+        """Per-token acceptance, with a Beta(1, 2) prior: a new drafter gets tried, and
+        a useless one is dropped after a few steps."""
+        return (self.accepted + 1) / (self.evaluated + 3)
+
+    def decay(self, keep: float) -> None:
+        """Forget the past by a factor (the actor drifts between iterations)."""
+        self.accepted, self.evaluated = self.accepted * keep, self.evaluated * keep
+        self.covered, self.offered = self.covered * keep, self.offered * keep
 
     def coverage(self) -> float:
         """Fraction of rows that received a draft (an n-gram may find none)."""
