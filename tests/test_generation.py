@@ -325,3 +325,16 @@ def test_a_draft_model_with_the_actors_tokenizer_validates(tmp_path):
         "stages.generate.params.adaptive_drafters": ["ngram", "model"],
         "stages.generate.params.draft_model": "draft"})
     assert load_pipeline(path).params["generate"].drafter == "adaptive"
+
+
+def test_adaptive_drops_a_drafter_whose_steps_take_longer_than_predicted():
+    from rlhfflow.stages.speculative import Acceptance, AdaptivePolicy, NgramDrafter
+
+    drafters = {"ngram": NgramDrafter([[5, 6, 5, 6]], [0], {}, 2, 1)}
+    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4, timed=True)
+    policy.stats["ngram"] = Acceptance(accepted=5, evaluated=10)
+    assert policy.choose(1, drafters)[0] == "ngram"  # a fixed cost per forward: it pays
+    for _ in range(10):  # but its steps measure 3 s where 1 s was predicted
+        policy.observe_time("ngram", 1, 4, drafters, 3.0)
+        policy.observe_time(None, 1, 0, drafters, 1.0)
+    assert policy.choose(1, drafters) == (None, 0)

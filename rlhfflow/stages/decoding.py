@@ -169,11 +169,16 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
         if params.greedy:
             ok = logits[:, :k].argmax(-1) == drafts_d
         else:
-            from rlhfflow.stages.generate import filter_logits
+            if params.top_k == 0 and params.top_p >= 1.0:
+                # no filter: p(d) from the log-probs computed anyway (a softmax over the
+                # vocabulary in float64 per draft position costs as much as a forward)
+                p = logprobs_all[:, :k].gather(-1, drafts_d[..., None])[..., 0].double().exp()
+            else:
+                from rlhfflow.stages.generate import filter_logits
 
-            filtered = filter_logits(scaled[:, :k].reshape(rows * k, -1), params.top_k,
-                                     params.top_p).reshape(rows, k, -1)
-            p = torch.softmax(filtered.double(), -1).gather(-1, drafts_d[..., None])[..., 0]
+                filtered = filter_logits(scaled[:, :k].reshape(rows * k, -1), params.top_k,
+                                         params.top_p).reshape(rows, k, -1)
+                p = torch.softmax(filtered.double(), -1).gather(-1, drafts_d[..., None])[..., 0]
             if draft_probs is None:
                 q = torch.ones_like(p)
             else:

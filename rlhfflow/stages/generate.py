@@ -290,7 +290,8 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
                        else spec.measure_cost(module, width))
         for known in acceptance.values():
             known.decay(0.5)  # earlier calls count, the latest most
-        policy = spec.AdaptivePolicy(verify_cost, params.draft_k, acceptance)
+        policy = spec.AdaptivePolicy(verify_cost, params.draft_k, acceptance,
+                                     timed=params.verify_cost is None)
     else:
         policy = spec.FixedPolicy(None if params.drafter == "none" else params.drafter,
                                   0 if params.drafter == "none" else params.draft_k)

@@ -324,24 +324,50 @@ class AdaptivePolicy:
     ``a`` are ``c * (1 - a^(k+1)) / (1 - a) + (1 - c)`` (``c``: fraction of rows that get
     a draft); time is the verification forward over ``rows * (k + 1)`` tokens plus the
     drafter's cost. The choice with the most tokens per second wins, ``k = 0`` included.
+
+    With ``timed`` (a measured cost model), the wall time of every step corrects the
+    prediction of its kind (``off`` or the drafter): a running ratio of measured to
+    predicted seconds. That catches what the forward's table leaves out (drafter
+    bookkeeping, the acceptance test over the vocabulary, a machine busier than when
+    measured), so a choice that does not pay in practice is dropped.
     """
 
     verify_cost: CostModel
     k_max: int
     stats: dict[str, Acceptance] = field(default_factory=dict)
+    timed: bool = False
+    correction: dict[str, float] = field(default_factory=dict)
+
+    def predict(self, name: str | None, rows: int, k: int, drafters: dict) -> float:
+        """Predicted seconds of a step, corrected by the measured ratio of its kind."""
+        seconds = self.verify_cost(rows * (k + 1))
+        if name is not None:
+            seconds += drafters[name].cost(rows, k)
+        return seconds * self.correction.get(name or "off", 1.0)
 
     def choose(self, rows: int, drafters: dict) -> tuple[str | None, int]:
         """``(drafter, k)`` of the best expected throughput; ``(None, 0)`` for plain."""
-        best, best_rate = (None, 0), rows / self.verify_cost(rows)
-        for name, drafter in drafters.items():
+        best, best_rate = (None, 0), rows / self.predict(None, rows, 0, drafters)
+        for name in drafters:
             acc = self.stats.setdefault(name, Acceptance())
             a, c = min(acc.rate(), 0.999), acc.coverage()
             for k in range(1, self.k_max + 1):
                 tokens = c * (1 - a ** (k + 1)) / (1 - a) + (1 - c)
-                seconds = self.verify_cost(rows * (k + 1)) + drafter.cost(rows, k)
-                if rows * tokens / seconds > best_rate * 1.02:  # ties go to the simpler
-                    best, best_rate = (name, k), rows * tokens / seconds
+                rate = rows * tokens / self.predict(name, rows, k, drafters)
+                if rate > best_rate * 1.02:  # ties go to the simpler
+                    best, best_rate = (name, k), rate
         return best
+
+    def observe_time(self, name: str | None, rows: int, k: int, drafters: dict,
+                     seconds: float) -> None:
+        """Fold a step's measured wall time into its kind's correction."""
+        if not self.timed:
+            return
+        kind = name or "off"
+        old = self.correction.get(kind, 1.0)
+        predicted = self.predict(name, rows, k, drafters) / old
+        if predicted > 0:
+            self.correction[kind] = 0.7 * old + 0.3 * seconds / predicted
 
     def observe(self, name: str, accepted: torch.Tensor, draft_len: torch.Tensor) -> None:
         """Update the acceptance of ``name``."""
@@ -411,6 +437,7 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
             streams, active, produced, last = (streams.select(keep), active[keep],
                                                produced[keep], last[keep])
             seqs[:] = [seqs[r] for r in keep.tolist()]
+        step_start = time.perf_counter()
         name, k = policy.choose(len(active), drafters)
         limit = steps - produced - 1  # the step emits its drafts plus one token
         if name is not None and k > 0 and bool((limit > 0).any()):
@@ -446,6 +473,9 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         stats.accepted[active] += verdict.accepted
         stats.k_sum[active] += k
         stats.choices[(name or "off", k)] += 1
+        if hasattr(policy, "observe_time"):
+            policy.observe_time(name, len(active), k, drafters,
+                                time.perf_counter() - step_start)
         produced = produced + count
         last = verdict.tokens[torch.arange(len(active)), count - 1]
         finished = hit_eos | (produced >= steps)
