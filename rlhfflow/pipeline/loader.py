@@ -95,6 +95,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     _check_files(file, pipeline)
+    _check_auxiliary_models(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     _check_prompts(file, pipeline)
     return pipeline
@@ -369,3 +370,42 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
                 raise SpecError(file, f"stages.{name}.params.function", f"the reward function "
                                 f"takes {field!r}, which record {pipeline.prompts_path}:"
                                 f"{line} does not have (give it a default, or add the field)")
+
+
+def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
+    """Models a stage uses besides its own (a draft model) must exist, be ``lm`` models
+    and share the stage model's tokenizer: their token ids are compared as they are."""
+    spec = pipeline.spec
+    for name, stage in spec.stages.items():
+        uses = STAGE_TYPES[stage.type].auxiliary_models(pipeline.params[name])
+        for key, model in uses.items():
+            where = f"stages.{name}.{key}"
+            if model not in spec.models:
+                hint = did_you_mean(model, spec.models)
+                raise SpecError(file, where, f"unknown model {model!r}{hint}")
+            if spec.models[model].head != "lm":
+                raise SpecError(file, where, f"model {model!r} has head "
+                                f"{spec.models[model].head!r}; a draft model needs 'lm'")
+            if stage.model is None:
+                continue
+            mine, theirs = _vocabulary(pipeline, stage.model), _vocabulary(pipeline, model)
+            if mine != theirs:
+                raise SpecError(file, where, f"model {model!r} has another vocabulary than "
+                                f"{stage.model!r} ({len(theirs[1])} vs {len(mine[1])} "
+                                f"tokens, vocab_size {theirs[0]} vs {mine[0]}); a draft "
+                                "model must share the actor's tokenizer")
+
+
+def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
+    """``(vocab_size, token -> id)`` of a model, from its root's files or ``tiny:``."""
+    root = pipeline.spec.models[pipeline.model_root(model)]
+    if root.tiny is not None:
+        from rlhfflow.stages.models import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+        return len(tokenizer), tokenizer.get_vocab()
+    from transformers import AutoTokenizer
+
+    path = pipeline.resolve(root.path)
+    size = json.loads((path / "config.json").read_text()).get("vocab_size", -1)
+    return size, AutoTokenizer.from_pretrained(path).get_vocab()

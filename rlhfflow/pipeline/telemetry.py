@@ -129,6 +129,7 @@ class Telemetry:
             "busy_frac": busy,
             "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
             "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
+            **_generation(total),
             "score_errors": int(total.get("score_errors", 0)),
             "score_retries": int(total.get("score_retries", 0)),
             **{f"reward_mean_{k[len('score_'):-len('_sum')]}": total[k] / scored if scored
@@ -136,6 +137,23 @@ class Telemetry:
                and k.endswith("_sum")},
             "train": train,
         }
+
+
+def _generation(total: dict[str, float]) -> dict[str, Any]:
+    """The decoding figures of an iteration: tokens/s of the generate tasks, and with
+    speculative decoding the acceptance rate, accepted tokens per verification and the
+    mean draft length (None where nothing was drafted)."""
+    if "gen_steps_sum" not in total:
+        return {}
+    steps, drafted = total["gen_steps_sum"], total["gen_drafted_sum"]
+    seconds = total.get("gen_seconds_sum", 0.0)
+    return {
+        "gen_tokens_per_s": round(total["tokens"] / seconds, 2) if seconds else None,
+        "gen_acceptance": round(total["gen_accepted_sum"] / drafted, 4) if drafted else None,
+        "gen_accepted_per_verify": round(total["gen_accepted_sum"] / steps, 4)
+        if drafted and steps else None,
+        "gen_k_mean": round(total["gen_k_sum_sum"] / steps, 3) if drafted and steps else None,
+    }
 
 
 def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | None:

@@ -328,12 +328,18 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
                 out[f"{column}_sum"] = float(value.double()[valid].sum())
     if "kl" in batch:
         out["kl_sum"] = float((batch["kl"] * mask).sum())
+    for column in GENERATION_COLUMNS:  # decoding statistics of the generate stage
+        if column in batch:
+            out[f"{column}_sum"] = float(batch[column].double().sum())
     if "score_error" in batch:
         out["score_errors"] = float(sum(1 for e in batch["score_error"] if e))
     if "score_retries" in batch:
         out["score_retries"] = float(batch["score_retries"].sum())
     return out
 
+
+GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds")
+"""Per-row decoding statistics ``generate`` writes, summed for the iteration's record."""
 
 # the score stage's own columns; any other score_<name> is one reward function's score
 SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")

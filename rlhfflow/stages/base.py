@@ -127,6 +127,13 @@ class Stage:
         """
         return None
 
+    @classmethod
+    def auxiliary_models(cls, params: StageParams) -> dict[str, str]:
+        """Models the stage uses besides its own (``{key: model name}``, e.g. a draft
+        model under ``"params.draft_model"``). The loader checks each is an ``lm`` model
+        with the same tokenizer as the stage's model."""
+        return {}
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         """Compute the stage's columns for ``batch``. Returns only the new columns."""
         raise NotImplementedError

@@ -4,12 +4,21 @@ Sampling is reproducible **per sample**: every row draws its random numbers from
 generator seeded by ``(seed, iteration, prompt_index, sample_index)``, so a prompt's
 response does not depend on which batch or micro-batch it lands in. Each step samples by
 inverse CDF with that row's uniform draw, which is exact categorical sampling.
+
+Rows that finished (EOS or ``max_new_tokens``) leave the decode batch and its KV cache
+(``compact``, on by default; tokens and log-probs are bit-identical to keeping them).
+``drafter`` turns on speculative decoding (``rlhfflow.stages.speculative``): the target
+distribution is kept exactly, greedy decoding gives the plain tokens, and ``adaptive``
+picks the drafter and draft length per step from the workload.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
+from collections import deque
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -17,10 +26,13 @@ from pydantic import Field
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.common import position_ids, stage_seed
 
+DRAFTERS = ("ngram", "layers", "model")
+
 
 class GenerateParams(StageParams):
-    """Sampling settings. A response ends at an EOS id (the tokenizer's and the model's
-    ``generation_config``'s) or right after the first of the ``stop`` strings."""
+    """Sampling and decoding settings (README: "YAML reference", ``generate``). A
+    response ends at an EOS id (the tokenizer's and the model's ``generation_config``'s)
+    or right after the first of the ``stop`` strings."""
 
     max_new_tokens: Annotated[int, Field(gt=0)] = 32
     temperature: Annotated[float, Field(gt=0)] = 1.0
@@ -28,6 +40,24 @@ class GenerateParams(StageParams):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     greedy: bool = False
     stop: list[str] = []
+    #: finished rows leave the decode batch (always on under speculation)
+    compact: bool = True
+    #: ``none``, one drafter, or ``adaptive`` (choose among ``adaptive_drafters`` per step)
+    drafter: Literal["none", "ngram", "layers", "model", "adaptive"] = "none"
+    #: draft length of a fixed drafter; the largest length ``adaptive`` tries
+    draft_k: Annotated[int, Field(ge=1, le=16)] = 4
+    adaptive_drafters: list[Literal["ngram", "layers", "model"]] = ["ngram", "layers"]
+    #: ``models.NAME`` of the draft model (drafter ``model``); same tokenizer as the actor
+    draft_model: str | None = None
+    #: drafter ``layers``: how many of the actor's first decoder layers draft
+    draft_layers: Annotated[int, Field(ge=1)] = 4
+    ngram_max: Annotated[int, Field(ge=1, le=8)] = 4
+    ngram_min: Annotated[int, Field(ge=1, le=8)] = 2
+    #: earlier responses per prompt the ``ngram`` drafter keeps (per worker)
+    ngram_history: Annotated[int, Field(ge=0)] = 4
+    #: ``[seconds, seconds_per_token]`` of a forward for ``adaptive``; unset: measured once
+    #: per worker (then sampled tokens may differ between runs with different timings)
+    verify_cost: list[Annotated[float, Field(ge=0)]] | None = None
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -111,15 +141,35 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
             "sample_logprobs": logprobs}
 
 
+#: Per-row decoding figures the stage writes (sum them over rows to aggregate).
+METRIC_COLUMNS = {
+    "gen_steps": Column("int64"),      # target forwards after the prompt the row was in
+    "gen_drafted": Column("int64"),    # draft tokens proposed to the row and verified
+    "gen_accepted": Column("int64"),   # of which the target accepted
+    "gen_k_sum": Column("int64"),      # sum over its steps of the draft length used
+    "gen_seconds": Column("float32"),  # its share of its call's wall time (call / rows)
+}
+
+
 @register_stage
 class GenerateStage(Stage):
     """Sample responses from a causal LM (the actor). Writes response tokens, their mask,
     the sampling log-probs and ``policy_version``: the version of the weights that
-    sampled each row (how stale it is when trained on)."""
+    sampled each row (how stale it is when trained on), and per-row decoding figures
+    (``METRIC_COLUMNS``). ``last_stats`` keeps the last call's ``DecodeStats`` (drafter
+    and k chosen per step, rows that left the batch) for callers in the same process."""
 
     type_name = "generate"
     Params = GenerateParams
     model_head = "lm"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # earlier prompt+response token sequences per prompt, for the n-gram drafter
+        self.history: dict[int, deque] = {}
+        # acceptance per drafter measured by earlier calls: adaptive starts from it
+        self.acceptance: dict = {}
+        self.last_stats = None
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
@@ -131,24 +181,158 @@ class GenerateStage(Stage):
                 "response_mask": Column("int8", "response"),
                 "sample_logprobs": Column("float32", "response"),
                 "policy_version": Column("int64"),
-                "response_text": Column("str")}
+                "response_text": Column("str"),
+                **METRIC_COLUMNS}
+
+    @classmethod
+    def check_params(cls, params, has_model, base_dir):
+        uses = used_drafters(params)
+        if "model" in uses and params.draft_model is None:
+            key = "drafter" if params.drafter == "model" else "adaptive_drafters"
+            return (f"params.{key}", "drafter 'model' needs params.draft_model "
+                                     "(the name of a model in 'models')")
+        if params.ngram_min > params.ngram_max:
+            return ("params.ngram_min", f"must not exceed ngram_max ({params.ngram_max})")
+        if params.verify_cost is not None and len(params.verify_cost) != 2:
+            return ("params.verify_cost", "expected [seconds, seconds_per_token]")
+        return None
+
+    @classmethod
+    def auxiliary_models(cls, params) -> dict[str, str]:
+        """Other models the stage uses, by key: they must be LMs with the stage model's
+        tokenizer (the loader checks)."""
+        if params.draft_model is not None and "model" in used_drafters(params):
+            return {"params.draft_model": params.draft_model}
+        return {}
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        start = time.perf_counter()
         resident = ctx.models.get(self.model)
         tok = resident.tokenizer
-        uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
-                                   batch["sample_index"], self.params.max_new_tokens)
+        params = self.params
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"], uniforms,
-                       self.params, eos_ids(resident.module, tok), pad_id)
-        if self.params.stop:
-            cut_at_stop(out, tok, self.params.stop, pad_id)
+        eos = eos_ids(resident.module, tok)
+        rows = len(batch["prompt_index"])
+        if params.drafter == "none" and not params.compact:
+            uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
+                                       batch["sample_index"], params.max_new_tokens)
+            out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"],
+                           uniforms, params, eos, pad_id)
+            zeros = torch.zeros(rows, dtype=torch.long)
+            out.update(gen_steps=zeros, gen_drafted=zeros, gen_accepted=zeros,
+                       gen_k_sum=zeros)
+        else:
+            from rlhfflow.stages.speculative import decode
+
+            out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
+                                      self.acceptance, eos)
+            self.last_stats = stats
+            out.update(gen_steps=stats.steps, gen_drafted=stats.drafted,
+                       gen_accepted=stats.accepted, gen_k_sum=stats.k_sum)
+        if params.stop:
+            cut_at_stop(out, tok, params.stop, pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
         out["response_text"] = tok.batch_decode(real.tolist(), skip_special_tokens=True)
         out["policy_version"] = torch.full((len(real),), resident.version, dtype=torch.long)
+        seconds = time.perf_counter() - start
+        out["gen_seconds"] = torch.full((rows,), seconds / max(rows, 1), dtype=torch.float32)
         return out
 
 
+def used_drafters(params: GenerateParams) -> tuple[str, ...]:
+    """The drafters a configuration may use."""
+    if params.drafter == "adaptive":
+        return tuple(params.adaptive_drafters)
+    return () if params.drafter == "none" else (params.drafter,)
+
+
+def decode_batch(resident, batch: Batch, ctx: StageContext, params: GenerateParams,
+                 history: dict[int, deque], decode, acceptance: dict,
+                 eos: Sequence[int] | None = None) -> tuple[Batch, object]:
+    """Run ``speculative.decode`` on a batch with the drafters ``params`` ask for, and
+    remember the responses for the n-gram drafter's history. ``acceptance`` (drafter ->
+    ``Acceptance``) carries measured acceptance from call to call, halved each call."""
+    from rlhfflow.stages import speculative as spec
+    from rlhfflow.stages.decoding import row_streams
+
+    tok, module = resident.tokenizer, resident.module
+    streams = row_streams(ctx.seed, ctx.iteration, batch["prompt_index"],
+                          batch["sample_index"], params.max_new_tokens)
+    groups = batch["prompt_index"].tolist()
+    uses = used_drafters(params)
+    width = len(groups) * (params.draft_k + 1)
+
+    def make_drafters(first: torch.Tensor, seqs: list[list[int]]) -> dict:
+        drafters = {}
+        if "ngram" in uses:
+            past = {g: list(history.get(g, ())) for g in set(groups)}
+            drafters["ngram"] = spec.NgramDrafter(seqs, list(groups), past, params.ngram_max,
+                                                  params.ngram_min)
+        for name in ("layers", "model"):
+            if name not in uses:
+                continue
+            if name == "layers":
+                draft_module = _layers_view(module, params.draft_layers)
+            else:
+                draft = ctx.models.get(params.draft_model)
+                check_same_vocabulary(tok, draft.tokenizer, params.draft_model)
+                draft_module = draft.module
+            drafters[name] = spec.ModelDrafter(name, draft_module, batch["prompt_ids"],
+                                               batch["prompt_mask"], first,
+                                               drafter_cost(draft_module))
+        return drafters
+
+    def drafter_cost(draft_module: torch.nn.Module) -> spec.CostModel:
+        if params.drafter != "adaptive":
+            return spec.CostModel.linear(0.0, 0.0)  # a fixed policy never asks
+        if params.verify_cost is None:
+            return spec.measure_cost(draft_module, len(groups))
+        # a fixed cost model: scale the actor's by the parameters that draft
+        ratio = (sum(p.numel() for p in draft_module.parameters())
+                 / sum(p.numel() for p in module.parameters()))
+        return spec.CostModel.linear(*(c * ratio for c in params.verify_cost))
+
+    if params.drafter == "adaptive":
+        verify_cost = (spec.CostModel.linear(*params.verify_cost) if params.verify_cost
+                       else spec.measure_cost(module, width))
+        for known in acceptance.values():
+            known.decay(0.5)  # earlier calls count, the latest most
+        policy = spec.AdaptivePolicy(verify_cost, params.draft_k, acceptance,
+                                     timed=params.verify_cost is None)
+    else:
+        policy = spec.FixedPolicy(None if params.drafter == "none" else params.drafter,
+                                  0 if params.drafter == "none" else params.draft_k)
+    out, stats = decode(module, batch["prompt_ids"], batch["prompt_mask"], streams, params,
+                        eos if eos is not None else tok.eos_token_id, tok.pad_token_id or 0,
+                        sample_step,
+                        make_drafters if uses else None, policy)
+    if "ngram" in uses and params.ngram_history:
+        real = batch["prompt_mask"].bool()
+        for row, group in enumerate(groups):
+            seq = batch["prompt_ids"][row][real[row]].tolist()
+            seq += out["response_ids"][row][out["response_mask"][row].bool()].tolist()
+            history.setdefault(group, deque(maxlen=params.ngram_history)).append(seq)
+    return out, stats
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layers_view(module: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """The actor's first-layers drafter, built once per module (it shares the weights)."""
+    from rlhfflow.stages.speculative import shallow_view
+
+    views = _VIEWS.setdefault(module, {})
+    if layers not in views:
+        views[layers] = shallow_view(module, layers)
+    return views[layers]
+
+
+def check_same_vocabulary(actor_tok, draft_tok, draft_name: str) -> None:
+    """A draft model must share the actor's tokenizer: token ids are compared as is."""
+    if actor_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(f"draft model {draft_name!r} has another tokenizer than the actor "
+                         f"({len(draft_tok)} vs {len(actor_tok)} tokens or other ids)")
 
 # ---------------------------------------------------------------------------------------
 # Where a response ends (owned by the data side): EOS ids and stop strings.
