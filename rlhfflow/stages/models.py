@@ -53,6 +53,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# With accelerate installed (the `models` extra), transformers imports DeepSpeed's
+# integration, and DeepSpeed prints a warning on every import in every process of a
+# machine without a GPU that it chose the CPU. Saying so up front keeps runs quiet.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
