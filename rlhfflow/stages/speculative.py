@@ -424,7 +424,10 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         eos_id = torch.as_tensor(eos_id).flatten()  # one id or several (chat models)
         finished |= torch.isin(first, eos_id)
     real = prompt_mask.bool()
-    seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)]
+    # each row's tokens so far, as lists: only drafters read them (plain decoding skips
+    # this per-row Python work, which at batch 64 cost more than compaction saved)
+    seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)] \
+        if make_drafters else []
     drafters = make_drafters(first, seqs) if make_drafters else {}
     policy = policy or FixedPolicy(None, 0)
 
@@ -439,7 +442,8 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
                 drafter.select(keep)
             streams, active, produced, last = (streams.select(keep), active[keep],
                                                produced[keep], last[keep])
-            seqs[:] = [seqs[r] for r in keep.tolist()]
+            if drafters:
+                seqs[:] = [seqs[r] for r in keep.tolist()]
         step_start = time.perf_counter()
         name, k = policy.choose(len(active), drafters)
         limit = steps - produced - 1  # the step emits its drafts plus one token
@@ -466,11 +470,12 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         tokens_out[where_rows, where_cols] = verdict.tokens[emit]
         logprobs_out[where_rows, where_cols] = verdict.logprobs[emit]
         mask_out[where_rows, where_cols] = 1
-        emitted = [verdict.tokens[r, :int(count[r])].tolist() for r in range(len(active))]
-        for seq, new in zip(seqs, emitted, strict=True):
-            seq.extend(new)
-        for other_name, drafter in drafters.items():
-            drafter.commit(verdict.accepted, emitted, drafted=other_name == name)
+        if drafters:
+            emitted = [verdict.tokens[r, :int(count[r])].tolist() for r in range(len(active))]
+            for seq, new in zip(seqs, emitted, strict=True):
+                seq.extend(new)
+            for other_name, drafter in drafters.items():
+                drafter.commit(verdict.accepted, emitted, drafted=other_name == name)
         stats.steps[active] += 1
         stats.drafted[active] += draft.length
         stats.accepted[active] += verdict.accepted
