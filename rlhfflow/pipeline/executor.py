@@ -510,8 +510,9 @@ class Executor:
         train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
                                strict=True))
         moved = self.backend.gather(installs)
+        retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
-        record = self.telemetry.record(it.index, partials, train_stats, moved)
+        record = self.telemetry.record(it.index, partials, train_stats, moved, retried)
         self.log.append(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])
