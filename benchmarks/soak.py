@@ -78,11 +78,14 @@ def write_pipeline(directory: Path, iterations: int, every: int, workers: int = 
 @dataclass
 class Fault:
     """One SIGKILL: of a ``worker`` or of the ``coordinator``, after ``iteration`` was
-    committed, at ``at_s`` seconds into the run."""
+    committed, at ``at_s`` seconds into the run; ``regained_s`` later the run committed
+    an iteration past ``iteration`` again (detection, restart, reload, the iterations
+    redone since the checkpoint, and one new iteration)."""
 
     kind: str
     iteration: int
     at_s: float
+    regained_s: float | None = None
 
 
 @dataclass
@@ -106,6 +109,9 @@ class Watcher:
         highest = -1
         while not self.done.wait(0.05):
             highest = max(highest, _last_iteration(self.metrics))
+            for fault in self.faults:
+                if fault.regained_s is None and highest > fault.iteration:
+                    fault.regained_s = round(time.monotonic() - self.started - fault.at_s, 2)
             if self.coordinator_at is not None and highest >= self.coordinator_at:
                 if self._kill_coordinator(highest):
                     self.coordinator_at = None
@@ -254,6 +260,7 @@ def soak(directory: Path, iterations: int, kill_every: int, every: int,
         "worker_kills": sum(f.kind == "worker" for f in faults),
         "coordinator_kills": sum(f.kind == "coordinator" for f in faults),
         "fault_iterations": [f"{f.kind}@{f.iteration}" for f in faults],
+        "regained_s": [f.regained_s for f in faults],
         "recoveries_logged": log.count("recovering from the last checkpoint"),
         "supervisor_restarts": log.count("rlhfflow: supervisor: the run died"),
         "clean_wall_s": round(clean_s, 2), "faulted_wall_s": round(faulted_s, 2),
@@ -284,6 +291,8 @@ def main() -> None:
     print(f"{'wall, no faults':<28}{figures['clean_wall_s']:.1f} s")
     print(f"{'wall, with faults':<28}{figures['faulted_wall_s']:.1f} s")
     print(f"{'time lost per fault':<28}{figures['lost_per_fault_s']:.1f} s")
+    print(f"{'kill to next new iteration':<28}"
+          + ", ".join(f"{s:.1f} s" if s is not None else "-" for s in figures["regained_s"]))
     for name, ok in figures["checks"].items():
         print(f"{name:<28}{'ok' if ok else 'FAILED'}")
     print(json.dumps(figures))
