@@ -305,10 +305,11 @@ def test_a_worker_killed_during_the_setup_stages_is_replaced_and_setup_redone(tm
     run_pipeline(load_pipeline(whole), progress=False, inline=True)
     assert MetricsLog(out / "setup.jsonl").read() == \
         MetricsLog(tmp_path / "whole" / "out" / "setup.jsonl").read()
-    redone = load_file(out / "models" / "actor" / "setup" / "model.safetensors")
-    uninterrupted = load_file(tmp_path / "whole" / "out" / "models" / "actor" / "setup"
-                              / "model.safetensors")
-    assert redone.keys() == uninterrupted.keys()
-    for name, tensor in redone.items():
-        torch.testing.assert_close(tensor, uninterrupted[name], rtol=1e-6, atol=1e-7)
+    for weights in ("setup", "final"):  # after the redone SFT, and after the loop
+        redone = load_file(out / "models" / "actor" / weights / "model.safetensors")
+        uninterrupted = load_file(tmp_path / "whole" / "out" / "models" / "actor" / weights
+                                  / "model.safetensors")
+        assert redone.keys() == uninterrupted.keys()
+        for name, tensor in redone.items():
+            torch.testing.assert_close(tensor, uninterrupted[name], rtol=1e-6, atol=1e-7)
     assert _results(out) == _results(tmp_path / "whole" / "out")
