@@ -55,11 +55,12 @@ test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests includ
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks
 
-bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, the planner
+bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, the planner, the soak
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/placement.py
 	$(BIN)/python benchmarks/overlap.py
 	$(BIN)/python benchmarks/planner.py
+	$(BIN)/python benchmarks/soak.py
 
 bench-trl: $(STAMP)  ## rlhfflow vs TRL's GRPOTrainer on the same work (installs trl first)
 	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[bench]"

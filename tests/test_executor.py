@@ -239,6 +239,18 @@ def test_a_retried_stage_survives_a_failure(cluster, tmp_path):
     assert len(result.metrics) == 2
     for record in result.metrics:  # the reward counts characters
         assert record["reward_mean"] > 0
+    # the one retry is counted, in the iteration whose task took it
+    assert [r["task_retries"] for r in result.metrics] == [1, 0]
+    assert [r["task_retries"] for r in MetricsLog(tmp_path / "out" / "metrics.jsonl").read()
+            ] == [1, 0]
+
+
+def test_the_inline_backend_counts_its_retries_too(tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    pipeline = _load(tmp_path, "grpo", {
+        "stages.reward.params.function": "flaky.py:reward", "stages.reward.retries": 1})
+    result = run_pipeline(pipeline, progress=False, inline=True)
+    assert [r["task_retries"] for r in result.metrics] == [1, 0]
 
 
 def test_a_failing_stage_stops_the_run_naming_stage_iteration_and_cause(cluster, tmp_path):

@@ -8,18 +8,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from rlhfflow.cli.main import main
 from rlhfflow.pipeline.executor import RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
-from tests.conftest import small_pipeline
+from tests.conftest import DATA, small_pipeline
+from tests.test_setup_stages import _with_setup_stage
 
 # what must not change when a run is stopped and resumed (timings may)
 RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "policy_loss",
@@ -292,3 +296,57 @@ def test_max_restarts_without_supervise_is_a_mistake(tmp_path):
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == ("Error: --max-restarts bounds the restarts of --supervise; add "
                              "--supervise\n")
+
+
+def _device_workers(coordinator: psutil.Process) -> list[psutil.Process]:
+    """The embedded cluster's worker processes (spawned by the coordinator's nannies)."""
+    return [c for c in coordinator.children(recursive=True)
+            if "spawn_main" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_the_setup_stages_is_replaced_and_setup_redone(tmp_path):
+    def with_sft(name: str) -> Path:
+        # 20 epochs: the SFT stage computes for ~5 s, long enough to be killed during
+        return _with_setup_stage(_pipeline(tmp_path, iterations=2, name=name), {
+            "type": "sft", "model": "actor",
+            "params": {"data": str(DATA / "sft.jsonl"), "epochs": 20, "batch_size": 8}})
+
+    path = with_sft("p")
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path))
+    lines: list[str] = []
+    started = threading.Event()
+
+    def follow() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "iterations on 1 worker(s)" in line:  # printed right before the setup
+                started.set()
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    assert started.wait(120), "".join(lines)
+    time.sleep(1.5)  # loading the models and training: inside the setup task either way
+    [worker] = _device_workers(psutil.Process(proc.pid))
+    worker.kill()
+    assert proc.wait(timeout=300) == 0, "".join(lines)
+    reader.join(timeout=10)
+    stderr = "".join(lines)
+    assert "left the cluster while it held resident models; redoing the setup stages from " \
+           "their start" in stderr, stderr
+    assert stderr.count("rlhfflow: setup sft:") == 1, stderr
+    _assert_each_iteration_once(out, 2)
+
+    whole = with_sft("whole")
+    run_pipeline(load_pipeline(whole), progress=False, inline=True)
+    assert MetricsLog(out / "setup.jsonl").read() == \
+        MetricsLog(tmp_path / "whole" / "out" / "setup.jsonl").read()
+    for weights in ("setup", "final"):  # after the redone SFT, and after the loop
+        redone = load_file(out / "models" / "actor" / weights / "model.safetensors")
+        uninterrupted = load_file(tmp_path / "whole" / "out" / "models" / "actor" / weights
+                                  / "model.safetensors")
+        assert redone.keys() == uninterrupted.keys()
+        for name, tensor in redone.items():
+            torch.testing.assert_close(tensor, uninterrupted[name], rtol=1e-6, atol=1e-7)
+    assert _results(out) == _results(tmp_path / "whole" / "out")

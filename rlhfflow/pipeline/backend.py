@@ -53,10 +53,11 @@ class WorkerLost(RuntimeError):
 class _Done:
     """The result (or error) of a task run inline."""
 
-    __slots__ = ("key", "value", "error")
+    __slots__ = ("key", "value", "error", "retried")
 
-    def __init__(self, key: str, value: Any = None, error: BaseException | None = None):
-        self.key, self.value, self.error = key, value, error
+    def __init__(self, key: str, value: Any = None, error: BaseException | None = None,
+                 retried: int = 0):
+        self.key, self.value, self.error, self.retried = key, value, error, retried
 
 
 def _resolve(obj: Any) -> Any:
@@ -95,11 +96,16 @@ class InlineBackend:
         """Run ``fn`` now; a failure is kept and raised where the result is used."""
         for attempt in range(retries + 1):
             try:
-                return _Done(key, fn(*_resolve(args)))
+                return _Done(key, fn(*_resolve(args)), retried=attempt)
             except Exception as exc:  # noqa: BLE001 - reported by wait()
                 if attempt == retries:
-                    return _Done(key, error=exc)
+                    return _Done(key, error=exc, retried=attempt)
         raise AssertionError("unreachable")
+
+    def retries_used(self, handles: Sequence[_Done]) -> int:
+        """How many retries ``handles`` took, all together (a fused task's handle stands
+        for each of its stages: counted once)."""
+        return sum({h.key: h.retried for h in handles}.values())
 
     def scatter(self, data: Any, worker: str | None = None) -> _Done:
         """Data is already here."""
@@ -214,6 +220,12 @@ def default_torch_threads(workers: int, cores: int | None = None) -> int:
     return max(1, (cores - 1) // workers)
 
 
+def _retries_left(keys: list[str], dask_scheduler=None) -> dict[str, int]:
+    """On the scheduler: the retries each of ``keys`` has left."""
+    tasks = dask_scheduler.tasks
+    return {k: tasks[k].retries for k in keys if k in tasks}
+
+
 def _cuda_count() -> int:
     try:
         import torch
@@ -237,6 +249,7 @@ class DaskBackend:
         self.workers = self._device_workers(info)
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
+        self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
 
     @staticmethod
     def _device_workers(info: dict[str, Any]) -> list[str]:
@@ -273,7 +286,20 @@ class DaskBackend:
                                     priority=priority, workers=workers,
                                     allow_other_workers=False)
         self._submitted.add(future)
+        if retries:
+            self._retries[key] = retries
         return future
+
+    def retries_used(self, handles: Sequence[Any]) -> int:
+        """How many retries ``handles`` (finished tasks the client still holds) took, all
+        together: the scheduler counts a task's retries down as it uses them, so one call
+        asks it for what is left. No call at all when none of them may be retried."""
+        allowed = {h.key: self._retries.pop(h.key) for h in handles if h.key in self._retries}
+        if not allowed:
+            return 0
+        left = self.client.run_on_scheduler(_retries_left, list(allowed))
+        # a key the scheduler has forgotten took none we can know of: count it as unused
+        return sum(n - left.get(key, n) for key, n in allowed.items())
 
     def scatter(self, data: Any, worker: str | None = None):
         """Place coordinator data on ``worker`` (where its first consumer runs)."""
@@ -369,6 +395,7 @@ class DaskBackend:
     def cancel_all(self) -> None:
         """Cancel every task of this run that has not finished."""
         live = [f for f in list(self._submitted) if not f.done()]
+        self._retries.clear()  # nothing cancelled is asked about afterwards
         if live:
             self.client.cancel(live, force=True)
 

@@ -132,7 +132,7 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         executor.digest = digest  # of the file as written: what a resume compares
         executor.choice = choice
         return executor.run()
-    except WorkerLost as exc:  # outside the loop (setup, final save): no recovery there
+    except WorkerLost as exc:  # past the recoveries, or in the final save
         raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
     except RunError:
         raise
@@ -193,6 +193,7 @@ class Executor:
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         self._prompt_len: dict[int, int] = {}
         self._texts: dict[int, dict[str, list[str]]] = {}
+        self.restarts = 0  # recoveries from lost workers so far, setup and loop together
 
     # ----------------------------------------------------------------- set-up
     def run(self) -> RunResult:
@@ -229,7 +230,7 @@ class Executor:
             if c.cost.warning:
                 self._say(f"rlhfflow: warning: {c.cost.warning}")
         if self.graph.setup_stages and checkpoint is None:
-            result.setup_metrics = self._run_setup()
+            result.setup_metrics = self._run_setup_with_recovery()
         if self.graph.loop_stages and first < spec.iterations:
             result.metrics = self._run_with_recovery(first)
         result.summary = self.summary
@@ -242,18 +243,35 @@ class Executor:
         """The loop; when a worker holding models is lost, resume from the last
         checkpoint on the workers there are (at most ``cluster.max_restarts`` times).
         Returns this run's metrics records, as kept in metrics.jsonl."""
-        start, restarts = first, 0
+        start = first
         while True:
             try:
                 self._run_loop(first)
                 break
             except WorkerLost as exc:
-                restarts += 1
-                if restarts > self.pipeline.spec.cluster.max_restarts:
-                    raise RunError(f"{exc}; gave up after {restarts - 1} restart(s); the run "
-                                   f"can be resumed from its last checkpoint") from None
+                self._count_restart(exc)
                 first = self._recover(exc)
         return [r for r in self.log.read() if r.get("iteration", -1) >= start]
+
+    def _run_setup_with_recovery(self) -> dict[str, Any]:
+        """The setup stages; when a worker holding models is lost, redo them from their
+        start on the workers there are (the restarts count with the loop's)."""
+        while True:
+            try:
+                return self._run_setup()
+            except WorkerLost as exc:
+                self._count_restart(exc)
+                self._say(f"rlhfflow: {exc}; redoing the setup stages from their start")
+                self._await_workers(exc)
+                self.models = dict(self.initial_models)  # as before the setup stages
+                self._start_workers()
+
+    def _count_restart(self, exc: WorkerLost) -> None:
+        """One more recovery, or a ``RunError`` past ``cluster.max_restarts``."""
+        self.restarts += 1
+        if self.restarts > self.pipeline.spec.cluster.max_restarts:
+            raise RunError(f"{exc}; gave up after {self.restarts - 1} restart(s); the run "
+                           f"can be resumed from its last checkpoint") from None
 
     def _start_workers(self) -> None:
         """Place models on the current workers, (re)install the resident state, and
@@ -479,16 +497,8 @@ class Executor:
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
         checkpoint, reinstall the resident state everywhere; returns the next iteration."""
-        timeout = self.pipeline.spec.cluster.worker_timeout_s
         self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
-        self.backend.cancel_all()
-        if self.plan is not None and self.plan.gangs:
-            # the survivors' process groups include the dead worker: start afresh
-            self.backend.restart_workers()
-        if not self.backend.wait_for_workers(len(self.backend.workers), timeout):
-            raise RunError(f"{exc}; no worker came back within cluster.worker_timeout_s="
-                           f"{timeout:g}; the run can be resumed from its last checkpoint"
-                           ) from None
+        self._await_workers(exc)
         checkpoint = self.checkpointer.store.latest()
         keep = checkpoint.iteration if checkpoint else -1
         cut_back(self.out, keep, self.buffer)
@@ -498,6 +508,19 @@ class Executor:
         self._say(f"rlhfflow: resuming after iteration {keep} on "
                   f"{len(self.backend.workers)} worker(s)")
         return keep + 1
+
+    def _await_workers(self, exc: Exception) -> None:
+        """Cancel what was queued and wait up to ``cluster.worker_timeout_s`` for the
+        workers (a nanny restarts a killed one); a ``RunError`` if none is left."""
+        timeout = self.pipeline.spec.cluster.worker_timeout_s
+        self.backend.cancel_all()
+        if self.plan is not None and self.plan.gangs:
+            # the survivors' process groups include the dead worker: start afresh
+            self.backend.restart_workers()
+        if not self.backend.wait_for_workers(len(self.backend.workers), timeout):
+            raise RunError(f"{exc}; no worker came back within cluster.worker_timeout_s="
+                           f"{timeout:g}; the run can be resumed from its last checkpoint"
+                           ) from None
 
     def _publish_checkpoint(self, k: int) -> None:
         self.checkpointer.publish(k)
@@ -525,8 +548,9 @@ class Executor:
         train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
                                strict=True))
         moved = self.backend.gather(installs)
+        retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
-        record = self.telemetry.record(it.index, partials, train_stats, moved)
+        record = self.telemetry.record(it.index, partials, train_stats, moved, retried)
         self.log.append(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])

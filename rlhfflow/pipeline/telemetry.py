@@ -88,11 +88,11 @@ class Telemetry:
         return fractions
 
     def record(self, iteration: int, partials: list[dict[str, float]],
-               train: dict[str, dict[str, Any]], moved: list[dict[str, float]]
-               ) -> dict[str, Any]:
+               train: dict[str, dict[str, Any]], moved: list[dict[str, float]],
+               task_retries: int = 0) -> dict[str, Any]:
         """The metrics record of ``iteration`` from its store tasks' partial sums, its
-        trainers' statistics and its weight transfers; the window of its wall time ends
-        now."""
+        trainers' statistics, its weight transfers and the retries its tasks took; the
+        window of its wall time ends now."""
         running = self._collect(iteration)
         now = time.time()
         iteration_s = now - self._window_start
@@ -132,6 +132,7 @@ class Telemetry:
             **_generation(total),
             "score_errors": int(total.get("score_errors", 0)),
             "score_retries": int(total.get("score_retries", 0)),
+            "task_retries": task_retries,
             **{f"reward_mean_{k[len('score_'):-len('_sum')]}": total[k] / scored if scored
                else None for k in sorted(total) if k.startswith("score_")
                and k.endswith("_sum")},
