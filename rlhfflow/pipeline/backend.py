@@ -192,7 +192,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "OPENBLAS_NUM_THREADS": threads},
     }
     with dask.config.set(config), _sigint_ignored():
-        return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.ERROR,
+        # the scheduler runs in this process: a worker lost mid-run is the run's to report
+        # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
+        return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
 
 
