@@ -201,9 +201,7 @@ class CostModel:
         self._ratios: dict[str, list[float]] = defaultdict(list)
         data = pipeline.spec.data
         self.prompt_tokens = data.max_prompt_tokens if data else 0
-        generators = self.graph.of_type("generate")
-        self.response_tokens = max((int(pipeline.params[g].max_new_tokens)
-                                    for g in generators), default=0)
+        self.response_tokens = self.graph.response_tokens
         if profile is not None:
             self.device.update(profile.device)
             mismatch = self._shape_mismatch(profile)
@@ -276,7 +274,6 @@ class CostModel:
             return d["task_s"] + rows * (self.prompt_tokens + self.response_tokens) * 40 \
                 / d["bytes_per_s"]
         node = self.graph.nodes[stage]
-        kind = node.type
         params = self.pipeline.params[stage]
         shape = self.shapes.get(node.model) if node.model else None
         tokens = self.prompt_tokens + self.response_tokens
@@ -284,8 +281,8 @@ class CostModel:
             # model-free stages: rewards are Python per row, advantages are tensor ops
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
         flops_token = 2.0 * shape.params
-        if kind == "generate":
-            steps = int(getattr(params, "max_new_tokens", self.response_tokens))
+        if node.generates:
+            steps = node.response_tokens or self.response_tokens
             prefill = rows * self.prompt_tokens * flops_token / speed
             decode = steps * (d["step_s"] + shape.layers * d["layer_s"]
                               + rows * flops_token / speed)

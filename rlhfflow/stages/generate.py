@@ -120,6 +120,7 @@ class GenerateStage(Stage):
     type_name = "generate"
     Params = GenerateParams
     model_head = "lm"
+    generates = True
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
