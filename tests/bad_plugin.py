@@ -1,0 +1,33 @@
+"""Plugin stage types named by import path in tests (``tests.bad_plugin:...``): two that
+declare their columns wrongly, and a generator that is not the built-in ``generate``."""
+
+from __future__ import annotations
+
+from rlhfflow.stages import Column, Stage
+from rlhfflow.stages.generate import GenerateStage
+
+
+class BadColumns(Stage):
+    """Declares a column the experience buffer cannot store."""
+
+    type_name = "bad_columns"
+
+    @classmethod
+    def writes(cls, params, algorithm, has_model):
+        return {"bonus": Column("object")}
+
+
+class Raises(Stage):
+    """A plugin whose ``reads`` raises."""
+
+    type_name = "raises"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        raise RuntimeError("broken")
+
+
+class MyGenerator(GenerateStage):
+    """A plugin generator: a subclass that the runtime knows only by ``generates``."""
+
+    type_name = "my_generator"
