@@ -186,7 +186,8 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
     if cls.type_name in STAGE_TYPES and STAGE_TYPES[cls.type_name] is not cls:
         raise ValueError(f"stage type {cls.type_name!r} is registered twice")
     STAGE_TYPES[cls.type_name] = cls
-    PLUGIN_SOURCES.setdefault(cls.type_name, "rlhfflow")
+    # a plugin may register by decorator too; only our own modules are "built-in"
+    PLUGIN_SOURCES.setdefault(cls.type_name, cls.__module__.partition(".")[0])
     return cls
 
 
@@ -219,6 +220,8 @@ def load_plugins() -> None:
                 BROKEN_PLUGINS[ep.name] = f"{ep.value} ({dist}) is not a Stage subclass"
                 continue
             existing = STAGE_TYPES.get(ep.name)
+            if existing is cls and PLUGIN_SOURCES.get(ep.name) != "rlhfflow":
+                PLUGIN_SOURCES[ep.name] = dist  # registered on import, declared here too
             if existing is not None and existing is not cls:
                 # stale metadata of an editable install can point at the same class by
                 # another route; only a different class under one name is a conflict
