@@ -8,7 +8,6 @@ writes, trainable models nobody trains, files that do not exist.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,8 +36,6 @@ from rlhfflow.stages import (
     resolve_stage_type,
     stage_type_path,
 )
-
-COLUMN_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -214,8 +211,9 @@ def _plugin_call(file: Path, where: str, method: Any, *args: Any) -> Any:
     except Exception as exc:  # noqa: BLE001  (plugin code: report it, never crash)
         owner = getattr(method, "__self__", None)
         path = stage_type_path(owner) if isinstance(owner, type) else "the stage type"
-        raise SpecError(file, where, f"{path}.{method.__name__}() raised "
-                                     f"{type(exc).__name__}: {exc}") from None
+        text = str(exc).strip().splitlines()
+        cause = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        raise SpecError(file, where, f"{path}.{method.__name__}() raised {cause}") from None
 
 
 def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams,
@@ -225,7 +223,7 @@ def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams
     reads = _plugin_call(file, where, cls.reads, params, algorithm, has_model)
     writes = _plugin_call(file, where, cls.writes, params, algorithm, has_model)
     path = stage_type_path(cls)
-    if isinstance(reads, str) or not all(isinstance(c, str) for c in reads or ()):
+    if not isinstance(reads, tuple | list) or not all(isinstance(c, str) for c in reads):
         raise SpecError(file, where, f"{path}.reads() must return column names (str), "
                                      f"got {reads!r}")
     if not isinstance(writes, Mapping):
@@ -241,8 +239,8 @@ def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams
 
 def column_problem(name: Any, col: Any) -> str | None:
     """Why ``name: col`` is not a column the experience buffer can store, or None."""
-    if not isinstance(name, str) or not COLUMN_NAME.match(name):
-        return "column names are lowercase letters, digits and underscores"
+    if not isinstance(name, str) or not name.isidentifier():
+        return "column names are letters, digits and underscores, not starting with a digit"
     if name in SOURCE_COLUMNS:
         return "the data source writes it"
     if not isinstance(col, Column):
