@@ -3,6 +3,7 @@ the example plugin package installed with pip and run on a real Dask cluster."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
 
 from rlhfflow.cli.main import main
 from rlhfflow.pipeline.executor import run_pipeline
@@ -194,11 +195,10 @@ def test_the_readme_reference_is_generated_from_the_classes():
 
 
 @pytest.mark.slow
-def test_the_example_plugin_runs_on_a_dask_cluster_by_name_and_by_path(installed, tmp_path):
-    listing = CliRunner().invoke(main, ["stages"])
-    assert "length_penalty  (rlhfflow_example_plugin.stages:LengthPenalty, from " \
-           "rlhfflow-example-plugin)" in listing.output
-    assert "penalty per token over the budget" in listing.output
+def test_the_example_plugin_runs_on_a_dask_cluster_by_name_and_by_path(plugin_dir, registry,
+                                                                      tmp_path, monkeypatch):
+    """Installed here (entry points are read where the pipeline is validated), shipped to
+    the workers with Dask's ``upload_file``: the workers import the stage by path only."""
     stages = {
         "reward": {"type": "score", "after": ["generate"],
                    "params": {"function": "rlhfflow_example_plugin.rewards:says_yes"}},
@@ -208,11 +208,23 @@ def test_the_example_plugin_runs_on_a_dask_cluster_by_name_and_by_path(installed
                                                          "output": "long_scores"}},
     }
     path = _with(tmp_path, stages, iterations=1, batch_size=4, max_new_tokens=6)
+    archive = shutil.make_archive(str(tmp_path / "plugin"), "zip", plugin_dir,
+                                  "rlhfflow_example_plugin")
+    # the workers start before the plugin is on this process's path, so they lack it
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                       resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
+        monkeypatch.syspath_prepend(str(plugin_dir))
+        listing = CliRunner().invoke(main, ["stages"])
+        assert "length_penalty  (rlhfflow_example_plugin.stages:LengthPenalty, from " \
+               "rlhfflow-example-plugin)" in listing.output
+        assert "penalty per token over the budget" in listing.output
         pipeline = load_pipeline(path, {"cluster.address": cluster.scheduler_address})
         assert pipeline.graph.nodes["penalty"].impl == \
             "rlhfflow_example_plugin.stages:LengthPenalty"
+        with Client(cluster) as client:
+            found = client.run(importlib.util.find_spec, "rlhfflow_example_plugin")
+            assert set(found.values()) == {None}
+            client.upload_file(archive)
         run_pipeline(pipeline, progress=False)
     data = ExperienceBuffer(tmp_path / "out" / "buffer.zarr", create=False).read(0)
     lengths = torch.as_tensor(data["response_mask"]).sum(-1).float()
