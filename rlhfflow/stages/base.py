@@ -250,6 +250,8 @@ def resolve_stage_type(ref: str) -> type[Stage]:
     import path ``package.module:Class``. ``StageTypeError`` (one line) otherwise."""
     if ":" in ref:
         return _import_stage(ref)
+    if ref in STAGE_TYPES:  # a built-in (or loaded) type: no need to import every plugin
+        return STAGE_TYPES[ref]
     load_plugins()
     if ref in STAGE_TYPES:
         return STAGE_TYPES[ref]
