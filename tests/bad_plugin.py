@@ -31,3 +31,16 @@ class MyGenerator(GenerateStage):
     """A plugin generator: a subclass that the runtime knows only by ``generates``."""
 
     type_name = "my_generator"
+
+
+class Fails(Stage):
+    """A plugin whose ``run`` raises: ``rlhfflow stage test`` shows the traceback."""
+
+    type_name = "fails"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return ("scores",)
+
+    def run(self, batch, ctx):
+        raise ZeroDivisionError("the plugin divided by zero")

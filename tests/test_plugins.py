@@ -139,6 +139,17 @@ def test_a_plugin_that_fails_to_import_breaks_only_its_own_type(registry, tmp_pa
     assert "generate  (rlhfflow.stages.generate:GenerateStage, built-in)" in listing.output
 
 
+def test_a_bad_type_is_exit_2_from_the_real_command(tmp_path):
+    path = _with(tmp_path, {"extra": {"type": "rlhfflow.stages.base:NoSuch"}})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Error: {path}: stages.extra.type: module 'rlhfflow.stages.base' has no 'NoSuch'")
+
+
 # --------------------------------------------------------------------------- capabilities
 
 
@@ -167,6 +178,15 @@ def test_stage_test_runs_one_stage_and_its_upstream_in_process(tmp_path):
     assert not (tmp_path / "out").exists()
     bad = CliRunner().invoke(main, ["stage", "test", str(path), "rewrad"])
     assert bad.exit_code == 2 and "did you mean 'reward'?" in bad.output
+
+
+def test_stage_test_shows_a_failing_stage_with_its_traceback(tmp_path):
+    path = _with(tmp_path, {"extra": {"type": "tests.bad_plugin:Fails", "after": ["reward"]}})
+    result = CliRunner().invoke(main, ["stage", "test", str(path), "extra"])
+    assert result.exit_code == 1
+    assert "Traceback" in result.output and "bad_plugin.py" in result.output
+    assert result.output.rstrip().splitlines()[-1] == (
+        "Error: stage 'extra' failed: the plugin divided by zero")
 
 
 # --------------------------------------------------------------------------- reference
