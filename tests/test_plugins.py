@@ -3,6 +3,7 @@ the example plugin package installed with pip and run on a real Dask cluster."""
 
 from __future__ import annotations
 
+import configparser
 import importlib.util
 import os
 import re
@@ -187,6 +188,19 @@ def test_stage_test_shows_a_failing_stage_with_its_traceback(tmp_path):
     assert "Traceback" in result.output and "bad_plugin.py" in result.output
     assert result.output.rstrip().splitlines()[-1] == (
         "Error: stage 'extra' failed: the plugin divided by zero")
+
+
+def test_the_builtins_are_declared_as_entry_points_too():
+    """setup.cfg declares every built-in in the ``rlhfflow.stages`` group, each pointing at
+    the class that registered itself on import (the installed metadata may be older)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    declared = dict(line.split(" = ") for line in
+                    config["options.entry_points"]["rlhfflow.stages"].strip().splitlines())
+    builtins = {n for n, src in base.PLUGIN_SOURCES.items() if src == "rlhfflow"}
+    assert set(declared) == builtins
+    for name, path in declared.items():
+        assert base.resolve_stage_type(path) is base.resolve_stage_type(name)
 
 
 # --------------------------------------------------------------------------- reference
