@@ -49,11 +49,11 @@ run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 	$(BIN)/rlhfflow run configs/ppo-tiny.yaml --overwrite
 
 test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
-	$(BIN)/ruff check rlhfflow tests benchmarks
+	$(BIN)/ruff check rlhfflow tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)  ## ruff only
-	$(BIN)/ruff check rlhfflow tests benchmarks
+	$(BIN)/ruff check rlhfflow tests benchmarks examples
 
 bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, the planner, the soak
 	$(BIN)/python benchmarks/overhead.py

@@ -190,7 +190,7 @@ def prompt_tokens(pipeline) -> int:
     data = pipeline.spec.data
     if data is None:
         return 0
-    generators = pipeline.graph.of_type("generate")
+    generators = pipeline.graph.generators()
     if not generators:
         return data.max_prompt_tokens
     try:
@@ -221,9 +221,7 @@ class CostModel:
         self._fits: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._ratios: dict[str, list[float]] = defaultdict(list)
         self.prompt_tokens = prompt_tokens(pipeline)
-        generators = self.graph.of_type("generate")
-        self.response_tokens = max((int(pipeline.params[g].max_new_tokens)
-                                    for g in generators), default=0)
+        self.response_tokens = self.graph.response_tokens
         if profile is not None:
             self.device.update(profile.device)
             mismatch = self._shape_mismatch(profile)
@@ -296,7 +294,6 @@ class CostModel:
             return d["task_s"] + rows * (self.prompt_tokens + self.response_tokens) * 40 \
                 / d["bytes_per_s"]
         node = self.graph.nodes[stage]
-        kind = node.type
         params = self.pipeline.params[stage]
         shape = self.shapes.get(node.model) if node.model else None
         tokens = self.prompt_tokens + self.response_tokens
@@ -304,8 +301,8 @@ class CostModel:
             # model-free stages: rewards are Python per row, advantages are tensor ops
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
         flops_token = 2.0 * shape.params
-        if kind == "generate":
-            steps = int(getattr(params, "max_new_tokens", self.response_tokens))
+        if node.generates:
+            steps = node.response_tokens or self.response_tokens
             prefill = rows * self.prompt_tokens * flops_token / speed
             decode = steps * (d["step_s"] + shape.layers * d["layer_s"]
                               + rows * flops_token / speed)

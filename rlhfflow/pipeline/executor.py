@@ -203,7 +203,7 @@ class Executor:
         checkpoint = self.start.checkpoint
         if self.graph.loop_stages and spec.iterations > 0:
             # prompts first: a bad prompts file stops the run before any cluster work
-            generate_model = self.graph.nodes[self.graph.of_type("generate")[0]].model
+            generate_model = self.graph.nodes[self.graph.generators()[0]].model
             self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
             self._list_skipped_prompts()
             self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
@@ -334,36 +334,16 @@ class Executor:
 
     def _model_configs(self) -> dict[str, ModelConfig]:
         """Each model's config, building ``tiny:`` models into OUTPUT/models/NAME/init."""
-        spec = self.pipeline.spec
-        paths: dict[str, str] = {}
-        for name, model in spec.models.items():
-            if model.tiny is not None:
-                path = self.out / "models" / name / "init"
-                if not (path / "config.json").is_file():  # a resumed run keeps its own
-                    tiny = model.tiny
-                    tok = build_char_tokenizer()
-                    module = build_tiny_model(
-                        tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
-                        arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
-                        n_head=tiny.heads, max_positions=tiny.max_positions)
-                    save_model(module, tok, path)
-                paths[name] = str(path)
-            elif model.path is not None:
-                paths[name] = str(self.pipeline.resolve(model.path))
-        configs = {}
-        for name, model in spec.models.items():
-            configs[name] = ModelConfig(
-                name=name, head=model.head, init_path=paths[self.pipeline.model_root(name)],
-                trainable=model.trainable, optimizer=model.optimizer.model_dump(),
-                dtype=model.dtype)
-        return configs
+        return model_configs(self.pipeline, self.out)
 
     def _stage_defs(self) -> dict[str, StageDef]:
         defs = {}
         for name, node in self.graph.nodes.items():
             stage = self.pipeline.spec.stages[name]
             ds = stage.deepspeed.model_dump() if stage.deepspeed else None
-            defs[name] = StageDef(node.type, self.pipeline.params[name], node.model, node.reads,
+            # by import path, so a plugin type needs no registration on the workers
+            defs[name] = StageDef(node.impl or node.type, self.pipeline.params[name],
+                                  node.model, node.reads,
                                   backend=stage.backend, deepspeed=ds)
         return defs
 
@@ -527,8 +507,7 @@ class Executor:
         self.last_checkpoint = k
 
     def _response_len(self) -> int:
-        return max(int(self.pipeline.params[n].max_new_tokens)
-                   for n in self.graph.of_type("generate"))
+        return self.graph.response_tokens
 
     def _finish(self, it: IterationTasks) -> dict[str, Any]:
         """Wait for iteration ``it``, commit its experience, log its metrics."""
@@ -614,3 +593,28 @@ def _token() -> str:
 def _format_stats(stats: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in stats.items())
+
+
+def model_configs(pipeline: Pipeline, out: Path) -> dict[str, ModelConfig]:
+    """Each model's config, building ``tiny:`` models into OUT/models/NAME/init."""
+    spec = pipeline.spec
+    paths: dict[str, str] = {}
+    for name, model in spec.models.items():
+        if model.tiny is not None:
+            path = out / "models" / name / "init"
+            if not (path / "config.json").is_file():  # a resumed run keeps its own
+                tiny = model.tiny
+                tok = build_char_tokenizer()
+                module = build_tiny_model(
+                    tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
+                    arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
+                    n_head=tiny.heads, max_positions=tiny.max_positions)
+                save_model(module, tok, path)
+            paths[name] = str(path)
+        elif model.path is not None:
+            paths[name] = str(pipeline.resolve(model.path))
+    return {name: ModelConfig(name=name, head=model.head,
+                              init_path=paths[pipeline.model_root(name)],
+                              trainable=model.trainable,
+                              optimizer=model.optimizer.model_dump(), dtype=model.dtype)
+            for name, model in spec.models.items()}

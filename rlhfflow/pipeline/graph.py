@@ -20,7 +20,14 @@ SOURCE = "data"
 
 @dataclass(frozen=True)
 class StageNode:
-    """One stage as the graph sees it: what it is, what it uses, reads and writes."""
+    """One stage as the graph sees it: what it is, what it uses, reads and writes.
+
+    ``type`` is what the file says (a registered name or an import path) and ``impl`` the
+    class's import path, by which workers create the stage. The capabilities (``trains``,
+    ``once``, ``per_batch``, ``generates`` and a generator's ``response_tokens`` and
+    ``temperature``) are copied from the ``Stage`` class and its params, so the planner
+    and executor never ask for a type by name.
+    """
 
     name: str
     type: str
@@ -31,6 +38,10 @@ class StageNode:
     trains: bool = False
     once: bool = False
     per_batch: bool = False
+    generates: bool = False
+    response_tokens: int = 0
+    temperature: float = 1.0
+    impl: str = ""
 
 
 class CycleError(ValueError):
@@ -107,6 +118,15 @@ class StageGraph:
     def of_type(self, type_name: str) -> list[str]:
         """Loop stages of one type (``"generate"``), in dependency order."""
         return [n for n in self.loop_stages if self.nodes[n].type == type_name]
+
+    def generators(self) -> list[str]:
+        """Loop stages that sample responses (``Stage.generates``), in dependency order."""
+        return [n for n in self.loop_stages if self.nodes[n].generates]
+
+    @property
+    def response_tokens(self) -> int:
+        """The longest response any generator samples (0 without a generator)."""
+        return max((self.nodes[n].response_tokens for n in self.generators()), default=0)
 
     def producer(self, column: str, consumer: str) -> str | None:
         """The upstream stage of ``consumer`` that writes ``column`` (``SOURCE`` for prompts)."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rlhfflow.pipeline.graph import SOURCE, CycleError, StageGraph, StageNode
 from rlhfflow.pipeline.spec import (
     MODEL_NAME,
@@ -24,9 +26,16 @@ from rlhfflow.pipeline.spec import (
     parse_params,
     parse_spec,
     read_yaml,
-    stage_type_error,
 )
-from rlhfflow.stages import STAGE_TYPES, StageParams
+from rlhfflow.stages import (
+    SOURCE_COLUMNS,
+    Column,
+    Stage,
+    StageParams,
+    StageTypeError,
+    resolve_stage_type,
+    stage_type_path,
+)
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,9 @@ class Pipeline:
 
     @property
     def rollout_temperature(self) -> float:
-        """The sampling temperature of the first generate stage (log-probs must match it)."""
-        generates = self.graph.of_type("generate")
-        return float(self.params[generates[0]].temperature) if generates else 1.0
+        """The sampling temperature of the first generator (log-probs must match it)."""
+        generates = self.graph.generators()
+        return self.graph.nodes[generates[0]].temperature if generates else 1.0
 
 
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
@@ -90,8 +99,8 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
         data = apply_overrides(data, {k: v for k, v in overrides.items() if v is not None})
     spec = parse_spec(file, data)
     _check_models(file, spec)
-    params = _check_stages(file, spec)
-    graph = _build_graph(file, spec, params)
+    params, classes = _check_stages(file, spec)
+    graph = _build_graph(file, spec, params, classes)
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     _check_files(file, pipeline)
@@ -136,8 +145,10 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
             seen.append(nxt)
 
 
-def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
+def _check_stages(file: Path, spec: PipelineSpec
+                  ) -> tuple[dict[str, StageParams], dict[str, type[Stage]]]:
     params: dict[str, StageParams] = {}
+    classes: dict[str, type[Stage]] = {}
     if not spec.stages:
         raise SpecError(file, "stages", "expected at least one stage")
     for name, stage in spec.stages.items():
@@ -148,9 +159,10 @@ def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
         if name == SOURCE:
             raise SpecError(file, where, f"the stage name {SOURCE!r} is reserved for the prompt "
                             "source; rename the stage")
-        if stage.type not in STAGE_TYPES:
-            raise stage_type_error(file, name, stage.type)
-        cls = STAGE_TYPES[stage.type]
+        try:
+            cls = classes[name] = resolve_stage_type(stage.type)
+        except StageTypeError as exc:
+            raise SpecError(file, f"{where}.type", str(exc)) from None
         if stage.model is None and cls.model_head is not None and not cls.model_optional:
             fitting = [m for m, model in spec.models.items() if model.head == cls.model_head]
             hint = (f"; models with that head: {', '.join(fitting)}" if fitting
@@ -186,22 +198,83 @@ def _check_stages(file: Path, spec: PipelineSpec) -> dict[str, StageParams]:
                             f"on the whole batch; only micro-batch stages (generate, score, "
                             f"logprob, values) take micro_batches")
         params[name] = parse_params(file, name, cls.Params, stage.params)
-        problem = cls.check_params(params[name], stage.model is not None, file.resolve().parent)
+        problem = _plugin_call(file, where, cls.check_params, params[name],
+                               stage.model is not None, file.resolve().parent)
         if problem:
             raise SpecError(file, f"{where}.{problem[0]}", problem[1])
-    return params
+    return params, classes
 
 
-def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams]) -> StageGraph:
+def _plugin_call(file: Path, where: str, method: Any, *args: Any) -> Any:
+    """Call a stage class's hook; a plugin's exception becomes a one-line SpecError."""
+    try:
+        return method(*args)
+    except Exception as exc:  # noqa: BLE001  (plugin code: report it, never crash)
+        owner = getattr(method, "__self__", None)
+        path = stage_type_path(owner) if isinstance(owner, type) else "the stage type"
+        text = str(exc).strip().splitlines()
+        cause = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        raise SpecError(file, where, f"{path}.{method.__name__}() raised {cause}") from None
+
+
+def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams,
+                   algorithm: Any, has_model: bool) -> tuple[tuple[str, ...], dict[str, Column]]:
+    """What a stage reads and writes, checked: a plugin that declares a column badly is
+    stopped here, not when the buffer is created on the cluster."""
+    reads = _plugin_call(file, where, cls.reads, params, algorithm, has_model)
+    writes = _plugin_call(file, where, cls.writes, params, algorithm, has_model)
+    path = stage_type_path(cls)
+    if not isinstance(reads, tuple | list) or not all(isinstance(c, str) for c in reads):
+        raise SpecError(file, where, f"{path}.reads() must return column names (str), "
+                                     f"got {reads!r}")
+    if not isinstance(writes, Mapping):
+        raise SpecError(file, where, f"{path}.writes() must return a dict of column name "
+                                     f"-> Column, got {type(writes).__name__}")
+    for column, col in writes.items():
+        problem = column_problem(column, col)
+        if problem:
+            raise SpecError(file, where, f"{path}.writes() declares column {column!r} "
+                                         f"badly: {problem}")
+    return tuple(reads), dict(writes)
+
+
+def column_problem(name: Any, col: Any) -> str | None:
+    """Why ``name: col`` is not a column the experience buffer can store, or None."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return "column names are letters, digits and underscores, not starting with a digit"
+    if name in SOURCE_COLUMNS:
+        return "the data source writes it"
+    if not isinstance(col, Column):
+        return f"expected rlhfflow.stages.Column, got {type(col).__name__}"
+    if col.length not in (None, "prompt", "response"):
+        return f"length must be 'prompt', 'response' or None, not {col.length!r}"
+    if col.dtype == "str":
+        return None if col.length is None else "a 'str' column holds one value per row"
+    try:
+        kind = np.dtype(col.dtype).kind
+    except TypeError:
+        kind = None
+    if kind is None or kind not in "biuf":
+        return f"dtype must be 'str' or a bool/int/float numpy dtype, not {col.dtype!r}"
+    return None
+
+
+def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
+                 classes: dict[str, type[Stage]]) -> StageGraph:
     nodes = {}
     for name, stage in spec.stages.items():
-        cls = STAGE_TYPES[stage.type]
-        has_model = stage.model is not None
+        cls = classes[name]
+        reads, writes = _stage_columns(file, f"stages.{name}.type", cls, params[name],
+                                       spec.algorithm, stage.model is not None)
         nodes[name] = StageNode(
             name=name, type=stage.type, model=stage.model, after=tuple(stage.after),
-            reads=tuple(cls.reads(params[name], spec.algorithm, has_model)),
-            writes=dict(cls.writes(params[name], spec.algorithm, has_model)),
-            trains=cls.trains, once=cls.once, per_batch=cls.per_batch)
+            reads=reads, writes=writes, trains=cls.trains, once=cls.once,
+            per_batch=cls.per_batch, generates=cls.generates,
+            response_tokens=_plugin_call(file, f"stages.{name}.params", cls.response_tokens,
+                                         params[name]),
+            temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
+                                     params[name]),
+            impl=stage_type_path(cls))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:
@@ -285,10 +358,9 @@ def model_context(pipeline: Pipeline, model: str) -> int | None:
 def _check_context(file: Path, pipeline: Pipeline) -> None:
     """Prompt and response must fit the context of every model that reads them."""
     data = pipeline.spec.data
-    generates = pipeline.graph.of_type("generate")
-    if data is None or not generates:
+    if data is None or not pipeline.graph.generators():
         return
-    new_tokens = max(pipeline.params[n].max_new_tokens for n in generates)
+    new_tokens = pipeline.graph.response_tokens
     needed = data.max_prompt_tokens + new_tokens
     for name in pipeline.graph.loop_stages:
         model = pipeline.graph.nodes[name].model
@@ -354,7 +426,7 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
     from rlhfflow.pipeline.source import PromptSource
     from rlhfflow.stages.inference import load_function, reward_fields
 
-    generates = pipeline.graph.of_type("generate")
+    generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
         return
     source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
@@ -377,7 +449,7 @@ def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
     and share the stage model's tokenizer: their token ids are compared as they are."""
     spec = pipeline.spec
     for name, stage in spec.stages.items():
-        uses = STAGE_TYPES[stage.type].auxiliary_models(pipeline.params[name])
+        uses = resolve_stage_type(stage.type).auxiliary_models(pipeline.params[name])
         for key, model in uses.items():
             where = f"stages.{name}.{key}"
             if model not in spec.models:

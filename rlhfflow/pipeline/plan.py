@@ -174,7 +174,7 @@ def make_plan(pipeline: Pipeline, n_workers: int,
     overlap = spec.overlap
     staleness = 0 if overlap.sequential else overlap.max_staleness
     # with staleness, the generating model's inference runs ahead on older weights
-    ahead_models = {graph.nodes[g].model for g in graph.of_type("generate")
+    ahead_models = {graph.nodes[g].model for g in graph.generators()
                     if staleness and graph.nodes[g].model in spec.models
                     and spec.models[graph.nodes[g].model].trainable}
     stages: dict[str, StagePlan] = {}
@@ -204,7 +204,7 @@ def make_plan(pipeline: Pipeline, n_workers: int,
         ahead = node.model in ahead_models and not node.per_batch
         if explicit is not None:
             workers = resolve(explicit, key)
-        elif placement.strategy == "disaggregated" and (node.type == "generate" or ahead):
+        elif placement.strategy == "disaggregated" and (node.generates or ahead):
             # behaviour log-probs are computed next to generation, with its weights
             workers = groups["rollout"]
         else:

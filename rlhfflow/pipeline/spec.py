@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from rlhfflow import ops
-from rlhfflow.stages import STAGE_TYPES, StageParams
+from rlhfflow.stages import StageParams
 
 
 class SpecError(Exception):
@@ -583,9 +583,3 @@ def parse_spec(file: Path, data: dict[str, Any]) -> PipelineSpec:
         return PipelineSpec.model_validate(data)
     except ValidationError as exc:
         raise error_from_pydantic(file, exc, PipelineSpec) from None
-
-
-def stage_type_error(file: Path, stage: str, type_name: str) -> SpecError:
-    """Unknown ``type`` of a stage, with a suggestion."""
-    hint = did_you_mean(type_name, STAGE_TYPES) or f"; known: {', '.join(sorted(STAGE_TYPES))}"
-    return SpecError(file, f"stages.{stage}.type", f"unknown stage type {type_name!r}{hint}")

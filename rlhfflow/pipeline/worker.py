@@ -38,7 +38,8 @@ PLUGIN_NAME = "rlhfflow"
 
 @dataclass(frozen=True)
 class StageDef:
-    """A stage as a worker needs it: type, typed params and model name."""
+    """A stage as a worker needs it: its class's import path (``type``, so plugin types
+    need only be importable on the worker), typed params and model name."""
 
     type: str
     params: Any

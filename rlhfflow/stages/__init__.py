@@ -2,11 +2,16 @@
 
 Importing this package registers the built-in stage types:
 ``generate``, ``logprob``, ``values``, ``score``, ``advantages``, ``train_actor``,
-``train_critic``, ``sft``, ``reward_model``.
+``train_critic``, ``sft``, ``reward_model``, ``remax_baseline``. Installed packages add
+types through the ``rlhfflow.stages`` entry-point group (``load_plugins``), and a pipeline
+may name any ``Stage`` subclass by import path (``resolve_stage_type``).
 """
 
 from rlhfflow.stages import advantages, generate, inference, train  # noqa: F401  (registers)
 from rlhfflow.stages.base import (
+    BROKEN_PLUGINS,
+    ENTRY_POINT_GROUP,
+    PLUGIN_SOURCES,
     SOURCE_COLUMNS,
     STAGE_TYPES,
     Batch,
@@ -14,16 +19,23 @@ from rlhfflow.stages.base import (
     Stage,
     StageContext,
     StageParams,
+    StageTypeError,
     concat_batches,
     create_stage,
     get_stage_type,
+    known_stage_types,
+    load_plugins,
     register_stage,
+    resolve_stage_type,
     slice_batch,
+    stage_type_path,
 )
 from rlhfflow.stages.resident import ModelConfig, ModelStore, ResidentModel
 
 __all__ = [
-    "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "ModelConfig", "ModelStore",
-    "ResidentModel", "Stage", "StageContext", "StageParams", "concat_batches",
-    "create_stage", "get_stage_type", "register_stage", "slice_batch",
+    "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "SOURCE_COLUMNS", "STAGE_TYPES",
+    "Batch", "Column", "ModelConfig", "ModelStore", "ResidentModel", "Stage", "StageContext",
+    "StageParams", "StageTypeError", "concat_batches", "create_stage", "get_stage_type",
+    "known_stage_types", "load_plugins", "register_stage", "resolve_stage_type",
+    "slice_batch", "stage_type_path",
 ]

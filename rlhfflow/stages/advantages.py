@@ -127,9 +127,11 @@ class RemaxBaselineParams(StageParams):
     called as a ``score`` stage's: ``function(prompts, responses, **kwargs)``; give the
     same one as the pipeline's score stage, so the baseline is on the same scale)."""
 
-    max_new_tokens: Annotated[int, Field(gt=0)] = 32
-    function: str | None = None
-    kwargs: dict[str, Any] = {}
+    max_new_tokens: Annotated[int, Field(gt=0, description="length of the greedy "
+                                                           "baseline response")] = 32
+    function: str | None = Field(None, description="the reward function that scores the "
+                                                   "baseline, named as a score stage's")
+    kwargs: dict[str, Any] = Field({}, description="keyword arguments for function")
 
 
 @register_stage

@@ -7,10 +7,22 @@ and when it runs, and the same stage runs alone from Python::
     from rlhfflow.stages import create_stage, ModelStore, StageContext
     stage = create_stage("generate", params={"max_new_tokens": 8}, model="actor")
     out = stage.run(batch, StageContext(iteration=0, seed=0, models=store))
+
+Stage types are found three ways, all through ``resolve_stage_type``: the built-ins
+register themselves when ``rlhfflow.stages`` is imported (so they work even where the
+package's metadata is stale), installed packages contribute types through the
+``rlhfflow.stages`` entry-point group (the built-ins are declared there too), and a
+pipeline may name any ``Stage`` subclass by import path (``mypkg.stages:CodeReward``).
+Workers create stages by import path (``stage_type_path``), so a plugin type needs only
+to be importable on the workers, not registered there.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import importlib.metadata
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +100,12 @@ class Stage:
         once: whether the stage runs once before the iteration loop (SFT, reward model).
         per_batch: whether the stage needs the whole batch at once (advantages,
             training) rather than one micro-batch at a time.
+        generates: whether the stage samples responses from its (``lm``) model. The
+            runtime asks this instead of the type's name: a generator defines the
+            response length (``response_tokens``) and the sampling temperature the
+            log-prob stages must match (``sampling_temperature``), its model's tokenizer
+            encodes the prompts, it runs ahead under ``overlap.max_staleness``, and it
+            goes to the rollout group when placement is disaggregated.
     """
 
     type_name: ClassVar[str] = ""
@@ -97,6 +115,7 @@ class Stage:
     trains: ClassVar[bool] = False
     once: ClassVar[bool] = False
     per_batch: ClassVar[bool] = False
+    generates: ClassVar[bool] = False
 
     def __init__(self, name: str, params: StageParams | Mapping[str, Any] | None = None,
                  algorithm: Any = None, model: str | None = None) -> None:
@@ -134,12 +153,37 @@ class Stage:
         with the same tokenizer as the stage's model."""
         return {}
 
+    @classmethod
+    def response_tokens(cls, params: StageParams) -> int:
+        """A generator's most new tokens per response (``params.max_new_tokens`` unless
+        overridden); 0 for a stage that generates nothing."""
+        return int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0
+
+    @classmethod
+    def sampling_temperature(cls, params: StageParams) -> float:
+        """A generator's sampling temperature (``params.temperature``, default 1)."""
+        return float(getattr(params, "temperature", 1.0))
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         """Compute the stage's columns for ``batch``. Returns only the new columns."""
         raise NotImplementedError
 
 
 STAGE_TYPES: dict[str, type[Stage]] = {}
+"""Registered stage types by name: the built-ins and the installed plugins that loaded."""
+
+ENTRY_POINT_GROUP = "rlhfflow.stages"
+BROKEN_PLUGINS: dict[str, str] = {}
+"""Entry-point names whose plugin failed to load, with the cause (one line)."""
+PLUGIN_SOURCES: dict[str, str] = {}
+"""Registered name -> the distribution that declared it (``rlhfflow`` for built-ins)."""
+
+_plugins_loaded = False
+_plugins_lock = threading.Lock()
+
+
+class StageTypeError(ValueError):
+    """A stage type that cannot be used: unknown, not importable, or not a ``Stage``."""
 
 
 def register_stage(cls: type[Stage]) -> type[Stage]:
@@ -149,24 +193,116 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
     if cls.type_name in STAGE_TYPES and STAGE_TYPES[cls.type_name] is not cls:
         raise ValueError(f"stage type {cls.type_name!r} is registered twice")
     STAGE_TYPES[cls.type_name] = cls
+    # a plugin may register by decorator too; only our own modules are "built-in"
+    PLUGIN_SOURCES.setdefault(cls.type_name, cls.__module__.partition(".")[0])
     return cls
 
 
-def get_stage_type(type_name: str) -> type[Stage]:
-    """The stage class registered as ``type_name``; KeyError lists the known types."""
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_plugins() -> None:
+    """Register the stage types of the ``rlhfflow.stages`` entry-point group (once).
+
+    A plugin that fails to import, or names something that is not a ``Stage``, is kept
+    in ``BROKEN_PLUGINS`` with its cause instead of raising, so one broken package does
+    not hide the other types; a pipeline that uses it gets that cause as its error.
+    """
+    global _plugins_loaded
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        _plugins_loaded = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            try:
+                cls = ep.load()
+            except Exception as exc:  # noqa: BLE001  (any import error is the plugin's)
+                BROKEN_PLUGINS[ep.name] = f"{ep.value} ({dist}) failed to import: " \
+                                          f"{_one_line(exc)}"
+                continue
+            if not (isinstance(cls, type) and issubclass(cls, Stage)):
+                BROKEN_PLUGINS[ep.name] = f"{ep.value} ({dist}) is not a Stage subclass"
+                continue
+            existing = STAGE_TYPES.get(ep.name)
+            if existing is cls and PLUGIN_SOURCES.get(ep.name) != "rlhfflow":
+                PLUGIN_SOURCES[ep.name] = dist  # registered on import, declared here too
+            if existing is not None and existing is not cls:
+                # stale metadata of an editable install can point at the same class by
+                # another route; only a different class under one name is a conflict
+                if stage_type_path(existing) != stage_type_path(cls):
+                    BROKEN_PLUGINS[ep.name] = (f"{ep.value} ({dist}) clashes with "
+                                               f"{stage_type_path(existing)}, registered "
+                                               f"under the same name")
+                continue
+            STAGE_TYPES[ep.name] = cls
+            PLUGIN_SOURCES[ep.name] = dist
+
+
+def known_stage_types() -> dict[str, type[Stage]]:
+    """Every registered stage type (built-ins and installed plugins), by name."""
+    load_plugins()
+    return dict(STAGE_TYPES)
+
+
+def stage_type_path(cls: type[Stage]) -> str:
+    """The import path ``module:Class`` that workers use to create a stage of ``cls``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def resolve_stage_type(ref: str) -> type[Stage]:
+    """The stage class ``ref`` names: a registered name (built-in or entry point) or an
+    import path ``package.module:Class``. ``StageTypeError`` (one line) otherwise."""
+    if ":" in ref:
+        return _import_stage(ref)
+    if ref in STAGE_TYPES:  # a built-in (or loaded) type: no need to import every plugin
+        return STAGE_TYPES[ref]
+    load_plugins()
+    if ref in STAGE_TYPES:
+        return STAGE_TYPES[ref]
+    if ref in BROKEN_PLUGINS:
+        raise StageTypeError(f"plugin stage type {ref!r}: {BROKEN_PLUGINS[ref]}")
+    match = difflib.get_close_matches(ref, list(STAGE_TYPES), n=1, cutoff=0.6)
+    hint = (f"; did you mean {match[0]!r}?" if match
+            else f"; known: {', '.join(sorted(STAGE_TYPES))}")
+    raise StageTypeError(f"unknown stage type {ref!r}{hint}")
+
+
+def _import_stage(ref: str) -> type[Stage]:
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise StageTypeError(f"expected a registered name or 'package.module:Class', got {ref!r}")
     try:
-        return STAGE_TYPES[type_name]
-    except KeyError:
-        raise KeyError(f"unknown stage type {type_name!r}; known: "
-                       f"{', '.join(sorted(STAGE_TYPES))}") from None
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001  (a plugin's import error is reported, not raised)
+        raise StageTypeError(f"cannot import module {module_name!r}: {_one_line(exc)}") \
+            from None
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if obj is None:
+        raise StageTypeError(f"module {module_name!r} has no {attr!r}")
+    if not (isinstance(obj, type) and issubclass(obj, Stage)):
+        raise StageTypeError(f"{ref!r} is not a subclass of rlhfflow.stages.Stage")
+    return obj
+
+
+def get_stage_type(type_name: str) -> type[Stage]:
+    """The stage class ``type_name`` names (see ``resolve_stage_type``); KeyError if none."""
+    try:
+        return resolve_stage_type(type_name)
+    except StageTypeError as exc:
+        raise KeyError(str(exc)) from None
 
 
 def create_stage(type_name: str, name: str | None = None,
                  params: Mapping[str, Any] | None = None, algorithm: Any = None,
                  model: str | None = None) -> Stage:
-    """Instantiate a registered stage, validating ``params``."""
+    """Instantiate a stage by registered name or import path, validating ``params``."""
     cls = get_stage_type(type_name)
-    return cls(name or type_name, params, algorithm, model)
+    return cls(name or cls.type_name or type_name, params, algorithm, model)
 
 
 def concat_batches(parts: list[Batch]) -> Batch:

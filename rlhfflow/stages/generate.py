@@ -34,30 +34,41 @@ class GenerateParams(StageParams):
     response ends at an EOS id (the tokenizer's and the model's ``generation_config``'s)
     or right after the first of the ``stop`` strings."""
 
-    max_new_tokens: Annotated[int, Field(gt=0)] = 32
-    temperature: Annotated[float, Field(gt=0)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    greedy: bool = False
-    stop: list[str] = []
-    #: finished rows leave the decode batch (always on under speculation)
-    compact: bool = True
-    #: ``none``, one drafter, or ``adaptive`` (choose among ``adaptive_drafters`` per step)
-    drafter: Literal["none", "ngram", "layers", "model", "adaptive"] = "none"
-    #: draft length of a fixed drafter; the largest length ``adaptive`` tries
-    draft_k: Annotated[int, Field(ge=1, le=16)] = 4
-    adaptive_drafters: list[Literal["ngram", "layers", "model"]] = ["ngram", "layers"]
-    #: ``models.NAME`` of the draft model (drafter ``model``); same tokenizer as the actor
-    draft_model: str | None = None
-    #: drafter ``layers``: how many of the actor's first decoder layers draft
-    draft_layers: Annotated[int, Field(ge=1)] = 4
-    ngram_max: Annotated[int, Field(ge=1, le=8)] = 4
-    ngram_min: Annotated[int, Field(ge=1, le=8)] = 2
-    #: earlier responses per prompt the ``ngram`` drafter keeps (per worker)
-    ngram_history: Annotated[int, Field(ge=0)] = 4
-    #: ``[seconds, seconds_per_token]`` of a forward for ``adaptive``; unset: measured once
-    #: per worker (then sampled tokens may differ between runs with different timings)
-    verify_cost: list[Annotated[float, Field(ge=0)]] | None = None
+    max_new_tokens: Annotated[int, Field(
+        gt=0, description="response length limit (and the buffer's response width)")] = 32
+    temperature: Annotated[float, Field(
+        gt=0, description="sampling temperature (also used by logprob and train_actor)")] = 1.0
+    top_k: Annotated[int, Field(
+        ge=0, description="keep the k most likely tokens; 0: off")] = 0
+    top_p: Annotated[float, Field(
+        gt=0, le=1, description="nucleus sampling; 1.0: off")] = 1.0
+    greedy: bool = Field(False, description="argmax instead of sampling")
+    stop: list[str] = Field([], description="end a response right after the first of these "
+                                            "strings (kept in the response)")
+    compact: bool = Field(True, description="rows that finished leave the decode batch and "
+                                            "the KV cache (always on with a drafter)")
+    drafter: Literal["none", "ngram", "layers", "model", "adaptive"] = Field(
+        "none", description="speculative decoding: the drafter whose tokens the model "
+                            "verifies, or adaptive (drafter and length chosen per step)")
+    draft_k: Annotated[int, Field(
+        ge=1, le=16, description="draft length of a fixed drafter; the longest adaptive "
+                                 "tries")] = 4
+    adaptive_drafters: list[Literal["ngram", "layers", "model"]] = Field(
+        ["ngram", "layers"], description="the drafters adaptive chooses among")
+    draft_model: str | None = Field(
+        None, description="drafter model: a models.NAME with the actor's tokenizer")
+    draft_layers: Annotated[int, Field(
+        ge=1, description="drafter layers: how many of the actor's first decoder layers "
+                          "draft")] = 4
+    ngram_max: Annotated[int, Field(
+        ge=1, le=8, description="drafter ngram: the longest n-gram matched")] = 4
+    ngram_min: Annotated[int, Field(
+        ge=1, le=8, description="drafter ngram: the shortest n-gram matched")] = 2
+    ngram_history: Annotated[int, Field(
+        ge=0, description="drafter ngram: earlier responses per prompt kept (per worker)")] = 4
+    verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
+                          "measured once per worker (sampled tokens then depend on it)")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -162,6 +173,7 @@ class GenerateStage(Stage):
     type_name = "generate"
     Params = GenerateParams
     model_head = "lm"
+    generates = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -29,7 +29,9 @@ class LogprobParams(StageParams):
     """``output``: the column to write: ``old_logprobs`` (the actor before its update,
     the default) or ``ref_logprobs`` (the frozen reference)."""
 
-    output: Literal["old_logprobs", "ref_logprobs"] = "old_logprobs"
+    output: Literal["old_logprobs", "ref_logprobs"] = Field(
+        "old_logprobs", description="the column to write: old_logprobs (the actor before "
+        "its update) or ref_logprobs (the frozen reference)")
 
 
 @register_stage
@@ -113,14 +115,26 @@ class ScoreParams(StageParams):
     its error kept in the ``score_error`` column; the coordinator stops the run when more
     than ``max_errors`` samples fail in one iteration or ``max_errors_total`` in the run."""
 
-    function: str | None = None
-    kwargs: dict[str, Any] = {}
-    functions: list[RewardFunctionSpec] = []
-    on_invalid: Literal["error", "skip"] = "error"
-    on_error: Literal["error", "skip"] = "error"
-    retries: Annotated[int, Field(ge=0)] = 0
-    max_errors: Annotated[int, Field(ge=0)] = 8
-    max_errors_total: Annotated[int, Field(ge=0)] = 64
+    function: str | None = Field(None, description="a reward function, "
+                                 "'package.module:function' or 'file.py:function', called "
+                                 "as function(prompts, responses, **kwargs); none: score "
+                                 "with the stage's reward model")
+    kwargs: dict[str, Any] = Field({}, description="keyword arguments for function")
+    functions: list[RewardFunctionSpec] = Field(
+        [], description="several reward functions ({function, weight, kwargs, name}): "
+        "scores is their weighted sum, each is kept as score_<name>")
+    on_invalid: Literal["error", "skip"] = Field(
+        "error", description="a NaN or infinite score stops the run (error) or leaves its "
+        "sample out of advantages and training (skip)")
+    on_error: Literal["error", "skip"] = Field(
+        "error", description="a reward function that raises stops the run (error) or its "
+        "sample is retried alone and then left out (skip)")
+    retries: Annotated[int, Field(ge=0, description="more tries of a failing sample "
+                                                    "under on_error: skip")] = 0
+    max_errors: Annotated[int, Field(ge=0, description="failed samples one iteration "
+                                                       "may have before the run stops")] = 8
+    max_errors_total: Annotated[int, Field(ge=0, description="failed samples the whole "
+                                                             "run may have")] = 64
 
     def reward_functions(self) -> list[RewardFunctionSpec]:
         """The functions the stage calls: ``functions``, or ``function`` alone (weight 1)."""

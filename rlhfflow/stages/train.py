@@ -42,9 +42,10 @@ from rlhfflow.storage import ExperienceBuffer
 class TrainParams(StageParams):
     """Passes over the batch and optimizer steps per pass."""
 
-    epochs: Annotated[int, Field(gt=0)] = 1
-    minibatches: Annotated[int, Field(gt=0)] = 1
-    shuffle: bool = True
+    epochs: Annotated[int, Field(gt=0, description="passes over the iteration's batch")] = 1
+    minibatches: Annotated[int, Field(gt=0, description="optimizer steps per pass (the "
+                                                        "batch split evenly)")] = 1
+    shuffle: bool = Field(True, description="shuffle the rows before each pass")
 
 
 def _rows(batch: Batch, index: torch.Tensor) -> Batch:
@@ -237,12 +238,15 @@ class OnceParams(StageParams):
     """Training once before the loop: the JSONL file (relative to the pipeline file),
     passes over it, rows per optimizer step, and truncation lengths."""
 
-    data: str | None = None
-    epochs: Annotated[int, Field(gt=0)] = 1
-    batch_size: Annotated[int, Field(gt=0)] = 16
-    max_prompt_tokens: Annotated[int, Field(gt=0)] = 64
-    max_response_tokens: Annotated[int, Field(gt=0)] = 64
-    shuffle: bool = True
+    data: str | None = Field(None, description="JSONL training file, relative to the "
+                                               "pipeline file")
+    epochs: Annotated[int, Field(gt=0, description="passes over the data")] = 1
+    batch_size: Annotated[int, Field(gt=0, description="rows per optimizer step")] = 16
+    max_prompt_tokens: Annotated[int, Field(gt=0, description="prompts are truncated to "
+                                                              "this many tokens")] = 64
+    max_response_tokens: Annotated[int, Field(gt=0, description="responses are truncated "
+                                                                "to this many tokens")] = 64
+    shuffle: bool = Field(True, description="shuffle the rows before each pass")
 
 
 class SFTParams(OnceParams):
@@ -252,9 +256,12 @@ class SFTParams(OnceParams):
     ``last_iterations`` iterations (rejection-sampling fine-tuning). The loss covers
     response tokens only."""
 
-    buffer: str | None = None
-    min_score: float | None = None
-    last_iterations: Annotated[int, Field(gt=0)] | None = None
+    buffer: str | None = Field(None, description="an earlier run's buffer.zarr to take "
+                                                 "responses from, instead of data")
+    min_score: float | None = Field(None, description="with buffer: keep responses that "
+                                                      "scored at least this")
+    last_iterations: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="with buffer: only its last N iterations")
 
 
 def _resolve(path: str, base_dir: Path) -> Path:

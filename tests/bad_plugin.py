@@ -1,0 +1,46 @@
+"""Plugin stage types named by import path in tests (``tests.bad_plugin:...``): two that
+declare their columns wrongly, and a generator that is not the built-in ``generate``."""
+
+from __future__ import annotations
+
+from rlhfflow.stages import Column, Stage
+from rlhfflow.stages.generate import GenerateStage
+
+
+class BadColumns(Stage):
+    """Declares a column the experience buffer cannot store."""
+
+    type_name = "bad_columns"
+
+    @classmethod
+    def writes(cls, params, algorithm, has_model):
+        return {"bonus": Column("object")}
+
+
+class Raises(Stage):
+    """A plugin whose ``reads`` raises."""
+
+    type_name = "raises"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        raise RuntimeError("broken")
+
+
+class MyGenerator(GenerateStage):
+    """A plugin generator: a subclass that the runtime knows only by ``generates``."""
+
+    type_name = "my_generator"
+
+
+class Fails(Stage):
+    """A plugin whose ``run`` raises: ``rlhfflow stage test`` shows the traceback."""
+
+    type_name = "fails"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return ("scores",)
+
+    def run(self, batch, ctx):
+        raise ZeroDivisionError("the plugin divided by zero")
