@@ -354,3 +354,10 @@ def test_the_buffer_keeps_each_iterations_text(tmp_path):
         responses = buffer.read_text(k, "response_text")
         rows = len(buffer.read(k, ["scores"])["scores"])
         assert len(prompts) == len(responses) == rows and all(prompts)
+
+
+def test_a_single_reward_function_adds_no_per_function_means(tmp_path):
+    """reward_mean_NAME is for params.functions; the weighted score_sum is no function."""
+    path = small_pipeline(tmp_path, "grpo", iterations=1)
+    record = run_pipeline(load_pipeline(path), progress=False, inline=True).metrics[0]
+    assert not [k for k in record if k.startswith("reward_mean_")]

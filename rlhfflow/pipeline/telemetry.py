@@ -133,11 +133,17 @@ class Telemetry:
             "score_errors": int(total.get("score_errors", 0)),
             "score_retries": int(total.get("score_retries", 0)),
             "task_retries": task_retries,
-            **{f"reward_mean_{k[len('score_'):-len('_sum')]}": total[k] / scored if scored
-               else None for k in sorted(total) if k.startswith("score_")
-               and k.endswith("_sum")},
+            **{f"reward_mean_{name}": total[k] / scored if scored else None
+               for k, name in _function_sums(total)},
             "train": train,
         }
+
+
+def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:
+    """``(key, name)`` of each reward function's own score sum (``score_NAME_sum``, from
+    ``params.functions``); not the weighted ``score_sum`` itself."""
+    return [(k, k[len("score_"):-len("_sum")]) for k in sorted(total)
+            if k.startswith("score_") and k.endswith("_sum") and k != "score_sum"]
 
 
 def _generation(total: dict[str, float]) -> dict[str, Any]:
