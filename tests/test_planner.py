@@ -166,9 +166,14 @@ def test_what_the_file_sets_is_not_searched():
     assert {c.fuse for c in fixed.candidates} == {True}
 
 
-def test_the_embedded_cluster_searches_workers_and_threads():
+def test_the_embedded_cluster_searches_workers_and_threads_once_measured():
     pipeline = load_pipeline(GRPO)
-    choice = choose_plan(pipeline, cores=2)
+    # the analytic model knows nothing of threads contending with the coordinator
+    unmeasured = choose_plan(pipeline, cores=2)
+    assert {(c.workers, c.threads) for c in unmeasured.candidates} == {(2, 1)}
+    profile = _profile(pipeline, [Observation("generate", r, t, 1, 0.01 * r)
+                                  for r in (4, 8) for t in (1, 2)])
+    choice = choose_plan(pipeline, profile, cores=2)
     layouts = {(c.workers, c.threads) for c in choice.candidates}
     assert {(1, 2), (2, 1)} <= layouts
     assert choice.pipeline.spec.cluster.workers == choice.best.workers

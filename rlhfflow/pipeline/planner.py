@@ -136,7 +136,8 @@ def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
     return psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1))
 
 
-def _layouts(pipeline, n_workers: int | None, cores: int) -> list[tuple[int, int]]:
+def _layouts(pipeline, n_workers: int | None, cores: int, measured: bool
+             ) -> list[tuple[int, int]]:
     from rlhfflow.pipeline.backend import default_torch_threads
     from rlhfflow.pipeline.profiler import layouts
 
@@ -148,10 +149,14 @@ def _layouts(pipeline, n_workers: int | None, cores: int) -> list[tuple[int, int
 
     if cluster.torch_threads:
         return [(cluster.workers, cluster.torch_threads)]
-    out = layouts(cores, cluster.workers)
-    # the default split (a core left to the coordinator) is a layout too
+    # the default split (a core left to the coordinator and the scheduler)
     default = (cluster.workers, default_torch_threads(cluster.workers, cores))
-    return list(dict.fromkeys(out + [default]))
+    if not measured:
+        # how threads contend with the coordinator on shared cores is not in the analytic
+        # model (2 threads on 2 cores beside it measured 1.4x slower, not faster): only a
+        # profile, which measures each layout, may move away from the default
+        return [default]
+    return list(dict.fromkeys(layouts(cores, cluster.workers) + [default]))
 
 
 def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None = None,
@@ -177,7 +182,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     vary_split = vary and "micro_batches" not in spec.data.model_fields_set
     fuse_options = [True, False] if vary_fuse else [spec.overlap.fuse]
     space = []
-    for workers, threads in _layouts(pipeline, n_workers, cores):
+    for workers, threads in _layouts(pipeline, n_workers, cores, cost.profiled):
         splits = sorted({min(rows, m) for m in (workers, 2 * workers, 4 * workers,
                                                  spec.data.micro_batches)}) if vary_split \
             else [spec.data.micro_batches]
