@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlhfflow.ops.registry import load_callable
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.common import response_logprobs, response_values
 
@@ -165,11 +166,8 @@ def _load_function(ref: str, base_dir: str | None) -> Callable[..., Any]:
         module = importlib.util.module_from_spec(spec)
         sys.modules[unique] = module
         spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"cannot import module {module_name!r}: {exc}") from None
+    else:  # an importable module: the same resolution as estimators and policy losses
+        return load_callable(ref)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{module_name!r} has no callable {attr!r}")
