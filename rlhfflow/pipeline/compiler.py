@@ -334,7 +334,7 @@ class TaskCompiler:
         ``after[model]`` (the iteration's training tasks of that model): rank 0 of its
         gang saves it, and every rank its ZeRO shard when DeepSpeed trains it."""
         specs = []
-        for m in self.loop_trained():
+        for m in self.graph.loop_trained():
             ranks = self.plan.homes[m] if self.deepspeed(m) else self.plan.homes[m][:1]
             specs += [TaskSpec(f"checkpoint-{k}-{m}-r{rank}", CHECKPOINT, k,
                                waits=tuple(after.get(m, [])), workers=(w,),
@@ -348,7 +348,7 @@ class TaskCompiler:
         if not (every > 0 and (it.index + 1) % every == 0):
             return []
         trainers = {m: [h for t in self.graph.trainers(m) if t in it.handles
-                        for h in it.handles[t]] for m in self.loop_trained()}
+                        for h in it.handles[t]] for m in self.graph.loop_trained()}
         specs = self.checkpoint(it.index, trainers)
         it.checkpoint = {}
         for s in specs:
@@ -398,11 +398,6 @@ class TaskCompiler:
         sp = self.plan.stages[stage]
         model = self.graph.nodes[stage].model
         return bool(set(sp.workers) & set(self.plan.homes.get(model, ())))
-
-    def loop_trained(self) -> list[str]:
-        """Models that a loop stage trains (their state changes every iteration)."""
-        return list(dict.fromkeys(self.graph.nodes[n].model for n in self.graph.loop_stages
-                                  if self.graph.nodes[n].trains))
 
     def deepspeed(self, model: str) -> bool:
         """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""

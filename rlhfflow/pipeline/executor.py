@@ -191,8 +191,8 @@ class Executor:
         self.choice: PlanChoice | None = None  # what placement: auto chose, if it did
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
-        self._prompt_len: dict[int, int] = {}
-        self._texts: dict[int, dict[str, list[str]]] = {}
+        # per iteration begun, what its stores need: the prompt width and the text columns
+        self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
 
     # ----------------------------------------------------------------- set-up
@@ -367,10 +367,8 @@ class Executor:
     def _from_checkpoint(self, models: dict[str, ModelConfig], checkpoint: Checkpoint | None
                          ) -> dict[str, ModelConfig]:
         """Configs of the models trained in the loop, taken from ``checkpoint``."""
-        trained = list(dict.fromkeys(self.graph.nodes[n].model for n in self.graph.loop_stages
-                                     if self.graph.nodes[n].trains))
         try:
-            return models_from_checkpoint(models, trained, checkpoint)
+            return models_from_checkpoint(models, self.graph.loop_trained(), checkpoint)
         except CorruptCheckpoint as exc:
             raise RunError(str(exc)) from None
 
@@ -449,10 +447,10 @@ class Executor:
         """Iteration ``k``: its prompts, placed next to the first stage's tasks, and the
         stages that run ahead."""
         batch = self.source.batch(k)
-        self._prompt_len[k] = batch["prompt_ids"].shape[1]
         # the coordinator keeps the iteration's text (prompts, record fields) for the
         # buffer: zarr metadata and ragged text are its to write
-        self._texts[k] = {c: list(batch[c]) for c in TEXT_COLUMNS if c in batch}
+        self._begun[k] = (batch["prompt_ids"].shape[1],
+                          {c: list(batch[c]) for c in TEXT_COLUMNS if c in batch})
         it, source = self.compiler.begin(k, len(batch["prompt_ids"]))
         self.dataflow.submit(source, batch)
         self.dataflow.submit(self.compiler.stages(it, previous, ahead=True))
@@ -464,13 +462,14 @@ class Executor:
         created the iteration's arrays) and, when due, its checkpoint."""
         k = it.index
         self.dataflow.submit(self.compiler.stages(it, previous, ahead=False, later=later))
-        lengths = {"prompt": self._prompt_len.pop(k), "response": self._response_len()}
+        prompt_len, texts = self._begun.pop(k)
+        lengths = {"prompt": prompt_len, "response": self._response_len()}
         schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
                   for c, col in self.stored.items()}
         chunk = it.bounds[SOURCE][0][1] - it.bounds[SOURCE][0][0]
         self.buffer.begin_iteration(k, it.rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
-        self.buffer.write_text(k, self._texts.pop(k))
+        self.buffer.write_text(k, texts)
         self.dataflow.submit(self.compiler.stores(it))
         self.checkpointer.submit(k, self.compiler.iteration_checkpoint(it))
 

@@ -175,6 +175,11 @@ class StageGraph:
         """Stages that update ``model``."""
         return [n for n in self.order if self.nodes[n].model == model and self.nodes[n].trains]
 
+    def loop_trained(self) -> list[str]:
+        """Models that a loop stage trains (their state changes every iteration)."""
+        return list(dict.fromkeys(self.nodes[n].model for n in self.loop_stages
+                                  if self.nodes[n].trains))
+
     def release_edges(self) -> list[tuple[str, str]]:
         """``(user, trainer)`` pairs within an iteration: ``user`` reads the model that
         ``trainer`` updates and is not already upstream of it, so it must finish first."""
