@@ -1,7 +1,8 @@
 """Pure, vectorised torch ops for RLHF: log-probs, KL estimators, masked statistics,
 advantage estimators (GAE, GRPO, RLOO, Dr. GRPO, REINFORCE++, ReMax), PPO/GSPO policy
-and value losses with veRL's loss aggregations, entropy; and the registries through
-which configs pick an estimator and a policy loss.
+and value losses with veRL's loss aggregations, entropy, the DPO loss and the pairing
+and best-of-N selection of responses by score (:mod:`rlhfflow.ops.preference`); and the
+registries through which configs pick an estimator and a policy loss.
 
 Use as ``from rlhfflow import ops; adv, ret = ops.gae(rewards, values, mask, 1.0, 0.95)``.
 Every function is free of I/O and of imports from the rest of rlhfflow; shapes are
@@ -32,6 +33,7 @@ from rlhfflow.ops.core import (
     token_rewards,
     value_loss,
 )
+from rlhfflow.ops.preference import best_in_group, dpo_loss, preference_pairs
 from rlhfflow.ops.registry import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATOR_INPUTS,
@@ -63,7 +65,9 @@ __all__ = [
     "POLICY_LOSS_INPUTS",
     "SCALE_REWARDS",
     "aggregate_loss",
+    "best_in_group",
     "call",
+    "dpo_loss",
     "entropy",
     "entropy_from_logits",
     "estimator_needs",
@@ -79,6 +83,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "preference_pairs",
     "register_advantage_estimator",
     "register_policy_loss",
     "reinforce_plus_plus",
