@@ -16,9 +16,9 @@ from rlhfflow.storage.errors import DIRECTORY, read_score_errors
 
 
 def skipping_stage(pipeline: Pipeline) -> str | None:
-    """The loop's ``score`` stage that skips samples its function raises on, if any
-    (one at most: two score stages would both write ``scores``)."""
-    for name in pipeline.graph.of_type("score"):
+    """The loop's scorer (``Stage.scores``) that skips samples its function raises on, if
+    any (one at most: two scorers would both write ``scores``)."""
+    for name in pipeline.graph.scorers():
         if not pipeline.graph.nodes[name].once and \
                 getattr(pipeline.params[name], "on_error", "error") == "skip":
             return name

@@ -24,7 +24,7 @@ class StageNode:
 
     ``type`` is what the file says (a registered name or an import path) and ``impl`` the
     class's import path, by which workers create the stage. The capabilities (``trains``,
-    ``once``, ``per_batch``, ``generates`` and a generator's ``response_tokens`` and
+    ``once``, ``per_batch``, ``generates``, ``scores``, ``reports`` and a generator's ``response_tokens`` and
     ``temperature``) are copied from the ``Stage`` class and its params, so the planner
     and executor never ask for a type by name.
     """
@@ -39,6 +39,8 @@ class StageNode:
     once: bool = False
     per_batch: bool = False
     generates: bool = False
+    scores: bool = False
+    reports: bool = False
     response_tokens: int = 0
     temperature: float = 1.0
     impl: str = ""
@@ -59,25 +61,36 @@ class StageGraph:
         self.nodes = dict(nodes)
         self.order = self._topological_order()
         self._upstream = {name: self._closure(name) for name in self.order}
+        # a stage that reads a model a trainer updates runs before it in the iteration
+        # (release_edges), so it comes first in the order too, wherever it is declared:
+        # the compiler builds a trainer's waits from the tasks of those users
+        try:
+            self.order = self._topological_order(self.release_edges())
+        except CycleError:  # release edges that contradict each other: keep `after` only
+            pass
 
     # ----------------------------------------------------------------- structure
-    def _topological_order(self) -> list[str]:
-        """Kahn's algorithm; ties broken by declaration order so output is stable."""
+    def _topological_order(self, extra: Iterable[tuple[str, str]] = ()) -> list[str]:
+        """Kahn's algorithm over the ``after`` edges plus ``extra`` ``(before, after)``
+        pairs; ties broken by declaration order so output is stable."""
         declared = list(self.nodes)
-        indegree = {n: len(set(self.nodes[n].after)) for n in declared}
+        parents = {n: set(self.nodes[n].after) for n in declared}
+        for before, after in extra:
+            parents[after].add(before)
+        indegree = {n: len(parents[n]) for n in declared}
         ready = [n for n in declared if indegree[n] == 0]
         order: list[str] = []
         while ready:
             name = ready.pop(0)
             order.append(name)
             for other in declared:
-                if name in self.nodes[other].after:
+                if name in parents[other]:
                     indegree[other] -= 1
                     if indegree[other] == 0:
                         ready.append(other)
             ready.sort(key=declared.index)
         if len(order) < len(declared):
-            raise CycleError(self._find_cycle(set(declared) - set(order)))
+            raise CycleError([] if extra else self._find_cycle(set(declared) - set(order)))
         return order
 
     def _find_cycle(self, remaining: set[str]) -> list[str]:
@@ -115,9 +128,10 @@ class StageGraph:
         """Stages that run every iteration, in dependency order."""
         return [n for n in self.order if not self.nodes[n].once]
 
-    def of_type(self, type_name: str) -> list[str]:
-        """Loop stages of one type (``"generate"``), in dependency order."""
-        return [n for n in self.loop_stages if self.nodes[n].type == type_name]
+    def scorers(self) -> list[str]:
+        """Loop stages that score responses with reward functions (``Stage.scores``), in
+        dependency order."""
+        return [n for n in self.loop_stages if self.nodes[n].scores]
 
     def generators(self) -> list[str]:
         """Loop stages that sample responses (``Stage.generates``), in dependency order."""

@@ -269,7 +269,8 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
         nodes[name] = StageNode(
             name=name, type=stage.type, model=stage.model, after=tuple(stage.after),
             reads=reads, writes=writes, trains=cls.trains, once=cls.once,
-            per_batch=cls.per_batch, generates=cls.generates,
+            per_batch=cls.per_batch, generates=cls.generates, scores=cls.scores,
+            reports=cls.reports,
             response_tokens=_plugin_call(file, f"stages.{name}.params", cls.response_tokens,
                                          params[name]),
             temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
@@ -430,18 +431,22 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
         return
     source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
-    for name in pipeline.graph.of_type("score"):
+    for name in pipeline.graph.scorers():
         params = pipeline.params[name]
-        if params.function is None:
-            continue
-        fn = load_function(params.function, pipeline.base_dir)
-        required, _, _ = reward_fields(fn, params.kwargs)
-        for field in required:
-            line = source.missing_field(field)
-            if line is not None:
-                raise SpecError(file, f"stages.{name}.params.function", f"the reward function "
-                                f"takes {field!r}, which record {pipeline.prompts_path}:"
-                                f"{line} does not have (give it a default, or add the field)")
+        listed = getattr(params, "reward_functions", None)
+        entries = listed() if callable(listed) else []
+        for i, entry in enumerate(entries):
+            key = "params.function" if len(entries) == 1 and \
+                getattr(params, "function", None) else f"params.functions[{i}].function"
+            fn = load_function(entry.function, pipeline.base_dir)
+            required, _, _ = reward_fields(fn, entry.kwargs)
+            for field in required:
+                line = source.missing_field(field)
+                if line is not None:
+                    raise SpecError(file, f"stages.{name}.{key}", f"the reward function "
+                                    f"takes {field!r}, which record {pipeline.prompts_path}:"
+                                    f"{line} does not have (give it a default, or add the "
+                                    f"field)")
 
 
 def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:

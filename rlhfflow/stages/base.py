@@ -106,6 +106,14 @@ class Stage:
             log-prob stages must match (``sampling_temperature``), its model's tokenizer
             encodes the prompts, it runs ahead under ``overlap.max_staleness``, and it
             goes to the rollout group when placement is disaggregated.
+        scores: whether the stage is a scorer: it writes ``scores`` with reward functions
+            that ``params.reward_functions()`` lists (entries with ``function`` and
+            ``kwargs``) and may skip failing samples under ``params.on_error``. The loader
+            checks that the prompt records carry the fields those functions take, and the
+            coordinator keeps the run within the scorer's error budget (``max_errors``).
+        reports: whether the stage returns metrics for the iteration's record (under
+            their own names, e.g. ``eval/reward_mean``) instead of columns, as an
+            evaluation does; a training stage's metrics go under ``train`` instead.
     """
 
     type_name: ClassVar[str] = ""
@@ -116,6 +124,8 @@ class Stage:
     once: ClassVar[bool] = False
     per_batch: ClassVar[bool] = False
     generates: ClassVar[bool] = False
+    scores: ClassVar[bool] = False
+    reports: ClassVar[bool] = False
 
     def __init__(self, name: str, params: StageParams | Mapping[str, Any] | None = None,
                  algorithm: Any = None, model: str | None = None) -> None:

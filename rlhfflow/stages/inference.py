@@ -253,6 +253,7 @@ class ScoreStage(Stage):
     Params = ScoreParams
     model_head = "value"
     model_optional = True
+    scores = True
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
