@@ -84,7 +84,10 @@ class Checkpointer:
 
     def publish(self, k: int) -> None:
         """Wait for checkpoint ``k``'s tasks, then make it visible (state.json last,
-        rename) and prune old ones."""
+        rename) and prune old ones. Nothing, when iteration ``k`` had nothing to save
+        (a pipeline that trains no model, such as an evaluation)."""
+        if k not in self.pending:
+            return
         directory, handles = self.pending.pop(k)
         self.wait({f"checkpoint[{m}]": h for m, hs in handles.items() for h in hs}, k)
         saved = {m: self.dataflow.backend.gather(hs[:1])[0] for m, hs in handles.items()}

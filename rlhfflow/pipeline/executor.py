@@ -38,6 +38,7 @@ from rlhfflow.pipeline.checkpointing import (
 )
 from rlhfflow.pipeline.compiler import IterationTasks, TaskCompiler, loop_steps
 from rlhfflow.pipeline.dataflow import Dataflow
+from rlhfflow.pipeline.evaluation import evaluation_summary
 from rlhfflow.pipeline.graph import SOURCE
 from rlhfflow.pipeline.loader import Pipeline, derive
 from rlhfflow.pipeline.plan import ExecutionPlan, PlanError, make_plan, model_sizes
@@ -433,10 +434,14 @@ class Executor:
         if last > self.last_checkpoint:
             self.checkpointer.submit(last, self.compiler.checkpoint(last, {}))
             self._publish_checkpoint(last)
+        evaluation = evaluation_summary(self.graph, records)
+        if evaluation is not None:  # a run that only generates and scores
+            self.summary["evaluation"], line = evaluation
+            self._say(line)
         summary = summarise(records)
         if summary is not None:
-            self.summary, line = summary
-            self._say(line)
+            self.summary.update(summary[0])
+            self._say(summary[1])
             if self.choice is not None and len(records) > 2:
                 predicted, measured = self.choice.best.predicted_s, self.summary["iteration_s"]
                 self.summary["predicted_iteration_s"] = round(predicted, 4)
@@ -513,6 +518,8 @@ class Executor:
         handles = {n: self.dataflow[ids] for n, ids in it.handles.items() if n != SOURCE}
         trainers = {n: handles[n][0] for n in self.graph.loop_stages
                     if self.graph.nodes[n].trains}
+        reporters = {n: handles[n][0] for n in self.graph.loop_stages
+                     if self.graph.nodes[n].reports}
         stores = self.dataflow[it.stores]
         installs = self.dataflow[[i for ids in it.syncs.values() for i in ids]]
         all_handles = {f"{n}[{j}]": h for n, hs in handles.items() for j, h in enumerate(hs)}
@@ -525,10 +532,13 @@ class Executor:
             self.buffer.write_text(it.index, {"response_text": responses})
         train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
                                strict=True))
+        reported = dict(zip(reporters, self.backend.gather(list(reporters.values())),
+                            strict=True))
         moved = self.backend.gather(installs)
         retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
-        record = self.telemetry.record(it.index, partials, train_stats, moved, retried)
+        record = self.telemetry.record(it.index, partials, train_stats, moved, retried,
+                                       reported)
         self.log.append(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])

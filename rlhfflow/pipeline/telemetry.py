@@ -89,10 +89,12 @@ class Telemetry:
 
     def record(self, iteration: int, partials: list[dict[str, float]],
                train: dict[str, dict[str, Any]], moved: list[dict[str, float]],
-               task_retries: int = 0) -> dict[str, Any]:
+               task_retries: int = 0, reported: dict[str, dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
         """The metrics record of ``iteration`` from its store tasks' partial sums, its
-        trainers' statistics, its weight transfers and the retries its tasks took; the
-        window of its wall time ends now."""
+        trainers' statistics, its weight transfers, the retries its tasks took and the
+        metrics of its reporting stages (``Stage.reports``, e.g. ``eval/...``, kept under
+        their own names); the window of its wall time ends now."""
         running = self._collect(iteration)
         now = time.time()
         iteration_s = now - self._window_start
@@ -136,6 +138,7 @@ class Telemetry:
             **{f"reward_mean_{name}": total[k] / scored if scored else None
                for k, name in _function_sums(total)},
             "train": train,
+            **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
 
 

@@ -2,12 +2,20 @@
 
 Importing this package registers the built-in stage types:
 ``generate``, ``logprob``, ``values``, ``score``, ``advantages``, ``train_actor``,
-``train_critic``, ``sft``, ``reward_model``, ``remax_baseline``. Installed packages add
+``train_critic``, ``sft``, ``reward_model``, ``remax_baseline``, ``select``, ``train_sft``,
+``train_dpo``, ``train_dpo_online``, ``evaluate``. Installed packages add
 types through the ``rlhfflow.stages`` entry-point group (``load_plugins``), and a pipeline
 may name any ``Stage`` subclass by import path (``resolve_stage_type``).
 """
 
-from rlhfflow.stages import advantages, generate, inference, train  # noqa: F401  (registers)
+from rlhfflow.stages import (  # noqa: F401  (registers)
+    advantages,
+    evaluate,
+    generate,
+    inference,
+    preference,
+    train,
+)
 from rlhfflow.stages.base import (
     BROKEN_PLUGINS,
     ENTRY_POINT_GROUP,

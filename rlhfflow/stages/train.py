@@ -92,7 +92,7 @@ class _Trainer(Stage):
                                    gang.rank if gang else 0)
         batch = {k: v.to(resident.device) for k, v in batch.items()
                  if isinstance(v, torch.Tensor)}
-        rows = len(batch["response_ids"])
+        rows = len(next(iter(batch.values()))) if batch else 0
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         history, weights = [], []
         for _ in range(self.params.epochs):
@@ -100,7 +100,7 @@ class _Trainer(Stage):
                                            self.params.shuffle):
                 counts = None
                 if gang is not None:
-                    mask = _loss_mask(_rows(batch, index))
+                    mask = self.loss_mask(_rows(batch, index))
                     counts = {"tokens": ops.loss_count(mask),
                               "agg": ops.loss_count(mask, self._agg(),
                                                     self.algorithm.loss_scale_factor)}
@@ -108,7 +108,7 @@ class _Trainer(Stage):
                 shard = _rows(batch, index)
                 loss, metrics = self.loss(resident, shard, ctx, counts)
                 metrics["grad_norm"] = resident.step(loss, gang)
-                local = float(_loss_mask(shard).sum())
+                local = float(self.loss_mask(shard).sum())
                 if counts is not None:
                     # a loss term here is this rank's share of the minibatch's; as a local
                     # mean it averages back (token-weighted) to the minibatch's value
@@ -117,7 +117,7 @@ class _Trainer(Stage):
                 history.append(metrics)
                 weights.append(local)
         stats = _mean_metrics(history, weights, gang)
-        if "policy_version" in batch:  # how many updates behind the rollout was
+        if len(batch.get("policy_version", ())):  # how many updates behind the rollout was
             staleness = (resident.version - batch["policy_version"]).float()
             stats.update(staleness_mean=float(staleness.mean()),
                          staleness_max=int(staleness.max()))
@@ -134,6 +134,11 @@ class _Trainer(Stage):
     def _agg(self) -> str:
         """How this stage's loss aggregates tokens (``ops.LOSS_AGGS``)."""
         return "token-mean"
+
+    def loss_mask(self, batch: Batch) -> torch.Tensor:
+        """What the loss counts in a minibatch (its tokens, or one entry per pair): the
+        weights of the steps' metrics and, in a gang, the minibatch's divisor."""
+        return _loss_mask(batch)
 
     def _divisor(self, counts: dict[str, float] | None) -> float | None:
         """The ``count`` to pass to the loss: the whole minibatch's divisor when this is a
@@ -292,14 +297,15 @@ class _OnceTrainer(Stage):
             return ("params.data", f"file not found: {path}")
         return None
 
-    def examples(self, resident, base_dir: Path) -> Batch | list:
+    def examples(self, resident, base_dir: Path, ctx: StageContext) -> Batch | list:
         """The training set: JSONL records (or a batch of tensors)."""
         return read_jsonl(_resolve(self.params.data, base_dir), self.fields)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
-        examples = self.examples(resident, Path(ctx.settings.get("base_dir", ".")))
-        count = len(examples["response_ids"]) if isinstance(examples, dict) else len(examples)
+        examples = self.examples(resident, Path(ctx.settings.get("base_dir", ".")), ctx)
+        count = len(next(iter(examples.values()))) if isinstance(examples, dict) \
+            else len(examples)
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, self.name))
         history = []
         steps = max(1, -(-count // self.params.batch_size))
@@ -337,9 +343,9 @@ class SFTStage(_OnceTrainer):
             return None
         return super().check_params(params, has_model, base_dir)
 
-    def examples(self, resident, base_dir: Path) -> Batch | list:
+    def examples(self, resident, base_dir: Path, ctx: StageContext) -> Batch | list:
         if self.params.buffer is None:
-            return super().examples(resident, base_dir)
+            return super().examples(resident, base_dir, ctx)
         return buffer_examples(_resolve(self.params.buffer, base_dir), self.params.min_score,
                                self.params.last_iterations)
 
@@ -354,9 +360,55 @@ class SFTStage(_OnceTrainer):
                 tok, [r["response"] for r in examples], self.params.max_response_tokens)
             batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                      "response_ids": response_ids, "response_mask": response_mask}
-        logprobs = response_logprobs(resident.module, batch)
-        loss = -ops.masked_mean(logprobs, batch["response_mask"].to(logprobs.device).float())
-        return loss, {"sft_loss": loss.item()}
+        return sft_loss(resident.module, batch)
+
+
+def sft_loss(module: torch.nn.Module, batch: Batch, count: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The SFT loss of a batch: the negative log-likelihood of its response tokens, a
+    token mean (over ``count`` tokens when given: a gang's shard of a minibatch)."""
+    logprobs = response_logprobs(module, batch)
+    mask = batch["response_mask"].to(logprobs.device).float()
+    loss = -ops.aggregate_loss(logprobs, mask, "token-mean", count)
+    return loss, {"sft_loss": loss.item()}
+
+
+class TrainSFTParams(TrainParams):
+    """Supervised fine-tuning in the loop, on the iteration's own responses."""
+
+    selected: bool = Field(True, description="train only on the rows a select stage "
+                                             "marked (the selected column); false: on "
+                                             "every row with a valid score")
+
+
+@register_stage
+class TrainSFTStage(_Trainer):
+    """Supervised fine-tuning of the actor on the iteration's responses, every
+    iteration: with a ``select`` stage before it, rejection-sampling / best-of-N fine-tuning
+    (the ``sft`` stage's loss, on sampled instead of given responses)."""
+
+    type_name = "train_sft"
+    Params = TrainSFTParams
+    model_head = "lm"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return (*RESPONSE_INPUTS, "score_valid", "policy_version",
+                *(("selected",) if params.selected else ()))
+
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        # only the kept rows take part: the others would cost a forward pass each and
+        # count nothing
+        keep = score_valid(batch)
+        if self.params.selected:
+            keep = keep & batch["selected"].bool()
+        rows = torch.nonzero(keep).flatten()
+        stats = super().run(_rows({k: v for k, v in batch.items() if k != "selected"}, rows),
+                            ctx)
+        return {**stats, "rows_trained": int(len(rows))}
+
+    def loss(self, resident, batch, ctx, counts=None):
+        return sft_loss(resident.module, batch, counts["tokens"] if counts else None)
 
 
 def buffer_examples(path: Path, min_score: float | None, last_iterations: int | None) -> Batch:

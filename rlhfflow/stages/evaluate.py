@@ -1,0 +1,159 @@
+"""``evaluate``: score the model's responses to an evaluation prompt set of its own, every
+K iterations, inside a training pipeline; its metrics are logged as ``eval/...``.
+
+A stage of its own rather than a second ``generate`` + ``score``: those read the
+iteration's training prompts and write the training columns (``responses``, ``scores``),
+while an evaluation has other prompts and must leave the training batch alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from pydantic import Field
+
+from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
+from rlhfflow.stages.common import stage_seed
+from rlhfflow.stages.data import DataError, encode_prompts, read_jsonl
+from rlhfflow.stages.generate import GenerateParams, generate
+from rlhfflow.stages.inference import (
+    RewardFunctionSpec,
+    ScoreParams,
+    check_signature,
+    load_function,
+    record_columns,
+)
+
+
+class EvaluateParams(StageParams):
+    """The evaluation prompts, how often, how to decode and the reward functions (named
+    as a ``score`` stage's ``function`` / ``functions``)."""
+
+    prompts: str | None = Field(None, description="JSONL file of evaluation prompt "
+                                "records ({\"prompt\": ...} and the fields the reward "
+                                "functions take), relative to the pipeline file")
+    every: Annotated[int, Field(gt=0, description="evaluate in iterations 0, K, 2K, "
+                                                  "...")] = 1
+    max_new_tokens: Annotated[int, Field(gt=0, description="most new tokens per "
+                                                           "response")] = 32
+    greedy: bool = Field(True, description="argmax decoding (the default: evaluations "
+                                           "repeat); false samples at temperature")
+    temperature: Annotated[float, Field(gt=0, description="sampling temperature when "
+                                                          "greedy is false")] = 1.0
+    batch_size: Annotated[int, Field(gt=0, description="prompts decoded at once")] = 32
+    max_prompt_tokens: Annotated[int, Field(gt=0, description="longest prompt, in "
+                                                              "tokens")] = 64
+    function: str | None = Field(None, description="the reward function, as a score "
+                                                   "stage's params.function")
+    kwargs: dict[str, Any] = Field({}, description="keyword arguments for function")
+    functions: list[RewardFunctionSpec] = Field(
+        [], description="several reward functions ({function, weight, kwargs, name}), as "
+        "a score stage's params.functions; each is logged as eval/reward_mean_NAME")
+
+    def reward_functions(self) -> list[RewardFunctionSpec]:
+        """The functions the stage calls: ``functions``, or ``function`` alone."""
+        return ScoreParams.reward_functions(self)  # same rule as the score stage
+
+
+@register_stage
+class EvaluateStage(Stage):
+    """Evaluation of the stage's model on its own prompt set every ``every`` iterations:
+    decode (greedy by default), score with reward functions, log ``eval/reward_mean``,
+    ``eval/reward_mean_NAME`` per function and ``eval/response_length_mean``. It reads
+    nothing of the iteration's batch and writes no column, so training is unchanged."""
+
+    type_name = "evaluate"
+    Params = EvaluateParams
+    model_head = "lm"
+    per_batch = True  # one task per iteration, not one per micro-batch
+    reports = True
+
+    @classmethod
+    def check_params(cls, params, has_model, base_dir):
+        if params.prompts is None:
+            return ("params.prompts", "required key is missing: the evaluation prompts file")
+        path = Path(params.prompts)
+        path = path if path.is_absolute() else base_dir / path
+        try:
+            read_jsonl(path, ("prompt",))
+        except DataError as exc:
+            return ("params.prompts", str(exc))
+        functions = params.reward_functions()
+        if params.function is not None and params.functions:
+            return ("params.functions", "give either params.function or params.functions, "
+                                        "not both")
+        if not functions:
+            return ("params.function", "required key is missing: the reward function "
+                                       "('module:function') that scores the responses")
+        for i, entry in enumerate(functions):
+            where = "params" if params.function is not None else f"params.functions[{i}]"
+            try:
+                fn = load_function(entry.function, base_dir)
+            except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+                return (f"{where}.function", str(exc).splitlines()[0])
+            problem = check_signature(fn, entry.kwargs)
+            if problem:
+                return (f"{where}.{problem[0]}", problem[1])
+        return None
+
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        if ctx.iteration % self.params.every:
+            return {}
+        base_dir = Path(ctx.settings.get("base_dir", "."))
+        path = Path(self.params.prompts)
+        records = read_jsonl(path if path.is_absolute() else base_dir / path, ("prompt",))
+        responses, lengths = self._responses(ctx, [r["prompt"] for r in records])
+        return {**self._metrics(ctx, records, responses),
+                "eval/response_length_mean": float(lengths.float().mean())}
+
+    @torch.no_grad()
+    def _responses(self, ctx: StageContext, prompts: list[str]
+                   ) -> tuple[list[str], torch.Tensor]:
+        """The decoded responses and their lengths in tokens."""
+        resident = ctx.models.get(self.model)
+        tok = resident.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        params = GenerateParams(max_new_tokens=self.params.max_new_tokens,
+                                greedy=self.params.greedy,
+                                temperature=self.params.temperature)
+        # its own random stream: sampling here never shifts the training's draws
+        gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
+        texts: list[str] = []
+        lengths = []
+        for start in range(0, len(prompts), self.params.batch_size):
+            chunk = prompts[start:start + self.params.batch_size]
+            ids, mask = encode_prompts(tok, chunk, self.params.max_prompt_tokens)
+            uniforms = torch.rand(len(chunk), params.max_new_tokens, generator=gen)
+            out = generate(resident.module, ids, mask, uniforms, params, tok.eos_token_id,
+                           pad_id)
+            real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
+            texts += tok.batch_decode(real.tolist(), skip_special_tokens=True)
+            lengths.append(out["response_mask"].sum(-1))
+        return texts, torch.cat(lengths)
+
+    def _metrics(self, ctx: StageContext, records: list[dict[str, Any]],
+                 responses: list[str]) -> dict[str, Any]:
+        prompts = [r["prompt"] for r in records]
+        fields = [json.dumps({k: v for k, v in r.items() if k != "prompt"}) for r in records]
+        base_dir = ctx.settings.get("base_dir")
+        total = torch.zeros(len(responses))
+        out: dict[str, Any] = {}
+        entries = self.params.reward_functions()
+        for entry in entries:
+            fn = load_function(entry.function, base_dir)
+            columns = record_columns(fn, entry.kwargs, fields)
+            scores = torch.as_tensor(fn(prompts, responses, **columns, **entry.kwargs),
+                                     dtype=torch.float32).flatten()
+            if scores.shape[0] != len(responses):
+                raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
+                                 f"scores for {len(responses)} responses")
+            total += entry.weight * scores
+            if self.params.functions:
+                out[f"eval/reward_mean_{entry.column.removeprefix('score_')}"] = \
+                    float(scores.mean())
+        return {"eval/reward_mean": float(total.mean()),
+                "eval/reward_std": float(total.std(unbiased=False)), **out,
+                "eval/prompts": len(prompts)}
