@@ -98,6 +98,28 @@ def test_the_trainer_waits_for_every_other_user_of_its_model_and_the_next_rollou
                                for t in _tasks(specs, "train_critic", k - 1))
 
 
+BEST_OF_N = CONFIGS / "best-of-n-tiny.yaml"
+
+
+@pytest.mark.parametrize("overrides", STRATEGIES[:4])
+def test_a_user_of_the_model_declared_after_its_trainer_is_compiled_first(overrides):
+    """best-of-n-tiny declares its evaluate stage (a user of the actor, with no `after`)
+    after train_sft: the trainer must still wait for it, so it is compiled before."""
+    overrides = {k: v for k, v in overrides.items() if not k.startswith("stages.")}
+    specs, _ = _compile(BEST_OF_N, overrides)
+    closure = _closure(specs)
+    seen: set[str] = set()
+    for s in specs:
+        assert all(r in seen for r in s.needs()), s.id
+        seen.add(s.id)
+    for k in range(3):
+        for train in _tasks(specs, "train_sft", k):
+            assert _waits_for(closure, train, _tasks(specs, "evaluate", k))
+        if k:
+            for evaluate in _tasks(specs, "evaluate", k):
+                assert _waits_for(closure, evaluate, _tasks(specs, "train_sft", k - 1))
+
+
 def test_a_micro_batch_streams_on_as_soon_as_its_own_rows_exist():
     specs, _ = _compile(PPO, {"placement.strategy": "interleaved", "overlap.fuse": False})
     gen = _tasks(specs, "generate", 0)
