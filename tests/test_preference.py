@@ -132,3 +132,21 @@ def test_select_then_train_sft_learns_from_the_best_rows_only(store, tokenizer):
     assert stats["rows_trained"] == 2
     # one step on one minibatch: its loss is the loss of the two selected rows
     assert stats["sft_loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_an_iteration_with_nothing_to_learn_from_takes_no_step(store, tokenizer):
+    """All ties (online DPO) or nothing above min_score (best-of-N): no optimizer step,
+    the weights stay, and the model's version still advances (the plan counts on it)."""
+    batch = _scored_batch(tokenizer, store, [0.3, 0.3, 0.5, 0.5], samples=2)
+    actor = store.get("actor")
+    weights = [p.detach().clone() for p in actor.module.parameters()]
+    version = actor.version
+    stats = create_stage("train_dpo_online", "dpo", model="actor").run(batch, _ctx(store))
+    assert (stats["pairs"], stats["ties"]) == (0, 2)
+    batch["selected"] = create_stage("select", "select", {"min_score": 0.9}).run(
+        batch, _ctx(store))["selected"]
+    stats = create_stage("train_sft", "sft", model="actor").run(batch, _ctx(store))
+    assert stats["rows_trained"] == 0
+    assert actor.version == version + 2
+    assert all(torch.equal(a, b) for a, b in zip(weights, actor.module.parameters(),
+                                                 strict=True))
