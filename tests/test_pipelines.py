@@ -109,6 +109,22 @@ def test_online_dpo_pairs_each_prompts_responses_and_the_reward_climbs(cluster, 
     assert last - first > 0.3, rewards
 
 
+def test_a_gang_rank_left_without_pairs_still_joins_the_update(cluster, tmp_path):
+    """Two workers train the actor as a gang of 2; with 3 prompts a minibatch of DPO
+    pairs can hold a single pair, which leaves one rank nothing to train on: it must
+    still join the gradient all-reduce (found by a 30-iteration run of the shipped config
+    that failed in the forward pass of an empty shard)."""
+    pipeline = _config(tmp_path, "online-dpo-tiny", cluster, iterations=2,
+                       **{"data.batch_size": 3})
+    assert pipeline.spec.cluster.workers == 2
+    result = run_pipeline(pipeline, progress=False)
+    stats = [m["train"]["train_dpo"] for m in result.metrics]
+    assert all(s["pairs"] + s["ties"] == 3 for s in stats)
+    # 1 to 3 pairs in 2 minibatches: some minibatch holds one pair, one rank gets none
+    assert any(s["pairs"] >= 1 for s in stats)
+    assert all(math.isfinite(s["dpo_loss"]) for s in stats)
+
+
 # --------------------------------------------------------------------------- best-of-N
 
 

@@ -104,11 +104,14 @@ class _Trainer(Stage):
                     counts = {"tokens": ops.loss_count(mask),
                               "agg": ops.loss_count(mask, self._agg(),
                                                     self.algorithm.loss_scale_factor)}
-                    index = index[gang.shard(len(index))]
-                shard = _rows(batch, index)
+                    whole, index = index, index[gang.shard(len(index))]
+                # a minibatch smaller than the gang leaves some ranks nothing; they still
+                # join the gradient all-reduce, with a zero loss on one row (weight 0)
+                empty = len(index) == 0
+                shard = _rows(batch, whole[:1] if empty else index)
                 loss, metrics = self.loss(resident, shard, ctx, counts)
-                metrics["grad_norm"] = resident.step(loss, gang)
-                local = float(self.loss_mask(shard).sum())
+                metrics["grad_norm"] = resident.step(loss * 0.0 if empty else loss, gang)
+                local = 0.0 if empty else float(self.loss_mask(shard).sum())
                 if counts is not None:
                     # a loss term here is this rank's share of the minibatch's; as a local
                     # mean it averages back (token-weighted) to the minibatch's value
