@@ -373,7 +373,8 @@ def sft_loss(module: torch.nn.Module, batch: Batch, count: float | None = None
     logprobs = response_logprobs(module, batch)
     mask = batch["response_mask"].to(logprobs.device).float()
     loss = -ops.aggregate_loss(logprobs, mask, "token-mean", count)
-    return loss, {"sft_loss": loss.item()}
+    # the metric is this batch's own mean (a gang's shards average back to the whole's)
+    return loss, {"sft_loss": -ops.masked_mean(logprobs.detach(), mask).item()}
 
 
 class TrainSFTParams(TrainParams):
