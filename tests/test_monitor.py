@@ -116,6 +116,18 @@ def test_mlflow_run_holds_the_metrics_and_is_finished(tmp_path, monkeypatch):
         (r["iteration"], pytest.approx(r["reward_mean"])) for r in records]
 
 
+def test_a_logging_target_that_fails_to_start_is_one_warning_and_the_run_goes_on(
+        tmp_path, capsys):
+    pytest.importorskip("mlflow")
+    path = small_pipeline(tmp_path, "grpo", iterations=1, overrides={
+        "logging.mlflow": {"tracking_uri": "nosuchstore://nowhere"}})
+    result = run_pipeline(load_pipeline(path), progress=True, inline=True)
+    assert [r["iteration"] for r in result.metrics] == [0]
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("rlhfflow: warning: logging.mlflow: cannot log there")]
+    assert len(warnings) == 1
+
+
 def test_logging_section_is_checked_at_the_edge(tmp_path):
     path = small_pipeline(tmp_path, "grpo", overrides={"logging.wandb": True})
     with pytest.raises(SpecError, match=r"logging\.wandb: unknown key"):

@@ -8,6 +8,7 @@ already watch runs in. Each sink is a small class with ``log(record)`` and ``clo
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +90,10 @@ class MlflowSink:
 
     def log(self, record: dict[str, Any]) -> None:
         """Log one iteration's metrics in one request, step = iteration."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         step = record["iteration"]
-        # MLflow metric names allow letters, digits, _ - . space / only
         metrics = [Metric(name, value, now, step) for name, value in flat_metrics(record).items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
