@@ -42,7 +42,7 @@ $(BIN)/python:
 $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 	@test -n "$(TORCH)" || { echo "error: constraints.txt has no 'torch==' pin" >&2; exit 1; }
 	$(BIN)/pip install "$(TORCH)"
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models,tensorboard,mlflow]"
 	@touch $@
 
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/

@@ -86,7 +86,7 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
      "iteration: unknown key; did you mean 'iterations'?"),
     ("top-level-unknown", lambda s: put(s, "zzz", 1),
      "zzz: unknown key (allowed: name, seed, iterations, output, models, stages, data, "
-     "algorithm, cluster, placement, overlap, checkpoint)"),
+     "algorithm, cluster, placement, overlap, checkpoint, logging)"),
     ("nested-typo", lambda s: rename(s, "models.actor.optimizer", "optimzer"),
      "models.actor.optimzer: unknown key; did you mean 'optimizer'?"),
     ("tiny-typo", lambda s: rename(s, "models.actor.tiny.layers", "layer"),

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
@@ -107,9 +108,9 @@ class InlineBackend:
         for each of its stages: counted once)."""
         return sum({h.key: h.retried for h in handles}.values())
 
-    def scatter(self, data: Any, worker: str | None = None) -> _Done:
+    def scatter(self, data: Any, worker: str | None = None, key: str = "data") -> _Done:
         """Data is already here."""
-        return _Done("data", data)
+        return _Done(key, data)
 
     def wait(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> None:
         """Raise ``TaskFailed`` for the first failed task."""
@@ -182,6 +183,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     config = {
         # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
         "distributed.worker.daemon": False,
+        # the rlhfflow page of the dashboard (rlhfflow.monitor.dashboard)
+        "distributed.scheduler.preload": [*dask.config.get("distributed.scheduler.preload", []),
+                                          "rlhfflow.monitor.dashboard"],
         # set before the worker process starts (OpenMP and glibc read them at start-up).
         # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
         # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
@@ -303,14 +307,16 @@ class DaskBackend:
         # a key the scheduler has forgotten took none we can know of: count it as unused
         return sum(n - left.get(key, n) for key, n in allowed.items())
 
-    def scatter(self, data: Any, worker: str | None = None):
-        """Place coordinator data on ``worker`` (where its first consumer runs)."""
-        # wrapped in a list: Client.scatter spreads a dict value by value under the dict's
-        # own keys, so every micro-batch (a dict of columns) would share keys like
-        # "prompt_ids" and all but the first would silently get the first one's data
+    def scatter(self, data: Any, worker: str | None = None, key: str | None = None):
+        """Place coordinator data on ``worker`` (where its first consumer runs), under
+        ``key`` (its prefix is what the dashboard's progress bars show; else "dict")."""
+        # wrapped in a one-item mapping: Client.scatter spreads a bare dict value by value
+        # under the dict's own keys, so every micro-batch (a dict of columns) would share
+        # keys like "prompt_ids" and all but the first would silently get the first one's
         try:
-            [future] = self.client.scatter([data], workers=[worker] if worker else None,
-                                           hash=False)
+            [future] = self.client.scatter({key or f"data-{uuid.uuid4().hex}": data},
+                                           workers=[worker] if worker else None,
+                                           hash=False).values()
         except Exception:
             if worker:  # the worker it was meant for may have died
                 self._check_alive([worker], grace=5.0)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.monitor import RunMonitor
 from rlhfflow.pipeline.backend import (
     DaskBackend,
     InlineBackend,
@@ -222,6 +223,7 @@ class Executor:
                   + (f"; {how}" if how else ""))
         if self.backend.dashboard_link:
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
+        self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say)
         if self.choice is not None:
             c = self.choice
             source = "profile" if c.cost.profiled else "analytic cost model"
@@ -233,7 +235,12 @@ class Executor:
         if self.graph.setup_stages and checkpoint is None:
             result.setup_metrics = self._run_setup_with_recovery()
         if self.graph.loop_stages and first < spec.iterations:
-            result.metrics = self._run_with_recovery(first)
+            try:
+                result.metrics = self._run_with_recovery(first)
+            except BaseException:  # the logging: sinks see the run fail (rlhfflow.monitor)
+                self.monitor.close(failed=True)
+                raise
+            self.monitor.close()
         result.summary = self.summary
         result.stopped = bool(self.stop and self.stop.is_set())
         if not result.stopped:
@@ -540,6 +547,7 @@ class Executor:
         record = self.telemetry.record(it.index, partials, train_stats, moved, retried,
                                        reported)
         self.log.append(record)
+        self.monitor.iteration(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])
         if problem:  # after the record: the iteration is committed, a resume keeps it

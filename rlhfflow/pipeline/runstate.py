@@ -27,7 +27,7 @@ RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
              TASKS_FILE, ERRORS_DIRECTORY, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
-RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint")
+RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint", "logging")
 
 Resume = Literal["auto", "yes", "no"]
 

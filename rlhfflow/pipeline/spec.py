@@ -324,6 +324,50 @@ class OverlapSpec(Strict):
     sequential: bool = False
 
 
+class MlflowSpec(Strict):
+    """Where per-iteration metrics go in MLflow: ``tracking_uri`` (default: MLflow's own,
+    ``MLFLOW_TRACKING_URI`` or ``./mlruns``), the experiment (created if missing) and the
+    run's name (default: the pipeline's name)."""
+
+    tracking_uri: str | None = None
+    experiment: str = "rlhfflow"
+    run_name: str | None = None
+
+    @model_validator(mode="after")
+    def _installed(self) -> MlflowSpec:
+        _need_package("mlflow", "mlflow")
+        return self
+
+
+class LoggingSpec(Strict):
+    """Where per-iteration metrics go besides ``OUTPUT/metrics.jsonl``, under the names
+    TRL and veRL users know (``reward``, ``kl``, ``completions/mean_length``,
+    ``timing/STAGE``, ...). ``tensorboard``: a directory (relative to the pipeline file),
+    or ``true`` for ``OUTPUT/tensorboard``."""
+
+    tensorboard: str | bool = False
+    mlflow: MlflowSpec | None = None
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: str | bool) -> str | bool:
+        if value is not False:
+            _need_package("tensorboard", "tensorboard")
+        if value == "":
+            raise ValueError("expected a directory or true/false, got ''")
+        return value
+
+
+def _need_package(module: str, extra: str) -> None:
+    """A logging target whose package is missing is a mistake in the file, found before
+    the run starts, not an ImportError at its first iteration."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"needs the {module!r} package, which is not installed: "
+                         f"pip install 'rlhfflow[{extra}]'")
+
+
 class PipelineSpec(Strict):
     """The whole pipeline file."""
 
@@ -339,6 +383,7 @@ class PipelineSpec(Strict):
     placement: PlacementSpec = PlacementSpec()
     overlap: OverlapSpec = OverlapSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    logging: LoggingSpec = LoggingSpec()
 
 
 # --------------------------------------------------------------------------- YAML

@@ -1,0 +1,105 @@
+"""Watching a run: the rlhfflow page of the Dask dashboard (``dashboard``), the HTML
+report of a finished run (``report``), and copies of the metrics in TensorBoard and MLflow
+(``sinks``).
+
+``RunMonitor`` is what the executor calls: once when the run starts, once per iteration
+with the record it wrote to ``metrics.jsonl``, once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# what the dashboard page draws: the rest of a record stays in metrics.jsonl
+PUBLISHED = ("iteration", "reward_mean", "kl_mean", "response_length_mean", "iteration_s",
+             "stage_s", "busy_frac", "staleness_mean", "staleness_max")
+
+
+class RunMonitor:
+    """Publishes a run's iterations to the dashboard page and the ``logging:`` sinks.
+
+    Nothing here may stop a run: a sink or a scheduler that fails is reported once on
+    the log and then left alone.
+    """
+
+    def __init__(self, pipeline, backend, output_dir: Path,
+                 say: Callable[[str], None] = lambda line: None) -> None:
+        self.name = pipeline.name
+        self.iterations = pipeline.spec.iterations
+        self.client = getattr(backend, "client", None)
+        self.run = uuid.uuid4().hex[:12]
+        self.sinks = []
+        for where, make in _sinks(pipeline, output_dir):
+            try:
+                self.sinks.append(make())
+            except Exception as exc:  # noqa: BLE001 - e.g. an unreachable tracking server
+                say(f"rlhfflow: warning: {where}: cannot log there, going on without it: "
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
+        link = getattr(backend, "dashboard_link", None)
+        if self.client is not None and link:
+            say(page_line(self.client, link))
+
+    def iteration(self, record: dict[str, Any]) -> None:
+        """Publish one iteration's metrics record (as written to metrics.jsonl)."""
+        if self.client is not None:
+            message = {k: record.get(k) for k in PUBLISHED}
+            message.update(run=self.run, pipeline=self.name, iterations=self.iterations)
+            try:
+                self.client.log_event("rlhfflow", message)
+            except Exception as exc:  # noqa: BLE001 - the page is a view, not the record
+                logger.warning("rlhfflow: cannot publish to the scheduler: %s", exc)
+                self.client = None
+        for sink in list(self.sinks):
+            try:
+                sink.log(record)
+            except Exception as exc:  # noqa: BLE001 - metrics.jsonl has it all the same
+                logger.warning("rlhfflow: logging to %s stopped: %s", type(sink).__name__, exc)
+                self.sinks.remove(sink)
+
+    def close(self, failed: bool = False) -> None:
+        """Close the sinks (an MLflow run is marked finished, or failed)."""
+        for sink in self.sinks:
+            try:
+                sink.close(failed)
+            except Exception as exc:  # noqa: BLE001 - on the way out
+                logger.warning("rlhfflow: closing %s: %s", type(sink).__name__, exc)
+        self.sinks = []
+
+
+def page_line(client, dashboard_link: str) -> str:
+    """The line that gives the rlhfflow page's URL, or says how to get the page."""
+    url = dashboard_link.rsplit("/", 1)[0] + "/rlhfflow"
+    try:
+        served = client.run_on_scheduler(
+            lambda dask_scheduler: "rlhfflow-dashboard" in dask_scheduler.plugins)
+    except Exception:  # noqa: BLE001 - e.g. a scheduler that cannot unpickle the check
+        served = False
+    if served:
+        return f"rlhfflow: rlhfflow page: {url}"
+    return ("rlhfflow: no rlhfflow page on this scheduler (start it with "
+            "`dask scheduler --preload rlhfflow.monitor.dashboard` to get one)")
+
+
+def _sinks(pipeline, output_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
+    """The sinks the ``logging:`` section asks for: (key, constructor) pairs."""
+    from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink
+
+    spec = pipeline.spec.logging
+    sinks: list[tuple[str, Callable[[], Any]]] = []
+    if spec.tensorboard is not False:
+        directory = output_dir / "tensorboard" if spec.tensorboard is True \
+            else pipeline.resolve(spec.tensorboard)
+        sinks.append(("logging.tensorboard", lambda: TensorBoardSink(directory)))
+    if spec.mlflow is not None:
+        m = spec.mlflow
+        params = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
+                  "iterations": pipeline.spec.iterations, "output": str(output_dir)}
+        sinks.append(("logging.mlflow", lambda: MlflowSink(
+            m.tracking_uri, m.experiment, m.run_name or pipeline.name, params)))
+    return sinks

@@ -1,0 +1,307 @@
+"""``rlhfflow report RUN``: one self-contained HTML file about a run, from what the run
+left in its output directory: ``metrics.jsonl`` (curves, busy fractions, stage times),
+``tasks.jsonl`` (a per-worker timeline of chosen iterations) and ``buffer.zarr`` (sample
+responses). Plots are PNGs drawn with matplotlib's Agg backend, embedded as data URIs, so
+the file can be mailed or attached to an issue as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.storage import MetricsLog
+
+TASKS_FILE = "tasks.jsonl"
+
+
+class ReportError(Exception):
+    """The run directory cannot be reported on: one line naming the path and why."""
+
+
+def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The metrics records and the task-interval records of ``run_dir``."""
+    if not run_dir.exists():
+        raise ReportError(f"{run_dir}: no such directory (expected a run's output directory)")
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: not a directory (expected a run's output directory)")
+    metrics_file = run_dir / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise ReportError(f"{run_dir}: no metrics.jsonl (not a run's output directory, or "
+                          f"no iteration finished yet)")
+    try:
+        metrics = MetricsLog(metrics_file).read()
+        tasks = MetricsLog(run_dir / TASKS_FILE).read()
+    except (ValueError, OSError) as exc:
+        raise ReportError(str(exc).splitlines()[0]) from None
+    metrics = [r for r in metrics if isinstance(r.get("iteration"), int)]
+    if not metrics:
+        raise ReportError(f"{metrics_file}: no iteration recorded yet")
+    return metrics, tasks
+
+
+def default_iterations(metrics: list[dict[str, Any]]) -> list[int]:
+    """The iterations whose timeline is drawn by default: the second (the first steady
+    one: the first also loads the models) and the last."""
+    its = [r["iteration"] for r in metrics]
+    return sorted({its[min(1, len(its) - 1)], its[-1]})
+
+
+def _png(fig) -> str:
+    """A matplotlib figure as a PNG data URI (and the figure closed)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["iteration"], r[key]) for r in metrics
+             if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def curves_plot(metrics: list[dict[str, Any]]) -> str:
+    """Reward (mean, with +/- one std band), KL and response length per iteration."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, key, title in zip(axes, ("reward_mean", "kl_mean", "response_length_mean"),
+                              ("reward", "KL (per token)", "response length (tokens)"),
+                              strict=True):
+        x, y = _series(metrics, key)
+        ax.plot(x, y, marker="o", markersize=3, color="C0")
+        if key == "reward_mean":
+            xs, std = _series(metrics, "reward_std")
+            if xs == x and std:
+                ax.fill_between(x, [a - b for a, b in zip(y, std, strict=True)],
+                                [a + b for a, b in zip(y, std, strict=True)], alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def stage_time_plot(metrics: list[dict[str, Any]]) -> str:
+    """Compute seconds per stage per iteration (stacked), with the iteration's wall time."""
+    import matplotlib.pyplot as plt
+
+    stages = sorted({s for r in metrics for s in r.get("stage_s") or {}})
+    fig, ax = plt.subplots(figsize=(13, 3.4))
+    x = [r["iteration"] for r in metrics]
+    bottom = [0.0] * len(metrics)
+    for i, stage in enumerate(stages):
+        height = [(r.get("stage_s") or {}).get(stage, 0.0) for r in metrics]
+        ax.bar(x, height, bottom=bottom, label=stage, color=f"C{i % 10}")
+        bottom = [b + h for b, h in zip(bottom, height, strict=True)]
+    wx, wall = _series(metrics, "iteration_s")
+    ax.plot(wx, wall, color="black", marker="o", markersize=3, label="iteration wall time")
+    steady = [sum((r.get("stage_s") or {}).values()) for r in metrics[1:]] + wall[1:]
+    if steady and wall and wall[0] > 2 * max(steady):
+        # the first iteration also loads the models: keep it from flattening the rest
+        top = 1.3 * max(steady)
+        ax.set_ylim(0, top)
+        ax.annotate(f"{wall[0]:.1f} s (loads the models)", (wx[0], top), xytext=(8, -14),
+                    textcoords="offset points", fontsize=8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("seconds")
+    ax.set_title("compute time per stage (stacked; above the wall time = overlap)")
+    ax.legend(fontsize=8, ncols=4, loc="upper right")
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def busy_plot(metrics: list[dict[str, Any]]) -> str:
+    """Each worker's busy fraction per iteration."""
+    import matplotlib.pyplot as plt
+
+    workers = max((len(r.get("busy_frac") or []) for r in metrics), default=0)
+    fig, ax = plt.subplots(figsize=(13, 3))
+    for w in range(workers):
+        pairs = [(r["iteration"], r["busy_frac"][w]) for r in metrics
+                 if len(r.get("busy_frac") or []) > w]
+        ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=3,
+                label=f"w{w}")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("iteration")
+    ax.set_title("busy fraction per worker (compute time / iteration wall time)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def gantt_plot(tasks: list[dict[str, Any]], iteration: int) -> str | None:
+    """The task intervals the workers reported in ``iteration``'s window (tasks of the
+    next iterations that overlapped it included), one row per worker, coloured by stage
+    and labelled with each task's own iteration; None when none were recorded."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    intervals = [t for r in tasks if r.get("iteration") == iteration for t in r["tasks"]]
+    if not intervals:
+        return None
+    origin = min(t[3] for t in intervals)
+    span = max(t[4] for t in intervals) - origin
+    stages = sorted({t[1] for t in intervals})
+    colour = {s: f"C{i % 10}" for i, s in enumerate(stages)}
+    workers = sorted({t[0] for t in intervals if t[0] is not None})
+    fig, ax = plt.subplots(figsize=(13, 0.9 + 0.7 * max(1, len(workers))))
+    for worker, stage, task_iteration, start, stop, _rows in intervals:
+        if worker is None:
+            continue
+        ax.barh(worker, stop - start, left=start - origin, height=0.6, color=colour[stage],
+                edgecolor="white", linewidth=0.5)
+        if stop - start > span / 40:
+            ax.text(start - origin + (stop - start) / 2, worker, str(task_iteration),
+                    ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(workers, [f"w{w}" for w in workers])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"iteration {iteration}: tasks per worker (numbers: the task's iteration)")
+    ax.legend(handles=[Patch(color=colour[s], label=s) for s in stages], fontsize=8,
+              ncols=min(len(stages), 6), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.grid(alpha=0.3, axis="x")
+    return _png(fig)
+
+
+def sample_responses(run_dir: Path, iterations: Sequence[int],
+                     per_iteration: int) -> dict[int, list[tuple[str, str, float | None]]]:
+    """Up to ``per_iteration`` (prompt, response, score) rows of each committed iteration
+    in ``iterations``, from the run's buffer ({} without one)."""
+    from rlhfflow.storage.buffer import ExperienceBuffer
+
+    try:
+        buffer = ExperienceBuffer(run_dir / "buffer.zarr", create=False)
+    except FileNotFoundError:
+        return {}
+    committed = set(buffer.iterations())
+    out = {}
+    for k in iterations:
+        if k not in committed or "response_text" not in buffer.text_columns(k):
+            continue
+        responses = buffer.read_text(k, "response_text")[:per_iteration]
+        prompts = buffer.read_text(k, "prompt_text")[:per_iteration] \
+            if "prompt_text" in buffer.text_columns(k) else [""] * len(responses)
+        try:
+            scores = [float(s) for s in buffer.read(k, ["scores"], stop=len(responses))[
+                "scores"]]
+        except (KeyError, ValueError):
+            scores = [None] * len(responses)
+        out[k] = list(zip(prompts, responses, scores, strict=False))
+    return out
+
+
+def _spread(values: list[int], n: int) -> list[int]:
+    """At most ``n`` of ``values``, evenly spread, first and last included."""
+    if len(values) <= n:
+        return values
+    return sorted({values[round(i * (len(values) - 1) / (n - 1))] for i in range(n)})
+
+
+def _summary_table(metrics: list[dict[str, Any]]) -> str:
+    last = metrics[-1]
+    rows = [("iterations recorded", len(metrics)),
+            ("last reward mean", last.get("reward_mean")),
+            ("last KL", last.get("kl_mean")),
+            ("last response length", last.get("response_length_mean")),
+            ("mean iteration time (s)",
+             sum(r.get("iteration_s", 0.0) for r in metrics) / len(metrics)),
+            ("max staleness", max((r["staleness_max"] for r in metrics
+                                   if r.get("staleness_max") is not None), default=None))]
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows)
+    return f"<table class='summary'>{cells}</table>"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else html.escape(str(value))
+
+
+def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
+                 samples: int = 3) -> str:
+    """The report of the run in ``run_dir`` as one HTML document. ``iterations``: whose
+    timeline to draw (default: the second and the last); ``samples``: responses shown per
+    iteration (of at most 10 iterations, spread over the run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run_dir = Path(run_dir)
+    metrics, tasks = load_run(run_dir)
+    recorded = [r["iteration"] for r in metrics]
+    chosen = list(iterations) if iterations else default_iterations(metrics)
+    unknown = [k for k in chosen if k not in recorded]
+    if unknown:
+        raise ReportError(f"{run_dir}: iteration {unknown[0]} is not in metrics.jsonl "
+                          f"(recorded: {recorded[0]}..{recorded[-1]})")
+    name = _run_name(run_dir)
+    parts = [f"<h1>rlhfflow report: {html.escape(name)}</h1>",
+             f"<p class='path'>{html.escape(str(run_dir.resolve()))}</p>",
+             _summary_table(metrics),
+             "<h2>Reward, KL, response length</h2>", _img(curves_plot(metrics), "curves"),
+             "<h2>Time per stage</h2>", _img(stage_time_plot(metrics), "stage time"),
+             "<h2>Worker busy fractions</h2>", _img(busy_plot(metrics), "busy fractions"),
+             "<h2>Timeline</h2>"]
+    for k in chosen:
+        png = gantt_plot(tasks, k)
+        parts.append(_img(png, f"timeline of iteration {k}") if png else
+                     f"<p>No task intervals recorded for iteration {k} (tasks.jsonl).</p>")
+    parts.append("<h2>Sample responses</h2>")
+    shown = sample_responses(run_dir, _spread(recorded, 10), samples) if samples else {}
+    if not shown:
+        parts.append("<p>No responses in the run's buffer.</p>")
+    for k, rows in shown.items():
+        body = "".join(f"<tr><td><pre>{html.escape(p)}</pre></td>"
+                       f"<td><pre>{html.escape(r)}</pre></td><td>{_fmt(s)}</td></tr>"
+                       for p, r, s in rows)
+        parts.append(f"<h3>iteration {k}</h3><table class='samples'><tr><th>prompt</th>"
+                     f"<th>response</th><th>score</th></tr>{body}</table>")
+    return _PAGE.format(title=html.escape(f"rlhfflow report: {name}"), body="\n".join(parts))
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None,
+                 iterations: Sequence[int] | None = None, samples: int = 3) -> Path:
+    """Write the report of ``run_dir`` to ``out`` (default ``RUN/report.html``)."""
+    path = Path(out) if out else Path(run_dir) / "report.html"
+    text = build_report(run_dir, iterations, samples)
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    return path
+
+
+def _run_name(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / "run.json").read_text())["identity"]["name"] or \
+            run_dir.name
+    except (OSError, ValueError, KeyError, TypeError):
+        return run_dir.name
+
+
+def _img(uri: str, alt: str) -> str:
+    return f"<img src='{uri}' alt='{html.escape(alt)}'>"
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }}
+img {{ max-width: 100%; display: block; margin: 0.5em 0 1.5em; }}
+table {{ border-collapse: collapse; margin-bottom: 1em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left;
+          vertical-align: top; }}
+pre {{ margin: 0; white-space: pre-wrap; max-width: 50em; }}
+.path {{ color: #666; font-family: monospace; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""

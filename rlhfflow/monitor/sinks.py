@@ -1,0 +1,102 @@
+"""Per-iteration metrics to TensorBoard and MLflow (the ``logging:`` section), under the
+names TRL and veRL users know.
+
+``metrics.jsonl`` stays the record of a run; these are copies for the tools people
+already watch runs in. Each sink is a small class with ``log(record)`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+# rlhfflow's metrics.jsonl key -> the name TRL's GRPOTrainer/PPOTrainer (or, where TRL has
+# none, veRL) logs the same figure under
+METRIC_NAMES = {
+    "reward_mean": "reward",
+    "reward_std": "reward_std",
+    "kl_mean": "kl",
+    "response_length_mean": "completions/mean_length",
+    "policy_loss": "loss/policy",
+    "value_loss": "loss/value",
+    "clip_frac": "clip_ratio",
+    "clip_frac_lower": "clip_ratio/low",
+    "approx_kl": "approx_kl",
+    "lr": "learning_rate",
+    "staleness_mean": "staleness/mean",
+    "staleness_max": "staleness/max",
+    "iteration_s": "timing/step",
+    "overlap": "perf/overlap",
+    "tokens_generated": "perf/tokens_generated",
+    "gen_tokens_per_s": "perf/gen_tokens_per_s",
+    "samples_skipped": "samples_skipped",
+}
+
+
+def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """One metrics.jsonl record as ``{name: value}`` under TRL/veRL names: the table
+    above, ``timing/STAGE`` per stage (seconds of compute), ``perf/busy_wN`` per worker,
+    ``rewards/FN/mean`` per reward function. Missing and non-finite values are left out."""
+    out: dict[str, float] = {}
+    for key, name in METRIC_NAMES.items():
+        out[name] = record.get(key)
+    for stage, seconds in (record.get("stage_s") or {}).items():
+        out[f"timing/{stage}"] = seconds
+    for w, fraction in enumerate(record.get("busy_frac") or []):
+        out[f"perf/busy_w{w}"] = fraction
+    for key, value in record.items():
+        if key.startswith("reward_mean_"):
+            out[f"rewards/{key[len('reward_mean_'):]}/mean"] = value
+    return {k: float(v) for k, v in out.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class TensorBoardSink:
+    """Scalars into an event file under ``directory``, step = iteration."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one iteration's scalars and flush them (a crash keeps what was logged)."""
+        for name, value in flat_metrics(record).items():
+            self.writer.add_scalar(name, value, global_step=record["iteration"])
+        self.writer.flush()
+
+    def close(self, failed: bool = False) -> None:
+        """Close the event file."""
+        self.writer.close()
+
+
+class MlflowSink:
+    """One MLflow run per rlhfflow run, through ``MlflowClient`` (not the fluent API, whose
+    process-global active run would leak between runs in one process)."""
+
+    def __init__(self, tracking_uri: str | None, experiment: str, run_name: str,
+                 params: dict[str, Any]) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        for key, value in params.items():
+            self.client.log_param(self.run_id, key, value)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log one iteration's metrics in one request, step = iteration."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        step = record["iteration"]
+        metrics = [Metric(name, value, now, step) for name, value in flat_metrics(record).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self, failed: bool = False) -> None:
+        """Mark the MLflow run finished (or failed)."""
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")

@@ -1,0 +1,210 @@
+"""Watching a run: the HTML report, the TensorBoard and MLflow sinks, the dashboard page
+and the names of scatter tasks. Real runs (inline, tiny models), a real scheduler with
+its dashboard, real event files and a real file-store MLflow."""
+
+from __future__ import annotations
+
+import html
+import re
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from rlhfflow.cli.main import main
+from rlhfflow.monitor.dashboard import latest_run, page_columns
+from rlhfflow.monitor.report import build_report
+from rlhfflow.monitor.sinks import flat_metrics
+from rlhfflow.pipeline.executor import run_pipeline
+from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.storage import ExperienceBuffer, MetricsLog
+from tests.conftest import small_pipeline
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 3-iteration GRPO run, inline: its output directory."""
+    tmp = tmp_path_factory.mktemp("run")
+    run_pipeline(load_pipeline(small_pipeline(tmp, "grpo", iterations=3)), progress=False,
+                 inline=True)
+    return tmp / "out"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_embeds_every_plot_and_escapes_the_responses(finished_run):
+    page = build_report(finished_run, iterations=[1, 2], samples=2)
+    images = re.findall(r"<img src='data:image/png;base64,([A-Za-z0-9+/=]+)' alt='([^']*)'",
+                        page)
+    alts = [alt for _, alt in images]
+    assert alts == ["curves", "stage time", "busy fractions", "timeline of iteration 1",
+                    "timeline of iteration 2"]
+    assert all(len(data) > 2000 for data, _ in images)  # a drawn PNG, not an empty one
+    assert "http" not in page.replace("http-equiv", "")  # nothing fetched from elsewhere
+    buffer = ExperienceBuffer(finished_run / "buffer.zarr", create=False)
+    for k in (0, 1, 2):
+        for response in buffer.read_text(k, "response_text")[:2]:
+            assert f"<pre>{html.escape(response)}</pre>" in page
+
+
+def test_report_command_writes_the_file_and_names_a_bad_run_dir(finished_run, tmp_path):
+    out = tmp_path / "r.html"
+    result = CliRunner().invoke(main, ["report", str(finished_run), "--out", str(out),
+                                       "--iterations", "0-1"])
+    assert result.exit_code == 0, result.output
+    assert "timeline of iteration 0" in out.read_text()
+    for args, message in [
+        ([str(tmp_path / "nope")], "no such directory"),
+        ([str(tmp_path)], "no metrics.jsonl"),
+        ([str(finished_run), "--iterations", "7"], "iteration 7 is not in metrics.jsonl"),
+        ([str(finished_run), "--iterations", "a-b"], "--iterations: expected"),
+    ]:
+        result = CliRunner().invoke(main, ["report", *args])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+def test_metric_names_are_the_ones_trl_users_know():
+    record = {"iteration": 3, "reward_mean": 0.5, "kl_mean": 0.01, "reward_std": None,
+              "response_length_mean": 12.0, "stage_s": {"generate": 1.5},
+              "busy_frac": [0.5, 0.25], "reward_mean_vowels": 0.2, "iteration_s": 2.0,
+              "lr": float("nan")}
+    assert flat_metrics(record) == {
+        "reward": 0.5, "kl": 0.01, "completions/mean_length": 12.0, "timing/step": 2.0,
+        "timing/generate": 1.5, "perf/busy_w0": 0.5, "perf/busy_w1": 0.25,
+        "rewards/vowels/mean": 0.2}
+
+
+def test_tensorboard_gets_every_iteration_under_trl_names(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = small_pipeline(tmp_path, "grpo", iterations=2,
+                          overrides={"logging.tensorboard": "tb"})
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    records = MetricsLog(tmp_path / "out" / "metrics.jsonl").read()
+    for tag, key in [("reward", "reward_mean"), ("kl", "kl_mean"),
+                     ("completions/mean_length", "response_length_mean")]:
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert logged == [(r["iteration"], pytest.approx(r[key], rel=1e-6)) for r in records]
+    assert "timing/generate" in events.Tags()["scalars"]
+
+
+def test_mlflow_run_holds_the_metrics_and_is_finished(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    path = small_pipeline(tmp_path, "grpo", iterations=2, overrides={
+        "logging.mlflow": {"tracking_uri": uri, "experiment": "tests", "run_name": "grpo"}})
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.run_name == "grpo" and run.info.status == "FINISHED"
+    records = MetricsLog(tmp_path / "out" / "metrics.jsonl").read()
+    history = client.get_metric_history(run.info.run_id, "reward")
+    assert sorted((m.step, m.value) for m in history) == [
+        (r["iteration"], pytest.approx(r["reward_mean"])) for r in records]
+
+
+def test_a_logging_target_that_fails_to_start_is_one_warning_and_the_run_goes_on(
+        tmp_path, capsys):
+    pytest.importorskip("mlflow")
+    path = small_pipeline(tmp_path, "grpo", iterations=1, overrides={
+        "logging.mlflow": {"tracking_uri": "nosuchstore://nowhere"}})
+    result = run_pipeline(load_pipeline(path), progress=True, inline=True)
+    assert [r["iteration"] for r in result.metrics] == [0]
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("rlhfflow: warning: logging.mlflow: cannot log there")]
+    assert len(warnings) == 1
+
+
+def test_logging_section_is_checked_at_the_edge(tmp_path):
+    path = small_pipeline(tmp_path, "grpo", overrides={"logging.wandb": True})
+    with pytest.raises(SpecError, match=r"logging\.wandb: unknown key"):
+        load_pipeline(path)
+    path = small_pipeline(tmp_path, "grpo", overrides={"logging.mlflow.experiment": 3})
+    with pytest.raises(SpecError, match=r"logging\.mlflow\.experiment: expected a string"):
+        load_pipeline(path)
+
+
+def test_a_missing_logging_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    path = small_pipeline(tmp_path, "grpo", overrides={"logging.tensorboard": True})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert ("logging.tensorboard: needs the 'tensorboard' package, which is not installed: "
+            "pip install 'rlhfflow[tensorboard]'") in result.output
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def test_page_shows_the_latest_run_with_a_column_per_stage_and_worker():
+    events = [(0.0, {"run": "a", "iteration": 0, "reward_mean": 9.0}),
+              (1.0, {"run": "b", "iteration": 0, "reward_mean": 0.1,
+                     "stage_s": {"generate": 1.0}, "busy_frac": [0.5]}),
+              (2.0, {"run": "b", "iteration": 1, "reward_mean": None,
+                     "stage_s": {"train": 2.0}, "busy_frac": [0.25, 0.75]})]
+    columns = page_columns(latest_run(events))
+    assert columns["iteration"] == [0, 1]
+    assert columns["reward_mean"][0] == 0.1 and columns["reward_mean"][1] != 0.1  # NaN
+    assert columns["stage:train"][1] == 2.0 and columns["busy:1"][1] == 0.75
+    assert sorted(k for k in columns if ":" in k) == ["busy:0", "busy:1", "stage:generate",
+                                                      "stage:train"]
+
+
+def test_scheduler_with_the_preload_serves_the_page_and_the_run_names_it():
+    from distributed import Client, LocalCluster
+
+    from rlhfflow.monitor import page_line
+    from rlhfflow.monitor.dashboard import MetricsPage
+    from rlhfflow.pipeline.backend import DaskBackend
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
+                      scheduler_kwargs={"preload": ["rlhfflow.monitor.dashboard"]}) as cluster, \
+            Client(cluster) as client:
+        link = client.dashboard_link
+        assert page_line(client, link) == \
+            f"rlhfflow: rlhfflow page: {link.rsplit('/', 1)[0]}/rlhfflow"
+        # the in-process cluster's link names the host's address; it listens on 127.0.0.1
+        port = cluster.scheduler.http_server.port
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/rlhfflow").read().decode()
+        assert 'href="rlhfflow"' in page and "Bokeh" in page  # a Bokeh app, in the nav bar
+        client.log_event("rlhfflow", {"run": "x", "iteration": 0, "reward_mean": 0.5,
+                                      "stage_s": {"generate": 0.1}, "busy_frac": [1.0]})
+        drawn = MetricsPage(cluster.scheduler)
+        drawn.update()
+        assert drawn.source.data["reward_mean"] == [0.5]
+        assert "busy:0" in drawn.drawn and "stage:generate" in drawn.drawn
+        # a prompt batch (a dict of columns) scattered under a name the dashboard shows
+        backend = DaskBackend(client)
+        batch = {"prompt_ids": [1, 2], "prompt_mask": [1, 1]}
+        future = backend.scatter(batch, key="scatter-prompts-0-0123abcd")
+        assert future.key == "scatter-prompts-0-0123abcd" and future.result() == batch
+        assert backend.scatter(batch).result() == batch
+
+
+def test_scheduler_without_the_preload_gets_a_hint_not_a_link():
+    from distributed import Client, LocalCluster
+
+    from rlhfflow.monitor import page_line
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") \
+            as cluster, Client(cluster) as client:
+        line = page_line(client, client.dashboard_link)
+    assert "--preload rlhfflow.monitor.dashboard" in line
+
