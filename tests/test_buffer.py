@@ -339,3 +339,23 @@ def test_text_columns_round_trip_as_utf8_bytes_and_offsets(buf):
         buf.write_text(0, {"prompt_text": texts})
     with pytest.raises(KeyError, match="no text column 'answer'"):
         buf.read_text(0, "answer")
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_begun_arrays_carry_the_metadata_zarr_itself_writes(tmp_path, compress):
+    """begin_iteration writes each array's zarr.json from a cached document: it must be
+    what zarr's create_array writes for the same array (so any zarr reads it)."""
+    buffer = ExperienceBuffer(tmp_path / "b.zarr", compress=compress)
+    specs = {"tokens": ColumnSpec("int64", (5,)), "score": ColumnSpec("float32")}
+    buffer.begin_iteration(0, 6, specs, chunk_rows=3)
+    reference = zarr.open_group(zarr.storage.LocalStore(tmp_path / "ref.zarr"), mode="a")
+    for name, spec in specs.items():
+        dtype = np.dtype(spec.dtype)
+        reference.create_array(name, shape=(6, *spec.shape), chunks=(3, *spec.shape),
+                               dtype=dtype, fill_value=dtype.type(0),
+                               compressors=(zarr.codecs.ZstdCodec(level=3) if compress
+                                            else None))
+        ours = json.loads((tmp_path / "b.zarr" / "iter_000000" / name / "zarr.json")
+                          .read_text())
+        theirs = json.loads((tmp_path / "ref.zarr" / name / "zarr.json").read_text())
+        assert ours == theirs, name

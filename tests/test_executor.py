@@ -64,6 +64,10 @@ def test_inline_and_dask_runs_give_the_same_metrics(tmp_path):
     dask = run_pipeline(_load(tmp_path, overrides={"output": str(tmp_path / "dask"),
                                                    "cluster.workers": 1}), progress=False)
     assert [m["iteration"] for m in dask.metrics] == [0, 1]
+    # the embedded cluster starts while the coordinator prepares prompts and models
+    assert list(dask.summary["startup"]) == ["load", "cluster + models", "workers"]
+    assert dask.summary["startup_s"] >= sum(dask.summary["startup"].values()) - 1e-3
+    assert dask.summary["first_iteration_s"] > 0
     for a, b in zip(inline.metrics, dask.metrics, strict=True):
         for key in ("samples", "reward_mean", "reward_std", "response_length_mean",
                     "tokens_generated"):
@@ -361,3 +365,16 @@ def test_a_single_reward_function_adds_no_per_function_means(tmp_path):
     path = small_pipeline(tmp_path, "grpo", iterations=1)
     record = run_pipeline(load_pipeline(path), progress=False, inline=True).metrics[0]
     assert not [k for k in record if k.startswith("reward_mean_")]
+
+
+def test_the_startup_clock_names_where_the_time_went():
+    from rlhfflow.pipeline.telemetry import StartupClock
+
+    clock = StartupClock(start=time.time() - 2.0)
+    clock.mark("load")
+    clock.mark("cluster")  # ~0 s: left out of the line
+    line = clock.line(first_iteration_s=0.75)
+    assert line.startswith("rlhfflow: start-up 2.0 s to the first task (load 2.0)")
+    assert line.endswith("; first iteration 0.8 s")
+    assert [name for name, _ in clock.phases] == ["load", "cluster"]
+    assert StartupClock().start <= time.time()  # from the process's start

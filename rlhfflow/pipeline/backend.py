@@ -83,6 +83,10 @@ class InlineBackend:
     dashboard_link: str | None = None
     pipelined = False
 
+    def warm(self) -> list:
+        """Nothing to import ahead: the in-process worker is this process."""
+        return []
+
     def start(self, run: RunDef, torch_threads: int | None) -> None:
         """Install the in-process worker state."""
         if torch_threads:
@@ -277,6 +281,15 @@ class DaskBackend:
         client = Client(cluster)
         client.wait_for_workers(len(cluster.workers), timeout=120)
         return cls(client, cluster)
+
+    def warm(self) -> list:
+        """Start importing what the stages need on every worker (tasks; wait for them
+        with :meth:`wait` before installing the resident state)."""
+        from rlhfflow.pipeline.preload import warm
+
+        return [self.client.submit(warm, key=f"warm-imports-{i}", pure=False, workers=[w],
+                                   allow_other_workers=False)
+                for i, w in enumerate(self.workers)]
 
     def start(self, run: RunDef, torch_threads: int | None) -> None:
         """Give every worker its resident state (replacing a previous run's)."""

@@ -16,7 +16,9 @@ from __future__ import annotations
 import errno
 import sys
 import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ from rlhfflow.pipeline.runstate import (
     prepare_output,
 )
 from rlhfflow.pipeline.source import PromptSource
-from rlhfflow.pipeline.telemetry import Telemetry, progress_line, summarise
+from rlhfflow.pipeline.telemetry import StartupClock, Telemetry, progress_line, summarise
 from rlhfflow.pipeline.worker import (
     RunDef,
     StageDef,
@@ -94,6 +96,8 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
     checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
     run to finish the iteration in flight, save a checkpoint and return.
     """
+    clock = StartupClock()
+    clock.mark("load")  # since the process started: imports, reading and checking FILE
     try:
         out, start = prepare_output(pipeline, overwrite, resume, force)
     except RunStateError as exc:
@@ -110,29 +114,44 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         workers = min(pipeline.spec.cluster.workers, gpus) if gpus else None
         choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
         pipeline = choice.pipeline
+        clock.mark("plan")
     cluster = pipeline.spec.cluster
-    if inline:
-        backend = InlineBackend()
-    else:
+    # the coordinator's own preparation (prompts, tiny models) overlaps the embedded
+    # cluster's start (worker processes importing torch); an external cluster's plan
+    # depends on its workers, so there it comes after connecting
+    early = None if inline or cluster.address else Executor(pipeline, None, out, progress,
+                                                             start, stop)
+    with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
+        prepared = pool.submit(early.prepare) if early is not None else None
         try:
-            backend = DaskBackend.connect(
-                cluster.address, cluster.workers, host=cluster.host,
-                dashboard_address=cluster.dashboard_address,
-                memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
-                device=cluster.device)
-        except OSError as exc:
-            raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
-                           ) from None
-        except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
-            raise RunError(str(exc)) from None
+            backend = _connect(cluster, inline)
+        except BaseException:
+            if prepared is not None:
+                prepared.cancel()
+                wait([prepared])
+            raise
+        try:
+            # the workers import torch and the stages while this process prepares
+            warming = backend.warm() if early is not None else []
+            if prepared is not None:
+                prepared.result()
+            backend.wait(warming)
+        except BaseException as exc:
+            backend.close()
+            if isinstance(exc, Exception) and _is_disk_full(exc):
+                raise RunError(_disk_full(exc, "the coordinator")) from None
+            raise
+    clock.mark("cluster" if early is None else "cluster + models")
     try:
         if auto and choice is None:  # a given cluster: plan for the workers it has
             choice = choose_plan(pipeline, load_profile(pipeline),
                                  n_workers=len(backend.workers))
             pipeline = choice.pipeline
-        executor = Executor(pipeline, backend, out, progress, start, stop)
+        executor = early or Executor(pipeline, None, out, progress, start, stop)
+        executor.attach(backend)
         executor.digest = digest  # of the file as written: what a resume compares
         executor.choice = choice
+        executor.clock = clock
         return executor.run()
     except WorkerLost as exc:  # past the recoveries, or in the final save
         raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
@@ -144,6 +163,23 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         raise
     finally:
         backend.close()
+
+
+def _connect(cluster, inline: bool):
+    """The backend: in process, a running scheduler, or an embedded cluster."""
+    if inline:
+        return InlineBackend()
+    try:
+        return DaskBackend.connect(
+            cluster.address, cluster.workers, host=cluster.host,
+            dashboard_address=cluster.dashboard_address,
+            memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
+            device=cluster.device)
+    except OSError as exc:
+        raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
+                       ) from None
+    except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
+        raise RunError(str(exc)) from None
 
 
 TEXT_COLUMNS = ("prompt_text", "prompt_fields")
@@ -176,12 +212,13 @@ class Executor:
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.backend = backend
+        self.prepared = False
         self.out = output_dir
         self.progress = progress
         self.start = start or StartPoint(None, resumed=False)
         self.stop = stop
         self.log = MetricsLog(output_dir / "metrics.jsonl")
-        self.telemetry = Telemetry(backend, output_dir)
+        self.telemetry = Telemetry(backend, output_dir) if backend is not None else None
         self.plan: ExecutionPlan | None = None
         self.addresses: list[str] = []
         self.model_bytes = model_sizes(pipeline)
@@ -196,15 +233,24 @@ class Executor:
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
+        self.clock = StartupClock()  # run_pipeline passes its own, started with the process
+        self.first_iteration_s: float | None = None
 
     # ----------------------------------------------------------------- set-up
-    def run(self) -> RunResult:
-        """Materialise models, place them, run the setup stages, then the iterations;
-        recover from a lost worker by resuming from the last checkpoint."""
+    def attach(self, backend) -> None:
+        """Run on ``backend`` (an executor may be prepared before its cluster is up)."""
+        self.backend = backend
+        self.telemetry = Telemetry(backend, self.out)
+
+    def prepare(self) -> None:
+        """What the coordinator readies before any worker is needed: the prompts (a bad
+        prompts file stops the run before any cluster work), the buffer, and the models'
+        configs (building ``tiny:`` models). Needs no backend."""
+        if self.prepared:
+            return
         spec = self.pipeline.spec
         checkpoint = self.start.checkpoint
         if self.graph.loop_stages and spec.iterations > 0:
-            # prompts first: a bad prompts file stops the run before any cluster work
             generate_model = self.graph.nodes[self.graph.generators()[0]].model
             self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
             self._list_skipped_prompts()
@@ -213,7 +259,18 @@ class Executor:
         if checkpoint is not None:
             self.initial_models = self._after_setup(self.initial_models)
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
+        self.prepared = True
+
+    def run(self) -> RunResult:
+        """Materialise models, place them, run the setup stages, then the iterations;
+        recover from a lost worker by resuming from the last checkpoint."""
+        spec = self.pipeline.spec
+        checkpoint = self.start.checkpoint
+        if not self.prepared:
+            self.prepare()
+            self.clock.mark("models")
         self._start_workers()
+        self.clock.mark("workers")
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         first = self.start.next_iteration
         how = f"resuming after iteration {first - 1}" if checkpoint else (
@@ -242,6 +299,10 @@ class Executor:
                 raise
             self.monitor.close()
         result.summary = self.summary
+        if self.first_iteration_s is not None:
+            self.summary["startup_s"] = round(self.clock.total, 3)
+            self.summary["startup"] = {name: round(sec, 3) for name, sec in self.clock.phases}
+            self.summary["first_iteration_s"] = round(self.first_iteration_s, 3)
         result.stopped = bool(self.stop and self.stop.is_set())
         if not result.stopped:
             self._save_final()
@@ -549,6 +610,9 @@ class Executor:
         self.log.append(record)
         self.monitor.iteration(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))
+        if self.first_iteration_s is None:  # the first of this process: start-up is over
+            self.first_iteration_s = time.time() - self.clock.last
+            self._say(self.clock.line(self.first_iteration_s))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])
         if problem:  # after the record: the iteration is committed, a resume keeps it
             raise RunError(problem)

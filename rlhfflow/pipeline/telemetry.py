@@ -209,3 +209,40 @@ def progress_line(r: dict[str, Any], total: int) -> str:
     skipped = f"  skipped {r['samples_skipped']}" if r["samples_skipped"] else ""
     return (f"[{bar}] {done:>4}/{total}  reward {reward}  kl {kl}  "
             f"len {r['response_length_mean']:.1f}  {r['iteration_s']:.2f}s{skipped}")
+
+
+class StartupClock:
+    """Where the time from the command to the first iteration goes: named phases, each
+    the wall time since the previous mark; the first runs from the process's start
+    (imports, reading and validating the file)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = process_start() if start is None else start
+        self.last = self.start
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def line(self, first_iteration_s: float | None = None) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases
+                          if seconds >= 0.05)
+        first = (f"; first iteration {first_iteration_s:.1f} s"
+                 if first_iteration_s is not None else "")
+        return f"rlhfflow: start-up {self.total:.1f} s to the first task ({parts}){first}"
+
+
+def process_start() -> float:
+    """When this process started (wall clock), for the start-up time of a run."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil, or a platform without it: from now
+        return time.time()
