@@ -390,3 +390,27 @@ def test_adaptive_drops_a_drafter_whose_steps_take_longer_than_predicted():
         policy.observe_time("ngram", 1, 4, drafters, 3.0)
         policy.observe_time(None, 1, 0, drafters, 1.0)
     assert policy.choose(1, drafters) == (None, 0)
+
+
+class _CostlyDrafter:
+    """A drafter that costs a fifth of a forward per drafted token (as 6 of 30 layers)."""
+
+    def cost(self, rows: int, k: int) -> float:
+        return 0.2 * k
+
+
+def test_adaptive_probes_an_unknown_drafter_on_a_few_cheap_steps_only():
+    from rlhfflow.stages.speculative import Acceptance, AdaptivePolicy
+
+    drafters = {"layers": _CostlyDrafter()}
+    # a forward costs the same for 1 or 2 tokens (small batch): a k=1 probe costs 1.2x
+    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4)
+    choices = [policy.choose(1, drafters) for _ in range(6)]
+    assert choices == [("layers", 1)] * 2 + [(None, 0)] * 4  # the prior alone: no
+    # a drafter measured to pay is chosen without probing
+    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4,
+                            stats={"layers": Acceptance(accepted=40, evaluated=50)})
+    assert policy.choose(1, drafters)[0] == "layers"
+    # every token costs the same (large batch on a CPU): a probe would double a step
+    policy = AdaptivePolicy(CostModel.linear(0.0, 1.0), k_max=4)
+    assert [policy.choose(64, drafters) for _ in range(3)] == [(None, 0)] * 3

@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import position_ids, stage_seed
+from rlhfflow.stages.common import last_logits_kwargs, position_ids, stage_seed
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -129,7 +129,7 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     rows, steps = prompt_ids.shape[0], params.max_new_tokens
     mask = prompt_mask.long().to(device)
     out = module(input_ids=prompt_ids.to(device), attention_mask=mask,
-                 position_ids=position_ids(mask), use_cache=True)
+                 position_ids=position_ids(mask), use_cache=True, **last_logits_kwargs(module))
     cache, logits = out.past_key_values, out.logits[:, -1].float()
     next_pos = mask.sum(-1, keepdim=True)
     tokens = torch.full((rows, steps), pad_id, dtype=torch.long)
