@@ -8,6 +8,8 @@ freshly initialised draft with the actor's tokenizer.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -89,3 +91,37 @@ def test_a_pipeline_with_distill_draft_orders_generate_after_the_last_distillati
     assert "draft" in graph.nodes["generate"].uses
     assert "generate" in graph.users("draft")
     assert ("distill", "generate") in graph.cross_iteration_edges()
+
+
+@pytest.mark.slow
+def test_a_two_worker_run_distils_the_draft_and_repeats_exactly(tmp_path):
+    """On a real two-worker cluster: the draft is distilled every iteration (its loss is
+    in metrics.jsonl), generate drafts with it, and a second run with the same seed
+    samples the same tokens (generate waits for the distillation it drafts with)."""
+    import numpy as np
+
+    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.storage import ExperienceBuffer
+
+    def run(name: str):
+        (tmp_path / name).mkdir()
+        path = small_pipeline(tmp_path / name, "grpo", iterations=3, overrides={
+            "models.draft": {"tiny": {"layers": 1, "hidden": 32, "heads": 2},
+                             "trainable": True, "optimizer": {"lr": 1e-2}},
+            "stages.generate.params.drafter": "model",
+            "stages.generate.params.draft_model": "draft",
+            "stages.distill": {"type": "distill_draft", "model": "draft",
+                               "after": ["generate"], "params": {"epochs": 2}}})
+        result = run_pipeline(load_pipeline(path), progress=False)
+        buffer = ExperienceBuffer(tmp_path / name / "out" / "buffer.zarr", create=False)
+        return result.metrics, [buffer.read(k, ["response_ids"])["response_ids"]
+                                for k in range(3)]
+
+    metrics, responses = run("a")
+    _, again = run("b")
+    distilled = [m["train"]["distill"] for m in metrics]
+    assert [d["version"] for d in distilled] == [1, 2, 3]
+    assert all(math.isfinite(d["distill_loss"]) for d in distilled)
+    assert all(m["gen_acceptance"] is not None for m in metrics)
+    for a, b in zip(responses, again, strict=True):
+        np.testing.assert_array_equal(a, b)
