@@ -93,6 +93,39 @@ def test_a_pipeline_with_distill_draft_orders_generate_after_the_last_distillati
     assert ("distill", "generate") in graph.cross_iteration_edges()
 
 
+def test_a_draft_distilled_away_from_generation_is_sent_to_the_generating_workers(
+        tmp_path):
+    """Disaggregated: the draft trains in the train group, generate drafts on the rollout
+    group; the plan sends the distilled weights there after every distillation, and the
+    compiled generate of the next iteration waits for them."""
+    from rlhfflow.pipeline.compiler import TaskCompiler
+    from rlhfflow.pipeline.plan import make_plan
+
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "placement.strategy": "disaggregated",
+        "models.draft": {"tiny": {"layers": 1, "hidden": 32, "heads": 2},
+                         "trainable": True},
+        "stages.generate.params.drafter": "model",
+        "stages.generate.params.draft_model": "draft",
+        "stages.distill": {"type": "distill_draft", "model": "draft",
+                           "after": ["generate"]}})
+    pipeline = load_pipeline(path)
+    plan = make_plan(pipeline, 2)
+    rollout, train = plan.groups["rollout"], plan.groups["train"]
+    assert plan.stages["distill"].workers == train == plan.homes["draft"]
+    [sync] = [t for t in plan.transfers if t.model == "draft"]
+    assert sync.after == "distill" and sync.targets == rollout
+    compiler = TaskCompiler(pipeline, plan, {m: 0 for m in pipeline.spec.models})
+    first, _ = compiler.begin(0, 32)
+    compiler.stages(first, None, ahead=False)
+    second, _ = compiler.begin(1, 32)
+    generate = [t for t in compiler.stages(second, first, ahead=False)
+                if "generate" in t.stages]
+    installs = first.syncs["draft"]
+    assert generate and installs
+    assert all(set(installs) <= set(t.waits) for t in generate)
+
+
 @pytest.mark.slow
 def test_a_two_worker_run_distils_the_draft_and_repeats_exactly(tmp_path):
     """On a real two-worker cluster: the draft is distilled every iteration (its loss is
