@@ -245,6 +245,58 @@ def test_the_ngram_drafter_learns_from_earlier_responses_to_the_same_prompt(gen_
     assert int(second["gen_steps"].sum()) < int(first["gen_steps"].sum())
 
 
+def _store_iteration(path, iteration: int, batch, out) -> None:
+    """Commit one iteration's token columns to an experience buffer, as a run does."""
+    from rlhfflow.storage import ExperienceBuffer
+    from rlhfflow.storage.buffer import ColumnSpec
+
+    columns = {**{c: batch[c] for c in ("prompt_ids", "prompt_mask", "prompt_index")},
+               **{c: out[c] for c in ("response_ids", "response_mask")}}
+    buffer = ExperienceBuffer(path)
+    buffer.begin_iteration(iteration, len(batch["prompt_index"]), {
+        c: ColumnSpec(str(v.numpy().dtype), tuple(v.shape[1:])) for c, v in columns.items()},
+        chunk_rows=4)
+    ExperienceBuffer.write_rows(path, iteration, 0, columns)
+    buffer.commit(iteration)
+
+
+def test_the_ngram_history_comes_from_the_buffer_on_a_worker_that_never_saw_the_prompt(
+        gen_store, tmp_path):
+    """A fresh stage (a restarted worker, or one the prompt was never generated on) finds
+    the earlier responses in the run's buffer: greedy repeats them, so drafts are taken."""
+    tok = build_char_tokenizer()
+    batch = make_prompt_batch(tok, TEXTS, samples=1)
+    params = {"max_new_tokens": 16, "greedy": True, "drafter": "ngram", "ngram_min": 3}
+    buffer = str(tmp_path / "buffer.zarr")
+    ctx = StageContext(iteration=1, seed=0, models=gen_store, settings={"buffer": buffer})
+    first = create_stage("generate", params=params, model="actor").run(batch, ctx)
+    _store_iteration(buffer, 0, batch, first)
+    without = create_stage("generate", params=params, model="actor").run(batch, ctx)
+    reader = create_stage("generate", params={**params, "ngram_buffer": 2}, model="actor")
+    with_buffer = reader.run(batch, ctx)
+    assert torch.equal(with_buffer["response_ids"], first["response_ids"])
+    assert int(with_buffer["gen_accepted"].sum()) > int(without["gen_accepted"].sum())
+    assert int(with_buffer["gen_steps"].sum()) < int(without["gen_steps"].sum())
+    # the worker's own responses and the buffer's are the same: kept once
+    assert all(len(reader.history[g]) == 1 for g in batch["prompt_index"].tolist())
+
+
+def test_prompt_history_reads_the_last_committed_iterations_only(tmp_path):
+    from rlhfflow.storage.buffer import prompt_history
+
+    tok = build_char_tokenizer()
+    batch = make_prompt_batch(tok, ["ab", "cd"], samples=2)
+    path = str(tmp_path / "buffer.zarr")
+    for iteration, fill in ((0, 5), (1, 6), (2, 7)):
+        out = {"response_ids": torch.full((4, 3), fill),
+               "response_mask": torch.tensor([[1, 1, 0]] * 4, dtype=torch.int8)}
+        _store_iteration(path, iteration, batch, out)
+    found = prompt_history(path, [0, 1, 9], per_prompt=3, last_iterations=2)
+    prompt = batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist()
+    assert found[0] == [prompt + [6, 6], prompt + [7, 7], prompt + [7, 7]]
+    assert found[9] == [] and prompt_history(tmp_path / "none", [0], 3, 2) == {0: []}
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(gen_store):
     tok = build_char_tokenizer()
     batch = make_prompt_batch(tok, TEXTS[:1])
@@ -338,3 +390,27 @@ def test_adaptive_drops_a_drafter_whose_steps_take_longer_than_predicted():
         policy.observe_time("ngram", 1, 4, drafters, 3.0)
         policy.observe_time(None, 1, 0, drafters, 1.0)
     assert policy.choose(1, drafters) == (None, 0)
+
+
+class _CostlyDrafter:
+    """A drafter that costs a fifth of a forward per drafted token (as 6 of 30 layers)."""
+
+    def cost(self, rows: int, k: int) -> float:
+        return 0.2 * k
+
+
+def test_adaptive_probes_an_unknown_drafter_on_a_few_cheap_steps_only():
+    from rlhfflow.stages.speculative import Acceptance, AdaptivePolicy
+
+    drafters = {"layers": _CostlyDrafter()}
+    # a forward costs the same for 1 or 2 tokens (small batch): a k=1 probe costs 1.2x
+    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4)
+    choices = [policy.choose(1, drafters) for _ in range(6)]
+    assert choices == [("layers", 1)] * 2 + [(None, 0)] * 4  # the prior alone: no
+    # a drafter measured to pay is chosen without probing
+    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4,
+                            stats={"layers": Acceptance(accepted=40, evaluated=50)})
+    assert policy.choose(1, drafters)[0] == "layers"
+    # every token costs the same (large batch on a CPU): a probe would double a step
+    policy = AdaptivePolicy(CostModel.linear(0.0, 1.0), k_max=4)
+    assert [policy.choose(64, drafters) for _ in range(3)] == [(None, 0)] * 3

@@ -234,7 +234,8 @@ class TaskCompiler:
             if previous is not None:
                 order += [h for t in self.crossings[n] for h in previous.handles[t]]
                 # a shadow copy is used only once the new weights are installed on it
-                order += previous.syncs.get(node.model, [])
+                for model in (node.model, *node.uses):
+                    order += previous.syncs.get(model, [])
                 if node.trains and previous.checkpoint and \
                         node.model in previous.checkpoint:
                     # the update of k must not start before checkpoint k-1 saved it

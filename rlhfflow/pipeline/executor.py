@@ -358,6 +358,7 @@ class Executor:
         run = RunDef(stages=self._stage_defs(), models=self.models, algorithm=spec.algorithm,
                      seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
                                                "base_dir": str(self.pipeline.base_dir),
+                                               "buffer": str(self.out / "buffer.zarr"),
                                                "device": spec.cluster.device})
         self.backend.start(run, spec.cluster.torch_threads)
         self._join_gangs()

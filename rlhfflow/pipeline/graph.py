@@ -44,6 +44,9 @@ class StageNode:
     response_tokens: int = 0
     temperature: float = 1.0
     impl: str = ""
+    #: other models the stage reads besides ``model`` (a generator's draft model): they
+    #: order the stage after their trainers as ``model`` does
+    uses: tuple[str, ...] = ()
 
 
 class CycleError(ValueError):
@@ -181,9 +184,9 @@ class StageGraph:
 
     # ----------------------------------------------------------------- models
     def users(self, model: str, stages: Iterable[str] | None = None) -> list[str]:
-        """Stages that use ``model`` (read or train it)."""
+        """Stages that use ``model`` (read or train it, or read it beside their own)."""
         names = self.order if stages is None else stages
-        return [n for n in names if self.nodes[n].model == model]
+        return [n for n in names if self.nodes[n].model == model or model in self.nodes[n].uses]
 
     def trainers(self, model: str) -> list[str]:
         """Stages that update ``model``."""

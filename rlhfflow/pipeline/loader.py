@@ -275,7 +275,8 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
                                          params[name]),
             temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
                                      params[name]),
-            impl=stage_type_path(cls))
+            impl=stage_type_path(cls),
+            uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

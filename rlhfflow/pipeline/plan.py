@@ -215,6 +215,8 @@ def make_plan(pipeline: Pipeline, n_workers: int,
                                  micro_batches=_micro_batches(pipeline, name),
                                  lag=staleness if ahead else 0)
         replicas[node.model].update(workers)
+        for other in node.uses:  # a draft model is needed (and kept current) there too
+            replicas.setdefault(other, set(homes.get(other, ()))).update(workers)
 
     plan_replicas = {m: tuple(sorted(w)) for m, w in replicas.items()}
     _check_gangs(file, stages, graph)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhfflow.stages.common import position_ids, stage_seed
+from rlhfflow.stages.common import last_logits_kwargs, position_ids, stage_seed
 
 
 @dataclass
@@ -65,7 +65,8 @@ class KVState:
         self.device = next(module.parameters()).device
         self.mask = prompt_mask.long().to(self.device)
         out = module(input_ids=prompt_ids.to(self.device), attention_mask=self.mask,
-                     position_ids=position_ids(self.mask), use_cache=True)
+                     position_ids=position_ids(self.mask), use_cache=True,
+                     **last_logits_kwargs(module))
         self.cache = out.past_key_values
         self.prefill_logits = out.logits[:, -1].float()
         self.next_pos = self.mask.sum(-1, keepdim=True)

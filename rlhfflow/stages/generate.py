@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import position_ids, stage_seed
+from rlhfflow.stages.common import last_logits_kwargs, position_ids, stage_seed
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -66,6 +66,10 @@ class GenerateParams(StageParams):
         ge=1, le=8, description="drafter ngram: the shortest n-gram matched")] = 2
     ngram_history: Annotated[int, Field(
         ge=0, description="drafter ngram: earlier responses per prompt kept (per worker)")] = 4
+    ngram_buffer: Annotated[int, Field(
+        ge=0, description="drafter ngram: fill the history of a prompt the worker has "
+                          "fewer than ngram_history responses of from the run's buffer, "
+                          "its last N committed iterations; 0: off")] = 0
     verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
                           "measured once per worker (sampled tokens then depend on it)")
@@ -125,7 +129,7 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     rows, steps = prompt_ids.shape[0], params.max_new_tokens
     mask = prompt_mask.long().to(device)
     out = module(input_ids=prompt_ids.to(device), attention_mask=mask,
-                 position_ids=position_ids(mask), use_cache=True)
+                 position_ids=position_ids(mask), use_cache=True, **last_logits_kwargs(module))
     cache, logits = out.past_key_values, out.logits[:, -1].float()
     next_pos = mask.sum(-1, keepdim=True)
     tokens = torch.full((rows, steps), pad_id, dtype=torch.long)
@@ -272,6 +276,8 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
                           batch["sample_index"], params.max_new_tokens)
     groups = batch["prompt_index"].tolist()
     uses = used_drafters(params)
+    if "ngram" in uses and params.ngram_history and params.ngram_buffer:
+        fill_history_from_buffer(history, groups, params, ctx.settings.get("buffer"))
     width = len(groups) * (params.draft_k + 1)
 
     def make_drafters(first: torch.Tensor, seqs: list[list[int]]) -> dict:
@@ -323,8 +329,30 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
         for row, group in enumerate(groups):
             seq = batch["prompt_ids"][row][real[row]].tolist()
             seq += out["response_ids"][row][out["response_mask"][row].bool()].tolist()
-            history.setdefault(group, deque(maxlen=params.ngram_history)).append(seq)
+            past = history.setdefault(group, deque(maxlen=params.ngram_history))
+            if seq not in past:  # a repeat adds nothing to look up (greedy repeats)
+                past.append(seq)
     return out, stats
+
+
+def fill_history_from_buffer(history: dict[int, deque], groups: list[int],
+                             params: GenerateParams, buffer: str | None) -> None:
+    """Complete the n-gram history of the prompts in ``groups`` that this worker holds
+    fewer than ``ngram_history`` responses of (it never generated them, or restarted)
+    with their responses in the run's experience buffer: older ones first, the worker's
+    own after them. The in-stage history stays the fast path: full prompts read nothing."""
+    from rlhfflow.storage.buffer import prompt_history
+
+    short = [g for g in dict.fromkeys(groups)
+             if len(history.get(g, ())) < params.ngram_history]
+    if not buffer or not short:
+        return
+    found = prompt_history(buffer, short, params.ngram_history, params.ngram_buffer)
+    for group, seqs in found.items():
+        if seqs:
+            own = list(history.get(group, ()))
+            older = [seq for seq in seqs if seq not in own]  # its own are stored there too
+            history[group] = deque([*older, *own], maxlen=params.ngram_history)
 
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

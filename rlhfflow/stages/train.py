@@ -220,6 +220,40 @@ class TrainActorStage(_Trainer):
 
 
 @register_stage
+class DistillDraftStage(_Trainer):
+    """Online distillation of a draft model (``generate``'s ``draft_model``) towards the
+    actor, on the responses the actor just sampled: next-token cross-entropy of the
+    draft at the rollout temperature, so its acceptance follows the actor as RL moves it.
+
+    Cross-entropy on the actor's samples is, in expectation over them, the forward KL
+    ``KL(p_actor || q_draft)`` plus the actor's entropy (a constant for the draft), so it
+    trains the same thing as a forward KL to the actor's distributions without the extra
+    actor forward that KL needs. Forward KL (mass-covering) suits speculation: a draft
+    token is accepted with probability ``sum min(p, q)``, which a draft that puts mass
+    wherever the actor does keeps high. Samples whose score was skipped count too (they
+    are still the actor's samples). The stage's ``model`` is the draft model (trainable);
+    it trains the copy on its worker(s), where ``generate`` finds it."""
+
+    type_name = "distill_draft"
+    model_head = "lm"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return RESPONSE_INPUTS
+
+    def loss(self, resident, batch, ctx, counts=None):
+        mask = batch["response_mask"].float()
+        temperature = float(ctx.settings.get("temperature", 1.0))
+        logits = response_logits(resident.module, batch, temperature)
+        logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
+        divisor = counts["tokens"] if counts else None
+        loss = ops.aggregate_loss(-logprobs, mask, "token-mean", divisor)
+        # the draft's mean probability of the actor's token: a cheap proxy of acceptance
+        agreement = ops.masked_mean(logprobs.detach().exp(), mask)
+        return loss, {"distill_loss": loss.item(), "draft_token_prob": agreement.item()}
+
+
+@register_stage
 class TrainCriticStage(_Trainer):
     """Critic update: clipped value loss against the GAE returns."""
 
