@@ -77,6 +77,7 @@ from transformers.utils import logging as hf_logging
 __all__ = [
     "DEFAULT_ALPHABET",
     "HEADS",
+    "ModelNotCachedError",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
