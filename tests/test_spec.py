@@ -279,8 +279,9 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     # files
     ("prompts-not-found", lambda s: put(s, "data.prompts", "nope/prompts.jsonl"),
      "data.prompts: file not found: {dir}/nope/prompts.jsonl"),
-    ("model-dir-not-found", lambda s: tiny_to(s, "actor", "path", "models/nope"),
-     "models.actor.path: directory not found: {dir}/models/nope"),
+    # (not "org/name": that could be a Hub id, see test_hub_models.py)
+    ("model-dir-not-found", lambda s: tiny_to(s, "actor", "path", "my/models/nope"),
+     "models.actor.path: directory not found: {dir}/my/models/nope"),
     ("model-dir-no-config", lambda s: tiny_to(s, "actor", "path", "."),
      "models.actor.path: not a transformers-format model directory (no config.json): {dir}"),
     ("sft-data-not-found", lambda s: put(s, "stages.sft", {

@@ -115,7 +115,7 @@ def main() -> None:
 
 def _model_source(pipeline: Pipeline, spec: Any) -> str:
     if spec.path is not None:
-        return f"path {pipeline.resolve(spec.path)}"
+        return f"path {pipeline.model_dir(spec.path)}"
     if spec.from_ is not None:
         return f"from {spec.from_}"
     tiny = spec.tiny

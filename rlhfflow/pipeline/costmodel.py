@@ -169,7 +169,7 @@ def model_shapes(pipeline) -> dict[str, ModelShape]:
                                  max_positions=t.max_positions)
         else:
             try:
-                config = model_config(pipeline.resolve(root.path))
+                config = model_config(pipeline.model_dir(root.path))
             except (OSError, ValueError):
                 shapes[name] = ModelShape(0, 0, 0, 0)
                 continue

@@ -694,7 +694,7 @@ def model_configs(pipeline: Pipeline, out: Path) -> dict[str, ModelConfig]:
                 save_model(module, tok, path)
             paths[name] = str(path)
         elif model.path is not None:
-            paths[name] = str(pipeline.resolve(model.path))
+            paths[name] = pipeline.model_source(model.path)
     return {name: ModelConfig(name=name, head=model.head,
                               init_path=paths[pipeline.model_root(name)],
                               trainable=model.trainable,

@@ -63,6 +63,24 @@ class Pipeline:
         p = Path(path).expanduser()
         return p if p.is_absolute() else (self.base_dir / p).resolve()
 
+    def model_dir(self, path: str) -> Path:
+        """A model's ``path:`` on this machine: a directory relative to the file, or else,
+        for a Hub id (``org/name[@revision]``), its snapshot in the local Hugging Face
+        cache (``ModelNotCachedError`` when it is not there)."""
+        from rlhfflow.stages.models import hub_snapshot, is_hub_id  # torch: not at import
+
+        local = self.resolve(path)
+        return local if local.exists() or not is_hub_id(path) else hub_snapshot(path)
+
+    def model_source(self, path: str) -> str:
+        """What workers load for a model's ``path:``: the absolute directory, or the Hub
+        id itself, which each worker finds in its own cache (a cluster's machines may keep
+        theirs in other places)."""
+        from rlhfflow.stages.models import is_hub_id
+
+        local = self.resolve(path)
+        return str(local) if local.exists() or not is_hub_id(path) else path
+
     @property
     def output_dir(self) -> Path:
         """``output:`` (relative to the current directory), default ``runs/NAME``."""
@@ -330,7 +348,10 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
     for name, model in pipeline.spec.models.items():
         if model.path is None:
             continue
-        path = pipeline.resolve(model.path)
+        try:
+            path = pipeline.model_dir(model.path)
+        except FileNotFoundError as err:  # a Hub id the cache lacks
+            raise SpecError(file, f"models.{name}.path", str(err)) from None
         if not path.is_dir():
             raise SpecError(file, f"models.{name}.path", f"directory not found: {path}")
         if not (path / "config.json").is_file():
@@ -348,7 +369,7 @@ def model_context(pipeline: Pipeline, model: str) -> int | None:
     if root.tiny is not None:
         return root.tiny.max_positions
     try:
-        config = json.loads((pipeline.resolve(root.path) / "config.json").read_text())
+        config = json.loads((pipeline.model_dir(root.path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -484,6 +505,6 @@ def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
         return len(tokenizer), tokenizer.get_vocab()
     from transformers import AutoTokenizer
 
-    path = pipeline.resolve(root.path)
+    path = pipeline.model_dir(root.path)
     size = json.loads((path / "config.json").read_text()).get("vocab_size", -1)
     return size, AutoTokenizer.from_pretrained(path).get_vocab()

@@ -46,7 +46,7 @@ def load_tokenizer(pipeline, model: str):
         from rlhfflow.stages.models import build_char_tokenizer
 
         return build_char_tokenizer()
-    return AutoTokenizer.from_pretrained(str(pipeline.resolve(root.path)))
+    return AutoTokenizer.from_pretrained(str(pipeline.model_dir(root.path)))
 
 
 class PromptSource:

@@ -42,6 +42,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -76,9 +77,13 @@ from transformers.utils import logging as hf_logging
 __all__ = [
     "DEFAULT_ALPHABET",
     "HEADS",
+    "ModelNotCachedError",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
+    "hub_cache_dir",
+    "hub_snapshot",
+    "is_hub_id",
     "load_model",
     "position_ids_from_mask",
     "save_model",
@@ -411,6 +416,58 @@ def _check_missing_weights(
         )
 
 
+# "org/name" or "org/name@revision", as the Hub spells repository ids: no "..", no "--".
+_HUB_ID = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
+
+
+class ModelNotCachedError(FileNotFoundError):
+    """A Hub id that the local Hugging Face cache does not hold."""
+
+
+def is_hub_id(value: str | os.PathLike) -> bool:
+    """Whether a model ``path:`` is spelled like a Hub id (``org/name[@revision]``)."""
+    return isinstance(value, str) and _HUB_ID.match(value) is not None
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it, read now (huggingface_hub
+    reads its constants once, at import): ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub`` (under ``XDG_CACHE_HOME`` when set)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "huggingface" / "hub"
+
+
+def hub_snapshot(hub_id: str) -> Path:
+    """The local snapshot directory of ``org/name[@revision]`` in the Hugging Face cache
+    (revision: a branch, tag or commit; default ``main``). Never downloads: raises
+    :class:`ModelNotCachedError` (a ``FileNotFoundError``) when the cache lacks it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    repo_id, _, revision = hub_id.partition("@")
+    cache = hub_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache,
+                                      local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
+        raise ModelNotCachedError(
+            f"{hub_id!r} is not a local directory and not in the Hugging Face cache "
+            f"(HF_HUB_CACHE={cache}); download it first with `hf download {repo_id}"
+            f"{' --revision ' + revision if revision else ''}`") from err
+
+
+def local_model_dir(path: str | os.PathLike) -> Path:
+    """``path`` itself when it exists (or is no Hub id), else the cached snapshot of the
+    Hub id it spells: resolved where it is called, so each worker reads its own cache."""
+    if Path(path).exists() or not is_hub_id(path):
+        return Path(path)
+    return hub_snapshot(str(path))
+
+
 def load_model(
     path: str | os.PathLike,
     head: str = "lm",
@@ -427,13 +484,14 @@ def load_model(
     ``init_from`` is a fallback directory used when ``path`` does not exist yet, e.g. a critic
     whose own checkpoint has not been written is initialised from the SFT model. The model
     comes back in eval mode (as transformers returns it) on ``device``, in ``torch_dtype``.
+    ``path`` may be a Hub id (``org/name[@revision]``), found in this process's Hugging Face
+    cache (:func:`hub_snapshot`).
 
-    Raises ``FileNotFoundError`` for a missing ``path``, and ``ValueError`` for a directory with
+    Raises ``FileNotFoundError`` for a missing ``path`` or an uncached Hub id, and ``ValueError`` for a directory with
     no ``config.json``, no tokenizer files, or weights that do not fit ``head``.
     """
-    auto_path = Path(path)
-    if init_from is not None and not auto_path.exists():
-        auto_path = Path(init_from)
+    use_init = init_from is not None and not Path(path).exists()
+    auto_path = local_model_dir(init_from if use_init else path)
     _auto_class(head)  # fail on a bad head before touching the disk
     _check_model_dir(auto_path)
     model, info = _load_weights(auto_path, head, torch_dtype)
