@@ -42,6 +42,8 @@ from typing import Any
 import psutil
 import yaml
 
+from rlhfflow.pipeline.backend import embedded_worker_processes
+
 ROOT = Path(__file__).resolve().parents[1]
 # what must not change under faults (timings may)
 RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "policy_loss",
@@ -152,8 +154,7 @@ class Watcher:
 def device_workers(coordinator: psutil.Process) -> list[psutil.Process]:
     """The embedded cluster's worker processes: children that its nannies spawned."""
     try:
-        return [c for c in coordinator.children(recursive=True)
-                if "spawn_main" in " ".join(c.cmdline())]
+        return embedded_worker_processes(coordinator)
     except psutil.NoSuchProcess:
         return []
 

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from rlhfflow.cli.main import main
+from rlhfflow.pipeline.backend import embedded_worker_processes
 from rlhfflow.pipeline.executor import RunError, run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
@@ -186,9 +187,8 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     out = tmp_path / "p" / "out"
     proc = _cli(str(path))
     _wait_for_lines(out / "metrics.jsonl", 2, proc)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-    assert len(workers) == 2, [c.cmdline() for c in children]
+    workers = embedded_worker_processes(psutil.Process(proc.pid))
+    assert len(workers) == 2, [c.cmdline() for c in workers]
     workers[0].kill()
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
@@ -300,8 +300,7 @@ def test_max_restarts_without_supervise_is_a_mistake(tmp_path):
 
 def _device_workers(coordinator: psutil.Process) -> list[psutil.Process]:
     """The embedded cluster's worker processes (spawned by the coordinator's nannies)."""
-    return [c for c in coordinator.children(recursive=True)
-            if "spawn_main" in " ".join(c.cmdline())]
+    return embedded_worker_processes(coordinator)
 
 
 @pytest.mark.slow

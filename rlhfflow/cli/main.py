@@ -451,6 +451,20 @@ def init(directory: str, force: bool) -> None:
 # --------------------------------------------------------------------------- run
 
 
+def _embedded_cluster(file: str, scheduler: str | None) -> bool:
+    """Whether FILE (at a glance: it is validated later) runs on an embedded cluster."""
+    if scheduler:
+        return False
+    try:
+        import yaml
+
+        data = yaml.safe_load(Path(file).read_text(encoding="utf-8"))
+        cluster = data.get("cluster") or {}
+        return not cluster.get("address")
+    except Exception:  # noqa: BLE001 - a broken file: load() says what is wrong
+        return False
+
+
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--iterations", type=click.IntRange(min=0), metavar="N",
@@ -510,6 +524,12 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     source = click.get_current_context().get_parameter_source("max_restarts")
     if not supervise and source is not click.core.ParameterSource.DEFAULT:
         raise UserError("--max-restarts bounds the restarts of --supervise; add --supervise")
+    if not supervise and _embedded_cluster(file, scheduler):
+        # the workers' imports start now, beside this process's own (read on in
+        # rlhfflow.pipeline.backend.start_fork_server)
+        from rlhfflow.pipeline.backend import start_fork_server
+
+        start_fork_server()
     pipeline = load(file, overrides)
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run

@@ -187,6 +187,10 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     config = {
         # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
         "distributed.worker.daemon": False,
+        # workers are forks of a server that imported torch and the stages once
+        # (start_fork_server), not fresh interpreters that each import them
+        "distributed.worker.multiprocessing-method": (
+            "forkserver" if start_fork_server() else "spawn"),
         # the rlhfflow page of the dashboard (rlhfflow.monitor.dashboard)
         "distributed.scheduler.preload": [*dask.config.get("distributed.scheduler.preload", []),
                                           "rlhfflow.monitor.dashboard"],
@@ -204,6 +208,44 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
+
+
+def start_fork_server() -> bool:
+    """Start the fork server the embedded cluster's worker processes come from, if the
+    platform has one, importing ``rlhfflow.pipeline.warm_imports`` in it. Call it as early
+    as possible: it imports in its own process, beside the coordinator's imports. Returns
+    whether workers can be forked from it (idempotent; later calls return at once).
+
+    Environment variables read at a library's load (``OMP_NUM_THREADS``) are the fork
+    server's, so the workers set their torch threads themselves (``RLHFWorkerPlugin``);
+    per-worker variables (``CUDA_VISIBLE_DEVICES``) are set in each worker before CUDA is
+    initialised (torch initialises it lazily)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["distributed", "rlhfflow.pipeline.warm_imports"])
+    # the server's children inherit its SIGINT disposition: ignored (see _sigint_ignored)
+    with _sigint_ignored():
+        forkserver.ensure_running()
+    return True
+
+
+def embedded_worker_processes(coordinator) -> list:
+    """The embedded cluster's worker processes under ``coordinator`` (a
+    ``psutil.Process``): forks of its fork server, or processes its nannies spawned."""
+    def command(p) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except Exception:  # noqa: BLE001 - gone, or a zombie
+            return ""
+
+    children = coordinator.children(recursive=True)
+    servers = {c.pid for c in children if "forkserver" in command(c)
+               and c.ppid() == coordinator.pid}
+    return [c for c in children if c.ppid() in servers or "spawn_main" in command(c)]
 
 
 class _sigint_ignored:
@@ -293,6 +335,9 @@ class DaskBackend:
 
     def start(self, run: RunDef, torch_threads: int | None) -> None:
         """Give every worker its resident state (replacing a previous run's)."""
+        if torch_threads is None and self.cluster is not None:
+            # forked workers have the fork server's OMP_NUM_THREADS, not their share
+            torch_threads = default_torch_threads(len(self.workers))
         self.client.register_plugin(RLHFWorkerPlugin(run, torch_threads), name=PLUGIN_NAME)
 
     def submit(self, fn: Callable, *args: Any, key: str,
