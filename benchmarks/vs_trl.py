@@ -54,6 +54,11 @@ INSTALL_HINT = 'pip install -c constraints.txt -e ".[bench]"'
 
 
 # ------------------------------------------------------------------ the work, from the config
+def _stage(graph, type_name: str) -> str:
+    """The first stage of built-in type ``type_name`` in ``graph``."""
+    return next(name for name in graph.order if graph.nodes[name].type == type_name)
+
+
 def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, Any]:
     """What one run of ``config`` does, in plain data both children read: the prompts of
     every iteration in rlhfflow's order, and the settings TRL needs (``trl_settings``)."""
@@ -67,9 +72,9 @@ def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, A
         raise SystemExit(f"{config}: vs_trl compares GRPO with k3 KL in the loss (TRL's "
                          f"only form); the file has {algo.name}, {algo.kl_estimator} in "
                          f"{algo.kl_in}")
-    generate = graph.nodes[graph.of_type("generate")[0]]
-    score = pipeline.params[graph.of_type("score")[0]]
-    train = pipeline.params[graph.of_type("train_actor")[0]]
+    generate = graph.nodes[_stage(graph, "generate")]
+    score = pipeline.params[_stage(graph, "score")]
+    train = pipeline.params[_stage(graph, "train_actor")]
     actor = spec.models[generate.model]
     if score.function is None or actor.dtype != "float32":
         raise SystemExit(f"{config}: vs_trl needs a reward function and a float32 actor")
@@ -98,8 +103,8 @@ def trl_settings(pipeline, train, rows: int) -> dict[str, Any]:
     which part of the pipeline it copies."""
     spec = pipeline.spec
     algo, data = spec.algorithm, spec.data
-    generate = pipeline.params[pipeline.graph.of_type("generate")[0]]
-    opt = spec.models[pipeline.graph.nodes[pipeline.graph.of_type("train_actor")[0]].model
+    generate = pipeline.params[_stage(pipeline.graph, "generate")]
+    opt = spec.models[pipeline.graph.nodes[_stage(pipeline.graph, "train_actor")].model
                       ].optimizer
     return {
         # one generation = batch_size prompts x samples_per_prompt rows, trained on for
