@@ -1,13 +1,16 @@
 """What a device worker imports before its first task: torch, transformers' model
-classes, zarr and the stages take seconds to import. The coordinator runs :func:`warm`
-as a task on each embedded worker as soon as the cluster is up, while it reads the
-prompts and builds the models itself, so the imports are not on the run's critical path.
+classes, zarr and the stages (~6 s with transformers 5 on a 2-core machine).
 
-A task, not a Dask ``preload`` and not a background thread: transformers resolves its
-names lazily and is not safe to import from two threads at once (a background import
-raced a task's ``from transformers import AutoConfig``), and a preload makes every worker
-start, a restarted one's too, wait for the imports. This module itself imports nothing
-heavy, so a worker unpickles the task at once.
+The embedded cluster's workers are forks of a server that ran :func:`warm` as it started
+(``rlhfflow.pipeline.warm_imports``, see ``backend.start_fork_server``), beside the
+coordinator's own imports; the coordinator also runs :func:`warm` as a task on each
+worker (a no-op there) so a spawned worker imports before the models are installed.
+A task, not a background thread: transformers resolves its names lazily and is not safe
+to import from two threads at once (a background import raced a task's
+``from transformers import AutoConfig``).
+
+Workers you start yourself: ``dask worker SCHEDULER --preload
+rlhfflow.pipeline.warm_imports`` imports all of it as the worker starts.
 """
 
 from __future__ import annotations
