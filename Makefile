@@ -6,6 +6,7 @@ SHELL := /bin/bash
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # python3.11 if there is one, else python3 (its version is checked when the venv is made);
 # override with `make PYTHON=/path/to/python3.12 ...`
 PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
@@ -42,13 +43,19 @@ $(BIN)/python:
 $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 	@test -n "$(TORCH)" || { echo "error: constraints.txt has no 'torch==' pin" >&2; exit 1; }
 	$(BIN)/pip install "$(TORCH)"
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models,tensorboard,mlflow]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models]"
+	@touch $@
+
+# The logging: targets' optional extras, for their tests only: MLflow alone brings pandas,
+# scikit-learn and SQLAlchemy, which the demo does not need.
+$(TEST_STAMP): $(STAMP)
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow]"
 	@touch $@
 
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 	$(BIN)/rlhfflow run configs/ppo-tiny.yaml --overwrite
 
-test: $(STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
+test: $(TEST_STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
 	$(BIN)/ruff check rlhfflow tests benchmarks examples
 	$(BIN)/python -m pytest -q
 

@@ -378,3 +378,16 @@ def test_the_startup_clock_names_where_the_time_went():
     assert line.endswith("; first iteration 0.8 s")
     assert [name for name, _ in clock.phases] == ["load", "cluster"]
     assert StartupClock().start <= time.time()  # from the process's start
+
+
+def test_embedded_workers_see_the_environment_of_when_the_cluster_starts(monkeypatch):
+    """Workers are forks of a server started earlier (start_fork_server): a variable set
+    after it started (a test's HF_HUB_CACHE, say) must still reach them."""
+    from rlhfflow.pipeline.backend import local_cluster, start_fork_server
+
+    start_fork_server()
+    monkeypatch.setenv("RLHFFLOW_PROBE", "set after the fork server started")
+    with local_cluster(1, dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client:
+        seen = client.run(lambda: __import__("os").environ.get("RLHFFLOW_PROBE"))
+    assert list(seen.values()) == ["set after the fork server started"]

@@ -176,7 +176,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
     specs = {}
     for i in range(workers):
-        env = {"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {}
+        # forked workers start with the fork server's environment: give them this
+        # process's as it is now (HF_HUB_CACHE and the like, read when used)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {})}
         specs[f"device-{i}"] = {"cls": Nanny, "options": {
             "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
             "memory_limit": memory_limit, "name": f"device-{i}",
@@ -225,6 +227,9 @@ def start_fork_server() -> bool:
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
+    # the workers' logging config is the fork server's, read as it imports distributed:
+    # keep their chatter off the user's terminal (as local_cluster does for spawned ones)
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["distributed", "rlhfflow.pipeline.warm_imports"])
     # the server's children inherit its SIGINT disposition: ignored (see _sigint_ignored)
