@@ -145,3 +145,17 @@ def chat_lm_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models") / "chat-lm"
     save_model(model, tok, path)
     return path
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two device workers in their own processes, shared by the tests of a module."""
+    import importlib
+
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as client:  # pay the workers' torch imports up front
+            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
+        yield cluster

@@ -4,7 +4,6 @@ driven through the CLI, and the demo actually learning."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dask.utils import key_split
-from distributed import Client, LocalCluster, get_task_stream
+from distributed import Client, get_task_stream
 
 from rlhfflow.pipeline.backend import DaskBackend
 from rlhfflow.pipeline.executor import Executor, RunError, run_pipeline
@@ -33,14 +32,6 @@ METRIC_KEYS = {"iteration", "reward_mean", "reward_std", "kl_mean", "policy_loss
                "iteration_s", "stage_s"}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two device workers in their own processes, shared by the tests of this module."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:  # pay the workers' torch imports up front
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
-        yield cluster
 
 
 def _on(cluster, **overrides):

@@ -4,14 +4,12 @@ staleness while recording it."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
 
 from rlhfflow.cli.main import main
 from rlhfflow.pipeline.executor import run_pipeline
@@ -102,14 +100,6 @@ def test_a_bad_set_option_exits_2():
 # --------------------------------------------------------------------------- runs
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two device workers shared by the runs of this module (none of them makes a gang)."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
-        yield cluster
 
 
 def _run(cluster, tmp_path, name, overrides, iterations=3, inline=False):

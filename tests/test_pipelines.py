@@ -5,7 +5,6 @@ starts; the planner takes them; a plugin scorer gets the score stage's checks.""
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import numpy as np
@@ -13,7 +12,6 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
 
 from rlhfflow.cli.main import main as cli
 from rlhfflow.pipeline.budget import skipping_stage
@@ -29,14 +27,6 @@ from tests.conftest import CONFIGS, DATA
 NEW_CONFIGS = ["dpo-tiny", "online-dpo-tiny", "best-of-n-tiny", "eval-tiny"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two device workers in their own processes, shared by the tests of this module."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:  # pay the workers' torch imports up front
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
-        yield cluster
 
 
 def _absolute(data: dict) -> dict:

@@ -4,14 +4,12 @@ results (the three strategies on a real 2-worker Dask cluster)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
 
 from rlhfflow.cli.main import main
 from rlhfflow.pipeline import load_pipeline
@@ -243,15 +241,6 @@ def test_a_two_rank_gang_makes_the_same_dpo_and_sft_update_as_one_worker(
 # --------------------------------------------------------------------------- runs
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two device workers shared by the runs of this module (the colocated gang joins
-    them once; the other strategies need no gang on 2 workers)."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
-        yield cluster
 
 
 def _actor_weights(out) -> torch.Tensor:

@@ -22,7 +22,7 @@ from rlhfflow.stages.generate import GenerateParams, generate
 from rlhfflow.stages.inference import (
     RewardFunctionSpec,
     ScoreParams,
-    check_signature,
+    check_reward_function,
     load_function,
     record_columns,
 )
@@ -90,13 +90,9 @@ class EvaluateStage(Stage):
                                        "('module:function') that scores the responses")
         for i, entry in enumerate(functions):
             where = "params" if params.function is not None else f"params.functions[{i}]"
-            try:
-                fn = load_function(entry.function, base_dir)
-            except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-                return (f"{where}.function", str(exc).splitlines()[0])
-            problem = check_signature(fn, entry.kwargs)
+            problem = check_reward_function(entry, where, base_dir)
             if problem:
-                return (f"{where}.{problem[0]}", problem[1])
+                return problem
         return None
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:

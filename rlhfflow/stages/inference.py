@@ -210,6 +210,18 @@ def describe_error(exc: BaseException, fn: Callable[..., Any]) -> str:
     return f"reward function {name}() raised at {raised_where(exc, fn)}: {message}"
 
 
+def check_reward_function(entry, where: str, base_dir: str | Path | None
+                          ) -> tuple[str, str] | None:
+    """Import one reward function entry (``function``, ``kwargs``) and check that it takes
+    its keyword arguments: ``(key under where, problem)``, or None when it is usable."""
+    try:
+        fn = load_function(entry.function, base_dir)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+        return (f"{where}.function", str(exc).splitlines()[0])
+    problem = check_signature(fn, entry.kwargs)
+    return (f"{where}.{problem[0]}", problem[1]) if problem else None
+
+
 def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
     """Whether ``fn(prompts, responses, **kwargs)`` binds: ``(key, message)`` relative to
     the function's entry (``"kwargs.scale"``, ``"function"``), or None."""
@@ -273,15 +285,9 @@ class ScoreStage(Stage):
         columns: dict[str, int] = {}
         for i, entry in enumerate(functions):
             where = "params" if params.function is not None else f"params.functions[{i}]"
-            try:
-                fn = load_function(entry.function, base_dir)
-            except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-                return (f"{where}.function", str(exc).splitlines()[0])
-            problem = check_signature(fn, entry.kwargs)
+            problem = check_reward_function(entry, where, base_dir)
             if problem:
-                key = "function" if problem[0] == "function" and where == "params" else \
-                    problem[0]
-                return (f"{where}.{key}", problem[1])
+                return problem
             if params.function is None:
                 name = entry.column.removeprefix("score_")
                 if not SCORE_COLUMN_NAME.match(name) or name in RESERVED_SCORE_NAMES:
