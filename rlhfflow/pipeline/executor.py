@@ -359,9 +359,22 @@ class Executor:
                      seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
                                                "base_dir": str(self.pipeline.base_dir),
                                                "buffer": str(self.out / "buffer.zarr"),
-                                               "device": spec.cluster.device})
+                                               "device": spec.cluster.device,
+                                               "rows_topic": self._rows_topic()})
         self.backend.start(run, spec.cluster.torch_threads)
         self._join_gangs()
+
+    def _rows_topic(self) -> str | None:
+        """The event topic of sample reallocation (``rebalance``): set when a generating
+        stage with ``params.migrate`` runs as micro-batch tasks on several Dask workers."""
+        if not isinstance(self.backend, DaskBackend):
+            return None
+        for name, sp in self.plan.stages.items():
+            if self.graph.nodes[name].generates and len(sp.workers) > 1 and \
+                    sp.micro_batches and sp.micro_batches > 1 and not sp.gang and \
+                    getattr(self.pipeline.params[name], "migrate", False):
+                return f"rlhfflow-rows-{uuid.uuid4().hex[:12]}"
+        return None
 
     def _layout(self) -> dict[str, Any]:
         """Torch threads per worker (None: unknown, on an external cluster) and the size of

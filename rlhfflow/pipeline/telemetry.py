@@ -152,7 +152,8 @@ def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:
 def _generation(total: dict[str, float]) -> dict[str, Any]:
     """The decoding figures of an iteration: tokens/s of the generate tasks, and with
     speculative decoding the acceptance rate, accepted tokens per verification and the
-    mean draft length (None where nothing was drafted)."""
+    mean draft length (None where nothing was drafted), and the rows sample
+    reallocation moved to another worker."""
     if "gen_steps_sum" not in total:
         return {}
     steps, drafted = total["gen_steps_sum"], total["gen_drafted_sum"]
@@ -163,6 +164,7 @@ def _generation(total: dict[str, float]) -> dict[str, Any]:
         "gen_accepted_per_verify": round(total["gen_accepted_sum"] / steps, 4)
         if drafted and steps else None,
         "gen_k_mean": round(total["gen_k_sum_sum"] / steps, 3) if drafted and steps else None,
+        "gen_rows_migrated": int(total.get("gen_moved_sum", 0)),
     }
 
 

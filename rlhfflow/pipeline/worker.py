@@ -99,6 +99,11 @@ class WorkerHost:
         running (so the busy time of a window that ends mid-task is not lost)."""
         start = time.time()
         thread = threading.get_ident()
+        topic = self.run.settings.get("rows_topic")
+        if topic:  # sample reallocation: peers may stop handing rows to this worker
+            from rlhfflow.pipeline.rebalance import announce
+
+            announce(topic, False, self.store.loaded())
         with self._lock:
             self.running[thread] = (iteration, stage, start)
         try:
@@ -107,6 +112,11 @@ class WorkerHost:
             with self._lock:
                 self.running.pop(thread, None)
                 self.timings.append((iteration, stage, start, time.time(), rows))
+            if topic:
+                from rlhfflow.pipeline.rebalance import announce, nothing_else_to_do
+
+                if nothing_else_to_do():
+                    announce(topic, True, self.store.loaded())
 
     def pop_timings(self) -> dict[str, list]:
         """Hand the finished intervals to the coordinator (and forget them), with the
@@ -267,6 +277,10 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
                 gang[ctx.gang.rank] != _address():
             raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
                                f"gang {list(gang)} it was sent to")
+    if gang is None:
+        from rlhfflow.pipeline.rebalance import exchange_for
+
+        ctx.peers = exchange_for(host, names, iteration)
     defs = host.run.stages
     batch = assemble(parts, tuple(c for n in names for c in defs[n].reads))
     out: Batch = {}
@@ -284,6 +298,19 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
                 raise StageFailed(n, exc) from exc
     # results travel between workers: keep them off the accelerator
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def continue_rows_task(stage: str, iteration: int, model: str, version: int, cont
+                       ) -> tuple[Batch, torch.Tensor] | None:
+    """Finish rows another worker's task of generating stage ``stage`` handed over
+    (``rlhfflow.pipeline.rebalance``): its outputs for those rows, or None when this
+    worker's ``model`` is no longer ``version`` (the sender then finishes them)."""
+    host = current_host()
+    if host.store.get(model).version != version:
+        return None
+    with host.timed(iteration, stage, 0):
+        out, steps = host.stage(stage).continue_rows(cont, host.context(iteration))
+    return {k: v.cpu() for k, v in out.items()}, steps
 
 
 def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
@@ -339,7 +366,8 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
-GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds")
+GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds",
+                      "gen_moved")
 """Per-row decoding statistics ``generate`` writes, summed for the iteration's record."""
 
 # the score stage's own columns; any other score_<name> is one reward function's score

@@ -78,6 +78,9 @@ class StageContext:
         settings: extra values the pipeline resolves for stages (e.g. rollout temperature).
         gang: the data-parallel gang (``rlhfflow.stages.parallel.Gang``) a training stage
             runs in, or None when it trains alone.
+        peers: for a generating stage that runs on several workers, the other workers
+            it may hand rows to (``rlhfflow.pipeline.rebalance.RowExchange``: ``peer``,
+            ``send``, ``gather``), or None. Stages stay Dask-free: they see this hook only.
     """
 
     iteration: int
@@ -86,6 +89,7 @@ class StageContext:
     algorithm: Any = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     gang: Any = None
+    peers: Any = None
 
 
 class Stage:

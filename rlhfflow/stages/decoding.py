@@ -71,6 +71,34 @@ class KVState:
         self.prefill_logits = out.logits[:, -1].float()
         self.next_pos = self.mask.sum(-1, keepdim=True)
 
+    @classmethod
+    def restore(cls, module: torch.nn.Module, state: dict[str, object]) -> KVState:
+        """The cache ``export`` took, on this process's copy of the model (the same
+        weights): decoding goes on exactly as it would have where it was exported."""
+        from transformers import DynamicCache
+
+        self = cls.__new__(cls)
+        self.module = module
+        self.device = next(module.parameters()).device
+        layers = [(k.to(self.device), v.to(self.device))
+                  for k, v in zip(state["keys"], state["values"], strict=True)]
+        self.cache = DynamicCache(ddp_cache_data=layers, config=module.config)
+        self.mask = state["mask"].to(self.device)
+        self.next_pos = state["next_pos"].to(self.device)
+        self.prefill_logits = None
+        return self
+
+    def export(self, rows: torch.Tensor) -> dict[str, object]:
+        """The cache, mask and positions of ``rows`` (indices into the current rows), on
+        the CPU, for ``restore`` on another worker."""
+        rows = rows.to(self.device)
+        keys, values = [], []
+        for layer in self.cache.layers:
+            keys.append(layer.keys[rows].cpu())
+            values.append(layer.values[rows].cpu())
+        return {"keys": keys, "values": values, "mask": self.mask[rows].cpu(),
+                "next_pos": self.next_pos[rows].cpu()}
+
     @property
     def rows(self) -> int:
         """Rows still in the cache."""

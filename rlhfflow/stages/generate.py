@@ -6,10 +6,12 @@ response does not depend on which batch or micro-batch it lands in. Each step sa
 inverse CDF with that row's uniform draw, which is exact categorical sampling.
 
 Rows that finished (EOS or ``max_new_tokens``) leave the decode batch and its KV cache
-(``compact``, on by default; tokens and log-probs are bit-identical to keeping them).
+(``compact``, on by default; the same tokens, log-probs equal up to float rounding).
 ``drafter`` turns on speculative decoding (``rlhfflow.stages.speculative``): the target
 distribution is kept exactly, greedy decoding gives the plain tokens, and ``adaptive``
-picks the drafter and draft length per step from the workload.
+picks the drafter and draft length per step from the workload. With ``migrate`` (plain
+decoding), rows may move mid-way to an idle worker through ``StageContext.peers``
+(sample reallocation, ``rlhfflow.pipeline.rebalance``) and come back decoded as here.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class GenerateParams(StageParams):
         ge=0, description="drafter ngram: fill the history of a prompt the worker has "
                           "fewer than ngram_history responses of from the run's buffer, "
                           "its last N committed iterations; 0: off")] = 0
+    migrate: bool = Field(
+        True, description="sample reallocation: when this stage runs on several workers, "
+                          "half the rows still decoding on one move to another that has "
+                          "finished its part (plain decoding; results unchanged)")
+    migrate_min_s: Annotated[float, Field(
+        ge=0, description="move rows only when half the remaining steps at the measured "
+                          "step time save more than this many seconds (the handover's "
+                          "round trips)")] = 0.05
     verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
                           "measured once per worker (sampled tokens then depend on it)")
@@ -163,6 +173,7 @@ METRIC_COLUMNS = {
     "gen_accepted": Column("int64"),   # of which the target accepted
     "gen_k_sum": Column("int64"),      # sum over its steps of the draft length used
     "gen_seconds": Column("float32"),  # its share of its call's wall time (call / rows)
+    "gen_moved": Column("int64"),      # 1: the row finished on another worker (reallocated)
 }
 
 
@@ -229,22 +240,24 @@ class GenerateStage(Stage):
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         eos = eos_ids(resident.module, tok)
         rows = len(batch["prompt_index"])
-        if params.drafter == "none" and not params.compact:
+        handoff = ctx.peers if params.migrate and params.drafter == "none" else None
+        if params.drafter == "none" and not params.compact and handoff is None:
             uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
                                        batch["sample_index"], params.max_new_tokens)
             out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"],
                            uniforms, params, eos, pad_id)
             zeros = torch.zeros(rows, dtype=torch.long)
             out.update(gen_steps=zeros, gen_drafted=zeros, gen_accepted=zeros,
-                       gen_k_sum=zeros)
+                       gen_k_sum=zeros, gen_moved=zeros)
         else:
             from rlhfflow.stages.speculative import decode
 
             out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
-                                      self.acceptance, eos)
+                                      self.acceptance, eos, handoff)
             self.last_stats = stats
             out.update(gen_steps=stats.steps, gen_drafted=stats.drafted,
-                       gen_accepted=stats.accepted, gen_k_sum=stats.k_sum)
+                       gen_accepted=stats.accepted, gen_k_sum=stats.k_sum,
+                       gen_moved=stats.moved)
         if params.stop:
             cut_at_stop(out, tok, params.stop, pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
@@ -253,6 +266,19 @@ class GenerateStage(Stage):
         seconds = time.perf_counter() - start
         out["gen_seconds"] = torch.full((rows,), seconds / max(rows, 1), dtype=torch.float32)
         return out
+
+    def continue_rows(self, cont, ctx: StageContext) -> tuple[Batch, torch.Tensor]:
+        """Finish rows another worker's call of this stage handed over (a
+        ``speculative.Continuation``): ``(outputs, steps)`` for those rows, as that call
+        would have computed them itself."""
+        from rlhfflow.stages.speculative import decode
+
+        resident = ctx.models.get(self.model)
+        tok = resident.tokenizer
+        out, stats = decode(resident.module, None, None, cont.streams, self.params,
+                            eos_ids(resident.module, tok), tok.pad_token_id or 0,
+                            sample_step, resume=cont)
+        return out, stats.steps
 
 
 def used_drafters(params: GenerateParams) -> tuple[str, ...]:
@@ -264,7 +290,7 @@ def used_drafters(params: GenerateParams) -> tuple[str, ...]:
 
 def decode_batch(resident, batch: Batch, ctx: StageContext, params: GenerateParams,
                  history: dict[int, deque], decode, acceptance: dict,
-                 eos: Sequence[int] | None = None) -> tuple[Batch, object]:
+                 eos: Sequence[int] | None = None, handoff=None) -> tuple[Batch, object]:
     """Run ``speculative.decode`` on a batch with the drafters ``params`` ask for, and
     remember the responses for the n-gram drafter's history. ``acceptance`` (drafter ->
     ``Acceptance``) carries measured acceptance from call to call, halved each call."""
@@ -323,7 +349,7 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
     out, stats = decode(module, batch["prompt_ids"], batch["prompt_mask"], streams, params,
                         eos if eos is not None else tok.eos_token_id, tok.pad_token_id or 0,
                         sample_step,
-                        make_drafters if uses else None, policy)
+                        make_drafters if uses else None, policy, handoff)
     if "ngram" in uses and params.ngram_history:
         real = batch["prompt_mask"].bool()
         for row, group in enumerate(groups):

@@ -415,7 +415,8 @@ class AdaptivePolicy:
 # --------------------------------------------------------------------------- the loop
 @dataclass
 class DecodeStats:
-    """Per-row and per-call figures of one decoding call (see ``GenerateStage``)."""
+    """Per-row and per-call figures of one decoding call (see ``GenerateStage``);
+    ``moved`` marks the rows finished on another worker (sample reallocation)."""
 
     steps: torch.Tensor
     drafted: torch.Tensor
@@ -424,49 +425,107 @@ class DecodeStats:
     choices: Counter = field(default_factory=Counter)
     rows_left: int = 0
     seconds: float = 0.0
+    moved: torch.Tensor | None = None
+
+
+@dataclass
+class Continuation:
+    """Rows of a plain decoding call handed over mid-way (sample reallocation): all the
+    loop needs to go on with them elsewhere exactly as it would have gone on here.
+
+    ``rows`` are their indices in the handing call's batch; ``cache`` is
+    ``KVState.export``'s (shipped rather than re-prefilled: a prefill of the generated
+    tokens need not give the incremental decode's logits bit for bit); ``tokens``,
+    ``logprobs``, ``mask`` and ``steps`` their outputs and step counts so far."""
+
+    rows: torch.Tensor
+    cache: dict
+    streams: RowStreams
+    produced: torch.Tensor
+    last: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    steps: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """What it weighs on the wire (the cache dominates)."""
+        tensors = [*self.cache["keys"], *self.cache["values"], self.tokens, self.logprobs,
+                   self.streams.sample, self.streams.accept, self.streams.draft]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @torch.no_grad()
 def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
            streams: RowStreams, params, eos_id: int | Sequence[int] | None, pad_id: int,
            sample_step,
-           make_drafters=None, policy=None) -> tuple[dict[str, torch.Tensor], DecodeStats]:
+           make_drafters=None, policy=None, handoff=None, resume: Continuation | None = None
+           ) -> tuple[dict[str, torch.Tensor], DecodeStats]:
     """Decode with finished rows leaving the batch, and optional speculation.
 
     ``make_drafters(first_tokens)`` returns ``{name: drafter}`` for the rows (called after
     the first token, which comes from the prompt's logits); ``policy`` chooses
     ``(drafter, k)`` per step (default: plain). Output as ``generate.generate``.
+
+    Sample reallocation (plain decoding only): ``handoff`` (a ``StageContext.peers``)
+    may name an idle worker between steps; half the active rows then go there as a
+    ``Continuation`` and their results are merged back at the end. ``resume`` is the
+    receiving side: decode a ``Continuation`` (``prompt_ids``/``prompt_mask`` unused);
+    the output has its rows. Either way every token and log-prob is the one this call
+    would have produced alone (counter-based per-row streams, the cache shipped).
     """
     start_time = time.perf_counter()
-    rows_total, steps = prompt_ids.shape[0], params.max_new_tokens
-    target = KVState(module, prompt_ids, prompt_mask)
-    tokens_out = torch.full((rows_total, steps), pad_id, dtype=torch.long)
-    logprobs_out = torch.zeros(rows_total, steps)
-    mask_out = torch.zeros(rows_total, steps, dtype=torch.int8)
-    stats = DecodeStats(*(torch.zeros(rows_total, dtype=torch.long) for _ in range(4)))
-    if rows_total == 0:
-        return {"response_ids": tokens_out, "response_mask": mask_out,
-                "sample_logprobs": logprobs_out}, stats
-
-    logits = target.prefill_logits
-    first = sample_step(logits, streams.sample[:, 0], params).cpu()
-    lp = torch.log_softmax(logits / params.temperature, -1).cpu()
-    tokens_out[:, 0], mask_out[:, 0] = first, 1
-    logprobs_out[:, 0] = lp.gather(-1, first[:, None]).squeeze(-1)
-    active = torch.arange(rows_total)
-    produced = torch.ones(rows_total, dtype=torch.long)
-    last = first
-    finished = produced >= steps
+    steps = params.max_new_tokens
     if eos_id is not None:
         eos_id = torch.as_tensor(eos_id).flatten()  # one id or several (chat models)
-        finished |= torch.isin(first, eos_id)
-    real = prompt_mask.bool()
+    if resume is not None:
+        rows_total = len(resume.rows)
+        target = KVState.restore(module, resume.cache)
+        tokens_out, logprobs_out = resume.tokens.clone(), resume.logprobs.clone()
+        mask_out = resume.mask.clone()
+        stats = DecodeStats(resume.steps.clone(),
+                            *(torch.zeros(rows_total, dtype=torch.long) for _ in range(3)))
+        active = torch.arange(rows_total)
+        produced, last = resume.produced.clone(), resume.last.clone()
+        streams = resume.streams
+        finished = torch.zeros(rows_total, dtype=torch.bool)
+        make_drafters, handoff = None, None
+    else:
+        rows_total = prompt_ids.shape[0]
+        target = KVState(module, prompt_ids, prompt_mask)
+        tokens_out = torch.full((rows_total, steps), pad_id, dtype=torch.long)
+        logprobs_out = torch.zeros(rows_total, steps)
+        mask_out = torch.zeros(rows_total, steps, dtype=torch.int8)
+        stats = DecodeStats(*(torch.zeros(rows_total, dtype=torch.long) for _ in range(4)))
+        if rows_total == 0:
+            return {"response_ids": tokens_out, "response_mask": mask_out,
+                    "sample_logprobs": logprobs_out}, stats
+
+        logits = target.prefill_logits
+        first = sample_step(logits, streams.sample[:, 0], params).cpu()
+        lp = torch.log_softmax(logits / params.temperature, -1).cpu()
+        tokens_out[:, 0], mask_out[:, 0] = first, 1
+        logprobs_out[:, 0] = lp.gather(-1, first[:, None]).squeeze(-1)
+        active = torch.arange(rows_total)
+        produced = torch.ones(rows_total, dtype=torch.long)
+        last = first
+        finished = produced >= steps
+        if eos_id is not None:
+            finished |= torch.isin(first, eos_id)
+    stats.moved = torch.zeros(rows_total, dtype=torch.long)
     # each row's tokens so far, as lists: only drafters read them (plain decoding skips
     # this per-row Python work, which at batch 64 cost more than compaction saved)
-    seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)] \
-        if make_drafters else []
+    seqs = []
+    if make_drafters:
+        real = prompt_mask.bool()
+        seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)]
     drafters = make_drafters(first, seqs) if make_drafters else {}
     policy = policy or FixedPolicy(None, 0)
+    if drafters:
+        handoff = None  # drafter state (caches, n-gram indexes) does not travel
+    handed: list[tuple[Continuation, object]] = []
+    step_s = 0.0
 
     while True:
         if bool(finished.any()):
@@ -481,6 +540,19 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
                                                produced[keep], last[keep])
             if drafters:
                 seqs[:] = [seqs[r] for r in keep.tolist()]
+        if handoff is not None and len(active) >= 2:
+            peer = handoff.peer(len(active), steps - int(produced.min()), step_s)
+            if peer is not None:
+                half = len(active) // 2
+                give, keep = torch.arange(half, len(active)), torch.arange(half)
+                rows = active[give]
+                cont = Continuation(rows, target.export(give), streams.select(give),
+                                    produced[give], last[give], tokens_out[rows],
+                                    logprobs_out[rows], mask_out[rows], stats.steps[rows])
+                handed.append((cont, handoff.send(peer, cont)))
+                target.select(keep)
+                streams, active, produced, last = (streams.select(keep), active[keep],
+                                                   produced[keep], last[keep])
         step_start = time.perf_counter()
         name, k = policy.choose(len(active), drafters)
         limit = steps - produced - 1  # the step emits its drafts plus one token
@@ -524,6 +596,22 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         produced = produced + count
         last = verdict.tokens[torch.arange(len(active)), count - 1]
         finished = hit_eos | (produced >= steps)
+        step_s = time.perf_counter() - step_start
+    if handed:
+        results = handoff.gather([handle for _, handle in handed])
+        for (cont, _), result in zip(handed, results, strict=True):
+            if result is None:  # the peer's model moved on: finish the rows here
+                result = decode(module, None, None, cont.streams, params, eos_id, pad_id,
+                                sample_step, resume=cont)
+                result = result[0], result[1].steps
+            else:
+                stats.moved[cont.rows] = 1
+            out, steps_done = result
+            rows = cont.rows
+            tokens_out[rows] = out["response_ids"]
+            logprobs_out[rows] = out["sample_logprobs"]
+            mask_out[rows] = out["response_mask"]
+            stats.steps[rows] = steps_done
     stats.seconds = time.perf_counter() - start_time
     return {"response_ids": tokens_out, "response_mask": mask_out,
             "sample_logprobs": logprobs_out}, stats
