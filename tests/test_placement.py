@@ -296,3 +296,24 @@ def test_deepspeed_zero2_trains_the_actor_like_the_torch_backend(cluster, tmp_pa
     module, _ = load_model(checkpoint / "models" / "actor", "lm")
     weights = torch.cat([p.detach().flatten() for p in module.parameters()])
     assert torch.equal(weights, ds_weights)
+
+
+def test_a_lock_left_by_a_killed_extension_build_is_removed_a_fresh_one_kept(tmp_path,
+                                                                            capsys):
+    """torch waits forever for a build's lock file to vanish: DeepSpeed's first run
+    killed mid-compile would otherwise hang every later run."""
+    import os
+    import time
+
+    from rlhfflow.stages.parallel import STALE_BUILD_LOCK_S, clear_stale_build_locks
+
+    old, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    then = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(old, (then, then))
+    assert clear_stale_build_locks(tmp_path) == [old]
+    assert not old.exists() and fresh.exists()
+    assert "interrupted build" in capsys.readouterr().err
+    assert clear_stale_build_locks(tmp_path / "missing") == []

@@ -99,6 +99,32 @@ def allreduce_sum(values: list[float], gang: Gang | None) -> list[float]:
 # --------------------------------------------------------------------------- DeepSpeed
 
 
+#: A torch extension build holds its directory's ``lock`` file for ~45 s on 2 idle cores,
+#: a few minutes under load; one older than this was left by a killed build.
+STALE_BUILD_LOCK_S = 900.0
+
+
+def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> list[Path]:
+    """Remove the ``lock`` files of torch extension builds under ``root`` that are older
+    than ``max_age_s``. torch waits for such a lock to vanish, forever: a build killed
+    mid-way (Ctrl-C during the first DeepSpeed run) would otherwise hang every later run.
+    Returns the locks removed (each also reported on stderr)."""
+    import sys
+    import time
+
+    removed = []
+    for lock in root.glob("*/lock") if root.is_dir() else ():
+        try:
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+                print(f"rlhfflow: removed {lock}, left by an interrupted build of a torch "
+                      f"extension", file=sys.stderr)
+        except FileNotFoundError:  # another process removed it first
+            continue
+    return removed
+
+
 def deepspeed_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      zero_stage: int, grad_clip: float | None, extra: dict[str, Any],
                      device: str = "cpu"):
@@ -112,6 +138,7 @@ def deepspeed_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # default when a project cache is set, and reuse it across runs
     os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                           str(Path.home() / ".cache" / "rlhfflow" / "torch_extensions"))
+    clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     try:
         import deepspeed
     except ImportError:
