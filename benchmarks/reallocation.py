@@ -4,7 +4,8 @@ A generation-only pipeline (``generate`` + ``score``) on a tiny random Llama who
 end at EOS after very different numbers of steps, run on one embedded Dask cluster of
 ``--workers`` device workers with ``--micro-batches`` generate tasks per iteration
 (3 tasks on 2 workers: one worker decodes two of them while the other would idle through
-the second), co-located, once with ``migrate: false`` and once with ``migrate: true``.
+the second), co-located and sequential (each stage waits for the previous one, so nothing
+else runs beside generation), once with ``migrate: false`` and once with ``migrate: true``.
 
 Per variant: the median over steady iterations (not the first) of the generate span (the
 first generate task's start to the last generate interval's end, continuations included,
@@ -12,7 +13,7 @@ from ``tasks.jsonl``), of the iteration time, and the rows moved per iteration; 
 whether every response token and reward of the two runs is equal. The last line is one
 JSON object with the figures.
 
-    python benchmarks/reallocation.py [--iterations 8] [--workers 2] [--micro-batches 3]
+    python benchmarks/reallocation.py [--iterations 8] [--workers 2] [--micro-batches 3] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.shared import shared_cluster  # noqa: E402
-from rlhfflow.pipeline import load_pipeline, run_pipeline  # noqa: E402
+from rlhfflow.pipeline import load_pipeline  # noqa: E402
+from rlhfflow.pipeline.executor import run_pipeline  # noqa: E402
 
 
 def pipeline(args: argparse.Namespace, out: Path, migrate: bool) -> dict:
@@ -45,6 +47,9 @@ def pipeline(args: argparse.Namespace, out: Path, migrate: bool) -> dict:
         "models": {"actor": {"tiny": {"layers": args.layers, "hidden": args.hidden,
                                       "heads": 4}}},
         "placement": {"strategy": "colocated"},
+        # each stage and iteration waits for the previous one: nothing else runs while
+        # the generate tasks do, so their span is the stage's time
+        "overlap": {"sequential": True},
         "stages": {
             "generate": {"type": "generate", "model": "actor",
                          "params": {"max_new_tokens": args.tokens, "migrate": migrate,
@@ -58,13 +63,12 @@ def pipeline(args: argparse.Namespace, out: Path, migrate: bool) -> dict:
 def spans(run_dir: Path) -> dict[int, float]:
     """Seconds from the first generate task's start to the last generate interval's
     end, per iteration."""
-    out = {}
+    times: dict[int, list[tuple[float, float]]] = {}
     for line in (run_dir / "tasks.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        times = [(t[3], t[4]) for t in record["tasks"] if t[1] == "generate"]
-        if times:
-            out[record["iteration"]] = max(b for _, b in times) - min(a for a, _ in times)
-    return out
+        for _worker, stage, iteration, start, stop, _rows in json.loads(line)["tasks"]:
+            if stage == "generate":
+                times.setdefault(iteration, []).append((start, stop))
+    return {k: max(b for _, b in v) - min(a for a, _ in v) for k, v in times.items()}
 
 
 def buffer_columns(run_dir: Path, column: str) -> list:
@@ -81,15 +85,19 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--min-s", type=float, default=0.05, help="params.migrate_min_s")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a "
+                                                     "temporary directory)")
     args = parser.parse_args()
 
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp, \
+    with tempfile.TemporaryDirectory() as scratch, \
             shared_cluster(args.workers, args.iterations) as (_, settings):
+        tmp = args.workdir or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for migrate in (False, True):
             name = "on" if migrate else "off"
             out = Path(tmp) / name
