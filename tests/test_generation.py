@@ -347,6 +347,8 @@ def other_tokenizer_model(tmp_path_factory) -> Path:
     ({"stages.generate.params.drafter": "model",
       "stages.generate.params.draft_model": "draft"},
      "stages.generate.params.draft_model", "has another vocabulary than 'actor'"),
+    ({"stages.generate.params.drafter": "adaptive"},  # the default 4 of the tiny actor's 2
+     "stages.generate.params.draft_layers", "4 must be below the model's 2 decoder layers"),
 ])
 def test_bad_drafting_settings_are_one_line_naming_the_key(tmp_path, other_tokenizer_model,
                                                            overrides, key, message):

@@ -123,6 +123,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     _check_training(file, pipeline)
     _check_files(file, pipeline)
     _check_auxiliary_models(file, pipeline)
+    _check_model_shapes(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     _check_prompts(file, pipeline)
     return pipeline
@@ -363,19 +364,41 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
     _check_context(file, pipeline)
 
 
-def model_context(pipeline: Pipeline, model: str) -> int | None:
-    """How many positions ``model`` has (from ``tiny:`` or its config.json), if known."""
+def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
+    """What is known of ``model``'s shape (from ``tiny:`` or its config.json):
+    ``layers`` (decoder layers) and ``positions``; a key is missing where unknown."""
     root = pipeline.spec.models[pipeline.model_root(model)]
     if root.tiny is not None:
-        return root.tiny.max_positions
+        return {"layers": root.tiny.layers, "positions": root.tiny.max_positions}
     try:
         config = json.loads((pipeline.model_dir(root.path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
+        return {}
+    shape = {}
+    for name, keys in (("layers", ("num_hidden_layers", "n_layer")),
+                       ("positions", ("max_position_embeddings", "n_positions",
+                                      "max_sequence_length"))):
+        found = next((config[k] for k in keys if isinstance(config.get(k), int)), None)
+        if found is not None:
+            shape[name] = found
+    return shape
+
+
+def model_context(pipeline: Pipeline, model: str) -> int | None:
+    """How many positions ``model`` has (from ``tiny:`` or its config.json), if known."""
+    return model_shape(pipeline, model).get("positions")
+
+
+def _check_model_shapes(file: Path, pipeline: Pipeline) -> None:
+    """Each stage's own checks of its params against its model's shape."""
+    for name, stage in pipeline.spec.stages.items():
+        if stage.model is None or stage.model not in pipeline.spec.models:
+            continue
+        problem = resolve_stage_type(stage.type).check_model(
+            pipeline.params[name], model_shape(pipeline, stage.model))
+        if problem is not None:
+            key, message = problem
+            raise SpecError(file, f"stages.{name}.{key}", message)
 
 
 def _check_context(file: Path, pipeline: Pipeline) -> None:

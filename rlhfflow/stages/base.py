@@ -161,6 +161,14 @@ class Stage:
         return None
 
     @classmethod
+    def check_model(cls, params: StageParams, shape: Mapping[str, int]
+                    ) -> tuple[str, str] | None:
+        """Checks of the params against the stage model's shape: ``layers`` (decoder
+        layers) and ``positions``, where the loader knows them (``tiny:`` or the model's
+        config.json). ``(key, message)`` for the first problem, or None."""
+        return None
+
+    @classmethod
     def auxiliary_models(cls, params: StageParams) -> dict[str, str]:
         """Models the stage uses besides its own (``{key: model name}``, e.g. a draft
         model under ``"params.draft_model"``). The loader checks each is an ``lm`` model

@@ -225,6 +225,16 @@ class GenerateStage(Stage):
         return None
 
     @classmethod
+    def check_model(cls, params, shape):
+        layers = shape.get("layers")
+        if "layers" in used_drafters(params) and layers is not None and \
+                params.draft_layers >= layers:
+            return ("params.draft_layers", f"{params.draft_layers} must be below the "
+                                           f"model's {layers} decoder layers (drafter "
+                                           "'layers' drafts with the first of them)")
+        return None
+
+    @classmethod
     def auxiliary_models(cls, params) -> dict[str, str]:
         """Other models the stage uses, by key: they must be LMs with the stage model's
         tokenizer (the loader checks)."""
