@@ -10,7 +10,7 @@ of the update must match those the rollout was scored with.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,16 @@ class TrainParams(StageParams):
     minibatches: Annotated[int, Field(gt=0, description="optimizer steps per pass (the "
                                                         "batch split evenly)")] = 1
     shuffle: bool = Field(True, description="shuffle the rows before each pass")
+
+
+class TrainActorParams(TrainParams):
+    """``TrainParams``, and where the behaviour policy's log-probs come from."""
+
+    old_logprobs: Literal["old_logprobs", "sample_logprobs"] = Field(
+        "old_logprobs", description="the column of the sampling policy's log-probs the "
+                                    "ratio divides by: old_logprobs (a logprob stage "
+                                    "recomputes them) or sample_logprobs (generate's own, "
+                                    "computed while sampling: one forward pass fewer)")
 
 
 def _rows(batch: Batch, index: torch.Tensor) -> Batch:
@@ -179,10 +189,11 @@ class TrainActorStage(_Trainer):
 
     type_name = "train_actor"
     model_head = "lm"
+    Params = TrainActorParams
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = [*RESPONSE_INPUTS, "score_valid", "old_logprobs", "advantages",
+        cols = [*RESPONSE_INPUTS, "score_valid", params.old_logprobs, "advantages",
                 "policy_version"]
         return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
 
@@ -198,7 +209,7 @@ class TrainActorStage(_Trainer):
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
         loss, stats = ops.call(policy_loss, {
-            "logprobs": logprobs, "old_logprobs": batch["old_logprobs"],
+            "logprobs": logprobs, "old_logprobs": batch[self.params.old_logprobs],
             "advantages": batch["advantages"], "mask": mask, "agg": agg, "count": divisor,
             "config": algo})
         metrics = {"policy_loss": loss.item(), **stats}
