@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import string
+import sys
 import tempfile
 import threading
 import uuid
@@ -252,6 +253,7 @@ def save_model(
     # Same parent directory, so the renames below stay on one filesystem and are atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        _skip_deepspeed_unwrap()
         with _quiet_transformers(), _save_on_any_rank(model):
             # Always safetensors: transformers 5 has no other format (4.x defaults to it).
             model.save_pretrained(tmp)
@@ -270,6 +272,26 @@ def save_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _skip_deepspeed_unwrap() -> None:
+    """Keep ``save_pretrained`` from importing DeepSpeed. It unwraps the model with
+    accelerate's ``extract_model_from_parallel``, which imports DeepSpeed whenever it is
+    installed only to ask ``isinstance(model, DeepSpeedEngine)``: 1 s of CPU, 4 s with
+    MLflow installed (DeepSpeed's autotuner imports it), in the coordinator's first save
+    of a tiny model and in every worker's first checkpoint. No object is a DeepSpeed
+    engine unless DeepSpeed was imported, so asking whether it was gives the same answer
+    (idempotent; a module attribute, set once)."""
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by itself, without DeepSpeed
+        return
+    if getattr(other, "is_deepspeed_available", None) is not _deepspeed_imported:
+        other.is_deepspeed_available = _deepspeed_imported
+
+
+def _deepspeed_imported() -> bool:
+    return "deepspeed" in sys.modules
 
 
 @contextmanager
