@@ -117,9 +117,10 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         pipeline = choice.pipeline
         clock.mark("plan")
     cluster = pipeline.spec.cluster
-    # the coordinator's own preparation (prompts, tiny models) overlaps the embedded
-    # cluster's start (worker processes importing torch); an external cluster's plan
-    # depends on its workers, so there it comes after connecting
+    # the coordinator's own preparation (the prompts, the buffer) overlaps the embedded
+    # cluster's start (its workers are forks of a server importing torch and the model
+    # classes since the command began); an external cluster's plan depends on its
+    # workers, so there it comes after connecting
     early = None if inline or cluster.address else Executor(pipeline, None, out, progress,
                                                              start, stop)
     with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
@@ -142,7 +143,7 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
             if isinstance(exc, Exception) and _is_disk_full(exc):
                 raise RunError(_disk_full(exc, "the coordinator")) from None
             raise
-    clock.mark("cluster" if early is None else "cluster + models")
+    clock.mark("cluster" if early is None else "cluster + prompts")
     try:
         if auto and choice is None:  # a given cluster: plan for the workers it has
             choice = choose_plan(pipeline, load_profile(pipeline),
@@ -247,7 +248,7 @@ class Executor:
     def prepare(self) -> None:
         """What the coordinator readies before any worker is needed: the prompts (a bad
         prompts file stops the run before any cluster work), the buffer, and the models'
-        configs (building ``tiny:`` models). Needs no backend."""
+        configs (``tiny:`` models are built later, by a worker). Needs no backend."""
         if self.prepared:
             return
         spec = self.pipeline.spec
@@ -270,10 +271,10 @@ class Executor:
         checkpoint = self.start.checkpoint
         if not self.prepared:
             self.prepare()
-            self.clock.mark("models")
+            self.clock.mark("prompts")
         self._build_tiny_models()
         self._start_workers()
-        self.clock.mark("workers")
+        self.clock.mark("models")  # tiny ones built by a worker, the resident state installed
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         first = self.start.next_iteration
         how = f"resuming after iteration {first - 1}" if checkpoint else (
