@@ -272,9 +272,12 @@ class Executor:
         if not self.prepared:
             self.prepare()
             self.clock.mark("prompts")
-        self._build_tiny_models()
         self._start_workers()
-        self.clock.mark("models")  # tiny ones built by a worker, the resident state installed
+        # after the workers' state: it sets each worker's torch threads, which a torch op
+        # run before would fix at the forked default (all cores) for the task thread,
+        # 2 spinning OpenMP threads per worker on 2 cores, iterations 10x slower
+        self._build_tiny_models()
+        self.clock.mark("models")  # the resident state installed, tiny models built
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         first = self.start.next_iteration
         how = f"resuming after iteration {first - 1}" if checkpoint else (
