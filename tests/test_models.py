@@ -17,10 +17,12 @@ from rlhfflow.stages.models import (
     build_tiny_model,
     count_parameters,
     load_model,
+    parameter_bytes,
     position_ids_from_mask,
     save_model,
     sequence_scores,
     tiny_config,
+    tiny_parameter_count,
     value_head_forward,
 )
 
@@ -118,6 +120,20 @@ def test_seed_determinism_and_rng_untouched(tok):
     assert not _same_weights(a, build_tiny_model(tok, seed=8))
     assert next(a.parameters()).dtype == torch.float32
     assert count_parameters(a) == sum(p.numel() for p in a.parameters()) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("shape", [(2, 64, 4, 128), (1, 32, 2, 64), (3, 48, 4, 256)])
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_tiny_parameter_count_is_what_transformers_builds(tok, arch, shape, head):
+    """The coordinator plans tiny models from this count, without transformers' model
+    classes: it must be the count of the model as built."""
+    layers, hidden, heads, positions = shape
+    config = tiny_config(tok, arch=arch, n_layer=layers, hidden=hidden, n_head=heads,
+                         max_positions=positions)
+    built = parameter_bytes(config, head) // 4
+    assert tiny_parameter_count(tok, head, arch=arch, n_layer=layers, hidden=hidden,
+                                max_positions=positions) == built
 
 
 def test_value_model_save_load_identical_values(tok, tmp_path: Path):

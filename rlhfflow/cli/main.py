@@ -57,6 +57,8 @@ def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
 
 def _parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
     """``--set KEY=VALUE`` options as overrides (VALUE read as YAML: 1, 0.5, true, [0, 1])."""
+    if not values:  # the spec's loader imports the stages (torch): only when needed
+        return {}
     import yaml
 
     from rlhfflow.pipeline.spec import _Loader
@@ -518,18 +520,19 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
           --set placement.strategy=disaggregated
       rlhfflow run configs/ppo-tiny.yaml --supervise --max-restarts 5
     """
-    overrides = _merge_options(_parse_sets(sets), {
-        "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
-        "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     source = click.get_current_context().get_parameter_source("max_restarts")
     if not supervise and source is not click.core.ParameterSource.DEFAULT:
         raise UserError("--max-restarts bounds the restarts of --supervise; add --supervise")
     if not supervise and _embedded_cluster(file, scheduler):
-        # the workers' imports start now, beside this process's own (read on in
-        # rlhfflow.pipeline.backend.start_fork_server)
-        from rlhfflow.pipeline.backend import start_fork_server
+        # the workers' imports start now, before this process imports anything heavy
+        # (--set values are read with the spec's YAML loader, which imports the stages),
+        # and run beside its own (read on in rlhfflow.pipeline.forkserver)
+        from rlhfflow.pipeline.forkserver import start_fork_server
 
         start_fork_server()
+    overrides = _merge_options(_parse_sets(sets), {
+        "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
+        "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     pipeline = load(file, overrides)
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run

@@ -11,8 +11,6 @@ import asyncio
 import inspect
 import logging
 import os
-import signal
-import threading
 import time
 import uuid
 import weakref
@@ -22,6 +20,7 @@ from typing import Any
 
 import dask
 
+from rlhfflow.pipeline.forkserver import sigint_ignored, start_fork_server
 from rlhfflow.pipeline.worker import (
     PLUGIN_NAME,
     RLHFWorkerPlugin,
@@ -205,37 +204,11 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},
     }
-    with dask.config.set(config), _sigint_ignored():
+    with dask.config.set(config), sigint_ignored():
         # the scheduler runs in this process: a worker lost mid-run is the run's to report
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
-
-
-def start_fork_server() -> bool:
-    """Start the fork server the embedded cluster's worker processes come from, if the
-    platform has one, importing ``rlhfflow.pipeline.warm_imports`` in it. Call it as early
-    as possible: it imports in its own process, beside the coordinator's imports. Returns
-    whether workers can be forked from it (idempotent; later calls return at once).
-
-    Environment variables read at a library's load (``OMP_NUM_THREADS``) are the fork
-    server's, so the workers set their torch threads themselves (``RLHFWorkerPlugin``);
-    per-worker variables (``CUDA_VISIBLE_DEVICES``) are set in each worker before CUDA is
-    initialised (torch initialises it lazily)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return False
-    # the workers' logging config is the fork server's, read as it imports distributed:
-    # keep their chatter off the user's terminal (as local_cluster does for spawned ones)
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["distributed", "rlhfflow.pipeline.warm_imports"])
-    # the server's children inherit its SIGINT disposition: ignored (see _sigint_ignored)
-    with _sigint_ignored():
-        forkserver.ensure_running()
-    return True
 
 
 def embedded_worker_processes(coordinator) -> list:
@@ -251,21 +224,6 @@ def embedded_worker_processes(coordinator) -> list:
     servers = {c.pid for c in children if "forkserver" in command(c)
                and c.ppid() == coordinator.pid}
     return [c for c in children if c.ppid() in servers or "spawn_main" in command(c)]
-
-
-class _sigint_ignored:
-    """Spawn worker processes with SIGINT ignored (they inherit it): a Ctrl-C in the
-    terminal reaches the whole process group, and the coordinator, not each worker,
-    decides how a run stops."""
-
-    def __enter__(self) -> None:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
 
 
 def default_torch_threads(workers: int, cores: int | None = None) -> int:

@@ -149,12 +149,13 @@ def machine_info() -> dict[str, Any]:
 
 def model_shapes(pipeline) -> dict[str, ModelShape]:
     """The shape of every model of ``pipeline`` (from its config, built on the meta
-    device; a model not on disk yet has an unknown, zero shape)."""
+    device; a ``tiny:`` model's from its arguments; a model not on disk yet has an
+    unknown, zero shape)."""
     from rlhfflow.stages.models import (
         build_char_tokenizer,
         model_config,
         parameter_bytes,
-        tiny_config,
+        tiny_parameter_count,
     )
     from rlhfflow.stages.resident import DTYPES
 
@@ -162,19 +163,21 @@ def model_shapes(pipeline) -> dict[str, ModelShape]:
     shapes = {}
     for name, model in spec.models.items():
         root = spec.models[pipeline.model_root(name)]
-        if root.tiny is not None:
-            t = root.tiny
-            config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
-                                 hidden=t.hidden, n_head=t.heads,
-                                 max_positions=t.max_positions)
-        else:
-            try:
-                config = model_config(pipeline.model_dir(root.path))
-            except (OSError, ValueError):
-                shapes[name] = ModelShape(0, 0, 0, 0)
-                continue
         dtype = DTYPES[model.dtype]
         size = dtype.itemsize
+        if root.tiny is not None:  # counted without transformers' model classes
+            t = root.tiny
+            tokenizer = build_char_tokenizer()
+            params = tiny_parameter_count(tokenizer, model.head, arch=t.arch,
+                                          n_layer=t.layers, hidden=t.hidden,
+                                          max_positions=t.max_positions)
+            shapes[name] = ModelShape(params, t.layers, t.hidden, len(tokenizer), size)
+            continue
+        try:
+            config = model_config(pipeline.model_dir(root.path))
+        except (OSError, ValueError):
+            shapes[name] = ModelShape(0, 0, 0, 0)
+            continue
         params = parameter_bytes(config, model.head, dtype) // size
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1)

@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ from rlhfflow.pipeline.worker import (
     update_model_configs,
 )
 from rlhfflow.stages import ModelConfig
-from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
+from rlhfflow.stages.models import save_tiny_model
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
 
 
@@ -116,9 +117,10 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         pipeline = choice.pipeline
         clock.mark("plan")
     cluster = pipeline.spec.cluster
-    # the coordinator's own preparation (prompts, tiny models) overlaps the embedded
-    # cluster's start (worker processes importing torch); an external cluster's plan
-    # depends on its workers, so there it comes after connecting
+    # the coordinator's own preparation (the prompts, the buffer) overlaps the embedded
+    # cluster's start (its workers are forks of a server importing torch and the model
+    # classes since the command began); an external cluster's plan depends on its
+    # workers, so there it comes after connecting
     early = None if inline or cluster.address else Executor(pipeline, None, out, progress,
                                                              start, stop)
     with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
@@ -141,7 +143,7 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
             if isinstance(exc, Exception) and _is_disk_full(exc):
                 raise RunError(_disk_full(exc, "the coordinator")) from None
             raise
-    clock.mark("cluster" if early is None else "cluster + models")
+    clock.mark("cluster" if early is None else "cluster + prompts")
     try:
         if auto and choice is None:  # a given cluster: plan for the workers it has
             choice = choose_plan(pipeline, load_profile(pipeline),
@@ -233,6 +235,7 @@ class Executor:
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
+        self.tiny: dict[str, dict[str, Any]] = {}  # tiny models to build: tiny_models
         self.clock = StartupClock()  # run_pipeline passes its own, started with the process
         self.first_iteration_s: float | None = None
 
@@ -245,7 +248,7 @@ class Executor:
     def prepare(self) -> None:
         """What the coordinator readies before any worker is needed: the prompts (a bad
         prompts file stops the run before any cluster work), the buffer, and the models'
-        configs (building ``tiny:`` models). Needs no backend."""
+        configs (``tiny:`` models are built later, by a worker). Needs no backend."""
         if self.prepared:
             return
         spec = self.pipeline.spec
@@ -268,9 +271,13 @@ class Executor:
         checkpoint = self.start.checkpoint
         if not self.prepared:
             self.prepare()
-            self.clock.mark("models")
+            self.clock.mark("prompts")
         self._start_workers()
-        self.clock.mark("workers")
+        # after the workers' state: it sets each worker's torch threads, which a torch op
+        # run before would fix at the forked default (all cores) for the task thread,
+        # 2 spinning OpenMP threads per worker on 2 cores, iterations 10x slower
+        self._build_tiny_models()
+        self.clock.mark("models")  # the resident state installed, tiny models built
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         first = self.start.next_iteration
         how = f"resuming after iteration {first - 1}" if checkpoint else (
@@ -416,8 +423,30 @@ class Executor:
         return self.addresses[self.plan.homes[model][0]]
 
     def _model_configs(self) -> dict[str, ModelConfig]:
-        """Each model's config, building ``tiny:`` models into OUTPUT/models/NAME/init."""
-        return model_configs(self.pipeline, self.out)
+        """Each model's config; ``tiny:`` models are built by ``_build_tiny_models``."""
+        self.tiny = tiny_models(self.pipeline, self.out)
+        return model_configs(self.pipeline, self.out, build=False)
+
+    def _build_tiny_models(self) -> None:
+        """Build the ``tiny:`` models not built yet, as tasks on the workers: their
+        processes imported transformers' model classes already, and the coordinator
+        never needs them (~2.5 s of CPU at start-up on 2 cores)."""
+        if not self.tiny:
+            return
+        workers = self.backend.workers
+        names = {f"build-{_token()}": name for name in self.tiny}
+        handles = [self.backend.submit(partial(save_tiny_model, **self.tiny[name]), key=key,
+                                       worker=workers[i % len(workers)])
+                   for i, (key, name) in enumerate(names.items())]
+        try:
+            self.backend.wait(handles, pinned=list(workers))
+        except TaskFailed as exc:
+            name = names[exc.key]
+            if _is_disk_full(exc.cause):
+                raise RunError(_disk_full(exc.cause, f"building model {name!r}")) from None
+            raise RunError(f"building the tiny model {name!r}: {type(exc.cause).__name__}: "
+                           f"{exc.cause}") from exc.cause
+        self.tiny = {}
 
     def _stage_defs(self) -> dict[str, StageDef]:
         defs = {}
@@ -690,22 +719,34 @@ def _format_stats(stats: dict[str, Any]) -> str:
                      for k, v in stats.items())
 
 
-def model_configs(pipeline: Pipeline, out: Path) -> dict[str, ModelConfig]:
-    """Each model's config, building ``tiny:`` models into OUT/models/NAME/init."""
+def tiny_models(pipeline: Pipeline, out: Path) -> dict[str, dict[str, Any]]:
+    """The ``tiny:`` models still to build, by name: the keyword arguments of
+    ``save_tiny_model`` (into OUT/models/NAME/init; a resumed run keeps its own)."""
     spec = pipeline.spec
+    builds = {}
+    for name, model in spec.models.items():
+        path = out / "models" / name / "init"
+        if model.tiny is not None and not (path / "config.json").is_file():
+            tiny = model.tiny
+            builds[name] = {"path": str(path), "head": model.head,
+                            "seed": spec.seed if tiny.seed is None else tiny.seed,
+                            "arch": tiny.arch, "n_layer": tiny.layers, "hidden": tiny.hidden,
+                            "n_head": tiny.heads, "max_positions": tiny.max_positions}
+    return builds
+
+
+def model_configs(pipeline: Pipeline, out: Path, build: bool = True
+                  ) -> dict[str, ModelConfig]:
+    """Each model's config; ``tiny:`` models live in OUT/models/NAME/init, built here
+    unless ``build`` is false (a run builds them on a worker: ``tiny_models``)."""
+    spec = pipeline.spec
+    if build:
+        for kwargs in tiny_models(pipeline, out).values():
+            save_tiny_model(**kwargs)
     paths: dict[str, str] = {}
     for name, model in spec.models.items():
         if model.tiny is not None:
-            path = out / "models" / name / "init"
-            if not (path / "config.json").is_file():  # a resumed run keeps its own
-                tiny = model.tiny
-                tok = build_char_tokenizer()
-                module = build_tiny_model(
-                    tok, model.head, seed=spec.seed if tiny.seed is None else tiny.seed,
-                    arch=tiny.arch, n_layer=tiny.layers, hidden=tiny.hidden,
-                    n_head=tiny.heads, max_positions=tiny.max_positions)
-                save_model(module, tok, path)
-            paths[name] = str(path)
+            paths[name] = str(out / "models" / name / "init")
         elif model.path is not None:
             paths[name] = pipeline.model_source(model.path)
     return {name: ModelConfig(name=name, head=model.head,

@@ -17,7 +17,6 @@ import json
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoTokenizer
 
 from rlhfflow.pipeline.spec import SpecError
 from rlhfflow.stages import Batch
@@ -46,6 +45,8 @@ def load_tokenizer(pipeline, model: str):
         from rlhfflow.stages.models import build_char_tokenizer
 
         return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(pipeline.model_dir(root.path)))
 
 

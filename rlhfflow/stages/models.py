@@ -45,12 +45,14 @@ import os
 import re
 import shutil
 import string
+import sys
 import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -60,19 +62,18 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 # machine without a GPU that it chose the CPU. Saying so up front keeps runs quiet.
 if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-    GPT2Config,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
 from transformers.utils import logging as hf_logging
+
+# transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
+# accelerate: ~2.5 s of CPU that a process which only tokenizes prompts and plans (the
+# coordinator of a run, `rlhfflow validate`) never needs. They are imported where used.
+if TYPE_CHECKING:
+    from transformers import (
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
 __all__ = [
     "DEFAULT_ALPHABET",
@@ -87,8 +88,10 @@ __all__ = [
     "load_model",
     "position_ids_from_mask",
     "save_model",
+    "save_tiny_model",
     "sequence_scores",
     "tiny_config",
+    "tiny_parameter_count",
     "value_head_forward",
 ]
 
@@ -123,6 +126,8 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     so ``decode(encode(s), skip_special_tokens=True) == s`` for any ``s`` over the alphabet.
     ``padding_side`` is ``"right"``; set ``tokenizer.padding_side = "left"`` for generation.
     """
+    from transformers import PreTrainedTokenizerFast
+
     chars = list(dict.fromkeys(alphabet))  # drop duplicates, keep order
     if not chars:
         raise ValueError("alphabet must not be empty")
@@ -168,6 +173,8 @@ def tiny_config(
         "classifier_dropout": 0.0,
     }
     if arch == "llama":
+        from transformers import LlamaConfig
+
         return LlamaConfig(
             hidden_size=hidden,
             intermediate_size=4 * hidden,
@@ -182,6 +189,8 @@ def tiny_config(
             **ids,
         )
     if arch == "gpt2":
+        from transformers import GPT2Config
+
         return GPT2Config(
             n_embd=hidden,
             n_layer=n_layer,
@@ -196,8 +205,41 @@ def tiny_config(
     raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
 
 
+def tiny_parameter_count(
+    tokenizer: PreTrainedTokenizerBase,
+    head: str = "lm",
+    *,
+    arch: str = "llama",
+    n_layer: int = 2,
+    hidden: int = 64,
+    max_positions: int = 128,
+) -> int:
+    """Parameters of the model :func:`build_tiny_model` builds from these arguments, counted
+    from the shapes of :func:`tiny_config` instead of building it: the coordinator plans
+    tiny models without importing transformers' model classes (``parameter_bytes`` agrees,
+    ``tests/test_models.py``). Llama: untied embeddings, 4x MLP (gate, up, down), two norms
+    per layer; GPT-2: tied embeddings, learned positions, biases. A value head is one
+    output with a bias."""
+    vocab, h = len(tokenizer), hidden
+    if arch == "llama":
+        body = vocab * h + n_layer * (4 * h * h + 3 * h * 4 * h + 2 * h) + h
+        output = vocab * h
+    elif arch == "gpt2":
+        # per layer: two layer norms, qkv and output projections, the 4x MLP (with biases)
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+        body = vocab * h + max_positions * h + n_layer * layer + 2 * h
+        output = 0  # tied to the input embeddings
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    return body + (output if head == "lm" else h + 1)
+
+
 def _auto_class(head: str) -> type:
     """Map a head name to the transformers Auto class that builds or loads it."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
     if head == "lm":
         return AutoModelForCausalLM
     if head == "value":
@@ -235,6 +277,15 @@ def build_tiny_model(
         return auto_class.from_config(config, dtype=torch.float32)
 
 
+def save_tiny_model(path: str | os.PathLike, head: str = "lm", seed: int = 0,
+                    **config_kwargs) -> None:
+    """Build a tiny model (:func:`build_tiny_model`) with the character tokenizer and save
+    both into ``path`` (:func:`save_model`). A run does it as a task on a worker, whose
+    process imported transformers' model classes already."""
+    tokenizer = build_char_tokenizer()
+    save_model(build_tiny_model(tokenizer, head, seed=seed, **config_kwargs), tokenizer, path)
+
+
 def save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike
 ) -> None:
@@ -252,6 +303,7 @@ def save_model(
     # Same parent directory, so the renames below stay on one filesystem and are atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        _skip_deepspeed_unwrap()
         with _quiet_transformers(), _save_on_any_rank(model):
             # Always safetensors: transformers 5 has no other format (4.x defaults to it).
             model.save_pretrained(tmp)
@@ -270,6 +322,26 @@ def save_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _skip_deepspeed_unwrap() -> None:
+    """Keep ``save_pretrained`` from importing DeepSpeed. It unwraps the model with
+    accelerate's ``extract_model_from_parallel``, which imports DeepSpeed whenever it is
+    installed only to ask ``isinstance(model, DeepSpeedEngine)``: 1 s of CPU, 4 s with
+    MLflow installed (DeepSpeed's autotuner imports it), in the coordinator's first save
+    of a tiny model and in every worker's first checkpoint. No object is a DeepSpeed
+    engine unless DeepSpeed was imported, so asking whether it was gives the same answer
+    (idempotent; a module attribute, set once)."""
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by itself, without DeepSpeed
+        return
+    if getattr(other, "is_deepspeed_available", None) is not _deepspeed_imported:
+        other.is_deepspeed_available = _deepspeed_imported
+
+
+def _deepspeed_imported() -> bool:
+    return "deepspeed" in sys.modules
 
 
 @contextmanager
@@ -379,6 +451,8 @@ def _load_weights(
     path: Path, head: str, torch_dtype: torch.dtype
 ) -> tuple[PreTrainedModel, dict[str, list[str]]]:
     """Load ``path`` with the Auto class of ``head``; return the model and its loading info."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(path)
     if head == "value":
         _as_value_config(config)
@@ -496,6 +570,8 @@ def load_model(
     _check_model_dir(auto_path)
     model, info = _load_weights(auto_path, head, torch_dtype)
     _check_missing_weights(model, head, auto_path, list(info["missing_keys"]))
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(auto_path)
     return _realign_cpu_tensors(model.to(device)), tokenizer
 
@@ -620,6 +696,8 @@ def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
     path = Path(gguf_file)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,

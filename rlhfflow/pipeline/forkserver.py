@@ -1,0 +1,54 @@
+"""The fork server the embedded cluster's worker processes come from.
+
+Deliberately light (the standard library only, and nothing of ``rlhfflow.pipeline``'s
+heavy modules): ``rlhfflow run`` starts the server before it imports anything else, so
+the server's imports (torch, transformers' model classes, Dask; ``warm_imports``) run
+beside the coordinator's own from the first second, not after them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+def start_fork_server() -> bool:
+    """Start the fork server the embedded cluster's worker processes come from, if the
+    platform has one, importing ``rlhfflow.pipeline.warm_imports`` in it. Call it as early
+    as possible: it imports in its own process, beside the coordinator's imports. Returns
+    whether workers can be forked from it (idempotent; later calls return at once).
+
+    Environment variables read at a library's load (``OMP_NUM_THREADS``) are the fork
+    server's, so the workers set their torch threads themselves (``RLHFWorkerPlugin``);
+    per-worker variables (``CUDA_VISIBLE_DEVICES``) are set in each worker before CUDA is
+    initialised (torch initialises it lazily)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    # the workers' logging config is the fork server's, read as it imports distributed:
+    # keep their chatter off the user's terminal (as local_cluster does for spawned ones)
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["distributed", "rlhfflow.pipeline.warm_imports"])
+    # the server's children inherit its SIGINT disposition: ignored (see sigint_ignored)
+    with sigint_ignored():
+        forkserver.ensure_running()
+    return True
+
+
+class sigint_ignored:
+    """Spawn worker processes with SIGINT ignored (they inherit it): a Ctrl-C in the
+    terminal reaches the whole process group, and the coordinator, not each worker,
+    decides how a run stops."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)

@@ -1,0 +1,83 @@
+"""Start-up: what the coordinator of a run imports before the first task, and what it
+leaves to the workers (README "Performance notes" -> "Start-up").
+
+Each check runs in a fresh interpreter, since this test process has imported everything
+already. They assert which modules get imported, never how long anything took.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, small_pipeline
+
+# imported by transformers' model classes (torch._dynamo, DTensor, accelerate), never by
+# a process that only reads the file, tokenizes prompts and plans
+MODEL_CLASSES = ["transformers.modeling_utils", "torch._dynamo", "accelerate"]
+
+
+def _modules_after(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter (from the repository) and return what it
+    printed last: a JSON object."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_fork_server_starts_before_anything_heavy_is_imported():
+    """``rlhfflow run`` starts the workers' fork server first: importing what starts it
+    must not import torch, Dask or the stages (they would delay the workers' imports)."""
+    got = _modules_after(
+        "import json, sys\n"
+        "import rlhfflow.cli.main\n"
+        "import rlhfflow.pipeline.forkserver\n"
+        "print(json.dumps({m: m in sys.modules for m in "
+        "['torch', 'dask', 'distributed', 'rlhfflow.stages', 'rlhfflow.pipeline.loader']}))")
+    assert not any(got.values()), got
+
+
+def test_the_coordinator_prepares_a_run_without_transformers_model_classes(tmp_path):
+    """Reading and checking the file, planning (auto placement) and preparing prompts,
+    buffer and model configs import no model class: tiny models are built by a worker."""
+    file = small_pipeline(tmp_path, "ppo")
+    got = _modules_after(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from rlhfflow.pipeline.loader import load_pipeline\n"
+        "from rlhfflow.pipeline.planner import choose_plan, load_profile\n"
+        "from rlhfflow.pipeline.executor import Executor\n"
+        "from rlhfflow.pipeline.runstate import prepare_output\n"
+        f"p = load_pipeline({str(file)!r})\n"
+        "p = choose_plan(p, load_profile(p)).pipeline\n"
+        "out, start = prepare_output(p, True, 'auto', False)\n"
+        "e = Executor(p, None, out, False, start)\n"
+        "e.prepare()\n"
+        "print(json.dumps({'modules': [m for m in " + repr(MODEL_CLASSES) + " if m in "
+        "sys.modules], 'tiny': sorted(e.tiny), 'built': (out / 'models').exists()}))")
+    assert got["modules"] == []
+    # the models the run builds on a worker, not yet on disk
+    assert got["tiny"] == ["actor"] and not got["built"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is not installed: nothing to keep from importing")
+def test_saving_a_model_does_not_import_deepspeed(tmp_path):
+    """transformers' save_pretrained asks accelerate to unwrap the model, which imports
+    DeepSpeed (seconds) only for an isinstance check: a model cannot be a DeepSpeed engine
+    unless DeepSpeed was imported, and saving must not import it."""
+    got = _modules_after(
+        "import json, sys\n"
+        "from rlhfflow.stages.models import load_model, save_tiny_model\n"
+        f"save_tiny_model({str(tmp_path / 'm')!r}, 'lm', seed=0, n_layer=1, hidden=16, "
+        "n_head=2)\n"
+        f"model, _ = load_model({str(tmp_path / 'm')!r})\n"
+        "print(json.dumps({'deepspeed': 'deepspeed' in sys.modules, "
+        "'params': sum(p.numel() for p in model.parameters())}))")
+    assert got == {"deepspeed": False, "params": got["params"]} and got["params"] > 0
