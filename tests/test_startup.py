@@ -81,3 +81,41 @@ def test_saving_a_model_does_not_import_deepspeed(tmp_path):
         "print(json.dumps({'deepspeed': 'deepspeed' in sys.modules, "
         "'params': sum(p.numel() for p in model.parameters())}))")
     assert got == {"deepspeed": False, "params": got["params"]} and got["params"] > 0
+
+
+def test_a_task_thread_that_ran_torch_before_the_plugin_gets_the_plugins_threads(cluster):
+    """torch sizes a thread's OpenMP pool at its first parallel op; the plugin sets the
+    size from the worker's event-loop thread. A task thread that ran torch before then
+    must still compute with the plugin's threads (it kept 2 per worker on 2 cores, and
+    iterations ran ~10x slower)."""
+    from distributed import Client
+
+    from rlhfflow.pipeline.worker import PLUGIN_NAME, RLHFWorkerPlugin, RunDef
+
+    def threads_now() -> int:
+        import torch
+
+        torch.ones(64, 64) @ torch.ones(64, 64)  # initialise this thread's pool
+        return torch.get_num_threads()
+
+    with Client(cluster) as client:
+        [address] = sorted(client.scheduler_info()["workers"])[:1]
+        before = client.submit(threads_now, workers=[address], pure=False).result()
+        wanted = before + 1
+        run = RunDef(stages={}, models={}, algorithm=None, seed=0)
+        client.register_plugin(RLHFWorkerPlugin(run, wanted), name=PLUGIN_NAME)
+        try:
+            during = client.submit(stage_task_threads, workers=[address], pure=False).result()
+        finally:
+            client.register_plugin(RLHFWorkerPlugin(run, before), name=PLUGIN_NAME)
+    assert during == wanted
+
+
+def stage_task_threads() -> int:
+    """What a task sees once it asked for its host, as every rlhfflow task does first."""
+    import torch
+
+    from rlhfflow.pipeline.worker import current_host
+
+    current_host()
+    return torch.get_num_threads()

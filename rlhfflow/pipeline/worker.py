@@ -63,8 +63,10 @@ class RunDef:
 class WorkerHost:
     """Resident state of one worker: models, stage objects, timings of finished tasks."""
 
-    def __init__(self, run: RunDef, device: str = "cpu") -> None:
+    def __init__(self, run: RunDef, device: str = "cpu",
+                 torch_threads: int | None = None) -> None:
         self.run = run
+        self.torch_threads = torch_threads
         self.store = ModelStore(run.models, device=device)
         self._stages: dict[str, Stage] = {}
         self.timings: list[tuple[int, str, float, float, int]] = []
@@ -147,7 +149,8 @@ class RLHFWorkerPlugin(WorkerPlugin):
         """Size torch's thread pool to this worker's share of the cores; create the host."""
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.get("device")))
+        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.get("device")),
+                               torch_threads=self.torch_threads)
 
     def teardown(self, worker) -> None:
         """Free the resident models."""
@@ -186,6 +189,12 @@ def current_host(dask_worker=None) -> WorkerHost:
     except ValueError:  # not inside a Dask worker
         plugin = None
     if plugin is not None and plugin.host is not None:
+        threads = plugin.host.torch_threads
+        # torch keeps a thread's OpenMP size from its first parallel op: a task thread
+        # that ran torch before the plugin's setup (in the event loop's thread) sized its
+        # pool would keep the forked default (all the cores, per worker) for good
+        if threads and dask_worker is None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return plugin.host
     if _LOCAL_HOST is None:
         raise RuntimeError("no rlhfflow worker state here: register RLHFWorkerPlugin first")
