@@ -57,7 +57,7 @@ run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 
 test: $(TEST_STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
 	$(BIN)/ruff check rlhfflow tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks examples
