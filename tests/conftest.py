@@ -149,13 +149,10 @@ def chat_lm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two device workers in their own processes, shared by the tests of a module."""
-    import importlib
+    """Two device workers in their own processes, shared by the tests of a module: the
+    embedded cluster a run starts, whose workers are forks of a server that imported
+    torch and the stages once (spawned workers each paid those imports, ~10 s a module)."""
+    from rlhfflow.pipeline.backend import local_cluster
 
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:  # pay the workers' torch imports up front
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
+    with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster
