@@ -35,6 +35,24 @@ DATA = CONFIGS / "data"
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the fork server that embedded clusters and gang tests fork their workers from
+    now, while the test modules are collected: its own imports (torch, the stages) take
+    well over 10 s on a loaded 2-core machine and otherwise fall inside the first
+    cluster's 30 s worker start-up timeout (seen under pytest-xdist)."""
+    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no tests
+    import sys
+
+    from rlhfflow.pipeline.backend import start_fork_server
+
+    # the server's path is the one it starts with: the tests package must be on it (as
+    # pytest puts it there only when it collects), for workers unpickling test functions
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    start_fork_server()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The character tokenizer every tiny model uses."""
