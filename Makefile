@@ -55,9 +55,11 @@ $(TEST_STAMP): $(STAMP)
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 	$(BIN)/rlhfflow run configs/ppo-tiny.yaml --overwrite
 
+# Two pytest processes (pytest-xdist), a test file each at a time, so a module's shared
+# cluster and fixtures stay in one process.
 test: $(TEST_STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
 	$(BIN)/ruff check rlhfflow tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)  ## ruff only
 	$(BIN)/ruff check rlhfflow tests benchmarks examples

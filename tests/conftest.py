@@ -35,6 +35,24 @@ DATA = CONFIGS / "data"
 torch.set_num_threads(1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Start the fork server that embedded clusters and gang tests fork their workers from
+    now, while the test modules are collected: its own imports (torch, the stages) take
+    well over 10 s on a loaded 2-core machine and otherwise fall inside the first
+    cluster's 30 s worker start-up timeout (seen under pytest-xdist)."""
+    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no tests
+    import sys
+
+    from rlhfflow.pipeline.backend import start_fork_server
+
+    # the server's path is the one it starts with: the tests package must be on it (as
+    # pytest puts it there only when it collects), for workers unpickling test functions
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    start_fork_server()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The character tokenizer every tiny model uses."""
@@ -149,13 +167,10 @@ def chat_lm_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two device workers in their own processes, shared by the tests of a module."""
-    import importlib
+    """Two device workers in their own processes, shared by the tests of a module: the
+    embedded cluster a run starts, whose workers are forks of a server that imported
+    torch and the stages once (spawned workers each paid those imports, ~10 s a module)."""
+    from rlhfflow.pipeline.backend import local_cluster
 
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      resources={"device": 1}, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as client:  # pay the workers' torch imports up front
-            client.run(lambda: importlib.import_module("rlhfflow.pipeline.worker") and None)
+    with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster

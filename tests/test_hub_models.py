@@ -9,13 +9,13 @@ the snapshot; ``HF_HUB_CACHE`` points at it, and huggingface_hub's own lookup fi
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
+from rlhfflow.cli.main import main
 from rlhfflow.pipeline.executor import run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.stages.models import (
@@ -89,10 +89,9 @@ def test_a_pipeline_runs_from_a_hub_id(hub_cache: Path, tmp_path: Path) -> None:
 def test_an_uncached_id_is_one_line_at_validation(hub_cache: Path, tmp_path: Path) -> None:
     spec_file = small_pipeline(tmp_path, "grpo", overrides={
         "models.actor": {"path": "tiny-org/not-there", "trainable": True}})
-    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate",
-                           str(spec_file)], capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == (
+    result = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
         f"Error: {spec_file}: models.actor.path: 'tiny-org/not-there' is not a local "
         f"directory and not in the Hugging Face cache (HF_HUB_CACHE={hub_cache}); download "
         f"it first with `hf download tiny-org/not-there`\n")

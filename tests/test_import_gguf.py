@@ -6,8 +6,6 @@ The GGUF file is written by the test itself with the ``gguf`` package's writer (
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
 from rlhfflow.stages.models import import_gguf, load_model, smollm2_gguf
-from tests.conftest import REPO
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -112,10 +109,10 @@ def test_the_import_command_builds_the_checkpoint_and_refuses_to_overwrite(tiny_
 
 
 def test_a_missing_gguf_file_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "models", "import-gguf",
-                           "--gguf", str(tmp_path / "none.gguf"), str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=REPO)
-    assert done.returncode == 2
+    done = CliRunner().invoke(main, ["models", "import-gguf", "--gguf",
+                                     str(tmp_path / "none.gguf"), str(tmp_path / "out")])
+    assert done.exit_code == 2, done.output
+    assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith(
         f"GGUF file not found: {tmp_path / 'none.gguf'}")
 

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
 from rlhfflow.pipeline import load_pipeline
+from rlhfflow.pipeline.backend import start_fork_server
 from rlhfflow.pipeline.executor import run_pipeline
 from rlhfflow.pipeline.plan import PlanError, make_plan
 from rlhfflow.stages.models import load_model
@@ -152,7 +153,10 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
 
 
 def _train(world: int, model_dir, batch, algorithm_settings: dict, *stage) -> list:
-    ctx = mp.get_context("spawn")
+    # forks of the fork server the embedded cluster's workers come from (it imported torch
+    # and the stages once), as gang ranks are in a run; a spawned rank imports them again,
+    # ~10 s a process on 2 cores
+    ctx = mp.get_context("forkserver" if start_fork_server() else "spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_train_rank,
@@ -250,12 +254,12 @@ def _actor_weights(out) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_placement_changes_speed_never_results(cluster, tmp_path):
-    """Same seed, on-policy, 2 workers, 3 iterations: same rewards, same final actor,
+    """Same seed, on-policy, 2 workers, 2 iterations: same rewards, same final actor,
     whatever the strategy, including the one the planner chooses (auto)."""
     runs = {}
     for strategy in ("colocated", "interleaved", "disaggregated", "auto"):
         (tmp_path / strategy).mkdir()
-        path = small_pipeline(tmp_path / strategy, "ppo", iterations=3, overrides={
+        path = small_pipeline(tmp_path / strategy, "ppo", iterations=2, overrides={
             "placement.strategy": strategy, "cluster.address": cluster.scheduler_address})
         result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
         runs[strategy] = (result.metrics, _actor_weights(result.output_dir))
@@ -264,7 +268,7 @@ def test_placement_changes_speed_never_results(cluster, tmp_path):
         assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in base_metrics]
         assert (weights - base_weights).abs().max() < 1e-4, strategy
     moved = [m["realloc_bytes"] for m in runs["disaggregated"][0]]
-    assert moved == [moved[0]] * 3 and moved[0] > 0
+    assert moved == [moved[0]] * 2 and moved[0] > 0
     assert all(m["realloc_bytes"] == 0 for m in runs["colocated"][0])
     assert "realloc" in runs["disaggregated"][0][-1]["stage_s"]
 
@@ -283,7 +287,7 @@ def test_deepspeed_zero2_trains_the_actor_like_the_torch_backend(cluster, tmp_pa
         if backend == "deepspeed":
             overrides.update({"stages.train_actor.backend": "deepspeed",
                               "stages.train_actor.deepspeed": {"zero_stage": 2}})
-        path = small_pipeline(tmp_path / backend, "ppo", iterations=3, overrides=overrides)
+        path = small_pipeline(tmp_path / backend, "ppo", iterations=2, overrides=overrides)
         result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
         runs[backend] = (result, _actor_weights(result.output_dir))
     (torch_run, torch_weights), (ds_run, ds_weights) = runs["torch"], runs["deepspeed"]

@@ -159,11 +159,11 @@ def test_a_corrupt_checkpoint_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_of_the_run_then_resume_loses_and_repeats_nothing(tmp_path):
-    iterations = 6
+    iterations = 4
     path = _pipeline(tmp_path, iterations=iterations)
     out = tmp_path / "p" / "out"
     proc = _cli(str(path))
-    _wait_for_lines(out / "metrics.jsonl", 3, proc)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
     workers = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)  # the coordinator only, mid-iteration
     proc.communicate()
@@ -221,11 +221,11 @@ def test_ctrl_c_finishes_the_iteration_checkpoints_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_supervise_restarts_a_killed_coordinator_and_the_run_completes(tmp_path):
-    iterations = 6
+    iterations = 4
     path = _pipeline(tmp_path, iterations=iterations)
     out = tmp_path / "p" / "out"
     proc = _cli(str(path), "--supervise")
-    _wait_for_lines(out / "metrics.jsonl", 3, proc)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
     coordinators = psutil.Process(proc.pid).children()
     assert len(coordinators) == 1 and "run" in coordinators[0].cmdline()
     workers = coordinators[0].children(recursive=True)

@@ -574,15 +574,15 @@ def test_presets_keep_their_estimators() -> None:
         == [True, False, False, False]
 
 
-def test_unknown_estimator_in_a_real_process(tmp_path: Path) -> None:
-    """``rlhfflow validate`` as a subprocess: one line naming file and key, exit 2."""
+def test_unknown_estimator_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """``rlhfflow validate``: one line naming file and key, exit 2 (in-process; the real
+    process is test_python_tag_in_a_real_process's)."""
     spec = base_spec()
     put(spec, "algorithm.advantage_estimator", "reinforce_plus_plus_basline")
     path = write_spec(tmp_path, spec)
-    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == (f"Error: {path}: algorithm.advantage_estimator: unknown advantage "
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (f"Error: {path}: algorithm.advantage_estimator: unknown advantage "
                            "estimator 'reinforce_plus_plus_basline'; did you mean "
                            "'reinforce_plus_plus_baseline'? (or give an import path "
                            "'package.module:function')\n")
