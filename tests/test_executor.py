@@ -82,7 +82,7 @@ def _expected_columns(config: str) -> set[str]:
     source = {"prompt_ids", "prompt_mask", "prompt_index", "sample_index", "group_ids"}
     common = {"response_ids", "response_mask", "sample_logprobs", "policy_version", "scores",
               "score_valid", "ref_logprobs", "old_logprobs", "advantages", "gen_steps",
-              "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds"}
+              "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds", "gen_moved"}
     return source | common | ({"values", "returns", "kl"} if config == "ppo" else set())
 
 

@@ -164,7 +164,7 @@ def test_to_text(ppo: Pipeline) -> None:
         "  level 0:",
         "    generate (generate @actor)",
         "      writes: response_ids, response_mask, sample_logprobs, policy_version, "
-        "response_text, gen_steps, gen_drafted, gen_accepted, gen_k_sum, gen_seconds",
+        "response_text, gen_steps, gen_drafted, gen_accepted, gen_k_sum, gen_seconds, gen_moved",
         "  level 1 (run concurrently):",
         "    reward (score)",
         "      reads:  prompt_text<-data, response_text<-generate, prompt_fields<-data",
