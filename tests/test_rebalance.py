@@ -70,7 +70,7 @@ class StagePeer:
         self.ctx = StageContext(iteration=0, seed=0, models=_store(actor_dir))
         self.at, self.refuse, self.calls, self.sent = set(at), refuse, 0, []
 
-    def peer(self, rows, remaining, step_s):
+    def peer(self, rows, saving_s):
         self.calls += 1
         return "peer" if self.calls in self.at else None
 

@@ -14,8 +14,9 @@ still decoding move to an idle worker mid-way:
   is a dict lookup in the task's thread, never a round trip.
 * **Handing rows over.** ``RowExchange`` is the ``StageContext.peers`` hook a generate
   task gets. ``speculative.decode`` asks it for a peer between steps (it answers only
-  when the expected saving, half the remaining steps at the measured step time, beats
-  ``params.migrate_min_s``, the handover's round trips); half the active rows then travel as a ``Continuation`` (cache slices
+  when the predicted saving, the remaining steps times what the moved rows add to a
+  step as measured in this call, beats ``params.migrate_min_s``, the handover's round
+  trips); half the active rows then travel as a ``Continuation`` (cache slices
   included) in a ``moved-STAGE-K`` task pinned to that worker, and the results are
   gathered at the end, the task seceded from its worker's thread pool meanwhile (two
   workers handing rows to each other cannot deadlock on a thread each).
@@ -118,10 +119,11 @@ class RowExchange:
         self.sent: dict[str, float] = {}  # peer -> the idle announcement it got rows for
         self.moved = 0
 
-    def peer(self, rows: int, remaining: int, step_s: float) -> str | None:
-        """An idle worker worth handing half of ``rows`` to, or None. ``remaining``:
-        the most steps a row may still take; ``step_s``: the last step's seconds."""
-        if rows < 2 or remaining * step_s / 2 <= self.overhead_s:
+    def peer(self, rows: int, saving_s: float) -> str | None:
+        """An idle worker worth handing half of ``rows`` to, or None: only when the
+        handover is predicted to save (``saving_s``) more than it costs (an overhead of
+        0: whenever a worker is idle)."""
+        if rows < 2 or (self.overhead_s > 0 and saving_s <= self.overhead_s):
             return None
         for address, stamp in self.board.idle(self.model, self.version, self.address):
             if self.sent.get(address) != stamp:  # one handover per idle announcement

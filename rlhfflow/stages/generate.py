@@ -77,9 +77,10 @@ class GenerateParams(StageParams):
                           "half the rows still decoding on one move to another that has "
                           "finished its part (plain decoding; results unchanged)")
     migrate_min_s: Annotated[float, Field(
-        ge=0, description="move rows only when half the remaining steps at the measured "
-                          "step time save more than this many seconds (the handover's "
-                          "round trips)")] = 0.05
+        ge=0, description="move rows only when the remaining steps times what the "
+                          "moved rows add to a step (measured as rows end) save more "
+                          "than this many seconds (the handover's round trips); 0: "
+                          "whenever a worker is idle")] = 0.05
     verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
                           "measured once per worker (sampled tokens then depend on it)")

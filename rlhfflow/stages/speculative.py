@@ -428,6 +428,25 @@ class DecodeStats:
     moved: torch.Tensor | None = None
 
 
+def per_row_step_s(step_times: dict[int, list[float]]) -> float:
+    """What one more row adds to a plain decode step, in seconds: the least-squares
+    slope of the median step time over the batch sizes seen (rows leave as they end).
+    0 until two sizes at least 25% apart were seen: a step's cost need not grow with its
+    rows (on a CPU at a few rows it is mostly weight reads and dispatch), so handing rows
+    to another worker is predicted to save only what this call has measured."""
+    points = [(rows, sorted(times)[len(times) // 2]) for rows, times in step_times.items()]
+    if len(points) < 2:
+        return 0.0
+    sizes = [rows for rows, _ in points]
+    if max(sizes) < 1.25 * min(sizes):
+        return 0.0
+    mean_x = sum(sizes) / len(points)
+    mean_y = sum(t for _, t in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (t - mean_y) for x, t in points) / var
+    return max(slope, 0.0)
+
+
 @dataclass
 class Continuation:
     """Rows of a plain decoding call handed over mid-way (sample reallocation): all the
@@ -469,8 +488,10 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     ``(drafter, k)`` per step (default: plain). Output as ``generate.generate``.
 
     Sample reallocation (plain decoding only): ``handoff`` (a ``StageContext.peers``)
-    may name an idle worker between steps; half the active rows then go there as a
-    ``Continuation`` and their results are merged back at the end. ``resume`` is the
+    may name an idle worker between steps, given the seconds handing half the active
+    rows over is predicted to save (the remaining steps times those rows' share of a
+    step, ``per_row_step_s``); they then go there as a ``Continuation`` and their
+    results are merged back at the end. ``resume`` is the
     receiving side: decode a ``Continuation`` (``prompt_ids``/``prompt_mask`` unused);
     the output has its rows. Either way every token and log-prob is the one this call
     would have produced alone (counter-based per-row streams, the cache shipped).
@@ -525,7 +546,7 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     if drafters:
         handoff = None  # drafter state (caches, n-gram indexes) does not travel
     handed: list[tuple[Continuation, object]] = []
-    step_s = 0.0
+    step_times: dict[int, list[float]] = {}  # active rows -> seconds of plain steps
 
     while True:
         if bool(finished.any()):
@@ -541,7 +562,9 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
             if drafters:
                 seqs[:] = [seqs[r] for r in keep.tolist()]
         if handoff is not None and len(active) >= 2:
-            peer = handoff.peer(len(active), steps - int(produced.min()), step_s)
+            saving = (steps - int(produced.min())) * \
+                per_row_step_s(step_times) * (len(active) // 2)
+            peer = handoff.peer(len(active), saving)
             if peer is not None:
                 half = len(active) // 2
                 give, keep = torch.arange(half, len(active)), torch.arange(half)
@@ -596,7 +619,8 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         produced = produced + count
         last = verdict.tokens[torch.arange(len(active)), count - 1]
         finished = hit_eos | (produced >= steps)
-        step_s = time.perf_counter() - step_start
+        if name is None:
+            step_times.setdefault(len(active), []).append(time.perf_counter() - step_start)
     if handed:
         results = handoff.gather([handle for _, handle in handed])
         for (cont, _), result in zip(handed, results, strict=True):
