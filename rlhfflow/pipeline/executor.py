@@ -373,14 +373,27 @@ class Executor:
 
     def _rows_topic(self) -> str | None:
         """The event topic of sample reallocation (``rebalance``): set when a generating
-        stage with ``params.migrate`` runs as micro-batch tasks on several Dask workers."""
+        stage with ``params.migrate`` runs as micro-batch tasks on several Dask workers
+        and, under ``placement: auto``, its tasks are predicted to take ``MIN_TASK_S``
+        or more."""
+        from rlhfflow.pipeline.rebalance import MIN_TASK_S
+
         if not isinstance(self.backend, DaskBackend):
             return None
+        spec = self.pipeline.spec
+        rows = spec.data.batch_size * spec.data.samples_per_prompt if spec.data else 0
+        threads = self._layout()["threads"] or 1
         for name, sp in self.plan.stages.items():
-            if self.graph.nodes[name].generates and len(sp.workers) > 1 and \
-                    sp.micro_batches and sp.micro_batches > 1 and not sp.gang and \
-                    getattr(self.pipeline.params[name], "migrate", False):
-                return f"rlhfflow-rows-{uuid.uuid4().hex[:12]}"
+            if not (self.graph.nodes[name].generates and len(sp.workers) > 1 and
+                    sp.micro_batches and sp.micro_batches > 1 and not sp.gang and
+                    getattr(self.pipeline.params[name], "migrate", False)):
+                continue
+            # placement: auto knows what a task costs: too short a task cannot repay
+            # a handover, nor the announcements every task then makes
+            if self.choice is not None and self.choice.cost.stage_seconds(
+                    name, max(rows // sp.micro_batches, 1), threads) < MIN_TASK_S:
+                continue
+            return f"rlhfflow-rows-{uuid.uuid4().hex[:12]}"
         return None
 
     def _layout(self) -> dict[str, Any]:
