@@ -91,7 +91,7 @@ def announce(topic: str, idle: bool, versions: dict[str, int]) -> None:
         worker = get_worker()
     except ValueError:  # not on a Dask worker: nobody to tell
         return
-    if _IDLE_SAID.get(topic, False) == idle and not idle:
+    if not idle and not _IDLE_SAID.get(topic, False):
         return  # "busy" only after an "idle"
     _IDLE_SAID[topic] = idle
     worker.log_event(topic, {"worker": worker.address, "idle": idle,
@@ -123,7 +123,6 @@ class RowExchange:
         self.client = get_client()
         self.board = board(self.client, topic)
         self.sent: dict[str, float] = {}  # peer -> the idle announcement it got rows for
-        self.moved = 0
 
     def peer(self, rows: int, saving_s: float) -> str | None:
         """An idle worker worth handing half of ``rows`` to, or None: only when the
@@ -141,7 +140,6 @@ class RowExchange:
         """Start finishing ``cont`` on ``peer``; the handle (a future) for ``gather``."""
         from rlhfflow.pipeline.worker import continue_rows_task
 
-        self.moved += len(cont.rows)
         [data] = self.client.scatter([cont], workers=[peer], direct=True, hash=False)
         future = self.client.submit(
             continue_rows_task, self.stage, self.iteration, self.model, self.version, data,

@@ -467,13 +467,6 @@ class Continuation:
     mask: torch.Tensor
     steps: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        """What it weighs on the wire (the cache dominates)."""
-        tensors = [*self.cache["keys"], *self.cache["values"], self.tokens, self.logprobs,
-                   self.streams.sample, self.streams.accept, self.streams.draft]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 @torch.no_grad()
 def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
