@@ -65,6 +65,17 @@ def test_the_analytic_model_grows_with_rows_tokens_layers_and_gangs():
     assert small.stage_seconds("train_actor", 32, 1, gang=2) < alone
 
 
+def test_a_stage_that_decodes_greedily_is_costed_as_decoding():
+    # ReMax's baseline decodes max_new_tokens steps: costed like one forward pass it was
+    # predicted at a sixth of its measured time
+    cost = CostModel(load_pipeline(CONFIGS / "remax-tiny.yaml"))
+    forward = cost.analytic("ref_logprob", 16, 1)
+    assert cost.analytic("baseline", 16, 1) > 4 * forward
+    longer = CostModel(load_pipeline(CONFIGS / "remax-tiny.yaml",
+                                     {"stages.baseline.params.max_new_tokens": 32}))
+    assert longer.analytic("baseline", 16, 1) > cost.analytic("baseline", 16, 1)
+
+
 def test_a_profile_of_other_model_shapes_falls_back_to_the_analytic_model():
     pipeline = load_pipeline(GRPO)
     profile = _profile(pipeline, [Observation("generate", 8, 1, 1, 99.0)])

@@ -32,14 +32,19 @@ from typing import Any
 
 FORMAT = "rlhfflow-profile/1"
 
-# Analytic constants of one CPU core, measured on the 2-core development machines
-# (``rlhfflow profile`` replaces them with the machine's own).
+# Analytic constants of one CPU core, fitted to the stages of configs/grpo-tiny, ppo-tiny,
+# remax-tiny and grpo-small measured under every layout of the 2-core development machines
+# (``python benchmarks/calibrate.py``: median error of a task 51% with the earlier
+# constants, 22% with these). ``rlhfflow profile`` measures the machine's own.
 CPU_DEVICE = {
-    "flops_per_s": 5.0e10,       # dense matmul throughput of one thread (AVX-512 core)
-    "thread_efficiency": 0.8,    # share of a task's work that scales with threads
-    "step_s": 4.0e-4,            # Python and sampling overhead of one decoding step
-    "layer_s": 1.2e-4,           # per layer per forward (kernel launches, small ops)
-    "task_s": 3.0e-3,            # per task inside the worker (assembling, slicing)
+    "flops_per_s": 4.4e10,       # dense matmul throughput of one thread
+    "thread_efficiency": 0.95,   # share of a task's work that scales with threads
+    "step_s": 0.0,               # per forward call besides its layers (wrappers, masks)
+    "layer_s": 9.1e-4,           # per layer per forward (small ops, Python, kernel launches)
+    "row_step_s": 2.5e-4,        # per row of a decoding step (sampling, bookkeeping)
+    "train_step_s": 0.016,       # per optimizer step: loss, clipping, AdamW's Python
+    "train_factor": 2.5,         # a training step's work / a forward's (backward ~2x)
+    "task_s": 4.7e-3,            # per task inside the worker (assembling, slicing)
     "latency_s": 6.0e-3,         # Dask: from a task's end to its dependent's start
     "bytes_per_s": 5.0e8,        # Dask transfers between workers
     "allreduce_bytes_per_s": 3.0e8,
@@ -291,8 +296,8 @@ class CostModel:
     def analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
         """The analytic estimate of a task (see the module docstring)."""
         d = self.device
-        speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
-                                    + d["thread_efficiency"] / max(1, threads))
+        base = d["flops_per_s"] / ((1 - d["thread_efficiency"])
+                                   + d["thread_efficiency"] / max(1, threads))
         if stage == "store":
             return d["task_s"] + rows * (self.prompt_tokens + self.response_tokens) * 40 \
                 / d["bytes_per_s"]
@@ -304,18 +309,20 @@ class CostModel:
             # model-free stages: rewards are Python per row, advantages are tensor ops
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
         flops_token = 2.0 * shape.params
-        if node.generates:
-            steps = node.response_tokens or self.response_tokens
-            prefill = rows * self.prompt_tokens * flops_token / speed
-            decode = steps * (d["step_s"] + shape.layers * d["layer_s"]
-                              + rows * flops_token / speed)
+        call = d["step_s"] + shape.layers * d["layer_s"]  # one forward's fixed cost
+        # a stage that decodes without sampling (ReMax's greedy baseline) costs the same
+        decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
+        if node.generates or decodes:
+            steps = decodes or self.response_tokens
+            prefill = call + rows * self.prompt_tokens * flops_token / base
+            decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / base)
             return d["task_s"] + prefill + decode
         if node.trains:
             epochs = int(getattr(params, "epochs", 1))
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
-            compute = epochs * rows / gang * tokens * 3 * flops_token / speed
-            overhead = steps * (3 * shape.layers * d["layer_s"] + 16 * shape.params / speed)
+            compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / base
+            overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / base)
             allreduce = 0.0
             if gang > 1:
                 ring = 2 * (gang - 1) / gang * shape.params * 4
@@ -323,7 +330,7 @@ class CostModel:
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
         # one forward pass: log-probs, values, a reward model
-        return d["task_s"] + shape.layers * d["layer_s"] + rows * tokens * flops_token / speed
+        return d["task_s"] + call + rows * tokens * flops_token / base
 
     def transfer_seconds(self, nbytes: float) -> float:
         """Moving ``nbytes`` between two workers (Dask, or a weight reallocation)."""
