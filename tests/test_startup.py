@@ -119,3 +119,26 @@ def stage_task_threads() -> int:
 
     current_host()
     return torch.get_num_threads()
+
+
+def test_a_dashboard_port_in_use_moves_with_one_plain_line(tmp_path):
+    """Two runs on one machine: the second's dashboard goes to a free port, said in the
+    line that prints its link, not in a raw Dask warning."""
+    import socket
+
+    path = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlhfflow.cli.main", "run", str(path), "--set",
+             f"cluster.dashboard_address=127.0.0.1:{port}", "--set", "cluster.workers=1"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "already in use" not in output and "Warning" not in output
+    [line] = [x for x in output.splitlines() if "Dask dashboard:" in x]
+    assert line.endswith(f"(port {port} is in use, another run?)")
+    assert f":{port}/" not in line

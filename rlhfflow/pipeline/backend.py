@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
@@ -204,7 +205,10 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},
     }
-    with dask.config.set(config), sigint_ignored():
+    with dask.config.set(config), sigint_ignored(), warnings.catch_warnings():
+        # a dashboard port taken (another run on this machine): Dask serves it on a free
+        # port, which the run prints with its dashboard link, instead of a raw warning
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use")
         # the scheduler runs in this process: a worker lost mid-run is the run's to report
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,

@@ -286,7 +286,11 @@ class Executor:
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
         if self.backend.dashboard_link:
-            self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}")
+            wanted = spec.cluster.dashboard_address.rpartition(":")[2]
+            port = self.backend.dashboard_link.split("/")[2].rpartition(":")[2]
+            moved = f" (port {wanted} is in use, another run?)" if (
+                getattr(self.backend, "cluster", None) is not None and wanted not in ("", "0", port)) else ""
+            self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
         self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say)
         if self.choice is not None:
             c = self.choice
