@@ -142,3 +142,32 @@ def test_a_dashboard_port_in_use_moves_with_one_plain_line(tmp_path):
     [line] = [x for x in output.splitlines() if "Dask dashboard:" in x]
     assert line.endswith(f"(port {port} is in use, another run?)")
     assert f":{port}/" not in line
+
+
+def test_waiting_for_the_fork_server_has_its_own_limit_and_says_what_it_waited_for():
+    from rlhfflow.pipeline.forkserver import start_fork_server, wait_fork_server
+
+    if not start_fork_server():
+        pytest.skip("no fork server on this platform")
+    wait_fork_server(60)  # the suite's server: ready, so this returns
+    with pytest.raises(TimeoutError, match="did not finish importing torch"):
+        wait_fork_server(0)
+
+
+def test_workers_that_do_not_start_in_time_are_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from rlhfflow.cli.main import main
+    from rlhfflow.pipeline import backend
+
+    def slow(timeout=0):
+        raise TimeoutError("the worker processes' fork server did not finish importing")
+
+    monkeypatch.setattr(backend, "wait_fork_server", slow)
+    path = small_pipeline(tmp_path, "grpo", iterations=1)
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: the embedded cluster did not start: the worker processes' fork server did "
+        "not finish importing")
+    assert "Traceback" not in result.output

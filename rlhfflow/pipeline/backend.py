@@ -21,7 +21,7 @@ from typing import Any
 
 import dask
 
-from rlhfflow.pipeline.forkserver import sigint_ignored, start_fork_server
+from rlhfflow.pipeline.forkserver import sigint_ignored, start_fork_server, wait_fork_server
 from rlhfflow.pipeline.worker import (
     PLUGIN_NAME,
     RLHFWorkerPlugin,
@@ -205,6 +205,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},
     }
+    if config["distributed.worker.multiprocessing-method"] == "forkserver":
+        # Dask gives each worker 30 s to start: not the fork server's imports
+        wait_fork_server()
     with dask.config.set(config), sigint_ignored(), warnings.catch_warnings():
         # a dashboard port taken (another run on this machine): Dask serves it on a free
         # port, which the run prints with its dashboard link, instead of a raw warning

@@ -177,9 +177,12 @@ def _connect(cluster, inline: bool):
             dashboard_address=cluster.dashboard_address,
             memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
             device=cluster.device)
-    except OSError as exc:
-        raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
-                       ) from None
+    except OSError as exc:  # TimeoutError too: workers that did not start in time
+        if cluster.address:
+            raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
+                           ) from None
+        raise RunError(f"the embedded cluster did not start: "
+                       f"{str(exc) or type(exc).__name__}") from None
     except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
         raise RunError(str(exc)) from None
 

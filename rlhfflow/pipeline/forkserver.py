@@ -39,6 +39,47 @@ def start_fork_server() -> bool:
     return True
 
 
+READY_TIMEOUT_S = 300.0
+"""How long the embedded cluster waits for the fork server's imports (seconds)."""
+
+
+def wait_fork_server(timeout: float = READY_TIMEOUT_S) -> None:
+    """Return once the fork server has finished its imports and forks processes.
+
+    Dask gives a worker ``death_timeout`` (30 s) to start, and a forked worker's start
+    includes waiting for the server's imports: on a loaded machine they alone can take
+    longer (6-9 s of CPU), which failed runs with a bare ``TimeoutError``. Forking one
+    process that exits at once waits for them here, under a limit of its own; past it,
+    a ``TimeoutError`` that says what was waited for."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def fork_one() -> None:
+        try:
+            process = context.Process(target=_exit_at_once, name="rlhfflow-forkserver-ready")
+            process.start()  # blocks until the server reads the request: its imports done
+            process.join()
+        except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=fork_one, name="rlhfflow-forkserver-wait", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"the worker processes' fork server did not finish importing "
+                           f"torch, transformers and Dask within {timeout:.0f} s (is the "
+                           f"machine overloaded?)")
+    if failed:
+        raise failed[0]
+
+
+def _exit_at_once() -> None:
+    """The process ``wait_fork_server`` forks."""
+
+
 class sigint_ignored:
     """Spawn worker processes with SIGINT ignored (they inherit it): a Ctrl-C in the
     terminal reaches the whole process group, and the coordinator, not each worker,
