@@ -284,3 +284,19 @@ def test_the_profiling_pass_measures_every_stage_on_an_embedded_cluster(tmp_path
     rows = {o.rows for o in profile.observations if o.stage == "generate"}
     assert len(rows) >= 2  # two splits: a line can be fitted
     assert CostModel(pipeline, profile).profiled
+
+
+@pytest.mark.slow
+def test_a_run_far_from_its_analytic_prediction_says_how_to_profile(tmp_path, monkeypatch,
+                                                                      capsys):
+    from rlhfflow.pipeline import costmodel
+
+    # constants of an impossibly fast machine: every run is far slower than predicted
+    monkeypatch.setitem(costmodel.CPU_DEVICE, "flops_per_s", 1e18)
+    for key in ("layer_s", "row_step_s", "train_step_s", "task_s", "latency_s", "finish_s"):
+        monkeypatch.setitem(costmodel.CPU_DEVICE, key, 1e-9)
+    path = small_pipeline(tmp_path, "grpo", iterations=4)
+    run_pipeline(load_pipeline(path), progress=True)  # planned: the embedded cluster
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "iteration time:" in x]
+    assert "chosen with the analytic cost model: `rlhfflow profile" in line
+    assert f"--from-run {tmp_path / 'out'}` makes a profile" in line

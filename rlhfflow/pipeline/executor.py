@@ -167,6 +167,15 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         backend.close()
 
 
+def _shown(path: Path) -> str:
+    """``path`` as a user would type it here: relative to the working directory when
+    inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def _connect(cluster, inline: bool):
     """The backend: in process, a running scheduler, or an embedded cluster."""
     if inline:
@@ -576,8 +585,15 @@ class Executor:
             if self.choice is not None and len(records) > 2:
                 predicted, measured = self.choice.best.predicted_s, self.summary["iteration_s"]
                 self.summary["predicted_iteration_s"] = round(predicted, 4)
+                error = measured / predicted - 1
+                hint = ""
+                if abs(error) > 0.15 and not self.choice.cost.profiled:
+                    # the analytic model's constants are another machine's: measure this one
+                    hint = (f"; chosen with the analytic cost model: `rlhfflow profile "
+                            f"{_shown(self.pipeline.source)} --from-run {_shown(self.out)}` "
+                            f"makes a profile of this machine from this run")
                 self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
-                          f"{measured:.3f} s ({measured / predicted - 1:+.0%})")
+                          f"{measured:.3f} s ({error:+.0%}){hint}")
 
     def _begin(self, k: int, previous: IterationTasks | None) -> IterationTasks:
         """Iteration ``k``: its prompts, placed next to the first stage's tasks, and the
