@@ -296,8 +296,8 @@ class CostModel:
     def analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
         """The analytic estimate of a task (see the module docstring)."""
         d = self.device
-        base = d["flops_per_s"] / ((1 - d["thread_efficiency"])
-                                   + d["thread_efficiency"] / max(1, threads))
+        speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
+                                    + d["thread_efficiency"] / max(1, threads))
         if stage == "store":
             return d["task_s"] + rows * (self.prompt_tokens + self.response_tokens) * 40 \
                 / d["bytes_per_s"]
@@ -314,15 +314,15 @@ class CostModel:
         decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
         if node.generates or decodes:
             steps = decodes or self.response_tokens
-            prefill = call + rows * self.prompt_tokens * flops_token / base
-            decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / base)
+            prefill = call + rows * self.prompt_tokens * flops_token / speed
+            decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
             return d["task_s"] + prefill + decode
         if node.trains:
             epochs = int(getattr(params, "epochs", 1))
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
-            compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / base
-            overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / base)
+            compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
+            overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
             allreduce = 0.0
             if gang > 1:
                 ring = 2 * (gang - 1) / gang * shape.params * 4
@@ -330,7 +330,7 @@ class CostModel:
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
         # one forward pass: log-probs, values, a reward model
-        return d["task_s"] + call + rows * tokens * flops_token / base
+        return d["task_s"] + call + rows * tokens * flops_token / speed
 
     def transfer_seconds(self, nbytes: float) -> float:
         """Moving ``nbytes`` between two workers (Dask, or a weight reallocation)."""
