@@ -166,7 +166,7 @@ def test_workers_that_do_not_start_in_time_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "wait_fork_server", slow)
     path = small_pipeline(tmp_path, "grpo", iterations=1)
     result = CliRunner().invoke(main, ["run", str(path)])
-    assert result.exit_code != 0
+    assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (
         "Error: the embedded cluster did not start: the worker processes' fork server did "
         "not finish importing")
