@@ -125,6 +125,17 @@ def nelder_mead(f, x0: list[float], step: float = 0.7, iterations: int = 3000) -
     return simplex[min(range(n + 1), key=values.__getitem__)]
 
 
+def fit(cases, before: dict[str, float]) -> dict[str, float]:
+    """The constants (``FITTED``; the others as in ``before``) that minimise the weighted
+    squared log error of ``cases``: ``(CostModel, {(stage, rows, threads, gang):
+    measured seconds})`` pairs."""
+    start = {**before, "row_step_s": max(before["row_step_s"], 1e-5),
+             "train_step_s": max(before["train_step_s"], 1e-3)}
+    return from_vector(before, nelder_mead(
+        lambda x: sum(e * e for e in errors(cases, from_vector(before, x), weighted=True)),
+        to_vector(start)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="grpo-tiny,ppo-tiny,grpo-small",
@@ -157,10 +168,7 @@ def main() -> int:
         pipeline = load_pipeline(config)
         cases.append((CostModel(pipeline), groups_of(pipeline, profile.observations)))
     before = dict(CPU_DEVICE)
-    fitted = from_vector(before, nelder_mead(
-        lambda x: sum(e * e for e in errors(cases, from_vector(before, x), weighted=True)),
-        to_vector({**before, "row_step_s": max(before["row_step_s"], 1e-5),
-                   "train_step_s": max(before["train_step_s"], 1e-3)})))
+    fitted = fit(cases, before)
 
     print(f"{'config':<12} {'stage':<14} {'rows':>5} {'thr':>3} {'gang':>4} "
           f"{'measured':>9} {'before':>9} {'fitted':>9}")

@@ -300,3 +300,33 @@ def test_a_run_far_from_its_analytic_prediction_says_how_to_profile(tmp_path, mo
     [line] = [x for x in capsys.readouterr().err.splitlines() if "iteration time:" in x]
     assert "chosen with the analytic cost model: `rlhfflow profile" in line
     assert f"--from-run {tmp_path / 'out'}` makes a profile" in line
+
+
+def test_the_calibration_fit_recovers_the_times_of_another_machine():
+    """benchmarks/calibrate.py: stage times made by the analytic model with other
+    constants (a slower machine with more per-layer and per-step overhead) are far from
+    the shipped constants' estimates, and within a few percent of the fitted ones."""
+    import math
+    import statistics
+
+    from benchmarks.calibrate import errors, fit
+    from rlhfflow.pipeline.costmodel import CPU_DEVICE
+
+    other = {**CPU_DEVICE, "flops_per_s": CPU_DEVICE["flops_per_s"] / 2,
+             "layer_s": CPU_DEVICE["layer_s"] * 3, "train_step_s": 0.05,
+             "row_step_s": CPU_DEVICE["row_step_s"] * 2}
+    cases = []
+    for config in (GRPO, SMALL):
+        cost = CostModel(load_pipeline(config))
+        cost.device = other
+        groups = {(stage, rows, threads, gang): cost.analytic(stage, rows, threads, gang)
+                  for stage in ("generate", "old_logprob", "train_actor")
+                  for rows in (8, 32) for threads in (1, 2) for gang in (1, 2)
+                  if gang == 1 or stage == "train_actor"}
+        cases.append((CostModel(load_pipeline(config)), groups))
+
+    def median_error(device):
+        return statistics.median(abs(math.expm1(e)) for e in errors(cases, device))
+
+    assert median_error(dict(CPU_DEVICE)) > 0.3
+    assert median_error(fit(cases, dict(CPU_DEVICE))) < 0.05
