@@ -384,11 +384,6 @@ def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
     return shape
 
 
-def model_context(pipeline: Pipeline, model: str) -> int | None:
-    """How many positions ``model`` has (from ``tiny:`` or its config.json), if known."""
-    return model_shape(pipeline, model).get("positions")
-
-
 def _check_model_shapes(file: Path, pipeline: Pipeline) -> None:
     """Each stage's own checks of its params against its model's shape."""
     for name, stage in pipeline.spec.stages.items():
@@ -410,7 +405,7 @@ def _check_context(file: Path, pipeline: Pipeline) -> None:
     needed = data.max_prompt_tokens + new_tokens
     for name in pipeline.graph.loop_stages:
         model = pipeline.graph.nodes[name].model
-        context = model_context(pipeline, model) if model else None
+        context = model_shape(pipeline, model).get("positions") if model else None
         if context is not None and needed > context:
             raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
                             f"+ {new_tokens} new tokens = {needed} exceed the {context} "
