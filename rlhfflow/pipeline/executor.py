@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rlhfflow.monitor import RunMonitor
 from rlhfflow.pipeline.backend import (
@@ -176,6 +177,16 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def _dashboard_moved(wanted: str, link: str) -> str:
+    """The note for an embedded cluster's dashboard that Dask served on another port than
+    ``cluster.dashboard_address`` asked for (it was taken), or ""."""
+    port = wanted.rpartition(":")[2]
+    served = urlsplit(link).port
+    if port in ("", "0") or served is None or port == str(served):
+        return ""
+    return f" (port {port} is in use, another run?)"
+
+
 def _connect(cluster, inline: bool):
     """The backend: in process, a running scheduler, or an embedded cluster."""
     if inline:
@@ -298,10 +309,9 @@ class Executor:
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
         if self.backend.dashboard_link:
-            wanted = spec.cluster.dashboard_address.rpartition(":")[2]
-            port = self.backend.dashboard_link.split("/")[2].rpartition(":")[2]
-            moved = f" (port {wanted} is in use, another run?)" if (
-                getattr(self.backend, "cluster", None) is not None and wanted not in ("", "0", port)) else ""
+            moved = _dashboard_moved(spec.cluster.dashboard_address,
+                                     self.backend.dashboard_link) \
+                if getattr(self.backend, "cluster", None) is not None else ""
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
         self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say)
         if self.choice is not None:
