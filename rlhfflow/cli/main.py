@@ -7,6 +7,7 @@ need it, so ``rlhfflow --help`` and ``rlhfflow buffer inspect`` start quickly.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -98,7 +99,52 @@ SET_OPTION = click.option(
          "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The ``rlhfflow`` group: from the command line, ``rlhfflow run`` is handed to a
+    warm server when one is up (``rlhfflow.pipeline.warm``)."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        if args is None:  # the command line (an explicit list: a test, or the warm fork)
+            import sys
+
+            _run_warm(sys.argv[1:])
+        return super().main(args, prog_name, **extra)
+
+
+def _run_warm(argv: list[str]) -> None:
+    """``rlhfflow run ...`` as a fork of the warm server (started first if none is up),
+    exiting as it exits. Returns (the run goes on in this process) when the warm server
+    is off or cannot start."""
+    if argv[:1] != ["run"] or any(a in ("-h", "--help", "--supervise") for a in argv):
+        return
+    from rlhfflow.pipeline import warm
+
+    if not warm.enabled():
+        return
+    try:
+        sock = warm.socket_path()
+        if not warm.connectable(sock):
+            if warm.start_server(sock, warm.idle_seconds()):
+                click.echo(f"rlhfflow: starting a warm server: it imports torch, "
+                           f"transformers and Dask once, and later runs start from it in "
+                           f"~2 s (it exits after {warm.idle_seconds():.0f} s unused; "
+                           f"{warm.ENV_VAR}=0 turns it off)", err=True)
+            warm.wait_ready(sock, warm.READY_TIMEOUT_S)
+    except (OSError, RuntimeError) as exc:  # run here, as without it
+        click.echo(f"rlhfflow: running without a warm server: {_first_line(exc)}", err=True)
+        return
+    try:
+        code = warm.run_in_server(sock, argv)
+    except OSError as exc:
+        click.echo(f"rlhfflow: running without a warm server: {_first_line(exc)}", err=True)
+        return
+    if code < 0:  # died from a signal: so does this process, for whoever waits on it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    raise SystemExit(code)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="rlhfflow")
 def main() -> None:
     """RLHF pipelines written in YAML, run as dataflow on Dask.
@@ -745,6 +791,44 @@ def report(run_dir: str, out: str | None, iterations: str | None, samples: int) 
     except ReportError as exc:
         raise UserError(str(exc)) from None
     click.echo(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- warm
+
+
+@main.command()
+@click.option("--stop", is_flag=True, help="Stop every warm server of this user (runs "
+                                             "going on are not touched).")
+def warm(stop: bool) -> None:
+    """Show the warm servers that `rlhfflow run` starts from, or stop them.
+
+    The first `rlhfflow run` starts a warm server: a background process of yours that
+    imported torch, transformers and Dask once. Later runs are forks of it and start in
+    about 2 s instead of 8-10. It exits after RLHFFLOW_WARM seconds unused (default
+    600); RLHFFLOW_WARM=0 turns it off. A new one starts when the installation or an
+    import-time environment variable (OMP_*, HF_*, CUDA_*, ...) changes.
+
+    \b
+    Example:
+      rlhfflow warm
+      rlhfflow warm --stop
+    """
+    import time
+
+    from rlhfflow.pipeline import warm as warm_server
+
+    if stop:
+        click.echo(f"stopped {warm_server.stop_servers()} warm server(s)")
+        return
+    found = warm_server.servers()
+    state = "off (RLHFFLOW_WARM=0)" if not warm_server.enabled() else \
+        f"on, idle exit after {warm_server.idle_seconds():.0f} s"
+    click.echo(f"warm server: {state}; {len(found)} running")
+    now = time.time()
+    for info in found:
+        click.echo(f"  pid {info['pid']}: up {now - info['started']:.0f} s, unused "
+                   f"{now - info['last_used']:.0f} s, imports took {info['imports_s']} s"
+                   + ("" if info["current"] else " (another installation or environment)"))
 
 
 # --------------------------------------------------------------------------- models

@@ -12,6 +12,9 @@ import os
 import signal
 import threading
 
+READY_TIMEOUT_S = 300.0
+"""How long the embedded cluster waits for the fork server's imports (seconds)."""
+
 
 def start_fork_server() -> bool:
     """Start the fork server the embedded cluster's worker processes come from, if the
@@ -28,6 +31,16 @@ def start_fork_server() -> bool:
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
+    from rlhfflow.pipeline import warm
+
+    if warm.adopted():  # this process's forks come from a warm server already
+        return True
+    if warm.enabled():
+        sock = warm.socket_path()
+        if warm.connectable(sock) or sock.with_suffix(".starting").exists():
+            # a warm server is up (or importing): the workers are its forks
+            warm.adopt_for_workers(sock, READY_TIMEOUT_S)
+            return True
     # the workers' logging config is the fork server's, read as it imports distributed:
     # keep their chatter off the user's terminal (as local_cluster does for spawned ones)
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
@@ -38,9 +51,6 @@ def start_fork_server() -> bool:
         forkserver.ensure_running()
     return True
 
-
-READY_TIMEOUT_S = 300.0
-"""How long the embedded cluster waits for the fork server's imports (seconds)."""
 
 
 def wait_fork_server(timeout: float = READY_TIMEOUT_S) -> None:

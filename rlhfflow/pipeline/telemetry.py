@@ -11,6 +11,7 @@ iteration) so that a finished run can refine the planner's profile
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -241,7 +242,14 @@ class StartupClock:
 
 
 def process_start() -> float:
-    """When this process started (wall clock), for the start-up time of a run."""
+    """When this process started (wall clock), for the start-up time of a run; in a run
+    forked from a warm server, when its ``rlhfflow run`` command started."""
+    from rlhfflow.pipeline.warm import STARTED_AT_VAR
+
+    try:
+        return float(os.environ[STARTED_AT_VAR])
+    except (KeyError, ValueError):
+        pass
     try:
         import psutil
 
