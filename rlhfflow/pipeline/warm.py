@@ -376,6 +376,7 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
     nothing was started."""
     import multiprocessing
 
+    touch(sock)  # first: the server's idle clock must not run out while we connect
     adopt_for_workers(sock, timeout=5.0)
     life_r, life_w = os.pipe()  # the fork's lifeline: only this process holds life_w
     env = dict(os.environ)
