@@ -397,9 +397,9 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
 
     try:
         process.start()
-    except OSError:  # the server went between the check and the fork: nothing started
+    except (OSError, EOFError) as exc:  # the server went before forking: nothing started
         _unadopt()
-        raise
+        raise OSError(f"the warm server went away ({exc!r})") from exc
     finally:
         os.close(life_r)
     for signum in forward:
