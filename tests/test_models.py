@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from rlhfflow.stages.common import cache_kwargs, output_cache
 from rlhfflow.stages.models import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
@@ -299,8 +300,8 @@ def _greedy_with_cache(
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=cache,
         use_cache=True,
+        **cache_kwargs(model, cache),
     )
     step_logits = [out.logits[:, -1]]
     for _ in range(steps):
@@ -311,8 +312,8 @@ def _greedy_with_cache(
             input_ids=next_ids[:, None],
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask)[:, -1:],
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **cache_kwargs(model, output_cache(out)),
         )
         step_logits.append(out.logits[:, -1])
     return ids, mask, step_logits
@@ -491,7 +492,9 @@ def test_the_optimizer_follows_its_schedule_and_saves_it_apart(tiny_lm_dir, tok,
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_response_logits_equal_the_full_forwards(tokenizer, arch):
     """Only the response positions go through the LM head; the values are those of a
-    forward over every position."""
+    forward over every position (to the bit in one forward: distinct prompts, responses
+    of the full length; to float rounding where responses end early and run cut to
+    their length, tests/test_shared_prompts.py)."""
     from rlhfflow.stages.common import response_logits, sequence_inputs
 
     module = build_tiny_model(tokenizer, "lm", seed=0, arch=arch)
@@ -499,8 +502,11 @@ def test_response_logits_equal_the_full_forwards(tokenizer, arch):
     batch = {"prompt_ids": torch.randint(5, 40, (3, 7), generator=gen),
              "prompt_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * 3),
              "response_ids": torch.randint(5, 40, (3, 5), generator=gen),
-             "response_mask": torch.tensor([[1, 1, 1, 0, 0]] * 3)}
+             "response_mask": torch.tensor([[1, 1, 1, 1, 1]] * 3)}
     input_ids, mask, positions, prompt_len = sequence_inputs(batch)
     full = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                   use_cache=False).logits[:, prompt_len - 1: prompt_len - 1 + 5]
     assert torch.equal(response_logits(module, batch), full.float())
+    batch["response_mask"] = torch.tensor([[1, 1, 1, 0, 0]] * 3)
+    torch.testing.assert_close(response_logits(module, batch)[:, :3], full[:, :3].float(),
+                               atol=1e-6, rtol=1e-6)

@@ -124,8 +124,10 @@ def _actor(result) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_streaming_fused_unfused_and_sequential_runs_agree(cluster, tmp_path):
-    """max_staleness 0 is the sequential run, with or without fusion, and with its own
-    split of a stage into micro-batches: the same metrics and weights, to the bit."""
+    """max_staleness 0 is the sequential run, with or without fusion: the same metrics
+    and weights, to the bit; and with its own split of a stage into micro-batches, to
+    float rounding (a micro-batch's forward runs its distinct prompts and length groups,
+    so other splits multiply matrices of other shapes)."""
     runs = {name: _run(cluster, tmp_path, name, overrides) for name, overrides in {
         "sequential": {"overlap.sequential": True},
         "fused": {},
@@ -134,6 +136,12 @@ def test_streaming_fused_unfused_and_sequential_runs_agree(cluster, tmp_path):
     }.items()}
     reference = runs["sequential"]
     for name, result in runs.items():
+        if name == "resplit":  # measured: 7e-8 in the metrics, 1.2e-7 in the weights
+            for mine, theirs in zip(_numbers(result.metrics), _numbers(reference.metrics),
+                                    strict=True):
+                assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-6), name
+            torch.testing.assert_close(_actor(result), _actor(reference), atol=1e-5, rtol=0)
+            continue
         assert _numbers(result.metrics) == _numbers(reference.metrics), name
         assert torch.equal(_actor(result), _actor(reference)), name
         for record in result.metrics:

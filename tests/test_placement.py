@@ -174,15 +174,17 @@ def _train(world: int, model_dir, batch, algorithm_settings: dict, *stage) -> li
 
 
 @pytest.mark.parametrize(("algorithm_settings", "weights_atol"), [
+    # a rank runs its shard's distinct prompts and length groups (response_logits), the
+    # lone worker the whole minibatch's: other matrix shapes, so logits differ by float
+    # rounding (~1e-7), which Adam's normalised steps at lr 1e-2 turn into weight
+    # differences of up to 1.1e-4 after four steps (measured: 1.0e-4, 2.3e-5, 7.5e-6);
+    # a wrong divisor or pairing shows in the grad norm and the losses, checked to 1e-4
     ({"loss_agg": "seq-mean-token-mean", "entropy_coef": 0.01, "kl_coef": 0.1,
-      "kl_in": "loss"}, 1e-5),
-    # each part alone (constant divisor, sequence ratios, dual clip) stays within 1e-5;
-    # together their rounding differences reach 1.2e-5 after Adam's four steps (losses
-    # and grad norms still agree as tightly as the other cases below)
+      "kl_in": "loss"}, 3e-4),
     ({"loss_agg": "seq-mean-token-sum-norm", "loss_scale_factor": 4.0, "entropy_coef": 0.01,
       "kl_coef": 0.1, "kl_in": "loss", "importance_sampling_level": "sequence",
-      "dual_clip": 3.0}, 1e-4),
-    ({"loss_agg": "token-sum", "kl_coef": 0.1, "kl_in": "loss"}, 1e-5),
+      "dual_clip": 3.0}, 3e-4),
+    ({"loss_agg": "token-sum", "kl_coef": 0.1, "kl_in": "loss"}, 3e-4),
 ], ids=["seq-mean-token-mean", "gspo-token-sum-norm", "token-sum"])
 def test_a_two_rank_gang_makes_the_same_update_as_one_worker(tiny_lm_dir, tokenizer,
                                                               algorithm_settings, weights_atol):
@@ -234,9 +236,10 @@ def test_a_two_rank_gang_makes_the_same_dpo_and_sft_update_as_one_worker(
     ranks = _train(2, tiny_lm_dir, batch, {}, *stage)
     loss = "dpo_loss" if stage_type == "train_dpo_online" else "sft_loss"
     for _, weights, metrics in ranks:
-        # Adam's four steps at lr 1e-2 amplify float rounding to ~3e-5 here (measured);
-        # a wrong divisor shows in the grad norm, a wrong pairing in the loss
-        assert (weights - alone).abs().max() < 1e-4
+        # Adam's four steps at lr 1e-2 amplify float rounding (other matrix shapes per
+        # rank, see above) to ~1.1e-4 here (measured); a wrong divisor shows in the grad
+        # norm, a wrong pairing in the loss
+        assert (weights - alone).abs().max() < 3e-4
         assert metrics["grad_norm"] == pytest.approx(alone_metrics["grad_norm"], rel=1e-4)
         assert metrics[loss] == pytest.approx(alone_metrics[loss], rel=1e-4)
     assert torch.equal(ranks[0][1], ranks[1][1])

@@ -33,10 +33,13 @@ def test_models_copied_from_an_sft_model_start_from_its_trained_weights(tmp_path
     out = result.output_dir
     assert (out / "models" / "actor" / "setup" / "config.json").is_file()
     # the reference (from: actor) must be the SFT model, as the actor is in iteration 0:
-    # their log-probs of the same responses agree exactly, and the KL is zero
+    # their log-probs of the same responses agree (to float rounding: the two copies'
+    # prompt forwards can take other kernel paths, ~5e-7 measured; the initial weights
+    # would be ~1 off), and the KL is zero
     batch = ExperienceBuffer(out / "buffer.zarr").read(0)
-    np.testing.assert_array_equal(batch["ref_logprobs"], batch["old_logprobs"])
-    assert result.metrics[0]["kl_mean"] == 0.0
+    np.testing.assert_allclose(batch["ref_logprobs"], batch["old_logprobs"], atol=2e-6,
+                               rtol=0)
+    assert result.metrics[0]["kl_mean"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_sft_trains_on_the_best_responses_of_a_buffer(tmp_path):

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhfflow.stages.common import last_logits_kwargs, position_ids, stage_seed
+from rlhfflow.stages.common import (
+    cache_kwargs,
+    output_cache,
+    prefill,
+    stage_seed,
+)
 
 
 @dataclass
@@ -64,11 +69,7 @@ class KVState:
         self.module = module
         self.device = next(module.parameters()).device
         self.mask = prompt_mask.long().to(self.device)
-        out = module(input_ids=prompt_ids.to(self.device), attention_mask=self.mask,
-                     position_ids=position_ids(self.mask), use_cache=True,
-                     **last_logits_kwargs(module))
-        self.cache = out.past_key_values
-        self.prefill_logits = out.logits[:, -1].float()
+        self.cache, self.prefill_logits = prefill(module, prompt_ids, prompt_mask, self.device)
         self.next_pos = self.mask.sum(-1, keepdim=True)
 
     @classmethod
@@ -116,8 +117,9 @@ class KVState:
         positions = self.next_pos + offsets
         self.mask = torch.cat([self.mask, real], dim=1)
         out = self.module(input_ids=tokens.to(self.device), attention_mask=self.mask,
-                          position_ids=positions, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                          position_ids=positions, use_cache=True,
+                          **cache_kwargs(self.module, self.cache))
+        self.cache = output_cache(out)
         self.next_pos = self.next_pos + real.sum(-1, keepdim=True)
         return out.logits.float()
 

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import last_logits_kwargs, position_ids, stage_seed
+from rlhfflow.stages.common import cache_kwargs, output_cache, prefill, stage_seed
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -139,9 +139,7 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     device = next(module.parameters()).device
     rows, steps = prompt_ids.shape[0], params.max_new_tokens
     mask = prompt_mask.long().to(device)
-    out = module(input_ids=prompt_ids.to(device), attention_mask=mask,
-                 position_ids=position_ids(mask), use_cache=True, **last_logits_kwargs(module))
-    cache, logits = out.past_key_values, out.logits[:, -1].float()
+    cache, logits = prefill(module, prompt_ids, prompt_mask, device)
     next_pos = mask.sum(-1, keepdim=True)
     tokens = torch.full((rows, steps), pad_id, dtype=torch.long)
     logprobs = torch.zeros(rows, steps)
@@ -160,8 +158,8 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
             break
         mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
         out = module(input_ids=token[:, None].to(device), attention_mask=mask,
-                     position_ids=next_pos, past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
+                     position_ids=next_pos, use_cache=True, **cache_kwargs(module, cache))
+        cache, logits = output_cache(out), out.logits[:, -1].float()
         next_pos = next_pos + 1
     return {"response_ids": tokens, "response_mask": response_mask,
             "sample_logprobs": logprobs}

@@ -15,20 +15,23 @@ Two heads are supported:
 Nothing is ever downloaded: tokenizers are built from an alphabet with the ``tokenizers``
 library and models from a config with random weights.
 
-KV-cache decoding with transformers 5.x (checked against 5.23, see
+KV-cache decoding with transformers 5.x (checked against 5.23 and 5.24, see
 ``tests/test_models.py::test_kv_cache_matches_full_forward``): no helper is needed. For a
-left-padded batch, the plain forward call works::
+left-padded batch, the plain forward call works (5.24 renamed ``past_key_values`` to
+``cache``, in the call and in its output; the old name warns and goes in 5.40, and
+``rlhfflow.stages.common.cache_kwargs`` / ``output_cache`` take whichever the installed
+version has)::
 
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                past_key_values=cache, use_cache=True)
+                cache=cache, use_cache=True)
     # then one token at a time, with the *whole* mask so far and only the new position:
     mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
     out = model(input_ids=next_ids[:, None], attention_mask=mask,
                 position_ids=position_ids_from_mask(mask)[:, -1:],
-                past_key_values=out.past_key_values, use_cache=True)
+                cache=out.cache, use_cache=True)
 
 The step logits match a single full forward over the whole sequence (same mask and positions)
 to well under 1e-4, and the left-padded row decodes the same tokens as the same prompt alone.

@@ -1,0 +1,190 @@
+"""Rows that repeat a prompt share its forward (GRPO's samples of one prompt, a DPO pair):
+the same log-probs, gradients and sampled tokens as one forward per row, with fewer tokens
+through the model. Real tiny Llama and GPT-2 models."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rlhfflow.stages.common import (
+    length_groups,
+    position_ids,
+    prefill,
+    response_logits,
+    sequence_inputs,
+    shared_prompt_rows,
+)
+from rlhfflow.stages.generate import GenerateParams, generate
+from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model
+
+PROMPTS = ["speak of the star:", "a", "talk about a fire and a rain:"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _batch(tok, rows: list[int], response_len: int = 12, seed: int = 0,
+           lengths: list[int] | None = None) -> dict:
+    """Rows ``rows`` (indices into PROMPTS, repeats allowed), left-padded prompts and random
+    right-padded responses of random lengths, or of ``lengths``."""
+    encoded = [tok(PROMPTS[i])["input_ids"] for i in rows]
+    width = max(map(len, encoded))
+    prompt_ids = torch.full((len(rows), width), tok.pad_token_id)
+    prompt_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, ids in enumerate(encoded):
+        prompt_ids[r, width - len(ids):] = torch.tensor(ids)
+        prompt_mask[r, width - len(ids):] = 1
+    gen = torch.Generator().manual_seed(seed)
+    response_ids = torch.randint(3, len(tok), (len(rows), response_len), generator=gen)
+    response_mask = torch.ones(len(rows), response_len, dtype=torch.int8)
+    for r in range(len(rows)):
+        end = int(torch.randint(1, response_len + 1, (1,), generator=gen)) \
+            if lengths is None else lengths[r]
+        response_mask[r, end:] = 0
+        response_ids[r, end:] = tok.pad_token_id
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+            "response_ids": response_ids, "response_mask": response_mask}
+
+
+def _full_logits(module, batch) -> torch.Tensor:
+    """One forward per row over prompt + response: what response_logits did before."""
+    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
+    out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                 use_cache=False)
+    response_len = batch["response_ids"].shape[1]
+    return out.logits[:, prompt_len - 1: prompt_len - 1 + response_len].float()
+
+
+def test_rows_sharing_a_prompt_are_found_in_order_of_first_appearance(tok):
+    batch = _batch(tok, [2, 0, 2, 1, 0, 2])
+    first, inverse = shared_prompt_rows(batch["prompt_ids"], batch["prompt_mask"])
+    assert first.tolist() == [0, 1, 3]
+    assert inverse.tolist() == [0, 1, 0, 2, 1, 0]
+    distinct = _batch(tok, [0, 1, 2])
+    assert shared_prompt_rows(distinct["prompt_ids"], distinct["prompt_mask"]) is None
+    one = _batch(tok, [1])
+    assert shared_prompt_rows(one["prompt_ids"], one["prompt_mask"]) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prompt_logits_and_gradients_equal_one_forward_per_row(tok, arch):
+    model = build_tiny_model(tok, seed=3, arch=arch).eval()
+    batch = _batch(tok, [0, 0, 1, 2, 0, 2, 1, 1])
+    mask = batch["response_mask"].bool()
+
+    def loss_and_grads(logits_fn):
+        model.zero_grad()
+        logits = logits_fn(model, batch)
+        logprobs = torch.log_softmax(logits, -1).gather(
+            -1, batch["response_ids"][..., None]).squeeze(-1)
+        (logprobs * mask).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shared, shared_grads = loss_and_grads(response_logits)
+    full, full_grads = loss_and_grads(_full_logits)
+    torch.testing.assert_close(shared[mask], full[mask], atol=1e-5, rtol=1e-5)
+    for a, b in zip(shared_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _forward_shapes(model, batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The ``[rows, tokens]`` of each forward ``response_logits`` makes, and its logits."""
+    seen: list[tuple[int, int]] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    try:
+        with torch.no_grad():
+            logits = response_logits(model, batch)
+    finally:
+        hook.remove()
+    return seen, logits
+
+
+def test_each_distinct_prompt_goes_through_the_model_once(tok):
+    model = build_tiny_model(tok, seed=3).eval()
+    rows = [0, 0, 0, 0, 2, 2, 2, 2]
+    batch = _batch(tok, rows, response_len=10, lengths=[10] * 8)
+    seen, _ = _forward_shapes(model, batch)
+    prompt_len = batch["prompt_ids"].shape[1]
+    # the two distinct prompts, then every row's response but its last token
+    assert seen == [(2, prompt_len), (len(rows), 9)]
+
+
+def test_responses_run_in_length_groups_cut_to_their_longest_row(tok):
+    model = build_tiny_model(tok, seed=3).eval()
+    lengths = [3, 30, 2, 29, 3, 30, 1, 28]
+    batch = _batch(tok, [0, 1, 2, 0, 1, 2, 0, 1], response_len=30, lengths=lengths)
+    seen, logits = _forward_shapes(model, batch)
+    # distinct prompts, then the short half cut to 3 tokens, the long half to 30
+    assert seen == [(3, batch["prompt_ids"].shape[1]), (4, 2), (4, 29)]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(logits[mask], _full_logits(model, batch)[mask],
+                               atol=1e-5, rtol=1e-5)
+    assert not logits[6, 3:].any()  # past its group's cut: zeros, never read
+    # one plain forward where nothing repeats and lengths are alike
+    alike = _batch(tok, [0, 1, 2], response_len=8, lengths=[8, 8, 7])
+    seen, _ = _forward_shapes(model, alike)
+    assert seen == [(3, alike["prompt_ids"].shape[1] + 8)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prefill_of_repeated_prompts_equals_the_prefill_of_every_row(tok, arch):
+    model = build_tiny_model(tok, seed=5, arch=arch).eval()
+    batch = _batch(tok, [1, 0, 1, 1, 2, 0])
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    with torch.no_grad():
+        cache, logits = prefill(model, ids, mask, "cpu")
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                    use_cache=True)
+    torch.testing.assert_close(logits, out.logits[:, -1].float(), atol=1e-5, rtol=1e-5)
+    real = mask.bool()[:, None, :, None]  # keys at padding positions are never attended
+    for shared_layer, full_layer in zip(cache.layers, out["cache"].layers, strict=True):
+        assert shared_layer.keys.shape == full_layer.keys.shape
+        torch.testing.assert_close(shared_layer.keys * real, full_layer.keys * real,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_sampled_tokens_of_repeated_prompts_equal_sampling_each_row_alone(tok):
+    model = build_tiny_model(tok, seed=7).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # peaked: a wrong cache would change tokens
+    batch = _batch(tok, [0, 0, 2, 0, 2, 2])
+    params = GenerateParams(max_new_tokens=10)
+    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.float64)
+    together = generate(model, batch["prompt_ids"], batch["prompt_mask"], uniforms, params,
+                        eos_id=None, pad_id=tok.pad_token_id)
+    for r in range(6):
+        width = int(batch["prompt_mask"][r].sum())
+        alone = generate(model, batch["prompt_ids"][r:r + 1, -width:],
+                         batch["prompt_mask"][r:r + 1, -width:], uniforms[r:r + 1], params,
+                         eos_id=None, pad_id=tok.pad_token_id)
+        assert torch.equal(together["response_ids"][r], alone["response_ids"][0])
+        torch.testing.assert_close(together["sample_logprobs"][r],
+                                   alone["sample_logprobs"][0], atol=1e-5, rtol=1e-5)
+
+
+def _padded_cost(lengths: torch.Tensor, ends: list[int], call_cost: float) -> float:
+    """Padded tokens of groups ending at ``ends``, plus ``call_cost`` per extra group."""
+    starts = [0, *ends[:-1]]
+    tokens = sum((hi - lo) * int(lengths[hi - 1]) for lo, hi in zip(starts, ends, strict=True))
+    return tokens + call_cost * (len(ends) - 1)
+
+
+def test_length_groups_are_the_cheapest_cuts_of_at_most_four_groups():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        lengths = torch.sort(torch.randint(1, 20, (rows,), generator=gen))[0]
+        call_cost = float(trial % 5) * 4.0
+        every = [[*cuts, rows] for k in range(4)
+                 for cuts in itertools.combinations(range(1, rows), k)]
+        ends = length_groups(lengths, call_cost)
+        assert ends[-1] == rows and ends == sorted(set(ends)) and len(ends) <= 4
+        assert _padded_cost(lengths, ends, call_cost) == \
+            min(_padded_cost(lengths, e, call_cost) for e in every)
