@@ -31,6 +31,7 @@ from rlhfflow.stages.common import (
     response_logits,
     response_logprobs,
     response_values,
+    shared_prompt_rows,
     stage_seed,
 )
 from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
@@ -61,6 +62,16 @@ class TrainActorParams(TrainParams):
 def _rows(batch: Batch, index: torch.Tensor) -> Batch:
     return {k: (v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index.tolist()])
             for k, v in batch.items()}
+
+
+def _group_by_prompt(batch: Batch, index: torch.Tensor) -> torch.Tensor:
+    """``index`` reordered (stably) so that rows of one prompt are adjacent: a gang rank's
+    contiguous shard of the minibatch then holds whole groups of samples, whose prompt it
+    runs once (``response_logits``). The minibatch and its summed gradient are the same."""
+    if "prompt_ids" not in batch:
+        return index
+    shared = shared_prompt_rows(batch["prompt_ids"][index], batch["prompt_mask"][index])
+    return index if shared is None else index[torch.argsort(shared[1], stable=True)]
 
 
 def _mean_metrics(history: list[dict[str, float]], weights: list[float] | None = None,
@@ -114,7 +125,8 @@ class _Trainer(Stage):
                     counts = {"tokens": ops.loss_count(mask),
                               "agg": ops.loss_count(mask, self._agg(),
                                                     self.algorithm.loss_scale_factor)}
-                    whole, index = index, index[gang.shard(len(index))]
+                    whole = _group_by_prompt(batch, index)
+                    index = whole[gang.shard(len(whole))]
                 # a minibatch smaller than the gang leaves some ranks nothing; they still
                 # join the gradient all-reduce, with a zero loss on one row (weight 0)
                 empty = len(index) == 0
