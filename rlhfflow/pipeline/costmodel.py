@@ -34,17 +34,20 @@ FORMAT = "rlhfflow-profile/1"
 
 # Analytic constants of one CPU core, fitted to the stages of configs/grpo-tiny, ppo-tiny,
 # remax-tiny and grpo-small measured under every layout of the 2-core development machines
-# (``python benchmarks/calibrate.py``: median error of a task 51% with the earlier
-# constants, 22% with these). ``rlhfflow profile`` measures the machine's own.
+# (``python benchmarks/calibrate.py``, refitted when forward passes began to run each
+# distinct prompt once and responses cut to their length: median error of a task 39%
+# with the constants before, 15% with these). Responses are counted at ``max_new_tokens``;
+# their measured work is less (rows ending at EOS run cut to their length), which these
+# constants absorb on average. ``rlhfflow profile`` measures the machine's own.
 CPU_DEVICE = {
-    "flops_per_s": 4.4e10,       # dense matmul throughput of one thread
-    "thread_efficiency": 0.95,   # share of a task's work that scales with threads
+    "flops_per_s": 6.66e10,      # dense matmul throughput of one thread
+    "thread_efficiency": 0.892,  # share of a task's work that scales with threads
     "step_s": 0.0,               # per forward call besides its layers (wrappers, masks)
-    "layer_s": 9.1e-4,           # per layer per forward (small ops, Python, kernel launches)
-    "row_step_s": 2.5e-4,        # per row of a decoding step (sampling, bookkeeping)
-    "train_step_s": 0.016,       # per optimizer step: loss, clipping, AdamW's Python
-    "train_factor": 2.5,         # a training step's work / a forward's (backward ~2x)
-    "task_s": 4.7e-3,            # per task inside the worker (assembling, slicing)
+    "layer_s": 4.9e-4,           # per layer per forward (small ops, Python, kernel launches)
+    "row_step_s": 1.53e-4,       # per row of a decoding step (sampling, bookkeeping)
+    "train_step_s": 0.0127,      # per optimizer step: loss, clipping, AdamW's Python
+    "train_factor": 2.61,        # a training step's work / a forward's (backward ~2x)
+    "task_s": 5.5e-3,            # per task inside the worker (assembling, slicing)
     "latency_s": 6.0e-3,         # Dask: from a task's end to its dependent's start
     "bytes_per_s": 5.0e8,        # Dask transfers between workers
     "allreduce_bytes_per_s": 3.0e8,
@@ -310,17 +313,24 @@ class CostModel:
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
         flops_token = 2.0 * shape.params
         call = d["step_s"] + shape.layers * d["layer_s"]  # one forward's fixed cost
+        # a causal LM runs a prompt once for the rows that share it (stages.common), so a
+        # row carries only its share of the prompt's tokens; a value head runs every row
+        lm = self.pipeline.spec.models[node.model].head == "lm"
         # a stage that decodes without sampling (ReMax's greedy baseline) costs the same
         decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
         if node.generates or decodes:
             steps = decodes or self.response_tokens
-            prefill = call + rows * self.prompt_tokens * flops_token / speed
+            prefill = call + rows * self._prompt_share(1) * self.prompt_tokens * \
+                flops_token / speed
             decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
             return d["task_s"] + prefill + decode
         if node.trains:
             epochs = int(getattr(params, "epochs", 1))
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
+            if lm:
+                tokens = self.prompt_tokens * self._prompt_share(minibatches) + \
+                    self.response_tokens
             compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
             allreduce = 0.0
@@ -330,7 +340,23 @@ class CostModel:
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
         # one forward pass: log-probs, values, a reward model
+        if lm:
+            tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
+
+    def _prompt_share(self, minibatches: int) -> float:
+        """The share of a row's prompt tokens a causal LM's forward runs when each
+        distinct prompt runs once: ``1/G`` for ``G`` samples per prompt in contiguous
+        rows (micro-batches); for a minibatch of a shuffled batch's rows (a trainer's
+        ``minibatches``), the expected distinct prompts in it per row."""
+        data = self.pipeline.spec.data
+        group = data.samples_per_prompt if data is not None else 1
+        if group <= 1:
+            return 1.0
+        if minibatches <= 1:
+            return 1.0 / group
+        fraction = 1.0 / minibatches  # each row of a prompt is in the minibatch w.p. f
+        return (1.0 - (1.0 - fraction) ** group) / (fraction * group)
 
     def transfer_seconds(self, nbytes: float) -> float:
         """Moving ``nbytes`` between two workers (Dask, or a weight reallocation)."""
