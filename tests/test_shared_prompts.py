@@ -14,6 +14,7 @@ from rlhfflow.stages.common import (
     position_ids,
     prefill,
     response_logits,
+    response_values,
     sequence_inputs,
     shared_prompt_rows,
 )
@@ -92,17 +93,40 @@ def test_shared_prompt_logits_and_gradients_equal_one_forward_per_row(tok, arch)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def _forward_shapes(model, batch) -> tuple[list[tuple[int, int]], torch.Tensor]:
-    """The ``[rows, tokens]`` of each forward ``response_logits`` makes, and its logits."""
+def _forward_shapes(model, batch, function=response_logits
+                    ) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The ``[rows, tokens]`` of each forward ``function`` makes, and what it returns."""
     seen: list[tuple[int, int]] = []
     hook = model.get_input_embeddings().register_forward_hook(
         lambda _m, args, _out: seen.append(tuple(args[0].shape)))
     try:
         with torch.no_grad():
-            logits = response_logits(model, batch)
+            logits = function(model, batch)
     finally:
         hook.remove()
     return seen, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_value_head_runs_each_prompt_once_with_the_values_of_one_forward_per_row(tok,
+                                                                                  arch):
+    model = build_tiny_model(tok, "value", seed=3, arch=arch).eval()
+    batch = _batch(tok, [0, 0, 1, 2, 0, 2, 1, 1], response_len=12)
+    seen, _ = _forward_shapes(model, batch, response_values)
+    assert seen[0] == (3, batch["prompt_ids"].shape[1])  # the distinct prompts first
+    model.zero_grad()
+    shared = response_values(model, batch)
+    shared.sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
+    model.zero_grad()
+    full = model(input_ids=input_ids, attention_mask=mask, position_ids=positions
+                 ).logits[:, prompt_len - 1: prompt_len - 1 + 12, 0]
+    full = full * batch["response_mask"]
+    full.sum().backward()
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_each_distinct_prompt_goes_through_the_model_once(tok):

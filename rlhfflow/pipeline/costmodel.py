@@ -313,9 +313,8 @@ class CostModel:
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
         flops_token = 2.0 * shape.params
         call = d["step_s"] + shape.layers * d["layer_s"]  # one forward's fixed cost
-        # a causal LM runs a prompt once for the rows that share it (stages.common), so a
-        # row carries only its share of the prompt's tokens; a value head runs every row
-        lm = self.pipeline.spec.models[node.model].head == "lm"
+        # a forward runs a prompt once for the rows that share it (stages.common), so a
+        # row carries only its share of the prompt's tokens
         # a stage that decodes without sampling (ReMax's greedy baseline) costs the same
         decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
         if node.generates or decodes:
@@ -328,9 +327,8 @@ class CostModel:
             epochs = int(getattr(params, "epochs", 1))
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
-            if lm:
-                tokens = self.prompt_tokens * self._prompt_share(minibatches) + \
-                    self.response_tokens
+            tokens = self.prompt_tokens * self._prompt_share(minibatches) + \
+                self.response_tokens
             compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
             allreduce = 0.0
@@ -340,12 +338,11 @@ class CostModel:
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
         # one forward pass: log-probs, values, a reward model
-        if lm:
-            tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
+        tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
 
     def _prompt_share(self, minibatches: int) -> float:
-        """The share of a row's prompt tokens a causal LM's forward runs when each
+        """The share of a row's prompt tokens a forward runs when each
         distinct prompt runs once: ``1/G`` for ``G`` samples per prompt in contiguous
         rows (micro-batches); for a minibatch of a shuffled batch's rows (a trainer's
         ``minibatches``), the expected distinct prompts in it per row."""

@@ -38,7 +38,8 @@ def response_logits(module: torch.nn.Module, batch: Batch, temperature: float = 
     response token. Past a row's last real token the values mean nothing (padding's
     logits, or 0 where the row's length group was cut); every user masks them.
 
-    A causal LM skips work the padded layout would make it do (``response_parts``):
+    A model that takes a KV cache (transformers' causal LMs and token-classification
+    heads) skips work the padded layout would make it do (``response_parts``):
     rows that repeat a prompt (the samples of one prompt under GRPO, RLOO, best-of-N;
     the two sides of a DPO pair) share its forward, each distinct prompt running once
     with its KV cache rows repeated, and the responses run on top of that cache in
@@ -49,7 +50,7 @@ def response_logits(module: torch.nn.Module, batch: Batch, temperature: float = 
     (~1e-7: the matrix products have other shapes)."""
     device = next(module.parameters()).device
     response_len = batch["response_ids"].shape[1]
-    parts = response_parts(batch) if _causal_lm(module) else None
+    parts = response_parts(batch) if _takes_cache(module) else None
     if parts is not None:
         logits = _logits_in_parts(module, batch, parts, device)
     elif _keeps_logits(module):
@@ -185,26 +186,35 @@ def _prompt_forward(module: torch.nn.Module, prompt_ids: torch.Tensor,
         first, inverse = slice(None), torch.arange(prompt_ids.shape[0])
     else:
         first, inverse = shared
+    from transformers import DynamicCache
+
     ids, mask = prompt_ids[first].to(device), prompt_mask[first].long().to(device)
+    # a cache of our own, which the model fills in place: a token-classification
+    # head's output does not return the cache its base model filled
+    cache = DynamicCache(config=module.config)
     out = module(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                 use_cache=True, **last_logits_kwargs(module))
-    return output_cache(out), out.logits[:, -1].float(), inverse.to(device)
+                 use_cache=True, **cache_kwargs(module, cache), **last_logits_kwargs(module))
+    return cache, out.logits[:, -1].float(), inverse.to(device)
 
 
 def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
     """The forward keyword that passes a KV cache: ``cache`` from transformers 5.24 on
     (``past_key_values`` is deprecated there, with a warning on every process, and goes in
     5.40), ``past_key_values`` before."""
+    return {"cache" if "cache" in _forward_parameters(module) else "past_key_values": cache}
+
+
+def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """The keyword names of ``module``'s forward (looked up once per class)."""
     forward = type(module).forward
-    if forward not in _CACHE_KWARG:
+    if forward not in _FORWARD_PARAMETERS:
         import inspect
 
-        names = inspect.signature(forward).parameters
-        _CACHE_KWARG[forward] = "cache" if "cache" in names else "past_key_values"
-    return {_CACHE_KWARG[forward]: cache}
+        _FORWARD_PARAMETERS[forward] = frozenset(inspect.signature(forward).parameters)
+    return _FORWARD_PARAMETERS[forward]
 
 
-_CACHE_KWARG: dict = {}
+_FORWARD_PARAMETERS: dict = {}
 
 
 def output_cache(out: object) -> object:
@@ -254,11 +264,11 @@ def _cache_rows(cache: object, rows: torch.Tensor) -> object:
     return selected
 
 
-def _causal_lm(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a causal LM whose forward returns its KV cache."""
-    from transformers import GenerationMixin
-
-    return isinstance(module, GenerationMixin)
+def _takes_cache(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward takes a KV cache (transformers' causal LMs and
+    token-classification heads do; a wrapper such as a DeepSpeed engine does not say)."""
+    names = _forward_parameters(module)
+    return "cache" in names or "past_key_values" in names
 
 
 def last_logits_kwargs(module: torch.nn.Module) -> dict[str, int]:
@@ -270,15 +280,7 @@ def last_logits_kwargs(module: torch.nn.Module) -> dict[str, int]:
 
 def _keeps_logits(module: torch.nn.Module) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs)."""
-    import inspect
-
-    forward = type(module).forward
-    if forward not in _KEEPS_LOGITS:
-        _KEEPS_LOGITS[forward] = "logits_to_keep" in inspect.signature(forward).parameters
-    return _KEEPS_LOGITS[forward]
-
-
-_KEEPS_LOGITS: dict = {}
+    return "logits_to_keep" in _forward_parameters(module)
 
 
 def response_logprobs(module: torch.nn.Module, batch: Batch, temperature: float = 1.0
@@ -294,10 +296,14 @@ def response_values(module: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Per-token values ``[N, Lr]`` from a value-head model, aligned with the log-probs
     (the value of the state before each response token); 0 on padding."""
     device = next(module.parameters()).device
-    input_ids, mask, positions, prompt_len = sequence_inputs(batch, device)
-    response_len = batch["response_ids"].shape[1]
-    out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions)
-    values = out.logits[..., 0].float()[:, prompt_len - 1: prompt_len - 1 + response_len]
+    parts = response_parts(batch) if _takes_cache(module) else None
+    if parts is not None:  # each prompt once, responses cut to length (response_logits)
+        values = _logits_in_parts(module, batch, parts, device)[..., 0]
+    else:
+        input_ids, mask, positions, prompt_len = sequence_inputs(batch, device)
+        response_len = batch["response_ids"].shape[1]
+        out = module(input_ids=input_ids, attention_mask=mask, position_ids=positions)
+        values = out.logits[..., 0].float()[:, prompt_len - 1: prompt_len - 1 + response_len]
     return values * batch["response_mask"].to(values.device)
 
 
