@@ -58,7 +58,9 @@ def test_inline_and_dask_runs_give_the_same_metrics(tmp_path):
     # the embedded cluster starts while the coordinator prepares the prompts; a worker
     # builds the tiny models
     assert list(dask.summary["startup"]) == ["load", "plan", "cluster + prompts", "models"]
-    assert dask.summary["startup_s"] >= sum(dask.summary["startup"].values()) - 1e-3
+    # each figure is rounded to the millisecond: four rounded parts can exceed the rounded
+    # total by up to 2.5 ms (seen: 55.311 against parts summing to 55.312)
+    assert dask.summary["startup_s"] >= sum(dask.summary["startup"].values()) - 3e-3
     assert dask.summary["first_iteration_s"] > 0
     for a, b in zip(inline.metrics, dask.metrics, strict=True):
         for key in ("samples", "reward_mean", "reward_std", "response_length_mean",

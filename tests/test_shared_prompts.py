@@ -212,3 +212,29 @@ def test_length_groups_are_the_cheapest_cuts_of_at_most_four_groups():
         assert ends[-1] == rows and ends == sorted(set(ends)) and len(ends) <= 4
         assert _padded_cost(lengths, ends, call_cost) == \
             min(_padded_cost(lengths, e, call_cost) for e in every)
+
+
+def test_gang_ranks_get_whole_prompt_groups_with_balanced_tokens(tok):
+    from rlhfflow.stages.parallel import Gang
+    from rlhfflow.stages.train import _rank_rows
+
+    # prompt 0's four samples are long, the others short: equal row counts would give
+    # one rank most of the tokens
+    rows = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    lengths = [20, 20, 20, 20, 2, 2, 2, 2, 3, 3, 3, 3]
+    batch = _batch(tok, rows, response_len=20, lengths=lengths)
+    index = torch.tensor([11, 0, 5, 3, 8, 1, 6, 9, 2, 4, 7, 10])  # a shuffled minibatch
+    shares = [_rank_rows(batch, index, Gang(rank, 2, ("a", "b"), "gloo"))
+              for rank in range(2)]
+    assert sorted(torch.cat(shares).tolist()) == sorted(index.tolist())  # a partition
+    prompt_of = {r: p for r, p in enumerate(rows)}
+    owners = {prompt_of[int(r)]: rank for rank, share in enumerate(shares) for r in share}
+    for rank, share in enumerate(shares):  # no prompt's samples on two ranks
+        assert all(owners[prompt_of[int(r)]] == rank for r in share)
+    tokens = [int(batch["response_mask"][share].sum()) for share in shares]
+    assert sorted(tokens) == [20, 80]  # the long group alone, the two short ones together
+    # fewer groups than ranks: near-equal row counts, as before
+    two = _batch(tok, [0, 0, 0, 0], lengths=[5, 5, 5, 5])
+    halves = [_rank_rows(two, torch.arange(4), Gang(rank, 2, ("a", "b"), "gloo")).tolist()
+              for rank in range(2)]
+    assert halves == [[0, 1], [2, 3]]

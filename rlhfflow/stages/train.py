@@ -64,14 +64,41 @@ def _rows(batch: Batch, index: torch.Tensor) -> Batch:
             for k, v in batch.items()}
 
 
-def _group_by_prompt(batch: Batch, index: torch.Tensor) -> torch.Tensor:
-    """``index`` reordered (stably) so that rows of one prompt are adjacent: a gang rank's
-    contiguous shard of the minibatch then holds whole groups of samples, whose prompt it
-    runs once (``response_logits``). The minibatch and its summed gradient are the same."""
+def _rank_rows(batch: Batch, index: torch.Tensor, gang) -> torch.Tensor:
+    """This gang rank's rows of the minibatch ``index``: whole groups of one prompt's
+    samples (whose prompt it then runs once, ``response_logits``), dealt so that the
+    ranks get about the same number of tokens, since the rank with the most decides when
+    the gradient all-reduce can start. Every rank computes the same deal; the minibatch
+    and its summed gradient are the same whichever rank takes a row."""
+    groups = _prompt_groups(batch, index)
+    if len(groups) < gang.size:  # too few groups to go round: near-equal row counts
+        return index[gang.shard(len(index))]
+    mask = batch.get("response_mask")
+    tokens = mask[index].sum(-1).tolist() if mask is not None else [1] * len(index)
+    prompt_tokens = batch["prompt_mask"][index].sum(-1).tolist() \
+        if "prompt_mask" in batch else [0] * len(index)
+    costs = [prompt_tokens[g[0]] + sum(tokens[r] for r in g) for g in groups]
+    # longest processing time first: the largest group to the least loaded rank
+    loads, mine = [0.0] * gang.size, []
+    for g in sorted(range(len(groups)), key=lambda g: (-costs[g], groups[g][0])):
+        rank = min(range(gang.size), key=lambda r: (loads[r], r))
+        loads[rank] += costs[g]
+        if rank == gang.rank:
+            mine += groups[g]
+    return index[sorted(mine)]
+
+
+def _prompt_groups(batch: Batch, index: torch.Tensor) -> list[list[int]]:
+    """Positions in ``index`` grouped by prompt (each row alone without prompts)."""
     if "prompt_ids" not in batch:
-        return index
+        return [[r] for r in range(len(index))]
     shared = shared_prompt_rows(batch["prompt_ids"][index], batch["prompt_mask"][index])
-    return index if shared is None else index[torch.argsort(shared[1], stable=True)]
+    if shared is None:
+        return [[r] for r in range(len(index))]
+    groups: list[list[int]] = [[] for _ in range(len(shared[0]))]
+    for position, group in enumerate(shared[1].tolist()):
+        groups[group].append(position)
+    return groups
 
 
 def _mean_metrics(history: list[dict[str, float]], weights: list[float] | None = None,
@@ -125,8 +152,7 @@ class _Trainer(Stage):
                     counts = {"tokens": ops.loss_count(mask),
                               "agg": ops.loss_count(mask, self._agg(),
                                                     self.algorithm.loss_scale_factor)}
-                    whole = _group_by_prompt(batch, index)
-                    index = whole[gang.shard(len(whole))]
+                    whole, index = index, _rank_rows(batch, index, gang)
                 # a minibatch smaller than the gang leaves some ranks nothing; they still
                 # join the gradient all-reduce, with a zero loss on one row (weight 0)
                 empty = len(index) == 0
