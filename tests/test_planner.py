@@ -331,3 +331,18 @@ def test_the_calibration_fit_recovers_the_times_of_another_machine():
 
     assert median_error(dict(CPU_DEVICE)) > 0.3
     assert median_error(fit(cases, dict(CPU_DEVICE))) < 0.05
+
+
+def test_a_trainer_of_selected_rows_is_costed_on_the_rows_it_keeps():
+    # best-of-N: train_sft learns from the top 1 of each prompt's 4 samples, so its
+    # update costs what training on a quarter of the rows (one per prompt) costs
+    best_of_n = CONFIGS / "best-of-n-tiny.yaml"
+    pipeline = load_pipeline(best_of_n)
+    assert pipeline.graph.nodes["train_sft"].row_filter == "selected"
+    assert pipeline.graph.nodes["select"].kept_share == 0.25
+    every_row = CostModel(load_pipeline(best_of_n, {"stages.train_sft.params.selected": False,
+                                                    "data.samples_per_prompt": 1}))
+    kept = CostModel(pipeline).analytic("train_sft", 32, 1)
+    assert kept == pytest.approx(every_row.analytic("train_sft", 8, 1))
+    assert kept < CostModel(load_pipeline(best_of_n, {
+        "stages.train_sft.params.selected": False})).analytic("train_sft", 32, 1)

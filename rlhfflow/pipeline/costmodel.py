@@ -297,7 +297,15 @@ class CostModel:
         return analytic
 
     def analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
-        """The analytic estimate of a task (see the module docstring)."""
+        """The analytic estimate of a task (see the module docstring); a stage that works
+        in one iteration of ``every`` (an evaluation) costs that share of it."""
+        node = self.graph.nodes.get(stage)
+        work = self._analytic(stage, rows, threads, gang)
+        if node is not None and node.every > 1:
+            return self.device["task_s"] + (work - self.device["task_s"]) / node.every
+        return work
+
+    def _analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
         d = self.device
         speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
                                     + d["thread_efficiency"] / max(1, threads))
@@ -324,10 +332,12 @@ class CostModel:
             decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
             return d["task_s"] + prefill + decode
         if node.trains:
+            share = self._row_share(stage)
+            rows = rows * share
             epochs = int(getattr(params, "epochs", 1))
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
-            tokens = self.prompt_tokens * self._prompt_share(minibatches) + \
+            tokens = self.prompt_tokens * self._prompt_share(minibatches, share) + \
                 self.response_tokens
             compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
@@ -341,13 +351,24 @@ class CostModel:
         tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
 
-    def _prompt_share(self, minibatches: int) -> float:
+    def _row_share(self, stage: str) -> float:
+        """The share of the batch's rows ``stage`` works on: those its ``row_filter``
+        column marks, at most the producer's ``kept_share`` (best-of-N fine-tuning
+        trains on ``top_k`` of each prompt's samples)."""
+        column = self.graph.nodes[stage].row_filter
+        producer = self.graph.producer(column, stage) if column else None
+        node = self.graph.nodes.get(producer) if producer else None
+        return node.kept_share if node is not None else 1.0
+
+    def _prompt_share(self, minibatches: int, row_share: float = 1.0) -> float:
         """The share of a row's prompt tokens a forward runs when each
         distinct prompt runs once: ``1/G`` for ``G`` samples per prompt in contiguous
         rows (micro-batches); for a minibatch of a shuffled batch's rows (a trainer's
-        ``minibatches``), the expected distinct prompts in it per row."""
+        ``minibatches``), the expected distinct prompts in it per row. ``row_share``:
+        the stage keeps that share of each prompt's samples (``_row_share``)."""
         data = self.pipeline.spec.data
         group = data.samples_per_prompt if data is not None else 1
+        group = max(1, round(group * row_share))
         if group <= 1:
             return 1.0
         if minibatches <= 1:

@@ -47,6 +47,12 @@ class StageNode:
     #: other models the stage reads besides ``model`` (a generator's draft model): they
     #: order the stage after their trainers as ``model`` does
     uses: tuple[str, ...] = ()
+    #: the column whose nonzero rows the stage works on (``Stage.row_filter``), and the
+    #: most of a batch's rows the stage keeps when it marks rows (``Stage.kept_share``)
+    row_filter: str | None = None
+    kept_share: float = 1.0
+    #: the stage works in one iteration of this many (``Stage.runs_every``)
+    every: int = 1
 
 
 class CycleError(ValueError):

@@ -281,6 +281,7 @@ def column_problem(name: Any, col: Any) -> str | None:
 def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
                  classes: dict[str, type[Stage]]) -> StageGraph:
     nodes = {}
+    samples = spec.data.samples_per_prompt if spec.data is not None else 1
     for name, stage in spec.stages.items():
         cls = classes[name]
         reads, writes = _stage_columns(file, f"stages.{name}.type", cls, params[name],
@@ -295,7 +296,13 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
                                      params[name]),
             impl=stage_type_path(cls),
-            uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())))
+            uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())),
+            row_filter=_plugin_call(file, f"stages.{name}.params", cls.row_filter,
+                                    params[name]),
+            kept_share=float(_plugin_call(file, f"stages.{name}.params", cls.kept_share,
+                                          params[name], samples)),
+            every=max(1, int(_plugin_call(file, f"stages.{name}.params", cls.runs_every,
+                                          params[name]))))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

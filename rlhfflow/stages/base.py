@@ -182,6 +182,25 @@ class Stage:
         return int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0
 
     @classmethod
+    def runs_every(cls, params: StageParams) -> int:
+        """The stage does its work in one iteration of this many (``evaluate``'s
+        ``every``); the planner charges it that share of its cost per iteration."""
+        return 1
+
+    @classmethod
+    def row_filter(cls, params: StageParams) -> str | None:
+        """The column whose nonzero rows the stage works on (a trainer that learns from
+        the rows a selection marked), or None: every row. The planner costs such a stage
+        on the share of rows the column's producer keeps (``kept_share``)."""
+        return None
+
+    @classmethod
+    def kept_share(cls, params: StageParams, samples_per_prompt: int) -> float:
+        """For a stage that marks rows for others (``select``): the most of a batch's
+        rows it keeps, as a share; 1 for every other stage."""
+        return 1.0
+
+    @classmethod
     def sampling_temperature(cls, params: StageParams) -> float:
         """A generator's sampling temperature (``params.temperature``, default 1)."""
         return float(getattr(params, "temperature", 1.0))

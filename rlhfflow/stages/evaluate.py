@@ -72,6 +72,10 @@ class EvaluateStage(Stage):
     reports = True
 
     @classmethod
+    def runs_every(cls, params):
+        return params.every
+
+    @classmethod
     def check_params(cls, params, has_model, base_dir):
         if params.prompts is None:
             return ("params.prompts", "required key is missing: the evaluation prompts file")

@@ -51,6 +51,10 @@ class SelectStage(Stage):
     def writes(cls, params, algorithm, has_model):
         return {"selected": Column("int8")}
 
+    @classmethod
+    def kept_share(cls, params, samples_per_prompt):
+        return min(params.top_k, samples_per_prompt) / max(samples_per_prompt, 1)
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         keep = ops.best_in_group(batch["scores"], batch["group_ids"], score_valid(batch),
                                  self.params.top_k, self.params.min_score)

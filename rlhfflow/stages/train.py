@@ -479,6 +479,10 @@ class TrainSFTStage(_Trainer):
     model_head = "lm"
 
     @classmethod
+    def row_filter(cls, params):
+        return "selected" if params.selected else None
+
+    @classmethod
     def reads(cls, params, algorithm, has_model):
         return (*RESPONSE_INPUTS, "score_valid", "policy_version",
                 *(("selected",) if params.selected else ()))
