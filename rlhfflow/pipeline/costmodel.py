@@ -322,7 +322,7 @@ class CostModel:
         flops_token = 2.0 * shape.params
         call = d["step_s"] + shape.layers * d["layer_s"]  # one forward's fixed cost
         # a forward runs a prompt once for the rows that share it (stages.common), so a
-        # row carries only its share of the prompt's tokens
+        # row carries only its share of the prompt's tokens (_prompt_share below)
         # a stage that decodes without sampling (ReMax's greedy baseline) costs the same
         decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
         if node.generates or decodes:
@@ -347,8 +347,10 @@ class CostModel:
                 allreduce = steps * (ring / d["allreduce_bytes_per_s"]
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
-        # one forward pass: log-probs, values, a reward model
-        tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
+        # one forward pass: log-probs, values, a reward model; a reward model's sequence
+        # scores still run every row's prompt (stages.models.sequence_scores)
+        if not node.scores:
+            tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
 
     def _row_share(self, stage: str) -> float:

@@ -182,12 +182,12 @@ def _prompt_forward(module: torch.nn.Module, prompt_ids: torch.Tensor,
                     device: str | torch.device) -> tuple[object, torch.Tensor, torch.Tensor]:
     """One forward over each distinct prompt: ``(cache [U], last logits [U, V], inverse
     [N])``, ``inverse`` (on ``device``) naming each row's prompt."""
+    from transformers import DynamicCache
+
     if shared is None:
         first, inverse = slice(None), torch.arange(prompt_ids.shape[0])
     else:
         first, inverse = shared
-    from transformers import DynamicCache
-
     ids, mask = prompt_ids[first].to(device), prompt_mask[first].long().to(device)
     # a cache of our own, which the model fills in place: a token-classification
     # head's output does not return the cache its base model filled
@@ -235,9 +235,10 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
     for index, length in parts.groups:
         # response tokens 0 .. length-2 predict tokens 1 .. length-1; the prompt's last
         # position predicted token 0
-        logits = first_logits[inverse[index.to(device)]][:, None]
+        prompts = inverse[index.to(device)]  # each row's distinct prompt
+        logits = first_logits[prompts][:, None]
         if length > 1:
-            cache = _cache_rows(prompt_cache, inverse[index.to(device)])
+            cache = _cache_rows(prompt_cache, prompts)
             mask = torch.cat([prompt_mask[index], batch["response_mask"][index, :length - 1]
                               .long()], dim=1).to(device)
             step = module(input_ids=batch["response_ids"][index, :length - 1].to(device),
