@@ -245,6 +245,51 @@ def test_a_two_rank_gang_makes_the_same_dpo_and_sft_update_as_one_worker(
     assert torch.equal(ranks[0][1], ranks[1][1])
 
 
+def _nan_step_rank(rank: int, port: int, model_dir: str, results) -> None:
+    """One rank of a two-rank gang: a step where only rank 1's loss is NaN, then one
+    where both are finite."""
+    from rlhfflow.stages import ModelConfig, ModelStore
+    from rlhfflow.stages.parallel import join_gang
+
+    torch.set_num_threads(1)
+    gang = join_gang(("w0", "w1"), f"w{rank}", "127.0.0.1", port, 60.0)
+    resident = ModelStore({"actor": ModelConfig(
+        "actor", "lm", model_dir, trainable=True,
+        optimizer={"lr": 1e-2, "skip_nonfinite": 1})}).get("actor")
+    ids = torch.tensor([[1, 5, 9, 4 + rank]])
+
+    def loss() -> torch.Tensor:
+        logits = resident.module(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]) / 2
+
+    def weights() -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in resident.module.parameters()])
+
+    before = weights()
+    norm = resident.step(loss() * (float("nan") if rank == 1 else 1.0), gang)
+    skipped = (norm != norm, resident.skipped_steps, torch.equal(weights(), before))
+    resident.step(loss(), gang)
+    results.put((rank, skipped, weights().numpy().copy()))
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tiny_lm_dir):
+    """Whether a rank's loss is finite travels with the gradients (one collective per
+    step): every rank skips the step together, and the next step goes on in step."""
+    ctx = mp.get_context("forkserver" if start_fork_server() else "spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_nan_step_rank, args=(rank, port, str(tiny_lm_dir), results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted((results.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for _, skipped, _ in out:
+        assert skipped == (True, 1, True)  # NaN norm, counted, weights untouched
+    assert (out[0][2] == out[1][2]).all()  # the next step: the same update on both
+
+
 # --------------------------------------------------------------------------- runs
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,17 +75,22 @@ def join_gang(members: tuple[str, ...], me: str, master: str, port: int,
     return _GANG
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], gang: Gang) -> None:
+def allreduce_gradients(params: list[torch.nn.Parameter], gang: Gang,
+                        extra: Sequence[float] = ()) -> list[float]:
     """Sum the gradients of ``params`` over the gang, in place, in one collective (each
-    rank's loss is already scaled to its share of the whole batch)."""
+    rank's loss is already scaled to its share of the whole batch); ``extra`` numbers
+    ride along in the same collective, and their sums are returned."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    dtype = grads[0].dtype if grads else torch.float32
+    flat = torch.cat([g.reshape(-1) for g in grads] +
+                     [torch.tensor(list(extra), dtype=dtype)])
     dist.all_reduce(flat)
     offset = 0
     for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[offset: offset + n].view_as(p)
         offset += n
+    return flat[offset:].tolist()
 
 
 def allreduce_sum(values: list[float], gang: Gang | None) -> list[float]:

@@ -188,13 +188,14 @@ class ResidentModel:
         so the gang's gradients add up to the whole batch's."""
         optimizer = self.optimizer  # created (with its schedule) before the first step
         bad = float(not torch.isfinite(loss.detach()).all())
-        if gang is not None and gang.size > 1:
+        ganged = gang is not None and gang.size > 1
+        if ganged and self.engine is not None:
             # the ranks of a gang must skip (or stop) together: one rank leaving the step
             # alone would leave the others waiting in the gradient all-reduce
             from rlhfflow.stages.parallel import allreduce_sum
 
             bad = allreduce_sum([bad], gang)[0]
-        if bad:
+        if bad and not (ganged and self.engine is None):
             self._nonfinite(f"loss is {float(loss.detach().float().sum())}")
             return float("nan")
         if self.engine is not None:
@@ -208,11 +209,18 @@ class ResidentModel:
         optimizer.zero_grad(set_to_none=True)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         clip = self.config.optimizer.get("grad_clip")
-        if gang is not None and gang.size > 1:
+        if ganged:
             from rlhfflow.stages.parallel import allreduce_gradients
 
             params = [p for p in self.module.parameters() if p.requires_grad]
-            allreduce_gradients(params, gang)
+            # whether any rank's loss is non-finite travels with the gradients: one
+            # collective per step, not two (each waits for the slowest rank)
+            [bad_ranks] = allreduce_gradients(params, gang, [bad])
+            if bad_ranks:  # every rank skips (or stops) together
+                optimizer.zero_grad(set_to_none=True)
+                self._nonfinite(f"loss is {float(loss.detach().float().sum())}" if bad else
+                                "loss is not finite on another rank of the gang")
+                return float("nan")
         else:
             params = [p for p in self.module.parameters() if p.grad is not None]
         if self.scaler is not None:  # after the all-reduce: every rank sees the same infs
