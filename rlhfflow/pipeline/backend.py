@@ -406,12 +406,20 @@ class DaskBackend:
 
     def gather(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> list[Any]:
         """Bring small results (metrics) to the coordinator. A result held by a worker
-        that died in the meantime is lost: ``WorkerLost``."""
-        try:
-            return self.client.gather(list(handles))
-        except Exception:
-            self._check_alive(pinned or self.workers, grace=5.0)
-            raise
+        that died in the meantime is lost: ``WorkerLost``. (``Client.gather`` would wait
+        for it forever: the task that made it is pinned to the dead worker.)"""
+        out = []
+        for h in handles:
+            while True:
+                try:
+                    out.append(h.result(timeout=2))
+                    break
+                except TimeoutError:
+                    self._check_alive(pinned or self.workers)
+                except Exception:
+                    self._check_alive(pinned or self.workers, grace=5.0)
+                    raise
+        return out
 
     def run_on_workers(self, fn: Callable, *args: Any,
                        workers: Sequence[str] | None = None) -> dict[str, Any]:
