@@ -8,10 +8,10 @@ and interleaved, so each stage is measured at two row counts, alone and in a gan
 reads profiles made before, then fits
 
     flops_per_s, step_s, layer_s, row_step_s, task_s, train_step_s,
-    train_factor, thread_efficiency
+    train_factor, thread_efficiency, contention
 
 by minimising the squared log error of the analytic estimate against the median measured
-time of every (config, stage, rows, threads, gang) group, each weighted by its share of
+time of every (config, stage, rows, threads, gang, contended) group, each weighted by its share of
 its config's time (Nelder-Mead in log space), and
 prints per group the measured time and the estimate with the current and with the fitted
 constants. The last line is one JSON object: the fitted constants and the median and
@@ -36,18 +36,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FITTED = ("flops_per_s", "step_s", "layer_s", "row_step_s", "task_s",
-          "train_step_s", "train_factor", "thread_efficiency")
+          "train_step_s", "train_factor", "thread_efficiency", "contention")
 
 
-def groups_of(pipeline, observations) -> dict[tuple[str, int, int, int], float]:
-    """Median measured seconds per (stage, rows, threads, gang) of stages with a model
-    (model-free stages and stores are ~1 ms and follow other constants)."""
+def groups_of(model, observations) -> dict[tuple[str, int, int, int, bool], float]:
+    """Median measured seconds per (stage, rows, threads, gang, contended) of stages with
+    a model (model-free stages and stores are ~1 ms and follow other constants);
+    ``model``: the pipeline's ``CostModel`` on the profile's machine. Observations
+    without their worker count (older profiles) count as contended, as their layouts
+    were."""
     grouped = defaultdict(list)
     for o in observations:
-        node = pipeline.graph.nodes.get(o.stage)
+        node = model.graph.nodes.get(o.stage)
         if node is None or not node.model:
             continue
-        grouped[(o.stage, o.rows, o.threads, o.gang)].append(o.seconds)
+        contended = model.contended(o.workers, o.threads) if o.workers else True
+        grouped[(o.stage, o.rows, o.threads, o.gang, contended)].append(o.seconds)
     return {k: statistics.median(v) for k, v in grouped.items()}
 
 
@@ -79,8 +83,8 @@ def errors(cases, device, weighted: bool = False) -> list[float]:
     for model, groups in cases:
         model.device = device
         total = sum(groups.values())
-        for (stage, rows, threads, gang), seconds in groups.items():
-            error = math.log(model.analytic(stage, rows, threads, gang) / seconds)
+        for (stage, rows, threads, gang, contended), seconds in groups.items():
+            error = math.log(model.analytic(stage, rows, threads, gang, contended) / seconds)
             out.append(error * math.sqrt(seconds / total) if weighted else error)
     return out
 
@@ -127,10 +131,11 @@ def nelder_mead(f, x0: list[float], step: float = 0.7, iterations: int = 3000) -
 
 def fit(cases, before: dict[str, float]) -> dict[str, float]:
     """The constants (``FITTED``; the others as in ``before``) that minimise the weighted
-    squared log error of ``cases``: ``(CostModel, {(stage, rows, threads, gang):
-    measured seconds})`` pairs."""
+    squared log error of ``cases``: ``(CostModel, {(stage, rows, threads, gang,
+    contended): measured seconds})`` pairs."""
     start = {**before, "row_step_s": max(before["row_step_s"], 1e-5),
-             "train_step_s": max(before["train_step_s"], 1e-3)}
+             "train_step_s": max(before["train_step_s"], 1e-3),
+             "contention": max(before["contention"], 0.05)}
     return from_vector(before, nelder_mead(
         lambda x: sum(e * e for e in errors(cases, from_vector(before, x), weighted=True)),
         to_vector(start)))
@@ -165,21 +170,22 @@ def main() -> int:
 
     cases = []
     for config, profile in profiles:
-        pipeline = load_pipeline(config)
-        cases.append((CostModel(pipeline), groups_of(pipeline, profile.observations)))
+        model = CostModel(load_pipeline(config))
+        model.cores = int(profile.machine.get("cores") or model.cores)
+        cases.append((model, groups_of(model, profile.observations)))
     before = dict(CPU_DEVICE)
     fitted = fit(cases, before)
 
-    print(f"{'config':<12} {'stage':<14} {'rows':>5} {'thr':>3} {'gang':>4} "
+    print(f"{'config':<12} {'stage':<14} {'rows':>5} {'thr':>3} {'gang':>4} {'shared':>6} "
           f"{'measured':>9} {'before':>9} {'fitted':>9}")
     for (config, _), (model, groups) in zip(profiles, cases, strict=True):
-        for (stage, rows, threads, gang), seconds in sorted(groups.items()):
+        for (stage, rows, threads, gang, contended), seconds in sorted(groups.items()):
             model.device = before
-            old = model.analytic(stage, rows, threads, gang)
+            old = model.analytic(stage, rows, threads, gang, contended)
             model.device = fitted
-            new = model.analytic(stage, rows, threads, gang)
+            new = model.analytic(stage, rows, threads, gang, contended)
             print(f"{config.stem:<12} {stage:<14} {rows:>5} {threads:>3} {gang:>4} "
-                  f"{seconds:>9.4f} {old:>9.4f} {new:>9.4f}")
+                  f"{'yes' if contended else 'no':>6} {seconds:>9.4f} {old:>9.4f} {new:>9.4f}")
     summary = {}
     for label, device in (("before", before), ("fitted", fitted)):
         errs = [abs(math.expm1(e)) for e in errors(cases, device)]

@@ -61,6 +61,9 @@ def write_pipeline(directory: Path, iterations: int, every: int, workers: int = 
         "output": str(directory / "out"),
         "data.prompts": str(ROOT / "configs" / "data" / "prompts.jsonl"),
         "data.batch_size": 4,
+        # as written, not the planner's: the runs compared must split alike (another
+        # split moves log-probs by float rounding, ~1e-8)
+        "data.micro_batches": 2,
         "stages.generate.params.max_new_tokens": 8,
         "stages.train_actor.params.epochs": 1,
         "checkpoint.every": every,

@@ -52,6 +52,32 @@ def test_measured_stages_are_fitted_as_a_line_in_rows():
     assert cost.stage_seconds("generate", 32, threads=2) == pytest.approx(analytic * ratio)
 
 
+def test_a_layout_that_leaves_no_core_to_the_coordinator_is_costed_slower():
+    """Workers whose threads fill every core share them with the coordinator (Dask's
+    scheduler and client): their tasks take ``contention`` longer. A profile keeps the
+    two apart, and scales one to the other where only one was measured."""
+    pipeline = load_pipeline(GRPO)
+    cost = CostModel(pipeline)
+    cost.cores = 2
+    assert cost.contended(2, 1) and cost.contended(1, 2) and not cost.contended(1, 1)
+    slower = 1 + cost.device["contention"]
+    assert cost.stage_seconds("generate", 16, 1, contended=True) == \
+        pytest.approx(cost.stage_seconds("generate", 16, 1) * slower)
+    alone = [Observation("generate", r, 1, 1, 0.01 * r, workers=1) for r in (4, 8)]
+    shared = [Observation("generate", r, 1, 1, 0.03 * r, workers=2) for r in (4, 8)]
+    both = CostModel(pipeline, _profile(pipeline, alone + shared))
+    assert both.stage_seconds("generate", 16, 1) == pytest.approx(0.16)
+    assert both.stage_seconds("generate", 16, 1, contended=True) == pytest.approx(0.48)
+    one = CostModel(pipeline, _profile(pipeline, alone))
+    assert one.stage_seconds("generate", 16, 1, contended=True) == \
+        pytest.approx(0.16 * slower)
+    # a profile made before the worker count was recorded: its fit serves both
+    legacy = CostModel(pipeline, _profile(pipeline, [
+        Observation("generate", r, 1, 1, 0.01 * r) for r in (4, 8)]))
+    assert legacy.stage_seconds("generate", 16, 1, contended=True) == pytest.approx(0.16)
+    assert legacy.stage_seconds("generate", 16, 1) == pytest.approx(0.16)
+
+
 def test_the_analytic_model_grows_with_rows_tokens_layers_and_gangs():
     small = CostModel(load_pipeline(GRPO))
     big = CostModel(load_pipeline(GRPO, {"models.actor.tiny.layers": 8,
@@ -105,7 +131,7 @@ def test_a_bad_profile_file_is_one_line(tmp_path, content, message):
 
 def test_a_profile_survives_a_round_trip(tmp_path):
     pipeline = load_pipeline(GRPO)
-    profile = _profile(pipeline, [Observation("train_actor", 32, 1, 2, 0.5)])
+    profile = _profile(pipeline, [Observation("train_actor", 32, 1, 2, 0.5, workers=2)])
     profile.save(tmp_path / "p.json")
     again = Profile.load(tmp_path / "p.json")
     assert again.observations == profile.observations and again.shapes == profile.shapes
@@ -169,7 +195,7 @@ def test_auto_picks_the_fastest_plan_that_fits_and_changes_nothing_computed():
 
 
 def test_what_the_file_sets_is_not_searched():
-    explicit = choose_plan(load_pipeline(GRPO), n_workers=2)  # micro_batches: 2 in the file
+    explicit = choose_plan(load_pipeline(GRPO, {"data.micro_batches": 2}), n_workers=2)
     assert {c.micro_batches for c in explicit.candidates} == {2}
     searched = choose_plan(load_pipeline(SMALL), n_workers=2)
     assert {c.micro_batches for c in searched.candidates} == {2, 4, 8}
@@ -180,14 +206,16 @@ def test_what_the_file_sets_is_not_searched():
 
 def test_the_embedded_cluster_searches_workers_and_threads_once_measured():
     pipeline = load_pipeline(GRPO)
-    # the analytic model knows nothing of threads contending with the coordinator
+    # unmeasured: each worker count with a core left to the coordinator where it can be
+    # (1 worker x 1 thread), or sharing the cores with it (2 x 1)
     unmeasured = choose_plan(pipeline, cores=2)
-    assert {(c.workers, c.threads) for c in unmeasured.candidates} == {(2, 1)}
+    assert {(c.workers, c.threads, c.contended) for c in unmeasured.candidates} == \
+        {(1, 1, False), (2, 1, True)}
     profile = _profile(pipeline, [Observation("generate", r, t, 1, 0.01 * r)
                                   for r in (4, 8) for t in (1, 2)])
     choice = choose_plan(pipeline, profile, cores=2)
     layouts = {(c.workers, c.threads) for c in choice.candidates}
-    assert {(1, 2), (2, 1)} <= layouts
+    assert {(1, 2), (2, 1), (1, 1)} <= layouts
     assert choice.pipeline.spec.cluster.workers == choice.best.workers
     # a given cluster keeps its layout
     given = choose_plan(load_pipeline(GRPO, {"cluster.torch_threads": 1}), n_workers=3)
@@ -315,14 +343,16 @@ def test_the_calibration_fit_recovers_the_times_of_another_machine():
 
     other = {**CPU_DEVICE, "flops_per_s": CPU_DEVICE["flops_per_s"] / 2,
              "layer_s": CPU_DEVICE["layer_s"] * 3, "train_step_s": 0.05,
-             "row_step_s": CPU_DEVICE["row_step_s"] * 2}
+             "row_step_s": CPU_DEVICE["row_step_s"] * 2, "contention": 0.6}
     cases = []
     for config in (GRPO, SMALL):
         cost = CostModel(load_pipeline(config))
         cost.device = other
-        groups = {(stage, rows, threads, gang): cost.analytic(stage, rows, threads, gang)
+        groups = {(stage, rows, threads, gang, shared):
+                  cost.analytic(stage, rows, threads, gang, shared)
                   for stage in ("generate", "old_logprob", "train_actor")
                   for rows in (8, 32) for threads in (1, 2) for gang in (1, 2)
+                  for shared in (False, True)
                   if gang == 1 or stage == "train_actor"}
         cases.append((CostModel(load_pipeline(config)), groups))
 

@@ -34,25 +34,30 @@ FORMAT = "rlhfflow-profile/1"
 
 # Analytic constants of one CPU core, fitted to the stages of configs/grpo-tiny, ppo-tiny,
 # remax-tiny and grpo-small measured under every layout of the 2-core development machines
-# (``python benchmarks/calibrate.py``, refitted when forward passes began to run each
-# distinct prompt once and responses cut to their length: median error of a task 39%
-# with the constants before, 15% with these). Responses are counted at ``max_new_tokens``;
-# their measured work is less (rows ending at EOS run cut to their length), which these
-# constants absorb on average. ``rlhfflow profile`` measures the machine's own.
+# (``python benchmarks/calibrate.py``; refitted when forward passes began to run each
+# distinct prompt once and responses cut to their length, median error of a task 39%
+# before, 15% after; and again when layouts leaving a core to the coordinator were
+# measured apart, fitting ``contention``: median 18%, the machine's noise between two
+# profiles of 4 iterations is of that order). Responses are counted at
+# ``max_new_tokens``; their measured work is less (rows ending at EOS run cut to their
+# length), which these constants absorb on average. ``rlhfflow profile`` measures the
+# machine's own.
 CPU_DEVICE = {
-    "flops_per_s": 6.66e10,      # dense matmul throughput of one thread
-    "thread_efficiency": 0.892,  # share of a task's work that scales with threads
+    "flops_per_s": 6.45e10,      # dense matmul throughput of one thread
+    "thread_efficiency": 0.853,  # share of a task's work that scales with threads
     "step_s": 0.0,               # per forward call besides its layers (wrappers, masks)
-    "layer_s": 4.9e-4,           # per layer per forward (small ops, Python, kernel launches)
-    "row_step_s": 1.53e-4,       # per row of a decoding step (sampling, bookkeeping)
-    "train_step_s": 0.0127,      # per optimizer step: loss, clipping, AdamW's Python
-    "train_factor": 2.61,        # a training step's work / a forward's (backward ~2x)
-    "task_s": 5.5e-3,            # per task inside the worker (assembling, slicing)
+    "layer_s": 6.29e-4,          # per layer per forward (small ops, Python, kernel launches)
+    "row_step_s": 7.57e-5,       # per row of a decoding step (sampling, bookkeeping)
+    "train_step_s": 0.0121,      # per optimizer step: loss, clipping, AdamW's Python
+    "train_factor": 2.31,        # a training step's work / a forward's (backward ~2x)
+    "task_s": 4.79e-3,           # per task inside the worker (assembling, slicing)
     "latency_s": 6.0e-3,         # Dask: from a task's end to its dependent's start
     "bytes_per_s": 5.0e8,        # Dask transfers between workers
     "allreduce_bytes_per_s": 3.0e8,
     "allreduce_latency_s": 2.0e-3,
     "finish_s": 0.03,            # coordinator: commit, gather, log one iteration
+    "contention": 0.171,         # a task's slowdown when the workers' threads fill every
+                                 # core: the coordinator (scheduler, client) runs on them
 }
 
 
@@ -78,13 +83,15 @@ class ModelShape:
 @dataclass(frozen=True)
 class Observation:
     """One measured task: a stage on a batch of ``rows`` rows, ``threads`` torch threads,
-    as one rank of a gang of ``gang`` (1: alone), took ``seconds``."""
+    as one rank of a gang of ``gang`` (1: alone), took ``seconds``, on an embedded
+    cluster of ``workers`` workers (0: not recorded, profiles made before it was)."""
 
     stage: str
     rows: int
     threads: int
     gang: int
     seconds: float
+    workers: int = 0
 
 
 @dataclass
@@ -123,7 +130,8 @@ class Profile:
                                f"\"{FORMAT}\")")
         try:
             observations = [Observation(str(o["stage"]), int(o["rows"]), int(o["threads"]),
-                                        int(o["gang"]), float(o["seconds"]))
+                                        int(o["gang"]), float(o["seconds"]),
+                                        int(o.get("workers", 0)))
                             for o in data["observations"]]
             device = {**CPU_DEVICE, **{k: float(v) for k, v in data["device"].items()}}
             return cls(str(data["pipeline"]), dict(data["machine"]),
@@ -229,7 +237,11 @@ class CostModel:
         self.shapes = dict(shapes) if shapes is not None else model_shapes(pipeline)
         self.warning: str | None = None
         self.device = dict(CPU_DEVICE)
-        self._fits: dict[tuple[str, int, int], tuple[float, float]] = {}
+        self.cores = int((profile.machine.get("cores") if profile else None)
+                         or os.cpu_count() or 1)
+        self.gpu = bool(profile and profile.machine.get("gpu"))  # workers on GPUs
+        # per (stage, threads, gang, contended; None: not known, profiles made before)
+        self._fits: dict[tuple[str, int, int, bool | None], tuple[float, float]] = {}
         self._ratios: dict[str, list[float]] = defaultdict(list)
         self.prompt_tokens = prompt_tokens(pipeline)
         self.response_tokens = self.graph.response_tokens
@@ -255,19 +267,26 @@ class CostModel:
         return None
 
     # ----------------------------------------------------------------- fitting
+    def contended(self, workers: int, threads: int) -> bool:
+        """Whether an embedded cluster of ``workers`` x ``threads`` on this machine's
+        cores leaves no core to the coordinator (Dask's scheduler and client, the
+        buffer's metadata), which then runs on the workers' cores."""
+        return not self.gpu and workers * threads >= self.cores
+
     def _fit(self, observations: list[Observation]) -> None:
-        """Per (stage, threads, gang): ``a + b * rows`` by least squares over the
-        observations (a >= 0, b >= 0); and per stage, measured / analytic ratios."""
-        groups: dict[tuple[str, int, int], list[Observation]] = defaultdict(list)
+        """Per (stage, threads, gang, contended): ``a + b * rows`` by least squares over
+        the observations (a >= 0, b >= 0); and per stage, measured / analytic ratios."""
+        groups: dict[tuple[str, int, int, bool | None], list[Observation]] = defaultdict(list)
         for o in observations:
             if o.stage in self.graph.nodes or o.stage == "store":
-                groups[(o.stage, o.threads, o.gang)].append(o)
+                contended = self.contended(o.workers, o.threads) if o.workers else None
+                groups[(o.stage, o.threads, o.gang, contended)].append(o)
         for key, obs in groups.items():
-            stage, threads, gang = key
+            stage, threads, gang, contended = key
             xs = [o.rows for o in obs]
             ys = [o.seconds for o in obs]
             for o in obs:
-                analytic = self.analytic(stage, o.rows, threads, gang)
+                analytic = self.analytic(stage, o.rows, threads, gang, bool(contended))
                 if analytic > 0:
                     self._ratios[stage].append(o.seconds / analytic)
             if len(set(xs)) < 2:
@@ -280,30 +299,37 @@ class CostModel:
             self._fits[key] = (a, b)
 
     # ----------------------------------------------------------------- durations
-    def stage_seconds(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
+    def stage_seconds(self, stage: str, rows: int, threads: int, gang: int = 1,
+                      contended: bool = False) -> float:
         """Seconds one task of ``stage`` takes on a batch of ``rows`` rows with
         ``threads`` torch threads (as one rank of a gang of ``gang``: each rank computes
-        on ``rows / gang`` of them)."""
+        on ``rows / gang`` of them), on cores it shares with the coordinator
+        (``contended``, see :meth:`contended`) or not."""
         if rows <= 0:
             return self.device["task_s"]
-        fit = self._fits.get((stage, threads, gang))
-        if fit is not None:
-            a, b = fit
-            return a + b * rows
-        analytic = self.analytic(stage, rows, threads, gang)
+        slower = 1.0 + self.device["contention"]
+        for flag, scale in ((contended, 1.0), (None, 1.0),
+                            (not contended, slower if contended else 1 / slower)):
+            fit = self._fits.get((stage, threads, gang, flag))
+            if fit is not None:
+                a, b = fit
+                return (a + b * rows) * scale
+        analytic = self.analytic(stage, rows, threads, gang, contended)
         ratios = self._ratios.get(stage)
         if ratios:  # measured elsewhere: the analytic shape at the measured scale
             return analytic * sorted(ratios)[len(ratios) // 2]
         return analytic
 
-    def analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
+    def analytic(self, stage: str, rows: int, threads: int, gang: int = 1,
+                 contended: bool = False) -> float:
         """The analytic estimate of a task (see the module docstring); a stage that works
-        in one iteration of ``every`` (an evaluation) costs that share of it."""
+        in one iteration of ``every`` (an evaluation) costs that share of it; a task on
+        cores shared with the coordinator is ``contention`` slower."""
         node = self.graph.nodes.get(stage)
         work = self._analytic(stage, rows, threads, gang)
         if node is not None and node.every > 1:
-            return self.device["task_s"] + (work - self.device["task_s"]) / node.every
-        return work
+            work = self.device["task_s"] + (work - self.device["task_s"]) / node.every
+        return work * (1.0 + self.device["contention"]) if contended else work
 
     def _analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
         d = self.device

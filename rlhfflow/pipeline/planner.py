@@ -40,6 +40,7 @@ class Candidate:
     micro_batches: int
     fuse: bool
     embedded: bool = True  # the layout (workers x threads) is the planner's to set
+    contended: bool = False  # embedded workers' threads fill every core (CostModel.contended)
     plan: ExecutionPlan | None = None
     simulation: Simulation | None = None
     memory: list[float] = field(default_factory=list)
@@ -109,8 +110,8 @@ class PlanChoice:
             rows = spec.rows[1] - spec.rows[0]
             gang = len(spec.gang) or 1
             for stage in spec.stages:
-                out[stage] += self.cost.stage_seconds(stage, rows, c.threads, gang) \
-                    / iterations
+                out[stage] += self.cost.stage_seconds(stage, rows, c.threads, gang,
+                                                      c.contended) / iterations
         return out
 
 
@@ -149,14 +150,14 @@ def _layouts(pipeline, n_workers: int | None, cores: int, measured: bool
 
     if cluster.torch_threads:
         return [(cluster.workers, cluster.torch_threads)]
-    # the default split (a core left to the coordinator and the scheduler)
-    default = (cluster.workers, default_torch_threads(cluster.workers, cores))
+    # each worker count with the cores split between the workers, a core left to the
+    # coordinator and the scheduler where there are enough (CostModel.contended)
+    split = [(w, default_torch_threads(w, cores)) for w in range(1, cluster.workers + 1)]
     if not measured:
-        # how threads contend with the coordinator on shared cores is not in the analytic
-        # model (2 threads on 2 cores beside it measured 1.4x slower, not faster): only a
-        # profile, which measures each layout, may move away from the default
-        return [default]
-    return list(dict.fromkeys(layouts(cores, cluster.workers) + [default]))
+        # more threads than that (2 threads on 2 cores beside the coordinator measured
+        # 1.4x slower, not faster) only where a profile measured them
+        return split
+    return list(dict.fromkeys(layouts(cores, cluster.workers) + split))
 
 
 def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None = None,
@@ -174,6 +175,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     spec = pipeline.spec
     rows = spec.data.batch_size * spec.data.samples_per_prompt
     cores = cores or (profile.machine.get("cores") if profile else None) or os.cpu_count() or 1
+    cost.cores = cores
     strategies = [spec.placement.strategy] if spec.placement.strategy != "auto" else \
         list(STRATEGIES)
     # what the file sets explicitly is the user's; only defaults are searched
@@ -187,8 +189,10 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
                                                  spec.data.micro_batches)}) if vary_split \
             else [spec.data.micro_batches]
         for strategy, micro, fuse in itertools.product(strategies, splits, fuse_options):
-            space.append(Candidate(strategy, workers, threads, micro, fuse,
-                                   embedded=pipeline.spec.cluster.address is None))
+            embedded = pipeline.spec.cluster.address is None
+            space.append(Candidate(strategy, workers, threads, micro, fuse, embedded,
+                                   embedded and n_workers is None and
+                                   cost.contended(workers, threads)))
     tasks = sum(c.micro_batches for c in space) * len(pipeline.graph.loop_stages)
     exhaustive = tasks <= 4000
     if exhaustive:
@@ -243,7 +247,8 @@ def _evaluate(pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
         c.problem = (f"does not fit: worker {w} needs {c.memory[w] / 2**30:.1f} GiB of "
                      f"{c.capacity / 2**30:.1f} GiB")
         return
-    c.simulation = simulate(run, c.plan, cost, c.threads, iterations=iterations)
+    c.simulation = simulate(run, c.plan, cost, c.threads, iterations=iterations,
+                            contended=c.contended)
 
 
 def _descend(pipeline, space: list[Candidate], cost: CostModel, profile: Profile | None,

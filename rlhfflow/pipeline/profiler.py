@@ -25,8 +25,12 @@ from rlhfflow.pipeline.telemetry import TASKS_FILE
 
 def layouts(cores: int, max_workers: int) -> list[tuple[int, int]]:
     """Embedded worker layouts worth comparing on ``cores`` cores: ``W`` workers of
-    ``cores // W`` torch threads, for ``W`` up to ``max_workers``."""
-    return [(w, max(1, cores // w)) for w in range(1, max(1, min(cores, max_workers)) + 1)]
+    ``cores // W`` torch threads (every core busy with torch) and of ``(cores - 1) // W``
+    (a core left to the coordinator), for ``W`` up to ``max_workers``."""
+    out = []
+    for w in range(1, max(1, min(cores, max_workers)) + 1):
+        out += [(w, max(1, cores // w)), (w, max(1, (cores - 1) // w))]
+    return list(dict.fromkeys(out))
 
 
 def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observation]:
@@ -53,7 +57,7 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
             if stage == "realloc" or rows <= 0:
                 continue
             out.append(Observation(stage, int(rows), threads, int(gangs.get(stage, 1)),
-                                   float(stop - start)))
+                                   float(stop - start), int(layout.get("workers") or 0)))
     return out
 
 

@@ -77,21 +77,23 @@ def _letter(label: str, used: dict[str, str]) -> str:
 
 
 def simulate(pipeline, plan, cost: CostModel, threads: int, iterations: int = 6,
-             rows: int | None = None) -> Simulation:
+             rows: int | None = None, contended: bool = False) -> Simulation:
     """Simulate ``iterations`` iterations of ``pipeline`` under ``plan`` with ``threads``
-    torch threads per worker."""
+    torch threads per worker, on cores shared with the coordinator (``contended``) or
+    not."""
     versions = {m: 0 for m in pipeline.spec.models}
     specs, gates = compile_run(pipeline, plan, versions, iterations, rows=rows)
-    return _run(specs, gates, plan.n_workers, cost, threads, iterations)
+    return _run(specs, gates, plan.n_workers, cost, threads, iterations, contended)
 
 
-def _duration(spec: TaskSpec, cost: CostModel, threads: int) -> float:
+def _duration(spec: TaskSpec, cost: CostModel, threads: int, contended: bool) -> float:
     rows = spec.rows[1] - spec.rows[0]
     if spec.kind == STAGE:
         gang = len(spec.gang) if spec.gang else 1
-        return sum(cost.stage_seconds(s, rows, threads, gang) for s in spec.stages)
+        return sum(cost.stage_seconds(s, rows, threads, gang, contended)
+                   for s in spec.stages)
     if spec.kind == STORE:
-        return cost.stage_seconds("store", rows, threads)
+        return cost.stage_seconds("store", rows, threads, contended=contended)
     if spec.kind in (EXPORT, INSTALL):
         shape = cost.shapes.get(spec.model)
         return cost.transfer_seconds(shape.nbytes if shape else 0) / 2
@@ -102,7 +104,7 @@ def _duration(spec: TaskSpec, cost: CostModel, threads: int) -> float:
 
 
 def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: CostModel,
-         threads: int, iterations: int) -> Simulation:
+         threads: int, iterations: int, contended: bool = False) -> Simulation:
     d = cost.device
     sim = Simulation(specs=specs)
     index = {s.id: i for i, s in enumerate(specs)}
@@ -202,12 +204,12 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
                 group = (spec.iteration, spec.stages, spec.gang)
                 gang_started[group].append((spec.id, now))
                 if len(gang_started[group]) == len(spec.gang):
-                    end = now + _duration(spec, cost, threads)
+                    end = now + _duration(spec, cost, threads, contended)
                     for rank_id, started in gang_started.pop(group):
                         sim.intervals[rank_id] = (where[rank_id], started, end)
                         heapq.heappush(events, (end, index[rank_id], rank_id))
                 continue
-            end = now + _duration(spec, cost, threads)
+            end = now + _duration(spec, cost, threads, contended)
             sim.intervals[spec.id] = (w, now, end)
             heapq.heappush(events, (end, item[1], spec.id))
         for item in skipped:
