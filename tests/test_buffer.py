@@ -224,6 +224,21 @@ def test_chunk_files_are_those_zarr_writes(tmp_path, compress):
         np.testing.assert_array_equal(buf.read(0, [col])[col], values)
 
 
+def test_an_iteration_begun_with_slash_chunk_keys_is_still_written(buf):
+    """Buffers made before chunk keys were ``c.0`` hold arrays keyed ``c/0/0``; a run
+    resumed there writes its rows into those (creating the chunk folders)."""
+    buf.begin_iteration(0, 8, {"x": ColumnSpec("float32", (3,))}, 4)
+    zarr.create_array(zarr.storage.LocalStore(buf.path / "iter_000000" / "x"),
+                      shape=(8, 3), chunks=(4, 3), dtype="float32", fill_value=0.0,
+                      compressors=None, overwrite=True)  # zarr's default: c/0/0
+    data = np.arange(24, dtype=np.float32).reshape(8, 3)
+    for start in (0, 4):
+        ExperienceBuffer.write_rows(buf.path, 0, start, {"x": data[start:start + 4]})
+    buf.commit(0)
+    assert (buf.path / "iter_000000" / "x" / "c" / "1" / "0").is_file()
+    np.testing.assert_array_equal(buf.read(0, ["x"])["x"], data)
+
+
 def test_torch_tensors_accepted(buf):
     cols = {
         "ids": ColumnSpec("int32", (6,)),

@@ -655,6 +655,8 @@ def _write_plain(folder: Path, metadata: ArrayV3Metadata, start: int, data: np.n
             padded[:len(block)] = block
             block = padded
         key = metadata.encode_chunk_key(((start + a) // rows,) + (0,) * (data.ndim - 1))
+        if "/" in key:  # an array made before chunk keys were c.0.0 (a resumed run)
+            (folder / key).parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(folder / key, block.tobytes())
 
 
