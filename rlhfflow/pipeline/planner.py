@@ -28,6 +28,7 @@ from rlhfflow.pipeline.plan import STRATEGIES, ExecutionPlan, PlanError, make_pl
 from rlhfflow.pipeline.simulate import Simulation, simulate
 
 SEARCH_BUDGET_S = 1.5
+FINAL_RUNNERS = 6  # candidates simulated again at full length before the choice
 
 
 @dataclass
@@ -190,8 +191,9 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
             else [spec.data.micro_batches]
         for strategy, micro, fuse in itertools.product(strategies, splits, fuse_options):
             embedded = pipeline.spec.cluster.address is None
+            # on this machine's own cluster (not one planned larger than it)
             space.append(Candidate(strategy, workers, threads, micro, fuse, embedded,
-                                   embedded and n_workers is None and
+                                   embedded and workers <= cores and
                                    cost.contended(workers, threads)))
     tasks = sum(c.micro_batches for c in space) * len(pipeline.graph.loop_stages)
     exhaustive = tasks <= 4000
@@ -202,6 +204,14 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
         _descend(pipeline, space, cost, profile, started + budget_s)
     evaluated = [c for c in space if c.simulation is not None or c.problem]
     ranked = sorted(evaluated, key=lambda c: (c.problem is not None, c.predicted_s))
+    if exhaustive and tasks > 1000:
+        # a large space is simulated over 4 iterations, whose steady gaps are 2 and may
+        # still carry the pipeline's filling: the front runners again over 6, as a
+        # smaller space and a hand strategy are, so predictions compare alike
+        for c in ranked[:FINAL_RUNNERS]:
+            if c.simulation is not None:
+                _evaluate(pipeline, c, cost, profile, iterations=6)
+        ranked = sorted(evaluated, key=lambda c: (c.problem is not None, c.predicted_s))
     if not ranked or ranked[0].problem:
         placement = [c.error for c in ranked if c.error is not None]
         if len(placement) == len(ranked) and placement:
