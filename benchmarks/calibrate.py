@@ -170,8 +170,7 @@ def main() -> int:
 
     cases = []
     for config, profile in profiles:
-        model = CostModel(load_pipeline(config))
-        model.cores = int(profile.machine.get("cores") or model.cores)
+        model = CostModel(load_pipeline(config), cores=profile.machine.get("cores"))
         cases.append((model, groups_of(model, profile.observations)))
     before = dict(CPU_DEVICE)
     fitted = fit(cases, before)

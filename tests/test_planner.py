@@ -57,8 +57,7 @@ def test_a_layout_that_leaves_no_core_to_the_coordinator_is_costed_slower():
     scheduler and client): their tasks take ``contention`` longer. A profile keeps the
     two apart, and scales one to the other where only one was measured."""
     pipeline = load_pipeline(GRPO)
-    cost = CostModel(pipeline)
-    cost.cores = 2
+    cost = CostModel(pipeline, cores=2)
     assert cost.contended(2, 1) and cost.contended(1, 2) and not cost.contended(1, 1)
     slower = 1 + cost.device["contention"]
     assert cost.stage_seconds("generate", 16, 1, contended=True) == \

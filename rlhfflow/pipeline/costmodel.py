@@ -228,16 +228,19 @@ class CostModel:
 
     ``profile`` (optional) refines the analytic model with measured stage times; one
     whose model shapes differ from the pipeline's is ignored (``warning`` says why).
+    ``cores``: of the machine the cluster runs on (default: the profile's, else this
+    one's), which decides where workers share cores with the coordinator.
     """
 
     def __init__(self, pipeline, profile: Profile | None = None,
-                 shapes: Mapping[str, ModelShape] | None = None) -> None:
+                 shapes: Mapping[str, ModelShape] | None = None,
+                 cores: int | None = None) -> None:
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.shapes = dict(shapes) if shapes is not None else model_shapes(pipeline)
         self.warning: str | None = None
         self.device = dict(CPU_DEVICE)
-        self.cores = int((profile.machine.get("cores") if profile else None)
+        self.cores = int(cores or (profile.machine.get("cores") if profile else None)
                          or os.cpu_count() or 1)
         self.gpu = bool(profile and profile.machine.get("gpu"))  # workers on GPUs
         # per (stage, threads, gang, contended; None: not known, profiles made before)

@@ -169,14 +169,11 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     planned for); None: the embedded cluster, whose layout is searched too (on ``cores``
     cores, default this machine's). ``vary=False`` searches the strategy only. Raises
     ``PlanError`` when no plan fits."""
-    import os
-
     started = time.perf_counter()
-    cost = CostModel(pipeline, profile)
+    cost = CostModel(pipeline, profile, cores=cores)
+    cores = cost.cores
     spec = pipeline.spec
     rows = spec.data.batch_size * spec.data.samples_per_prompt
-    cores = cores or (profile.machine.get("cores") if profile else None) or os.cpu_count() or 1
-    cost.cores = cores
     strategies = [spec.placement.strategy] if spec.placement.strategy != "auto" else \
         list(STRATEGIES)
     # what the file sets explicitly is the user's; only defaults are searched
