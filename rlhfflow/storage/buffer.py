@@ -613,6 +613,11 @@ def _open_array(folder: Path, store: LocalStore, path: str) -> AsyncArray:
         document = (folder / "zarr.json").read_bytes()
     except FileNotFoundError:
         raise KeyError(path) from None
+    return _array(document, store, path)
+
+
+def _array(document: bytes, store: LocalStore, path: str) -> AsyncArray:
+    """The array ``path`` of ``store`` whose ``zarr.json`` is ``document``."""
     return AsyncArray(metadata=_metadata(document), store_path=StorePath(store, path))
 
 
@@ -695,12 +700,12 @@ def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, n
         column.mkdir()
         (column / "zarr.json").write_bytes(_group_document({}))
         for key, data in (("bytes", flat), ("offsets", offsets)):
+            document = _array_document(ColumnSpec(data.dtype.name), len(data),
+                                       max(1, len(data)), None)
             (column / key).mkdir()
-            (column / key / "zarr.json").write_bytes(
-                _array_document(ColumnSpec(data.dtype.name), len(data), max(1, len(data)),
-                                None))
-            array = _open_array(column / key, store, f"{name}/text/{col}/{key}")
-            writes.append((column / key, array, 0, data))
+            (column / key / "zarr.json").write_bytes(document)
+            writes.append((column / key, _array(document, store, f"{name}/text/{col}/{key}"),
+                           0, data))
     _write_all(writes)
 
 
