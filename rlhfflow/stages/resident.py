@@ -189,13 +189,16 @@ class ResidentModel:
         optimizer = self.optimizer  # created (with its schedule) before the first step
         bad = float(not torch.isfinite(loss.detach()).all())
         ganged = gang is not None and gang.size > 1
-        if ganged and self.engine is not None:
-            # the ranks of a gang must skip (or stop) together: one rank leaving the step
-            # alone would leave the others waiting in the gradient all-reduce
+        # the ranks of a gang must skip (or stop) together: one rank leaving the step
+        # alone would leave the others waiting in the gradient all-reduce. Without
+        # DeepSpeed the flag rides in that all-reduce (below); DeepSpeed's engine
+        # reduces the gradients itself, so the flag gets a collective of its own first
+        with_gradients = ganged and self.engine is None
+        if ganged and not with_gradients:
             from rlhfflow.stages.parallel import allreduce_sum
 
             bad = allreduce_sum([bad], gang)[0]
-        if bad and not (ganged and self.engine is None):
+        if bad and not with_gradients:
             self._nonfinite(f"loss is {float(loss.detach().float().sum())}")
             return float("nan")
         if self.engine is not None:
@@ -209,12 +212,11 @@ class ResidentModel:
         optimizer.zero_grad(set_to_none=True)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         clip = self.config.optimizer.get("grad_clip")
-        if ganged:
+        if with_gradients:
             from rlhfflow.stages.parallel import allreduce_gradients
 
             params = [p for p in self.module.parameters() if p.requires_grad]
-            # whether any rank's loss is non-finite travels with the gradients: one
-            # collective per step, not two (each waits for the slowest rank)
+            # one collective per step, not two (each waits for the slowest rank)
             [bad_ranks] = allreduce_gradients(params, gang, [bad])
             if bad_ranks:  # every rank skips (or stops) together
                 optimizer.zero_grad(set_to_none=True)
