@@ -20,16 +20,16 @@ TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
     python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--rounds R]
-                                [--threads T[,T]] [--workdir DIR] [--sample-logprobs]
+                                [--threads T[,T]] [--workdir DIR] [--recompute-logprobs]
 
 ``--iterations`` defaults to 30 for tiny (both systems speed up over the first ~10) and
 8 for small; ``--rounds`` (runs of each
 system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
 machine's cores, and ``--threads 1,2`` runs TRL at each, its fastest counting (on a busy
 machine 2 OpenMP threads on 2 cores are many times slower than 1); ``--workdir`` keeps the
-runs' outputs and logs; ``--sample-logprobs`` also runs rlhfflow with
-``train_actor.params.old_logprobs: sample_logprobs`` and no ``old_logprob`` stage (one
-forward pass fewer; a row of its own). Prints a table per config, then one JSON object
+runs' outputs and logs; ``--recompute-logprobs`` also runs rlhfflow with an
+``old_logprob`` stage recomputing the behaviour log-probs, the pass TRL makes and the
+shipped configs leave out (a row of its own). Prints a table per config, then one JSON object
 with the figures as its last line.
 """
 
@@ -152,25 +152,24 @@ def trl_settings(pipeline, train, rows: int) -> dict[str, Any]:
     }
 
 
-def sample_logprob_stages(config: Path) -> dict[str, Any]:
-    """The config's stages without the ``logprob`` pass that writes ``old_logprobs``,
-    ``train_actor`` dividing by ``generate``'s own ``sample_logprobs`` instead
-    (``--sample-logprobs``); passed as an override of ``stages``, so paths in the file
-    stay relative to it."""
+def recompute_logprob_stages(config: Path) -> dict[str, Any]:
+    """The config's stages with a ``logprob`` pass over the generator's model that writes
+    ``old_logprobs`` before ``train_actor``, whose ratio then divides by them
+    (``--recompute-logprobs``): the pass TRL makes, which the shipped GRPO configs leave
+    out (``train_actor``'s ``old_logprobs: auto`` takes ``generate``'s own log-probs).
+    Passed as an override of ``stages``, so paths in the file stay relative to it."""
     import yaml
 
     stages = yaml.safe_load(config.read_text())["stages"]
-    dropped = {name for name, st in stages.items() if st.get("type") == "logprob" and
-               (st.get("params") or {}).get("output", "old_logprobs") == "old_logprobs"}
+    generator = next(name for name, st in stages.items() if st.get("type") == "generate")
     out = {}
     for name, st in stages.items():
-        if name in dropped:
-            continue
         st = dict(st)
-        if "after" in st:
-            st["after"] = [a for a in st["after"] if a not in dropped]
         if st.get("type") == "train_actor":
-            st["params"] = {**(st.get("params") or {}), "old_logprobs": "sample_logprobs"}
+            out["old_logprob"] = {"type": "logprob", "model": stages[generator]["model"],
+                                  "after": [generator]}
+            st["after"] = [*st.get("after", []), "old_logprob"]
+            st["params"] = {**(st.get("params") or {}), "old_logprobs": "old_logprobs"}
         out[name] = st
     return out
 
@@ -199,8 +198,8 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
     watcher = threading.Thread(target=watch_first_iteration, daemon=True)
     watcher.start()
     overrides = {"iterations": job["iterations"], "output": str(out)}
-    if job.get("sample_logprobs"):
-        overrides["stages"] = sample_logprob_stages(Path(job["config"]))
+    if job.get("recompute_logprobs"):
+        overrides["stages"] = recompute_logprob_stages(Path(job["config"]))
     pipeline = load_pipeline(job["config"], overrides)
     result = run_pipeline(pipeline, progress=False, overwrite=True)
     stop.set()
@@ -306,7 +305,7 @@ def steady(times: list[float]) -> float:
 
 
 def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path,
-            sample_logprobs: bool = False) -> dict[str, Any]:
+            recompute_logprobs: bool = False) -> dict[str, Any]:
     """rlhfflow, then TRL at each of ``threads``, on config ``name``, ``rounds`` times,
     alternating so that drift of the machine hits all alike; the figures of the
     comparison, TRL's being those of its fastest thread count."""
@@ -314,16 +313,16 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
     ours: list[dict[str, Any]] = []
-    sampled: list[dict[str, Any]] = []
+    recomputed: list[dict[str, Any]] = []
     theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     for r in range(rounds):
         out = work / f"rlhfflow-{r}"
         base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
         ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
-        if sample_logprobs:
-            sampled.append(spawn("rlhfflow", {**base, "sample_logprobs": True,
-                                              "output": str(work / f"rlhfflow-sample-{r}")},
-                                 work / f"round-{r}" / "sample"))
+        if recompute_logprobs:
+            recomputed.append(spawn("rlhfflow", {**base, "recompute_logprobs": True,
+                                                 "output": str(work / f"rlhfflow-old-{r}")},
+                                    work / f"round-{r}" / "recompute"))
         for t in threads:
             theirs[t].append(spawn("trl", {**base, "output": str(work / f"trl-{t}-{r}"),
                                            "threads": t}, work / f"round-{r}" / f"trl-{t}"))
@@ -337,9 +336,10 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
     fig.update({f"trl_{k}": v for k, v in by_threads[best].items()})
     fig["speedup"] = round(fig["trl_s"] / fig["rlhfflow_s"], 3)
-    if sampled:
-        fig["sample_logprobs"] = summarize(sampled, rows)
-        fig["speedup_sample_logprobs"] = round(fig["trl_s"] / fig["sample_logprobs"]["s"], 3)
+    if recomputed:
+        fig["recompute_logprobs"] = summarize(recomputed, rows)
+        fig["speedup_recompute_logprobs"] = round(
+            fig["trl_s"] / fig["recompute_logprobs"]["s"], 3)
     fig.update({
         "rlhfflow_summary_s": [run["summary_s"] for run in ours],
         "rlhfflow_staleness_max": max(run["staleness_max"] for run in ours),
@@ -379,8 +379,8 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
           f"{'first iter s':>14}{'reward first':>14}{'reward last':>13}")
     rows = {"rlhfflow": {k.removeprefix("rlhfflow_"): v for k, v in fig.items()
                          if k.startswith("rlhfflow_")}}
-    if "sample_logprobs" in fig:
-        rows["rlhfflow sample_lp"] = fig["sample_logprobs"]
+    if "recompute_logprobs" in fig:
+        rows["rlhfflow +old_lp"] = fig["recompute_logprobs"]
     for t, f in fig["trl_by_threads"].items():
         rows[f"TRL {fig['trl_version']} {t}thr"] = f
     for label, row in rows.items():
@@ -392,9 +392,9 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
               f"{first:>14.4f}{last:>13.4f}")
         if not row["same_rewards_every_round"]:
             print(f"warning: {label}'s rewards differed between rounds (not seeded?)")
-    if "sample_logprobs" in fig:
-        print(f"speedup rlhfflow (old_logprobs: sample_logprobs) vs TRL: "
-              f"{fig['speedup_sample_logprobs']:.3f}x")
+    if "recompute_logprobs" in fig:
+        print(f"speedup rlhfflow with an old_logprob pass (as TRL) vs TRL: "
+              f"{fig['speedup_recompute_logprobs']:.3f}x")
     print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio, against TRL's "
           f"fastest: {fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
           f"{fig['cpus']} cores before the runs)")
@@ -414,9 +414,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the runs' outputs and logs here (default: a temporary "
                              "folder, removed)")
-    parser.add_argument("--sample-logprobs", action="store_true",
-                        help="also run rlhfflow with train_actor.params.old_logprobs: "
-                             "sample_logprobs and no old_logprob stage")
+    parser.add_argument("--recompute-logprobs", action="store_true",
+                        help="also run rlhfflow with an old_logprob stage recomputing the "
+                             "behaviour log-probs, as TRL does")
     parser.add_argument("--child", nargs=3, metavar=("SYSTEM", "JOB", "RESULT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -449,11 +449,11 @@ def main() -> None:
             work = args.workdir / name
             work.mkdir(parents=True, exist_ok=True)
             figures[name] = compare(name, iterations, threads, args.rounds, work,
-                                    args.sample_logprobs)
+                                    args.recompute_logprobs)
         else:
             with tempfile.TemporaryDirectory(prefix=f"vs-trl-{name}-") as tmp:
                 figures[name] = compare(name, iterations, threads, args.rounds,
-                                       Path(tmp), args.sample_logprobs)
+                                       Path(tmp), args.recompute_logprobs)
         print_table(name, figures[name])
     print(json.dumps(figures))
 

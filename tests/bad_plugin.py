@@ -1,5 +1,5 @@
 """Plugin stage types named by import path in tests (``tests.bad_plugin:...``): two that
-declare their columns wrongly, and a generator that is not the built-in ``generate``."""
+declare their columns wrongly, one that settles its params badly, and a generator that is not the built-in ``generate``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ class Raises(Stage):
     @classmethod
     def reads(cls, params, algorithm, has_model):
         raise RuntimeError("broken")
+
+
+class BadResolve(Stage):
+    """A plugin whose ``resolve_params`` returns something other than its params."""
+
+    type_name = "bad_resolve"
+
+    @classmethod
+    def resolve_params(cls, params, model, writers):
+        return {"settled": True}
 
 
 class MyGenerator(GenerateStage):

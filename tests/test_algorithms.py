@@ -53,34 +53,45 @@ def test_grpo_pipeline_with_other_estimators_and_losses(tmp_path, overrides):
         assert "logprob_mean" in stats  # a user's loss reports its own metrics
 
 
-def test_the_ratio_may_divide_by_the_sampling_log_probs_without_an_old_logprob_stage(
+def test_the_ratio_divides_by_the_sampling_log_probs_unless_a_stage_recomputes_them(
         tmp_path):
-    """``train_actor.params.old_logprobs: sample_logprobs`` drops the logprob pass over
-    the actor: the generator's log-probs are the same policy's, so training is the same
-    up to float rounding (a cached decode vs one forward over the sequence)."""
+    """``train_actor.params.old_logprobs: auto`` (the default) divides by the generator's
+    own log-probs when no stage recomputes them (the shipped GRPO configs have none): the
+    same policy's, so training equals a pipeline with an ``old_logprob`` pass up to float
+    rounding (a cached decode vs one forward over the sequence). With such a stage, auto
+    takes its column; ``old_logprobs`` without one is refused at load."""
     import yaml
 
     (tmp_path / "recompute").mkdir()
     (tmp_path / "sample").mkdir()
-    recompute, _ = _run(tmp_path / "recompute", "grpo", {"iterations": 3})
-    path = small_pipeline(tmp_path / "sample", "grpo", iterations=3)
+    sample, _ = _run(tmp_path / "sample", "grpo", {"iterations": 3})
+    default = load_pipeline(small_pipeline(tmp_path / "sample", "grpo", iterations=3))
+    assert default.params["train_actor"].old_logprobs == "sample_logprobs"
+    assert "old_logprobs" not in default.graph.columns()
+    path = small_pipeline(tmp_path / "recompute", "grpo", iterations=3)
     data = yaml.safe_load(path.read_text())
-    del data["stages"]["old_logprob"]
-    data["stages"]["train_actor"]["after"] = ["advantages", "ref_logprob"]
-    data["stages"]["train_actor"]["params"]["old_logprobs"] = "sample_logprobs"
+    data["stages"]["old_logprob"] = {"type": "logprob", "model": "actor",
+                                     "after": ["generate"]}
+    data["stages"]["train_actor"]["after"] = ["advantages", "old_logprob", "ref_logprob"]
     path.write_text(yaml.safe_dump(data))
     pipeline = load_pipeline(path)
-    assert "old_logprob" not in pipeline.graph.nodes
+    assert pipeline.params["train_actor"].old_logprobs == "old_logprobs"
+    assert "old_logprobs" in pipeline.graph.nodes["train_actor"].reads
     run_pipeline(pipeline, progress=False, inline=True)
-    out = tmp_path / "sample" / "out"
-    sample = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "recompute" / "out"
+    recompute = [json.loads(line) for line in (out / "metrics.jsonl").read_text()
+                 .splitlines()]
     assert len(sample) == len(recompute) == 3
+    assert "old_logprob" in recompute[0]["stage_s"]
+    assert "old_logprob" not in sample[0]["stage_s"]
     for a, b in zip(recompute, sample, strict=True):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
         for key in ("policy_loss", "approx_kl", "kl_mean"):
             assert a["train"]["train_actor"][key] == pytest.approx(
                 b["train"]["train_actor"][key], rel=1e-3, abs=1e-6), key
-    # without an old_logprob stage the plain setting has nothing to divide by
+    # without an old_logprob stage the explicit setting has nothing to divide by
+    del data["stages"]["old_logprob"]
+    data["stages"]["train_actor"]["after"] = ["advantages", "ref_logprob"]
     data["stages"]["train_actor"]["params"]["old_logprobs"] = "old_logprobs"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(Exception, match="old_logprobs"):

@@ -26,7 +26,7 @@ from tests.conftest import CONFIGS, small_pipeline
 
 PPO_STAGES = {"generate", "reward", "ref_logprob", "old_logprob", "values", "advantages",
               "train_actor", "train_critic"}
-GRPO_STAGES = PPO_STAGES - {"values", "train_critic"}
+GRPO_STAGES = PPO_STAGES - {"values", "train_critic", "old_logprob"}
 METRIC_KEYS = {"iteration", "reward_mean", "reward_std", "kl_mean", "policy_loss",
                "value_loss", "clip_frac", "response_length_mean", "tokens_generated",
                "iteration_s", "stage_s"}
@@ -83,9 +83,11 @@ def test_inline_and_dask_runs_give_the_same_metrics(tmp_path):
 def _expected_columns(config: str) -> set[str]:
     source = {"prompt_ids", "prompt_mask", "prompt_index", "sample_index", "group_ids"}
     common = {"response_ids", "response_mask", "sample_logprobs", "policy_version", "scores",
-              "score_valid", "ref_logprobs", "old_logprobs", "advantages", "gen_steps",
-              "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds", "gen_moved"}
-    return source | common | ({"values", "returns", "kl"} if config == "ppo" else set())
+              "score_valid", "ref_logprobs", "advantages", "gen_steps", "gen_drafted",
+              "gen_accepted", "gen_k_sum", "gen_seconds", "gen_moved"}
+    # GRPO's ratio divides by sample_logprobs: no old_logprob pass
+    return source | common | ({"values", "returns", "kl", "old_logprobs"} if config == "ppo"
+                              else set())
 
 
 @pytest.mark.parametrize("config", ["ppo", "grpo"])

@@ -90,8 +90,24 @@ def test_grpo_graph_has_no_critic() -> None:
     graph = load_pipeline(GRPO_TINY).graph
     assert "values" not in graph.columns()
     assert graph.producer("group_ids", "advantages") == SOURCE
-    assert graph.levels() == [["generate"], ["reward", "ref_logprob", "old_logprob"],
-                              ["advantages"], ["train_actor"]]
+    assert graph.levels() == [["generate"], ["reward", "ref_logprob"], ["advantages"],
+                              ["train_actor"]]
+    # no old_logprob pass: the ratio divides by generate's own log-probs
+    assert "old_logprobs" not in graph.columns()
+    assert "sample_logprobs" in graph.nodes["train_actor"].reads
+
+
+def test_auto_old_logprobs_takes_only_the_trained_models_own_samples() -> None:
+    """``old_logprobs: auto`` divides by generate's log-probs only when generate samples
+    from the model being trained; otherwise it asks for recomputed ones, and the loader
+    names the missing column."""
+    from rlhfflow.pipeline.spec import SpecError
+
+    with pytest.raises(SpecError, match="reads column 'old_logprobs', which no upstream"):
+        load_pipeline(GRPO_TINY, {"stages.generate.model": "ref"})
+    explicit = load_pipeline(GRPO_TINY, {"stages.train_actor.params.old_logprobs":
+                                         "sample_logprobs"})
+    assert explicit.params["train_actor"].old_logprobs == "sample_logprobs"
 
 
 def test_cycle_error_names_the_cycle() -> None:

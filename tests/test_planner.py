@@ -81,7 +81,7 @@ def test_the_analytic_model_grows_with_rows_tokens_layers_and_gangs():
     small = CostModel(load_pipeline(GRPO))
     big = CostModel(load_pipeline(GRPO, {"models.actor.tiny.layers": 8,
                                          "stages.generate.params.max_new_tokens": 32}))
-    for stage in ("generate", "old_logprob", "train_actor"):
+    for stage in ("generate", "ref_logprob", "train_actor"):
         assert small.stage_seconds(stage, 16, 1) < small.stage_seconds(stage, 32, 1)
         assert small.stage_seconds(stage, 16, 1) < big.stage_seconds(stage, 16, 1)
         assert small.stage_seconds(stage, 32, 2) < small.stage_seconds(stage, 32, 1)
@@ -349,7 +349,7 @@ def test_the_calibration_fit_recovers_the_times_of_another_machine():
         cost.device = other
         groups = {(stage, rows, threads, gang, shared):
                   cost.analytic(stage, rows, threads, gang, shared)
-                  for stage in ("generate", "old_logprob", "train_actor")
+                  for stage in ("generate", "ref_logprob", "train_actor")
                   for rows in (8, 32) for threads in (1, 2) for gang in (1, 2)
                   for shared in (False, True)
                   if gang == 1 or stage == "train_actor"}

@@ -102,6 +102,9 @@ def installed(plugin_dir, registry, monkeypatch):
      "badly: dtype must be 'str' or a bool/int/float numpy dtype, not 'object'"),
     ({"type": "tests.bad_plugin:Raises", "after": ["reward"]},
      "stages.extra.type: tests.bad_plugin:Raises.reads() raised RuntimeError: broken"),
+    ({"type": "tests.bad_plugin:BadResolve", "after": ["reward"]},
+     "stages.extra.type: tests.bad_plugin:BadResolve.resolve_params() must return its "
+     "Params, got dict"),
 ])
 def test_a_bad_plugin_stage_is_one_line_naming_file_and_key(installed, tmp_path, stage,
                                                             message):

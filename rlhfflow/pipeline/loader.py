@@ -118,6 +118,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     spec = parse_spec(file, data)
     _check_models(file, spec)
     params, classes = _check_stages(file, spec)
+    params = _resolve_params(file, spec, params, classes)
     graph = _build_graph(file, spec, params, classes)
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
@@ -222,6 +223,33 @@ def _check_stages(file: Path, spec: PipelineSpec
         if problem:
             raise SpecError(file, f"{where}.{problem[0]}", problem[1])
     return params, classes
+
+
+def _resolve_params(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
+                    classes: dict[str, type[Stage]]) -> dict[str, StageParams]:
+    """Each stage's params with its ``auto`` choices settled (``Stage.resolve_params``),
+    given what the other stages write."""
+    written: dict[str, dict[str, list[str | None]]] = {}
+    for name, stage in spec.stages.items():
+        columns = _plugin_call(file, f"stages.{name}.type", classes[name].writes,
+                               params[name], spec.algorithm, stage.model is not None)
+        written[name] = {column: [stage.model] for column in columns} \
+            if isinstance(columns, Mapping) else {}
+    settled = {}
+    for name, stage in spec.stages.items():
+        writers: dict[str, tuple[str | None, ...]] = {}
+        for other, columns in written.items():
+            if other != name:
+                for column, models in columns.items():
+                    writers[column] = (*writers.get(column, ()), *models)
+        settled[name] = _plugin_call(file, f"stages.{name}.params",
+                                     classes[name].resolve_params, params[name],
+                                     stage.model, writers)
+        if not isinstance(settled[name], classes[name].Params):
+            raise SpecError(file, f"stages.{name}.type",
+                            f"{stage_type_path(classes[name])}.resolve_params() must "
+                            f"return its Params, got {type(settled[name]).__name__}")
+    return settled
 
 
 def _plugin_call(file: Path, where: str, method: Any, *args: Any) -> Any:

@@ -151,6 +151,15 @@ class Stage:
         return {}
 
     @classmethod
+    def resolve_params(cls, params: StageParams, model: str | None,
+                       writers: Mapping[str, tuple[str | None, ...]]) -> StageParams:
+        """Settle params whose value depends on the rest of the pipeline (an ``auto``
+        choice), before ``reads``/``writes`` are asked. ``model`` is the stage's model;
+        ``writers`` maps each column the other stages write to the models of the stages
+        writing it (None for a stage without one). Returns the params to run with."""
+        return params
+
+    @classmethod
     def check_params(cls, params: StageParams, has_model: bool, base_dir: Path
                      ) -> tuple[str, str] | None:
         """Checks that need more than the params schema (files, imports, the model).

@@ -9,6 +9,7 @@ of the update must match those the rollout was scored with.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -52,11 +53,21 @@ class TrainParams(StageParams):
 class TrainActorParams(TrainParams):
     """``TrainParams``, and where the behaviour policy's log-probs come from."""
 
-    old_logprobs: Literal["old_logprobs", "sample_logprobs"] = Field(
-        "old_logprobs", description="the column of the sampling policy's log-probs the "
-                                    "ratio divides by: old_logprobs (a logprob stage "
-                                    "recomputes them) or sample_logprobs (generate's own, "
-                                    "computed while sampling: one forward pass fewer)")
+    old_logprobs: Literal["auto", "old_logprobs", "sample_logprobs"] = Field(
+        "auto", description="the column of the sampling policy's log-probs the ratio "
+                            "divides by: old_logprobs (a logprob stage recomputes them), "
+                            "sample_logprobs (generate's own, computed while sampling: one "
+                            "forward pass fewer), or auto: old_logprobs when a stage writes "
+                            "them, else the sample_logprobs of a generate stage on the "
+                            "same model")
+
+
+def behaviour_column(params: TrainActorParams, written: Collection[str]) -> str:
+    """The column ``params.old_logprobs`` names, given the columns ``written`` upstream:
+    ``auto`` is ``old_logprobs`` where a stage wrote them, else ``sample_logprobs``."""
+    if params.old_logprobs != "auto":
+        return params.old_logprobs
+    return "old_logprobs" if "old_logprobs" in written else "sample_logprobs"
 
 
 def _rows(batch: Batch, index: torch.Tensor) -> Batch:
@@ -231,9 +242,24 @@ class TrainActorStage(_Trainer):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        cols = [*RESPONSE_INPUTS, "score_valid", params.old_logprobs, "advantages",
-                "policy_version"]
+        # "auto" is settled by the loader (resolve_params); unsettled, it means a stage
+        # that recomputes them
+        column = "old_logprobs" if params.old_logprobs == "auto" else params.old_logprobs
+        cols = [*RESPONSE_INPUTS, "score_valid", column, "advantages", "policy_version"]
         return tuple(cols + (["ref_logprobs"] if _kl_in_loss(algorithm) else []))
+
+    @classmethod
+    def resolve_params(cls, params, model, writers):
+        # recomputed log-probs where the pipeline has them (what it asked for); else the
+        # generator's own, when it samples from the model trained here (the behaviour
+        # policy, whose log-probs the ratio divides by); else the read names
+        # old_logprobs and the loader says no stage writes them
+        if params.old_logprobs != "auto":
+            return params
+        own = model is not None and model in writers.get("sample_logprobs", ())
+        column = "sample_logprobs" if own and "old_logprobs" not in writers \
+            else "old_logprobs"
+        return params.model_copy(update={"old_logprobs": column})
 
     def _agg(self) -> str:
         return self.algorithm.loss_agg
@@ -247,7 +273,7 @@ class TrainActorStage(_Trainer):
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
         loss, stats = ops.call(policy_loss, {
-            "logprobs": logprobs, "old_logprobs": batch[self.params.old_logprobs],
+            "logprobs": logprobs, "old_logprobs": batch[behaviour_column(self.params, batch)],
             "advantages": batch["advantages"], "mask": mask, "agg": agg, "count": divisor,
             "config": algo})
         metrics = {"policy_loss": loss.item(), **stats}
