@@ -125,10 +125,17 @@ class ResidentModel:
             if not self.config.trainable:
                 raise RuntimeError(f"model {self.config.name!r} is not trainable")
             opt = dict(self.config.optimizer)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            # torch's fused kernel: one pass over each tensor instead of a dozen ops per
+            # tensor. Measured per step on one CPU thread: 0.69 -> 0.20 ms (the 2-layer
+            # tiny model), 23.6 -> 5.7 ms (6 layers, 256 wide); same update up to float
+            # rounding. CPU and CUDA have it.
+            fused = torch.device(self.device).type in ("cpu", "cuda") and all(
+                p.is_floating_point() for p in params)
             self._optimizer = torch.optim.AdamW(
-                [p for p in self.module.parameters() if p.requires_grad],
-                lr=opt.get("lr", 1e-5), betas=tuple(opt.get("betas", (0.9, 0.999))),
-                weight_decay=opt.get("weight_decay", 0.0), eps=opt.get("eps", 1e-8))
+                params, lr=opt.get("lr", 1e-5), betas=tuple(opt.get("betas", (0.9, 0.999))),
+                weight_decay=opt.get("weight_decay", 0.0), eps=opt.get("eps", 1e-8),
+                fused=fused or None)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self._optimizer, functools.partial(
                     lr_factor, schedule=opt.get("schedule", "constant"),
