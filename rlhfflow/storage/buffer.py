@@ -344,10 +344,11 @@ class ExperienceBuffer:
         name = group_name(iteration)
         if not self._exists(name):
             raise ValueError(f"cannot commit iteration {iteration}: it was never begun")
-        if self._is_committed(name):
+        folder = self.path / name
+        document = _read_group(folder)
+        if _committed(document):
             raise ValueError(f"iteration {iteration} is already committed in {self.path}")
         user_attrs = _check_attrs(attrs)
-        folder = self.path / name
         if check_complete:
             missing = {}
             for entry in os.scandir(folder):
@@ -360,7 +361,6 @@ class ExperienceBuffer:
                     missing[entry.name] = f"{done}/{len(keys)} chunks"
             if missing:
                 raise ValueError(f"cannot commit iteration {iteration}: unwritten {missing}")
-        document = json.loads((folder / "zarr.json").read_bytes())
         document["attributes"] = {**document.get("attributes", {}), **user_attrs,
                                   COMMIT_KEY: True}
         _atomic_write(folder / "zarr.json", json.dumps(document, indent=2).encode())
@@ -391,11 +391,10 @@ class ExperienceBuffer:
         name = group_name(iteration)
         if not self._exists(name):
             raise ValueError(f"cannot store text of iteration {iteration}: it was never begun")
-        if self._is_committed(name):
+        document = _read_group(self.path / name)
+        if _committed(document):
             raise ValueError(f"iteration {iteration} is already committed in {self.path}")
-
-        rows = json.loads((self.path / name / "zarr.json").read_bytes())["attributes"]["rows"]
-        _write_text(self.path / name, columns, rows, name)
+        _write_text(self.path / name, columns, document["attributes"]["rows"], name)
 
     def read_text(self, iteration: int, column: str) -> list[str]:
         """The strings of text column ``column`` of a committed iteration."""
@@ -519,8 +518,7 @@ class ExperienceBuffer:
     def _is_committed(self, name: str) -> bool:
         """Whether group ``name`` carries the commit marker; unreadable groups are not."""
         try:
-            document = json.loads((self.path / name / "zarr.json").read_bytes())
-            return document.get("attributes", {}).get(COMMIT_KEY) is True
+            return _committed(_read_group(self.path / name))
         except (OSError, ValueError, AttributeError):
             return False
 
@@ -576,6 +574,17 @@ def _group_document(attributes: Mapping[str, Any]) -> bytes:
         _TEMPLATES["group"] = json.loads(documents["zarr.json"].to_bytes())
     return json.dumps({**_TEMPLATES["group"], "attributes": dict(attributes)},
                       indent=2).encode()
+
+
+def _read_group(folder: Path) -> dict[str, Any]:
+    """The ``zarr.json`` document of the group at ``folder`` (``OSError`` or
+    ``ValueError`` when it cannot be read)."""
+    return json.loads((folder / "zarr.json").read_bytes())
+
+
+def _committed(document: Mapping[str, Any]) -> bool:
+    """Whether a group document carries the commit marker."""
+    return document.get("attributes", {}).get(COMMIT_KEY) is True
 
 
 def _metadata(document: bytes) -> ArrayV3Metadata:
@@ -715,10 +724,10 @@ def _write_rows(path, name: str, where: str, iteration: int, start: int,
     validate all, then write all chunks."""
     folder = Path(path) / name
     try:
-        group = json.loads((folder / "zarr.json").read_bytes())
+        group = _read_group(folder)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: iteration {iteration} was not begun") from exc
-    if group.get("attributes", {}).get(COMMIT_KEY) is True:
+    if _committed(group):
         raise ValueError(f"{where}: iteration {iteration} is committed; refusing to modify it")
     store = LocalStore(path)
     prepared = []
