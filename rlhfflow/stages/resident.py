@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from rlhfflow.stages import lean
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what an optimizer file holds since schedules and the skip budget were added
 _OPTIMIZER_FORMAT = 2
@@ -350,6 +352,8 @@ class ModelStore:
                                        else DTYPES[config.dtype])
         if mixed:  # fp32 master weights, computing in the configured dtype
             autocast_forward(module, self.device, DTYPES[config.dtype])
+        else:  # the same arithmetic without transformers' per-call Python
+            lean.enable(module)
         module.train(False)
         for p in module.parameters():
             p.requires_grad_(config.trainable)

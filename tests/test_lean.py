@@ -1,0 +1,173 @@
+"""The lean Llama forward computes exactly what transformers' modules compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from rlhfflow.stages import ModelConfig, ModelStore, lean
+from rlhfflow.stages.common import response_logprobs
+from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_tiny_model
+from rlhfflow.stages.speculative import shallow_view
+
+
+def _pair(**config):
+    """A tiny Llama with transformers' forward and a deep copy of it with the lean one."""
+    model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4,
+                             **config).eval()
+    fast = copy.deepcopy(model)
+    assert lean.enable(fast)
+    return model, fast
+
+
+def _batch(rows=5, length=14, seed=0):
+    """Random ids with left padding on some rows (the prompt layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 30, (rows, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[-1, :2] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_lean_logits_and_gradients_equal_transformers_bitwise():
+    model, fast = _pair()
+    ids, mask, pos = _batch()
+    real = mask.bool()
+    model.train()
+    fast.train()
+    outs = [m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            for m in (model, fast)]
+    assert torch.equal(outs[0][real], outs[1][real])
+    for out in outs:
+        out.logsumexp(-1)[real].sum().backward()
+    for (name, p), q in zip(model.named_parameters(), fast.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_lean_decoding_with_cache_and_holes_equals_transformers():
+    model, fast = _pair()
+    ids, mask, pos = _batch(length=20)
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    with torch.no_grad():
+        first = [m(input_ids=ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10],
+                   cache=c, use_cache=True, logits_to_keep=1).logits
+                 for m, c in zip((model, fast), caches, strict=True)]
+        assert first[1].shape[1] == 1 and torch.equal(first[0], first[1])
+        for start in (10, 13, 16, 19):
+            step_mask = mask[:, :start + (3 if start < 19 else 1)].clone()
+            step_mask[1, start] = 0  # a rejected draft token: a hole in row 1
+            width = step_mask.shape[1] - start
+            outs = [m(input_ids=ids[:, start:start + width], attention_mask=step_mask,
+                      position_ids=pos[:, start:start + width], cache=c, use_cache=True)
+                    for m, c in zip((model, fast), caches, strict=True)]
+            assert torch.equal(outs[0].logits, outs[1].logits)
+            assert outs[1]["cache"] is caches[1]
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_lean_keeps_grouped_query_attention_and_tied_embeddings_exact():
+    model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).eval()
+    config = copy.deepcopy(model.config)
+    config.num_key_value_heads = 2
+    config.tie_word_embeddings = True
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    fast = copy.deepcopy(model)
+    assert lean.enable(fast)
+    ids, mask, pos = _batch()
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                for m in (model, fast))
+    assert torch.equal(a[mask.bool()], b[mask.bool()])
+
+
+def test_response_logprobs_through_stage_helpers_are_unchanged():
+    """The shared-prompt, length-grouped path (KV cache, response groups) too."""
+    model, fast = _pair()
+    prompt_ids, prompt_mask, _ = _batch(rows=4, length=8)
+    prompt_ids[1], prompt_mask[1] = prompt_ids[0], prompt_mask[0]  # a repeated prompt
+    gen = torch.Generator().manual_seed(1)
+    response_ids = torch.randint(3, 30, (4, 6), generator=gen)
+    response_mask = torch.ones_like(response_ids)
+    response_mask[2, 3:] = 0
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+             "response_ids": response_ids, "response_mask": response_mask}
+    with torch.no_grad():
+        assert torch.equal(response_logprobs(model, batch), response_logprobs(fast, batch))
+
+
+def test_lean_falls_back_to_transformers_for_what_it_does_not_cover():
+    model, fast = _pair()
+    ids, mask, pos = _batch()
+    with torch.no_grad():
+        embeds = model.model.embed_tokens(ids)
+        a = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
+        b = fast(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
+        assert torch.equal(a, b)
+        out = fast(input_ids=ids, attention_mask=mask, labels=ids)
+        assert out.loss is not None  # transformers' loss, from its own forward
+        hidden = fast(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        assert hidden.hidden_states is not None
+
+
+def test_unsupported_models_keep_transformers_forward(monkeypatch):
+    gpt2 = build_tiny_model(build_char_tokenizer(), arch="gpt2")
+    assert "GPT2" in lean.unsupported(gpt2)
+    assert not lean.enable(gpt2)
+    value = build_tiny_model(build_char_tokenizer(), head="value")
+    assert not lean.enable(value)  # token classification: not a causal LM
+    half = build_tiny_model(build_char_tokenizer()).to(torch.bfloat16)
+    assert lean.unsupported(half) == "parameters are not float32"
+    model = build_tiny_model(build_char_tokenizer())
+    monkeypatch.setenv(lean.ENV, "0")
+    assert not lean.enable(model)
+    assert not hasattr(type(model), "_lean_base")
+
+
+def test_lean_model_saves_as_plain_llama_and_layer_views_keep_it(tmp_path):
+    save_tiny_model(tmp_path / "m", n_layer=3, hidden=32, n_head=4)
+    store = ModelStore({"m": ModelConfig("m", "lm", str(tmp_path / "m"))})
+    module = store.get("m").module
+    assert type(module)._lean_base.__name__ == type(module).__name__ == "LlamaForCausalLM"
+    module.save_pretrained(tmp_path / "saved")
+    assert '"LlamaForCausalLM"' in (tmp_path / "saved" / "config.json").read_text()
+    view = shallow_view(module, 1)  # the `layers` drafter: first layer, same weights
+    reference = copy.deepcopy(view)
+    reference.__class__ = type(module)._lean_base
+    ids, mask, pos = _batch(rows=2, length=6)
+    with torch.no_grad():
+        assert torch.equal(view(input_ids=ids, attention_mask=mask, position_ids=pos).logits,
+                           reference(input_ids=ids, attention_mask=mask,
+                                     position_ids=pos).logits)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_mixed_precision_models_keep_the_autocast_forward(tmp_path, dtype):
+    save_tiny_model(tmp_path / "m", n_layer=1, hidden=32, n_head=4)
+    store = ModelStore({"m": ModelConfig("m", "lm", str(tmp_path / "m"), trainable=True,
+                                         dtype=dtype)})
+    module = store.get("m").module
+    assert not hasattr(type(module), "_lean_base")
+    assert "forward" in vars(module)  # autocast's wrapper
+
+
+def test_a_model_converted_after_loading_or_run_under_autocast_uses_transformers():
+    model, fast = _pair()
+    ids, mask, pos = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                for m in (model, fast))
+        assert torch.equal(a, b)
+    model.to(torch.bfloat16)
+    fast.to(torch.bfloat16)
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                for m in (model, fast))
+    assert torch.equal(a, b)
