@@ -52,7 +52,9 @@ def _closure(specs):
 
 
 def _waits_for(closure, task, others) -> bool:
-    return all(o.id in closure[task.id] for o in others)
+    """Whether ``task`` runs after each of ``others``: it waits for it, or runs it
+    itself earlier in its fused group (``advantages + train_actor``)."""
+    return all(o.id in closure[task.id] or o.id == task.id for o in others)
 
 
 STRATEGIES = [

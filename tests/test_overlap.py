@@ -54,6 +54,32 @@ def test_fusion_follows_workers_micro_batches_and_the_fuse_keys(overrides, fused
     assert _plan(overrides).fused == fused
 
 
+def test_whole_batch_stages_fuse_only_where_no_other_stage_would_wait_longer():
+    # GRPO on one worker: the advantages and the update are one task per iteration
+    grpo = make_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
+                                   {"placement.strategy": "colocated"}), 1)
+    assert ("advantages", "train_actor") in grpo.fused
+    # PPO on one worker: the critic's update reads the advantages too, and must not wait
+    # for the actor's update to get them; nor does an update take more work into its
+    # task (the next rollout waits for it)
+    ppo = _plan({"placement.strategy": "colocated"}, workers=1)
+    assert ppo.group("advantages") == ("advantages",)
+    assert ppo.group("train_critic") == ("train_critic",)
+    # a gang (two workers, colocated) stays alone
+    assert _plan({"placement.strategy": "colocated"}).group("train_actor") == ("train_actor",)
+
+
+def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path):
+    runs = {}
+    for name, overrides in {"fused": {}, "unfused": {"overlap.fuse": False}}.items():
+        (tmp_path / name).mkdir()
+        path = small_pipeline(tmp_path / name, "grpo", iterations=2, overrides=overrides)
+        runs[name] = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert _numbers(runs["fused"].metrics) == _numbers(runs["unfused"].metrics)
+    assert torch.equal(_actor(runs["fused"]), _actor(runs["unfused"]))
+    assert {"advantages", "train_actor"} <= set(runs["fused"].metrics[-1]["stage_s"])
+
+
 def test_staleness_runs_the_actors_inference_ahead_next_to_generation():
     plan = _plan({"placement.strategy": "disaggregated", "overlap.max_staleness": 1})
     ahead = {n for n, sp in plan.stages.items() if sp.lag}

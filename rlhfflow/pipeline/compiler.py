@@ -262,8 +262,10 @@ class TaskCompiler:
             waits = order + [h for x in inputs if x not in producers for h in it.handles[x]]
             if sp.gang:
                 return self._gang(name, k, parts, waits, versions, priority, it.rows)
+            # a fused whole-batch group runs where its stages with a model run
+            workers = next((w for n in group if (w := self.plan.stages[n].workers)), ())
             return [TaskSpec(f"{label}-{k}", STAGE, k, group, parts, _ids(waits),
-                             sp.workers[:1], priority, retries, (0, it.rows), versions)]
+                             workers[:1], priority, retries, (0, it.rows), versions)]
         tasks = []
         for j, (a, b) in enumerate(it.bounds[name]):
             parts, waits = [], list(order)

@@ -19,8 +19,9 @@ replica (a frozen model is just loaded there; a trained one is a shadow kept in 
 The plan also fixes the overlap (``overlap:``): which stages run *ahead* (with
 ``max_staleness: N``, the inference of the generating model for iteration k+N is
 submitted with iteration k and uses the actor of N updates before), each micro-batch
-stage's split (``micro_batches``), and which consecutive micro-batch stages are *fused*
-into one task per micro-batch.
+stage's split (``micro_batches``), and which consecutive stages are *fused*: micro-batch
+stages into one task per micro-batch, whole-batch stages (``advantages + train_actor``)
+into one task per iteration.
 """
 
 from __future__ import annotations
@@ -251,40 +252,83 @@ def inputs_of(graph, name: str) -> list[str]:
 
 
 def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[str, ...], ...]:
-    """Groups of micro-batch stages that run as one task per micro-batch.
+    """Groups of stages that run as one task: micro-batch stages one task per
+    micro-batch, whole-batch stages one task per iteration.
 
-    Greedy, in dependency order: a stage joins an earlier group when both run on the
-    same workers (a stage with no model follows a group that has workers), with the same
-    micro-batches and lag, and every stage of the iteration it waits for is in the group
-    or is already waited for by the group. The fused task then waits for no new stage of
-    its iteration, so fusion cannot make a cycle; it does take on its members' waits for
-    the previous iteration's updates of their models (a fused ``ref_logprob + values``
-    waits for the critic's update too). Only groups of two or more are returned.
+    Greedy, in dependency order: a stage joins an earlier group of its kind (a
+    whole-batch stage only the group just before it) when both run on the same workers (a stage with no model goes where the group's stages go, and the
+    reverse), with the same micro-batches and lag. A micro-batch stage joins only when
+    every stage of the iteration it waits for is in the group or already waited for by
+    it; a whole-batch stage may bring new waits, on stages that wait for no member (so
+    ``advantages + train_actor`` waits for the reference log-probs too, which the update
+    waited for anyway, and saves the task hop between them), when no other stage would
+    then wait for more than it did and no update is followed by more work in its task. Either way the fused task
+    waits for nothing that waits for it, so fusion cannot make a cycle; it does take on
+    its members' waits for the previous iteration's updates of their models (a fused
+    ``ref_logprob + values`` waits for the critic's update too). Gangs and setup stages
+    stay alone. Only groups of two or more are returned.
     """
     spec, graph = pipeline.spec, pipeline.graph
+    upstream = _upstream(graph)
     groups: list[dict] = []
     for name in graph.loop_stages:
         sp = stages[name]
-        if sp.micro_batches is None:
+        whole = sp.micro_batches is None
+        if whole and (sp.gang or not graph.nodes[name].per_batch):
             continue
         waits = set(inputs_of(graph, name))
         joined = None
         if spec.stages[name].fuse:
             for g in reversed(groups):
-                same_place = sp.workers == g["workers"] or (not sp.workers and g["workers"])
-                if (g["fuse"] and same_place and sp.micro_batches == g["mb"] and sp.lag == g["lag"]
-                        and waits <= g["members"] | g["waits"]):
+                if g["whole"] != whole or not g["fuse"] or sp.micro_batches != g["mb"] \
+                        or sp.lag != g["lag"] or graph.nodes[name].every != g["every"]:
+                    continue
+                if whole:
+                    # next to the group in the compile order, so compiling the group
+                    # at its first stage moves no stage past another's tasks
+                    if graph.loop_stages.index(g["order"][-1]) + 1 != \
+                            graph.loop_stages.index(name):
+                        continue
+                    # nothing after an update in its task: the next rollout waits for
+                    # the new weights, not for more work (and each update's metrics
+                    # stay its own)
+                    if any(graph.nodes[m].trains for m in g["members"]):
+                        continue
+                    place = not sp.workers or not g["workers"] or sp.workers == g["workers"]
+                    new = waits - g["members"] - g["waits"]
+                    # no new wait on a member's consumer (a cycle), and no other
+                    # consumer of a member made to wait for this stage's work (PPO's
+                    # critic update would wait for the actor's)
+                    consumers = {c for c in graph.loop_stages if c != name and
+                                 c not in g["members"] and upstream[c] & g["members"]}
+                    ok = not any(upstream[x] & g["members"] for x in new) and \
+                        all(name in upstream[c] for c in consumers)
+                else:
+                    place = sp.workers == g["workers"] or (not sp.workers and g["workers"])
+                    ok = waits <= g["members"] | g["waits"]
+                if place and ok:
                     joined = g
                     break
         if joined is None:
             groups.append({"members": {name}, "order": [name], "waits": waits,
                            "workers": sp.workers, "mb": sp.micro_batches, "lag": sp.lag,
-                           "fuse": spec.stages[name].fuse})
+                           "fuse": spec.stages[name].fuse, "whole": whole,
+                           "every": graph.nodes[name].every})
         else:
             joined["members"].add(name)
             joined["order"].append(name)
             joined["waits"] |= waits - joined["members"]
+            joined["workers"] = joined["workers"] or sp.workers
     return tuple(tuple(g["order"]) for g in groups if len(g["order"]) > 1)
+
+
+def _upstream(graph) -> dict[str, set[str]]:
+    """Every loop stage's transitive in-iteration waits (``inputs_of``, closed)."""
+    closed: dict[str, set[str]] = {}
+    for name in graph.loop_stages:  # dependency order: inputs come first
+        direct = set(inputs_of(graph, name))
+        closed[name] = direct.union(*(closed.get(x, set()) for x in direct))
+    return closed
 
 
 def _groups(pipeline: Pipeline, n_workers: int) -> dict[str, tuple[int, ...]]:
@@ -405,7 +449,8 @@ def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
         n_mb = sp.micro_batches or 1
         group = plan.group(name)
         if not sp.workers and len(group) > 1:
-            where, split = "with its group", f"{n_mb} micro-batch(es)"
+            where = "with its group"
+            split = "whole batch" if sp.micro_batches is None else f"{n_mb} micro-batch(es)"
         elif not sp.workers:
             where, split = "any worker", ("whole batch" if node.per_batch else
                                           f"{n_mb} micro-batch(es), on whichever worker "
@@ -448,7 +493,8 @@ def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
         else:
             lines.append("  max_staleness 0: strictly on-policy")
         for g in plan.fused:
-            lines.append(f"  fused: {' + '.join(g)} (one task per micro-batch)")
+            per = "iteration" if plan.stages[g[0]].micro_batches is None else "micro-batch"
+            lines.append(f"  fused: {' + '.join(g)} (one task per {per})")
         if not plan.fused:
             lines.append("  fused: none")
     lines.append("weights moved:")

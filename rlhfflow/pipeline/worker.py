@@ -219,11 +219,18 @@ def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None
     for p in parts:
         data = concat_batches(list(p["results"]))
         if p["rows"] is not None:
-            data = slice_batch(data, *p["rows"])
+            # a fused task's result may hold per-task values too (a trainer's metrics,
+            # fused behind the stage that wrote the rows): they have no rows to take
+            data = slice_batch({k: v for k, v in data.items() if _has_rows(v)}, *p["rows"])
         for key, value in data.items():
             if columns is None or key in columns:
                 batch[key] = value
     return batch
+
+
+def _has_rows(value: Any) -> bool:
+    """Whether ``value`` is a column (a tensor with a row dimension, or a list)."""
+    return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.dim() > 0)
 
 
 # --------------------------------------------------------------------------- tasks
