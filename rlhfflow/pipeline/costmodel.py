@@ -36,27 +36,29 @@ FORMAT = "rlhfflow-profile/1"
 # remax-tiny and grpo-small measured under every layout of the 2-core development machines
 # (``python benchmarks/calibrate.py``; refitted when forward passes began to run each
 # distinct prompt once and responses cut to their length, median error of a task 39%
-# before, 15% after; and again when layouts leaving a core to the coordinator were
-# measured apart, fitting ``contention``: median 18%, the machine's noise between two
-# profiles of 4 iterations is of that order). Responses are counted at
-# ``max_new_tokens``; their measured work is less (rows ending at EOS run cut to their
-# length), which these constants absorb on average. ``rlhfflow profile`` measures the
-# machine's own.
+# before, 15% after; again when layouts leaving a core to the coordinator were measured
+# apart, fitting ``contention``: median 18%; and again when Llama models got the lean
+# forward (``rlhfflow.stages.lean``), which took a third off the small ops of the tiny
+# models: the old constants' median error had grown to 36% and worst to 223%, the refit's
+# are 13% and 109%). The machine's noise between two profiles of 4 iterations is of the
+# order of the median. Responses are counted at ``max_new_tokens``; their measured work is
+# less (rows ending at EOS run cut to their length), which these constants absorb on
+# average. ``rlhfflow profile`` measures the machine's own.
 CPU_DEVICE = {
-    "flops_per_s": 6.45e10,      # dense matmul throughput of one thread
-    "thread_efficiency": 0.853,  # share of a task's work that scales with threads
+    "flops_per_s": 5.56e10,      # dense matmul throughput of one thread
+    "thread_efficiency": 0.917,  # share of a task's work that scales with threads
     "step_s": 0.0,               # per forward call besides its layers (wrappers, masks)
-    "layer_s": 6.29e-4,          # per layer per forward (small ops, Python, kernel launches)
-    "row_step_s": 7.57e-5,       # per row of a decoding step (sampling, bookkeeping)
-    "train_step_s": 0.0121,      # per optimizer step: loss, clipping, AdamW's Python
-    "train_factor": 2.31,        # a training step's work / a forward's (backward ~2x)
-    "task_s": 4.79e-3,           # per task inside the worker (assembling, slicing)
+    "layer_s": 4.06e-4,          # per layer per forward (small ops, Python, kernel launches)
+    "row_step_s": 5.77e-5,       # per row of a decoding step (sampling, bookkeeping)
+    "train_step_s": 0.00848,     # per optimizer step: loss, clipping, AdamW's Python
+    "train_factor": 2.11,        # a training step's work / a forward's (backward ~2x)
+    "task_s": 2.92e-3,           # per task inside the worker (assembling, slicing)
     "latency_s": 6.0e-3,         # Dask: from a task's end to its dependent's start
     "bytes_per_s": 5.0e8,        # Dask transfers between workers
     "allreduce_bytes_per_s": 3.0e8,
     "allreduce_latency_s": 2.0e-3,
     "finish_s": 0.03,            # coordinator: commit, gather, log one iteration
-    "contention": 0.171,         # a task's slowdown when the workers' threads fill every
+    "contention": 0.113,         # a task's slowdown when the workers' threads fill every
                                  # core: the coordinator (scheduler, client) runs on them
 }
 
