@@ -22,15 +22,16 @@ What is the same, so nothing else changes:
   ``cache`` or ``past_key_values``, ``use_cache``, ``logits_to_keep``) and returns
   transformers' ``CausalLMOutputWithPast``. Anything else (``inputs_embeds``, ``labels``,
   ``output_attentions``, a cache of another kind, attention dropout while training,
-  gradient checkpointing, a model converted from float32 since, a call under autocast)
-  goes to transformers' own forward.
+  gradient checkpointing, a model converted from float32 since, a call under autocast,
+  parameters partitioned by DeepSpeed's ZeRO-3) goes to transformers' own forward.
 
 ``enable(module)`` switches a loaded model over by giving it a subclass of its class with
 this forward (``type(module).__name__`` stays ``LlamaForCausalLM``, so ``save_pretrained``
 writes the same ``architectures``, and ``copy.copy`` views such as the ``layers`` drafter
 keep it). Models it does not cover (other architectures, RoPE types that change with the
-sequence length, attention or MLP biases, parameters other than float32, autocast) keep
-transformers' forward: ``unsupported(module)`` says why. ``RLHFFLOW_LEAN_FORWARD=0``
+sequence length, attention or MLP biases, parameters other than float32 or not on the
+CPU, autocast) keep transformers' forward: ``unsupported(module)`` says why. GPUs are
+left out until it is checked on one (SDPA and ``rms_norm`` take other kernels there). ``RLHFFLOW_LEAN_FORWARD=0``
 turns it off for a process tree.
 """
 
@@ -70,6 +71,8 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return f"rope_type {module.model.rotary_emb.rope_type!r}"
     if any(p.dtype != torch.float32 for p in module.parameters()):
         return "parameters are not float32"
+    if any(p.device.type != "cpu" for p in module.parameters()):
+        return "parameters are not on the CPU (the lean forward is checked on CPU only)"
     return None
 
 
@@ -116,6 +119,9 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
             or not isinstance(logits_to_keep, int)
             or (cache is not None and type(cache) is not DynamicCache)
             or self.lm_head.weight.dtype != torch.float32  # converted after loading
+            or self.lm_head.weight.device.type != "cpu"
+            # ZeRO-3 partitions the parameters and gathers them in module hooks
+            or hasattr(self.lm_head.weight, "ds_id")
             or torch.is_autocast_enabled(self.lm_head.weight.device.type)
             or (self.training and (self.config.attention_dropout or
                                    inner.gradient_checkpointing))):
