@@ -115,6 +115,10 @@ def test_lean_falls_back_to_transformers_for_what_it_does_not_cover():
         assert out.loss is not None  # transformers' loss, from its own forward
         hidden = fast(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         assert hidden.hidden_states is not None
+        four_d = mask.bool()[:, None, None, :].expand(-1, 1, mask.shape[1], -1)
+        a = model(input_ids=ids, attention_mask=four_d, position_ids=pos).logits
+        b = fast(input_ids=ids, attention_mask=four_d, position_ids=pos).logits
+        assert torch.equal(a, b)  # a 4D mask: transformers' forward
 
 
 def test_unsupported_models_keep_transformers_forward(monkeypatch):

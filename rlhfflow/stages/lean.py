@@ -21,7 +21,7 @@ What is the same, so nothing else changes:
   ``attention_mask`` over past and new tokens, ``position_ids``, a ``DynamicCache`` as
   ``cache`` or ``past_key_values``, ``use_cache``, ``logits_to_keep``) and returns
   transformers' ``CausalLMOutputWithPast``. Anything else (``inputs_embeds``, ``labels``,
-  ``output_attentions``, a cache of another kind, attention dropout while training,
+  a 4D attention mask, an empty batch, ``output_attentions``, a cache of another kind, attention dropout while training,
   gradient checkpointing, a model converted from float32 since, a call under autocast,
   parameters partitioned by DeepSpeed's ZeRO-3) goes to transformers' own forward.
 
@@ -114,7 +114,9 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
 
     cache = cache if cache is not None else past_key_values
     inner = self.model
-    if (input_ids is None or inputs_embeds is not None or labels is not None
+    if (input_ids is None or input_ids.numel() == 0 or inputs_embeds is not None
+            or labels is not None
+            or (attention_mask is not None and attention_mask.dim() != 2)
             or not _HANDLED.issuperset(kwargs) or kwargs.get("return_dict") is False
             or not isinstance(logits_to_keep, int)
             or (cache is not None and type(cache) is not DynamicCache)
