@@ -256,17 +256,18 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
     micro-batch, whole-batch stages one task per iteration.
 
     Greedy, in dependency order: a stage joins an earlier group of its kind (a
-    whole-batch stage only the group just before it) when both run on the same workers (a stage with no model goes where the group's stages go, and the
-    reverse), with the same micro-batches and lag. A micro-batch stage joins only when
-    every stage of the iteration it waits for is in the group or already waited for by
-    it; a whole-batch stage may bring new waits, on stages that wait for no member (so
-    ``advantages + train_actor`` waits for the reference log-probs too, which the update
-    waited for anyway, and saves the task hop between them), when no other stage would
-    then wait for more than it did and no update is followed by more work in its task. Either way the fused task
-    waits for nothing that waits for it, so fusion cannot make a cycle; it does take on
-    its members' waits for the previous iteration's updates of their models (a fused
-    ``ref_logprob + values`` waits for the critic's update too). Gangs and setup stages
-    stay alone. Only groups of two or more are returned.
+    whole-batch stage only the group just before it) when both run on the same workers
+    (a stage with no model goes where the group's stages go, and the reverse), with the
+    same micro-batches and lag. A micro-batch stage joins only when every stage of the
+    iteration it waits for is in the group or already waited for by it. A whole-batch
+    stage may bring new waits, on stages that wait for no member (so ``advantages +
+    train_actor`` waits for the reference log-probs too, which the update waited for
+    anyway, and saves the task hop between them), when no other stage would then wait
+    for more than it did and no update is followed by more work in its task. Either way
+    the fused task waits for nothing that waits for it, so fusion cannot make a cycle;
+    it does take on its members' waits for the previous iteration's updates of their
+    models (a fused ``ref_logprob + values`` waits for the critic's update too). Gangs
+    and setup stages stay alone. Only groups of two or more are returned.
     """
     spec, graph = pipeline.spec, pipeline.graph
     upstream = _upstream(graph)

@@ -315,9 +315,10 @@ class OverlapSpec(Strict):
     log-probs) of iteration k may run up to N actor updates behind, i.e. before training
     on iterations k-N..k-1 finished; 0 is strictly on-policy. ``fuse``: run consecutive
     stages on the same workers as one task (micro-batch stages one per micro-batch,
-    whole-batch stages such as ``advantages + train_actor`` one per iteration). ``sequential``: every stage waits
-    for the whole previous stage and every iteration for the previous one (no streaming,
-    fusion or overlap): the baseline the overlap is measured against.
+    whole-batch stages such as ``advantages + train_actor`` one per iteration).
+    ``sequential``: every stage waits for the whole previous stage and every iteration
+    for the previous one (no streaming, fusion or overlap): the baseline the overlap is
+    measured against.
     """
 
     max_staleness: NonNegInt = 0

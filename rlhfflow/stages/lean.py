@@ -20,19 +20,20 @@ What is the same, so nothing else changes:
 * **The interface.** The forward takes transformers' arguments (``input_ids``,
   ``attention_mask`` over past and new tokens, ``position_ids``, a ``DynamicCache`` as
   ``cache`` or ``past_key_values``, ``use_cache``, ``logits_to_keep``) and returns
-  transformers' ``CausalLMOutputWithPast``. Anything else (``inputs_embeds``, ``labels``,
-  a 4D attention mask, an empty batch, ``output_attentions``, a cache of another kind, attention dropout while training,
-  gradient checkpointing, a model converted from float32 since, a call under autocast,
-  parameters partitioned by DeepSpeed's ZeRO-3) goes to transformers' own forward.
+  transformers' ``CausalLMOutputWithPast``. Anything else goes to transformers' own
+  forward: ``inputs_embeds``, ``labels``, a 4D attention mask, an empty batch,
+  ``output_attentions``, a cache of another kind, attention dropout or gradient
+  checkpointing while training, a model converted from float32 since, a call under
+  autocast, parameters partitioned by DeepSpeed's ZeRO-3.
 
 ``enable(module)`` switches a loaded model over by giving it a subclass of its class with
 this forward (``type(module).__name__`` stays ``LlamaForCausalLM``, so ``save_pretrained``
 writes the same ``architectures``, and ``copy.copy`` views such as the ``layers`` drafter
 keep it). Models it does not cover (other architectures, RoPE types that change with the
 sequence length, attention or MLP biases, parameters other than float32 or not on the
-CPU, autocast) keep transformers' forward: ``unsupported(module)`` says why. GPUs are
-left out until it is checked on one (SDPA and ``rms_norm`` take other kernels there). ``RLHFFLOW_LEAN_FORWARD=0``
-turns it off for a process tree.
+CPU) keep transformers' forward: ``unsupported(module)`` says why. GPUs are left out
+until it is checked on one (SDPA and ``rms_norm`` take other kernels there).
+``RLHFFLOW_LEAN_FORWARD=0`` turns it off for a process tree.
 """
 
 from __future__ import annotations
