@@ -270,7 +270,6 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
     and setup stages stay alone. Only groups of two or more are returned.
     """
     spec, graph = pipeline.spec, pipeline.graph
-    upstream = _upstream(graph)
     groups: list[dict] = []
     for name in graph.loop_stages:
         sp = stages[name]
@@ -301,9 +300,9 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
                     # consumer of a member made to wait for this stage's work (PPO's
                     # critic update would wait for the actor's)
                     consumers = {c for c in graph.loop_stages if c != name and
-                                 c not in g["members"] and upstream[c] & g["members"]}
-                    ok = not any(upstream[x] & g["members"] for x in new) and \
-                        all(name in upstream[c] for c in consumers)
+                                 c not in g["members"] and graph.upstream(c) & g["members"]}
+                    ok = not any(graph.upstream(x) & g["members"] for x in new) and \
+                        all(name in graph.upstream(c) for c in consumers)
                 else:
                     place = sp.workers == g["workers"] or (not sp.workers and g["workers"])
                     ok = waits <= g["members"] | g["waits"]
@@ -321,15 +320,6 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
             joined["waits"] |= waits - joined["members"]
             joined["workers"] = joined["workers"] or sp.workers
     return tuple(tuple(g["order"]) for g in groups if len(g["order"]) > 1)
-
-
-def _upstream(graph) -> dict[str, set[str]]:
-    """Every loop stage's transitive in-iteration waits (``inputs_of``, closed)."""
-    closed: dict[str, set[str]] = {}
-    for name in graph.loop_stages:  # dependency order: inputs come first
-        direct = set(inputs_of(graph, name))
-        closed[name] = direct.union(*(closed.get(x, set()) for x in direct))
-    return closed
 
 
 def _groups(pipeline: Pipeline, n_workers: int) -> dict[str, tuple[int, ...]]:
