@@ -46,19 +46,30 @@ class RowStreams:
 
 
 def row_streams(seed: int, iteration: int, prompt_index: torch.Tensor,
-                sample_index: torch.Tensor, steps: int) -> RowStreams:
+                sample_index: torch.Tensor, steps: int, speculative: bool = True
+                ) -> RowStreams:
     """Uniforms of every row: ``sample`` is exactly today's per-row stream
     (``generate.sample_uniforms``); ``accept`` and ``draft`` come from generators of their
-    own, so speculation never shifts the plain stream."""
+    own, so speculation never shifts the plain stream. Without ``speculative`` (no
+    drafter will run) those two are ``[N, 0]``: plain decoding never reads them, and
+    seeding two generators per row is a tenth of a tiny model's decoding."""
     streams: dict[str, list[torch.Tensor]] = {"sample": [], "accept": [], "draft": []}
+    drawn = list(streams) if speculative else ["sample"]
     for p, s in zip(prompt_index.tolist(), sample_index.tolist(), strict=True):
-        for purpose in streams:
+        for purpose in drawn:
             parts = (seed, iteration, p, s) if purpose == "sample" else (
                 seed, iteration, p, s, purpose)
             gen = torch.Generator().manual_seed(stage_seed(*parts))
             streams[purpose].append(torch.rand(steps, generator=gen, dtype=torch.float64))
-    empty = torch.zeros(0, steps, dtype=torch.float64)
-    return RowStreams(*(torch.stack(v) if v else empty for v in streams.values()))
+    rows = len(prompt_index)
+
+    def stacked(purpose: str) -> torch.Tensor:
+        if purpose not in drawn:
+            return torch.zeros(rows, 0, dtype=torch.float64)
+        values = streams[purpose]
+        return torch.stack(values) if values else torch.zeros(0, steps, dtype=torch.float64)
+
+    return RowStreams(*(stacked(purpose) for purpose in streams))
 
 
 class KVState:

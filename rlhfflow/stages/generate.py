@@ -307,10 +307,10 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
     from rlhfflow.stages.decoding import row_streams
 
     tok, module = resident.tokenizer, resident.module
-    streams = row_streams(ctx.seed, ctx.iteration, batch["prompt_index"],
-                          batch["sample_index"], params.max_new_tokens)
-    groups = batch["prompt_index"].tolist()
     uses = used_drafters(params)
+    streams = row_streams(ctx.seed, ctx.iteration, batch["prompt_index"],
+                          batch["sample_index"], params.max_new_tokens, bool(uses))
+    groups = batch["prompt_index"].tolist()
     if "ngram" in uses and params.ngram_history and params.ngram_buffer:
         fill_history_from_buffer(history, groups, params, ctx.settings.get("buffer"))
     width = len(groups) * (params.draft_k + 1)
