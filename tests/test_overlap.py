@@ -55,10 +55,17 @@ def test_fusion_follows_workers_micro_batches_and_the_fuse_keys(overrides, fused
 
 
 def test_whole_batch_stages_fuse_only_where_no_other_stage_would_wait_longer():
-    # GRPO on one worker: the advantages and the update are one task per iteration
+    # GRPO on one worker, one micro-batch: the whole iteration is one task (a micro-batch
+    # of every row is the whole batch)
     grpo = make_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
-                                   {"placement.strategy": "colocated"}), 1)
-    assert ("advantages", "train_actor") in grpo.fused
+                                   {"placement.strategy": "colocated",
+                                    "data.micro_batches": 1}), 1)
+    assert grpo.fused == (("generate", "reward", "ref_logprob", "advantages", "train_actor"),)
+    # two micro-batches: the advantages and the update are one task per iteration
+    grpo = make_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
+                                   {"placement.strategy": "colocated",
+                                    "data.micro_batches": 2}), 1)
+    assert grpo.fused == (("generate", "reward", "ref_logprob"), ("advantages", "train_actor"))
     # PPO on one worker: the critic's update reads the advantages too, and must not wait
     # for the actor's update to get them; nor does an update take more work into its
     # task (the next rollout waits for it)
@@ -69,15 +76,25 @@ def test_whole_batch_stages_fuse_only_where_no_other_stage_would_wait_longer():
     assert _plan({"placement.strategy": "colocated"}).group("train_actor") == ("train_actor",)
 
 
-def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path):
+@pytest.mark.parametrize("micro_batches,group", [
+    (1, ("generate", "reward", "ref_logprob", "advantages", "train_actor")),
+    (2, ("advantages", "train_actor")),
+])
+def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path, micro_batches,
+                                                                  group):
     runs = {}
     for name, overrides in {"fused": {}, "unfused": {"overlap.fuse": False}}.items():
         (tmp_path / name).mkdir()
-        path = small_pipeline(tmp_path / name, "grpo", iterations=2, overrides=overrides)
-        runs[name] = run_pipeline(load_pipeline(path), progress=False, inline=True)
+        path = small_pipeline(tmp_path / name, "grpo", iterations=2, overrides={
+            **overrides, "data.micro_batches": micro_batches,
+            "placement.strategy": "colocated"})
+        pipeline = load_pipeline(path)
+        if name == "fused":
+            assert group in make_plan(pipeline, 1).fused
+        runs[name] = run_pipeline(pipeline, progress=False, inline=True)
     assert _numbers(runs["fused"].metrics) == _numbers(runs["unfused"].metrics)
     assert torch.equal(_actor(runs["fused"]), _actor(runs["unfused"]))
-    assert {"advantages", "train_actor"} <= set(runs["fused"].metrics[-1]["stage_s"])
+    assert set(group) <= set(runs["fused"].metrics[-1]["stage_s"])
 
 
 def test_staleness_runs_the_actors_inference_ahead_next_to_generation():

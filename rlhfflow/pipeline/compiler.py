@@ -227,6 +227,8 @@ class TaskCompiler:
         for n in group:
             node = self.graph.nodes[n]
             for user in self.releases[n]:  # a trainer waits for the users of its model
+                if user in group:  # fused before it: they run first in its own task
+                    continue
                 if self.plan.stages[user].lag == 0:
                     order += it.handles[user]
                 elif later is not None and self._at_home(user):

@@ -256,9 +256,10 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
     micro-batch, whole-batch stages one task per iteration.
 
     Greedy, in dependency order: a stage joins an earlier group of its kind (a
-    whole-batch stage only the group just before it) when both run on the same workers
-    (a stage with no model goes where the group's stages go, and the reverse), with the
-    same micro-batches and lag. A micro-batch stage joins only when every stage of the
+    whole-batch stage only the group just before it, which may be micro-batch stages
+    run as one micro-batch: the whole batch) when both run on the same workers (a stage
+    with no model goes where the group's stages go, and the reverse), with the same
+    micro-batches and lag. A micro-batch stage joins only when every stage of the
     iteration it waits for is in the group or already waited for by it. A whole-batch
     stage may bring new waits, on stages that wait for no member (so ``advantages +
     train_actor`` waits for the reference log-probs too, which the update waited for
@@ -280,8 +281,11 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
         joined = None
         if spec.stages[name].fuse:
             for g in reversed(groups):
-                if g["whole"] != whole or not g["fuse"] or sp.micro_batches != g["mb"] \
-                        or sp.lag != g["lag"] or graph.nodes[name].every != g["every"]:
+                # a group of one micro-batch is a whole batch: whole-batch stages join it
+                kind = g["whole"] == whole and sp.micro_batches == g["mb"] or \
+                    whole and g["mb"] == 1
+                if not kind or not g["fuse"] or sp.lag != g["lag"] or \
+                        graph.nodes[name].every != g["every"]:
                     continue
                 if whole:
                     # next to the group in the compile order, so compiling the group
@@ -319,6 +323,7 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
             joined["order"].append(name)
             joined["waits"] |= waits - joined["members"]
             joined["workers"] = joined["workers"] or sp.workers
+            joined["whole"] = joined["whole"] or whole  # no micro-batch stage after it
     return tuple(tuple(g["order"]) for g in groups if len(g["order"]) > 1)
 
 
@@ -484,7 +489,7 @@ def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
         else:
             lines.append("  max_staleness 0: strictly on-policy")
         for g in plan.fused:
-            per = "iteration" if plan.stages[g[0]].micro_batches is None else "micro-batch"
+            per = "iteration" if plan.stages[g[0]].micro_batches in (None, 1) else "micro-batch"
             lines.append(f"  fused: {' + '.join(g)} (one task per {per})")
         if not plan.fused:
             lines.append("  fused: none")
