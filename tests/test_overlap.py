@@ -95,6 +95,10 @@ def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path, mic
     assert _numbers(runs["fused"].metrics) == _numbers(runs["unfused"].metrics)
     assert torch.equal(_actor(runs["fused"]), _actor(runs["unfused"]))
     assert set(group) <= set(runs["fused"].metrics[-1]["stage_s"])
+    # the update's metrics are its own, not the columns of the stages fused before it
+    train = runs["fused"].metrics[-1]["train"]["train_actor"]
+    assert train.keys() == runs["unfused"].metrics[-1]["train"]["train_actor"].keys()
+    assert all(isinstance(v, (int, float)) for v in train.values())
 
 
 def test_staleness_runs_the_actors_inference_ahead_next_to_generation():

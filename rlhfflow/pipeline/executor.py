@@ -687,10 +687,10 @@ class Executor:
         responses = [t for p in partials for t in p.pop("response_text", [])]
         if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
             self.buffer.write_text(it.index, {"response_text": responses})
-        train_stats = dict(zip(trainers, self.backend.gather(list(trainers.values())),
-                               strict=True))
-        reported = dict(zip(reporters, self.backend.gather(list(reporters.values())),
-                            strict=True))
+        train_stats = {n: self._statistics(n, r) for n, r in
+                       zip(trainers, self.backend.gather(list(trainers.values())), strict=True)}
+        reported = {n: self._statistics(n, r) for n, r in
+                    zip(reporters, self.backend.gather(list(reporters.values())), strict=True)}
         moved = self.backend.gather(installs)
         retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
@@ -708,6 +708,12 @@ class Executor:
         if it.index in self.checkpointer.pending:
             self._publish_checkpoint(it.index)
         return record
+
+    def _statistics(self, stage: str, result: dict[str, Any]) -> dict[str, Any]:
+        """A stage's statistics from its task's result, without the columns of the
+        stages fused into that task (they go to the buffer, not to the metrics)."""
+        columns = {c for n in self.plan.group(stage) for c in self.graph.nodes[n].writes}
+        return {k: v for k, v in result.items() if k not in columns}
 
     def _wait_for(self, handles: dict[str, Any], iteration: int | None) -> None:
         self._wait_and_gather(handles, iteration, gather=False)
