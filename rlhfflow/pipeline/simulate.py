@@ -6,7 +6,9 @@ one with the highest priority (then the earliest submitted), as Dask's scheduler
 task restricted to workers waits for one of them, an unrestricted one runs where most of
 its inputs are. A dependency adds Dask's latency, and a transfer when the producer ran on
 another worker. The ranks of a gang hold their workers from their own start until the
-whole gang is done (they meet in collectives). Iterations are released in the run loop's
+whole gang is done (they meet in collectives). On a layout whose workers' threads
+fill every core, a task is slowed by the coordinator (``contention``) only when the
+busy workers fill them as it starts. Iterations are released in the run loop's
 order (``loop_steps``): the tasks compiled after iteration j's finish wait for it plus the
 coordinator's time to finish an iteration. The predicted iteration time is the mean gap
 between consecutive iteration finishes over the steady ones (not the first or last), as
@@ -168,6 +170,13 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
             if remaining[u] == 0 and u in released:
                 heapq.heappush(pending, (ready_at[u], index[u], u))
 
+    def crowded() -> bool:
+        """Whether a task starting now shares its cores with the coordinator: on a
+        contended layout, when the busy workers' threads (its own included) fill every
+        core. (One worker of two busy leaves the coordinator a core of its own: the
+        tasks of an interleaved plan mostly run so, measured as fast as alone.)"""
+        return contended and sum(busy) * threads >= cost.cores
+
     def choose(spec: TaskSpec) -> int | None:
         allowed = spec.workers or tuple(range(n_workers))
         free = [w for w in allowed if not busy[w]]
@@ -204,12 +213,12 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
                 group = (spec.iteration, spec.stages, spec.gang)
                 gang_started[group].append((spec.id, now))
                 if len(gang_started[group]) == len(spec.gang):
-                    end = now + _duration(spec, cost, threads, contended)
+                    end = now + _duration(spec, cost, threads, crowded())
                     for rank_id, started in gang_started.pop(group):
                         sim.intervals[rank_id] = (where[rank_id], started, end)
                         heapq.heappush(events, (end, index[rank_id], rank_id))
                 continue
-            end = now + _duration(spec, cost, threads, contended)
+            end = now + _duration(spec, cost, threads, crowded())
             sim.intervals[spec.id] = (w, now, end)
             heapq.heappush(events, (end, item[1], spec.id))
         for item in skipped:
