@@ -168,6 +168,33 @@ def test_a_gang_runs_all_its_ranks_at_once():
     assert {w for w, _, _ in ranks} == {0, 1}
 
 
+def test_a_task_is_slowed_by_the_coordinator_only_while_every_core_is_busy():
+    """On 2 cores with 2 one-thread workers, a task that starts while the other worker
+    is idle leaves the coordinator a core (as fast as alone); one that starts while
+    both are busy shares its core (``contention`` slower)."""
+    pipeline = load_pipeline(GRPO, {"placement.strategy": "interleaved"})
+    plan = make_plan(pipeline, 2)
+    cost = CostModel(pipeline, cores=2)
+    sim = simulate(pipeline, plan, cost, threads=1, iterations=4, contended=True)
+    specs = {s.id: s for s in sim.specs}
+    rows = {tid: specs[tid].rows[1] - specs[tid].rows[0] for tid in sim.intervals}
+    alone = shared = 0
+    for tid, (w, a, b) in sim.intervals.items():
+        spec = specs[tid]
+        if spec.stages != ("ref_logprob",):
+            continue
+        others = [x for t, x in sim.intervals.items() if x[0] != w and x[1] <= a < x[2]]
+        fast = cost.stage_seconds("ref_logprob", rows[tid], 1, contended=False)
+        slow = cost.stage_seconds("ref_logprob", rows[tid], 1, contended=True)
+        if others:
+            assert b - a == pytest.approx(slow)
+            shared += 1
+        else:
+            assert b - a == pytest.approx(fast)
+            alone += 1
+    assert alone and shared  # the reference ran both ways in this plan
+
+
 def test_the_timeline_draws_every_worker():
     pipeline = load_pipeline(PPO, {"placement.strategy": "interleaved"})
     sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=4)
@@ -298,6 +325,23 @@ def test_a_run_records_task_intervals_a_profile_is_made_of(tmp_path):
     profile = Profile.load(tmp_path / "p.json")
     assert len(profile.observations) == len(observed)
     assert CostModel(load_pipeline(path), profile).profiled
+
+
+def test_an_observation_counts_the_workers_busy_as_it_started(tmp_path):
+    """Whether a task shared its cores with the coordinator depends on what ran beside
+    it: on 2 workers, a task that started while the other was idle counts as alone."""
+    layout = {"workers": 2, "threads": 1, "gangs": {}}
+    tasks = [[0, "generate", 1, 10.0, 10.5, 16],     # w1 idle: alone
+             [1, "ref_logprob", 1, 10.6, 10.7, 16],  # w0 idle again: alone
+             [0, "generate", 1, 10.65, 11.0, 16],    # w1 busy: both
+             [1, "store", 1, 10.9, 11.2, 16]]        # w0 busy: both
+    (tmp_path / "tasks.jsonl").write_text(
+        json.dumps({"iteration": 1, "layout": layout, "tasks": tasks}) + "\n")
+    observed = observations_from_run(tmp_path, skip_first=False)
+    assert [o.workers for o in observed] == [1, 1, 2, 2]
+    cost = CostModel(load_pipeline(GRPO), cores=2)
+    assert [cost.contended(o.workers, o.threads) for o in observed] == [False, False,
+                                                                        True, True]
 
 
 @pytest.mark.slow

@@ -86,7 +86,10 @@ class ModelShape:
 class Observation:
     """One measured task: a stage on a batch of ``rows`` rows, ``threads`` torch threads,
     as one rank of a gang of ``gang`` (1: alone), took ``seconds``, on an embedded
-    cluster of ``workers`` workers (0: not recorded, profiles made before it was)."""
+    cluster, while ``workers`` workers were busy as it started, itself included (what
+    decides whether it shared its cores with the coordinator; 0: not recorded, profiles
+    made before it was; profiles made before it counted busy workers hold the
+    cluster's)."""
 
     stage: str
     rows: int

@@ -12,6 +12,7 @@ loading) is left out. A finished run's intervals can be added to a profile later
 
 from __future__ import annotations
 
+import bisect
 import json
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
     path = Path(run_dir) / TASKS_FILE
     if not path.is_file():
         return []
-    out = []
+    tasks = []
     first = None
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
@@ -49,16 +50,43 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
         layout = record.get("layout") or {}
         threads = int(layout.get("threads") or 1)
         gangs = layout.get("gangs") or {}
-        for _w, stage, iteration, start, stop, rows in record.get("tasks", []):
+        for w, stage, iteration, start, stop, rows in record.get("tasks", []):
             if first is None:
                 first = iteration
-            if skip_first and iteration <= max(0, first):
-                continue
-            if stage == "realloc" or rows <= 0:
-                continue
-            out.append(Observation(stage, int(rows), threads, int(gangs.get(stage, 1)),
-                                   float(stop - start), int(layout.get("workers") or 0)))
+            tasks.append((w, start, stop, stage, iteration, rows, threads,
+                          int(gangs.get(stage, 1)), int(layout.get("workers") or 0)))
+    busy, seen = _busy_at(tasks)
+    out = []
+    for w, start, stop, stage, iteration, rows, threads, gang, workers in tasks:
+        if skip_first and iteration <= max(0, first):
+            continue
+        if stage == "realloc" or rows <= 0:
+            continue
+        if workers:  # the workers busy as it started, itself included (CostModel.contended)
+            workers = min(workers, 1 + sum(busy(v, start) for v in seen if v != w))
+        out.append(Observation(stage, int(rows), threads, gang, float(stop - start),
+                               workers))
     return out
+
+
+def _busy_at(tasks: list[tuple]) -> tuple[Callable[[int, float], bool], list[int]]:
+    """``(busy, workers)``: ``busy(worker, t)`` says whether one of ``tasks`` (worker,
+    start, stop, ...) ran on ``worker`` at time ``t``, ``workers`` are the workers seen.
+    A worker's tasks follow one another, so the last one started by ``t`` is the only
+    candidate."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for w, start, stop, *_ in tasks:
+        spans.setdefault(w, []).append((start, stop))
+    starts = {}
+    for w, items in spans.items():
+        items.sort()
+        starts[w] = [a for a, _ in items]
+
+    def busy(worker: int, t: float) -> bool:
+        i = bisect.bisect_right(starts[worker], t) - 1
+        return i >= 0 and spans[worker][i][1] > t
+
+    return busy, list(spans)
 
 
 def profile_pipeline(pipeline, iterations: int = 3,
