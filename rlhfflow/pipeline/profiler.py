@@ -56,6 +56,7 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
             tasks.append((w, start, stop, stage, iteration, rows, threads,
                           int(gangs.get(stage, 1)), int(layout.get("workers") or 0)))
     busy, seen = _busy_at(tasks)
+    lengths = _response_lengths(Path(run_dir) / "metrics.jsonl")
     out = []
     for w, start, stop, stage, iteration, rows, threads, gang, workers in tasks:
         if skip_first and iteration <= max(0, first):
@@ -65,7 +66,25 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
         if workers:  # the workers busy as it started, itself included (CostModel.contended)
             workers = min(workers, 1 + sum(busy(v, start) for v in seen if v != w))
         out.append(Observation(stage, int(rows), threads, gang, float(stop - start),
-                               workers))
+                               workers, lengths.get(iteration, 0.0)))
+    return out
+
+
+def _response_lengths(path: Path) -> dict[int, float]:
+    """Per iteration, the mean response length its metrics recorded (the work of a
+    stage follows it, and a profile's first iterations are rarely a run's steady
+    lengths)."""
+    out: dict[int, float] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            length = record.get("response_length_mean")
+            if length:
+                out[int(record["iteration"])] = float(length)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a torn last line, or not a metrics record
     return out
 
 
