@@ -77,30 +77,6 @@ def test_a_layout_that_leaves_no_core_to_the_coordinator_is_costed_slower():
     assert legacy.stage_seconds("generate", 16, 1) == pytest.approx(0.16)
 
 
-def test_a_task_measured_on_short_responses_is_costed_at_full_length():
-    """Responses grow (or shrink) as a policy learns; a profile's first iterations are
-    scaled to ``max_new_tokens`` by the analytic model's dependence on the length, the
-    decoding loop's steps staying at the longest row's."""
-    pipeline = load_pipeline(SMALL)
-    full = CostModel(pipeline).response_tokens
-    short = [Observation("train_actor", r, 1, 1, 1.0 + 0.01 * r, tokens=full / 2)
-             for r in (16, 32)]
-    unknown = [Observation("train_actor", r, 1, 1, 1.0 + 0.01 * r) for r in (16, 32)]
-    longer = CostModel(pipeline, _profile(pipeline, short))
-    as_measured = CostModel(pipeline, _profile(pipeline, unknown))
-    assert as_measured.stage_seconds("train_actor", 32, 1) == pytest.approx(1.32)
-    assert longer.stage_seconds("train_actor", 32, 1) > 1.32 * 1.2
-    analytic = CostModel(pipeline)
-    half = analytic._analytic("generate", 32, 1, response=full / 2)
-    whole = analytic._analytic("generate", 32, 1)
-    steps_only = analytic._analytic("generate", 0, 1)  # the per-step cost stays
-    assert steps_only < half < whole < 2 * half
-    # at full length the scaling is none
-    at_full = CostModel(pipeline, _profile(pipeline, [
-        Observation("generate", r, 1, 1, 0.5, tokens=full) for r in (16, 32)]))
-    assert at_full.stage_seconds("generate", 32, 1) == pytest.approx(0.5)
-
-
 def test_a_profile_records_each_iterations_response_length(tmp_path):
     layout = {"workers": 1, "threads": 1, "gangs": {}}
     (tmp_path / "tasks.jsonl").write_text(

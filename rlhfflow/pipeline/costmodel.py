@@ -90,7 +90,9 @@ class Observation:
     decides whether it shared its cores with the coordinator; 0: not recorded, profiles
     made before it was; profiles made before it counted busy workers hold the
     cluster's). ``tokens``: the mean response length of its iteration (0: not
-    recorded); responses grow or shrink as a policy learns, and the work with them."""
+    recorded). Recorded, not yet used: measured on grpo-small, stage times grew with it
+    far less than the analytic model's dependence on it, and costing a profile at
+    ``max_new_tokens`` that way over-predicted by 13-25%."""
 
     stage: str
     rows: int
@@ -294,11 +296,11 @@ class CostModel:
         for key, obs in groups.items():
             stage, threads, gang, contended = key
             xs = [o.rows for o in obs]
-            ys = [o.seconds * self._full_length(o) for o in obs]
-            for o, y in zip(obs, ys, strict=True):
+            ys = [o.seconds for o in obs]
+            for o in obs:
                 analytic = self.analytic(stage, o.rows, threads, gang, bool(contended))
                 if analytic > 0:
-                    self._ratios[stage].append(y / analytic)
+                    self._ratios[stage].append(o.seconds / analytic)
             if len(set(xs)) < 2:
                 continue
             n = len(xs)
@@ -307,19 +309,6 @@ class CostModel:
             b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
             a = max(0.0, my - b * mx)
             self._fits[key] = (a, b)
-
-    def _full_length(self, o: Observation) -> float:
-        """How much longer ``o``'s task would have taken with every response at its full
-        length (``max_new_tokens``, what the plan is costed at), by the analytic model's
-        dependence on the response length; 1 where its length was not recorded, or
-        does not matter (a stage without a model)."""
-        node = self.graph.nodes.get(o.stage)
-        if not o.tokens or node is None or not node.model or self.response_tokens <= 0:
-            return 1.0
-        tokens = min(float(o.tokens), float(self.response_tokens))
-        at = self._analytic(o.stage, o.rows, o.threads, o.gang, response=max(1.0, tokens))
-        full = self._analytic(o.stage, o.rows, o.threads, o.gang)
-        return full / at if at > 0 else 1.0
 
     # ----------------------------------------------------------------- durations
     def stage_seconds(self, stage: str, rows: int, threads: int, gang: int = 1,
@@ -354,13 +343,8 @@ class CostModel:
             work = self.device["task_s"] + (work - self.device["task_s"]) / node.every
         return work * (1.0 + self.device["contention"]) if contended else work
 
-    def _analytic(self, stage: str, rows: int, threads: int, gang: int = 1,
-                  response: float | None = None) -> float:
-        """See ``analytic``; ``response``: the mean response length to cost (default:
-        every response at ``max_new_tokens``)."""
+    def _analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
         d = self.device
-        full = self.response_tokens
-        response_tokens = full if response is None else response
         speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
                                     + d["thread_efficiency"] / max(1, threads))
         if stage == "store":
@@ -369,7 +353,7 @@ class CostModel:
         node = self.graph.nodes[stage]
         params = self.pipeline.params[stage]
         shape = self.shapes.get(node.model) if node.model else None
-        tokens = self.prompt_tokens + response_tokens
+        tokens = self.prompt_tokens + self.response_tokens
         if shape is None or shape.params == 0:
             # model-free stages: rewards are Python per row, advantages are tensor ops
             return d["task_s"] + rows * 2.0e-5 * max(1, tokens // 16)
@@ -380,13 +364,10 @@ class CostModel:
         # a stage that decodes without sampling (ReMax's greedy baseline) costs the same
         decodes = node.response_tokens or int(getattr(params, "max_new_tokens", 0) or 0)
         if node.generates or decodes:
-            steps = decodes or full
-            # finished rows leave the batch: the loop runs until the longest row ends,
-            # each row only for its own length
-            row_steps = steps * (response_tokens / full if full else 1.0)
+            steps = decodes or self.response_tokens
             prefill = call + rows * self._prompt_share(1) * self.prompt_tokens * \
                 flops_token / speed
-            decode = steps * call + rows * row_steps * (d["row_step_s"] + flops_token / speed)
+            decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
             return d["task_s"] + prefill + decode
         if node.trains:
             share = self._row_share(stage)
@@ -395,7 +376,7 @@ class CostModel:
             minibatches = int(getattr(params, "minibatches", 1))
             steps = epochs * minibatches
             tokens = self.prompt_tokens * self._prompt_share(minibatches, share) + \
-                response_tokens
+                self.response_tokens
             compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
             allreduce = 0.0
@@ -407,7 +388,7 @@ class CostModel:
         # one forward pass: log-probs, values, a reward model; a reward model's sequence
         # scores still run every row's prompt (stages.models.sequence_scores)
         if not node.scores:
-            tokens = self.prompt_tokens * self._prompt_share(1) + response_tokens
+            tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
 
     def _row_share(self, stage: str) -> float:
