@@ -452,8 +452,8 @@ def _plain_step(target, last: torch.Tensor, streams, produced: torch.Tensor, par
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One plain decoding step of the active rows: ``(token [B], logprob [B], hit_eos
     [B])``, bit for bit what ``verify`` gives with no drafts (the same operations on the
-    same values) without its bookkeeping for drafts, which at a tiny model's step is a
-    third of the step."""
+    same values) without its bookkeeping for drafts (~2 ms of a 26 ms grpo-tiny
+    generate call)."""
     logits = target.forward(last[:, None])[:, 0]
     uniforms = streams.sample.gather(1, produced[:, None])[:, 0]
     token = sample_step(logits, uniforms, params).to(logits.device)
