@@ -238,3 +238,44 @@ def test_the_loop_compiles_the_next_iteration_before_finishing_this_one():
               if s.kind != "start"]
     assert inline == [("ahead", 0), ("main", 0), ("finish", 0), ("ahead", 1), ("main", 1),
                       ("finish", 1)]
+
+
+def _without_evaluate(tmp_path):
+    """best-of-n-tiny without its evaluate stage (the plan the review found)."""
+    import yaml
+
+    data = yaml.safe_load((CONFIGS / "best-of-n-tiny.yaml").read_text())
+    del data["stages"]["evaluate"]
+    data["data"]["prompts"] = str(CONFIGS / data["data"]["prompts"])
+    path = tmp_path / "best-of-n-no-eval.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("name", ["ppo-tiny", "grpo-tiny", "remax-tiny", "online-dpo-tiny",
+                                  "best-of-n"])
+def test_every_fusion_compiles_and_keeps_each_stage_on_its_workers(tmp_path, name):
+    """Over strategies, one or two micro-batches, staleness 0 or 1 and each stage kept
+    out of fusion in turn: every plan compiles (a fused task waits only for tasks
+    compiled before it), and a task runs where each of its stages with a placement may
+    run (a trainer fused behind stages without a model keeps its workers)."""
+    config = _without_evaluate(tmp_path) if name == "best-of-n" else CONFIGS / f"{name}.yaml"
+    loop = load_pipeline(config).graph.loop_stages
+    for strategy in ("colocated", "interleaved", "disaggregated"):
+        for micro in (1, 2):
+            for staleness in (0, 1):
+                for alone in (None, *loop):
+                    overrides = {"placement.strategy": strategy, "data.micro_batches": micro,
+                                 "overlap.max_staleness": staleness}
+                    if alone:
+                        overrides[f"stages.{alone}.fuse"] = False
+                    specs, plan = _compile(config, overrides)
+                    case = (strategy, micro, staleness, alone)
+                    for s in specs:
+                        if s.kind != STAGE:
+                            continue
+                        for stage in s.stages:
+                            allowed = plan.stages[stage].workers
+                            if allowed and not plan.stages[stage].gang:
+                                assert s.workers and set(s.workers) <= set(allowed), \
+                                    (case, s.id, s.workers, stage, allowed)

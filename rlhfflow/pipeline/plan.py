@@ -299,6 +299,19 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
                     if any(graph.nodes[m].trains for m in g["members"]):
                         continue
                     place = not sp.workers or not g["workers"] or sp.workers == g["workers"]
+                    first = stages[g["order"][0]]
+                    if first.micro_batches is not None:
+                        # a group of micro-batch stages may have skipped stages of the
+                        # loop (a micro-batch stage joins any earlier group): it is
+                        # compiled at its first stage, so this stage's waits must all
+                        # come before that, which holds when the group is a contiguous
+                        # run of the loop; and its tasks run where its first stage says,
+                        # so a stage with a model joins only a group whose first stage
+                        # runs exactly where it does
+                        loop = graph.loop_stages
+                        span = loop[loop.index(g["order"][0]):loop.index(name)]
+                        place = place and set(span) == g["members"] and \
+                            (not sp.workers or sp.workers == first.workers)
                     new = waits - g["members"] - g["waits"]
                     # no new wait on a member's consumer (a cycle), and no other
                     # consumer of a member made to wait for this stage's work (PPO's

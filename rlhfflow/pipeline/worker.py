@@ -336,7 +336,9 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
     texts for the coordinator to store; ``after`` only orders the task."""
     del after
     host = current_host()
-    batch = assemble(parts)
+    # only columns: a task that fused an update behind the stages that wrote them
+    # returns the update's metrics too
+    batch = {k: v for k, v in assemble(parts).items() if _has_rows(v)}
     with host.timed(iteration, "store", batch_rows(batch)):
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
