@@ -73,19 +73,15 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
 def _response_lengths(path: Path) -> dict[int, float]:
     """Per iteration, the mean response length its metrics recorded (the work of a
     stage follows it, and a profile's first iterations are rarely a run's steady
-    lengths)."""
-    out: dict[int, float] = {}
-    if not path.is_file():
-        return out
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            length = record.get("response_length_mean")
-            if length:
-                out[int(record["iteration"])] = float(length)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a torn last line, or not a metrics record
-    return out
+    lengths); none where the log cannot be read."""
+    from rlhfflow.storage import MetricsLog
+
+    try:
+        records = MetricsLog(path).read()
+    except (OSError, ValueError):
+        return {}
+    return {int(r["iteration"]): float(r["response_length_mean"]) for r in records
+            if "iteration" in r and r.get("response_length_mean")}
 
 
 def _busy_at(tasks: list[tuple]) -> tuple[Callable[[int, float], bool], list[int]]:

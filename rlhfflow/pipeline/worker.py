@@ -214,14 +214,15 @@ def part(results: list[Any], rows: tuple[int, int] | None = None) -> dict[str, A
 
 
 def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> Batch:
-    """Merge the inputs of a task into one batch, keeping ``columns`` (all if None)."""
+    """Merge the inputs of a task into one batch of columns, keeping ``columns`` (all if
+    None). A fused task's result may hold per-task values too (a trainer's metrics,
+    fused behind the stages that wrote the rows): they are no columns, and left out."""
     batch: Batch = {}
     for p in parts:
         data = concat_batches(list(p["results"]))
+        data = {k: v for k, v in data.items() if _has_rows(v)}
         if p["rows"] is not None:
-            # a fused task's result may hold per-task values too (a trainer's metrics,
-            # fused behind the stage that wrote the rows): they have no rows to take
-            data = slice_batch({k: v for k, v in data.items() if _has_rows(v)}, *p["rows"])
+            data = slice_batch(data, *p["rows"])
         for key, value in data.items():
             if columns is None or key in columns:
                 batch[key] = value
@@ -336,9 +337,7 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
     texts for the coordinator to store; ``after`` only orders the task."""
     del after
     host = current_host()
-    # only columns: a task that fused an update behind the stages that wrote them
-    # returns the update's metrics too
-    batch = {k: v for k, v in assemble(parts).items() if _has_rows(v)}
+    batch = assemble(parts)
     with host.timed(iteration, "store", batch_rows(batch)):
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
