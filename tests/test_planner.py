@@ -206,6 +206,24 @@ def test_a_task_is_slowed_by_the_coordinator_only_while_every_core_is_busy():
     assert alone and shared  # the reference ran both ways in this plan
 
 
+@pytest.mark.parametrize("every", [3, 5])
+def test_checkpoints_cost_their_real_rate_whatever_the_window(every):
+    """A checkpoint every ``every`` iterations costs 1/every of its time per iteration,
+    whether the simulated window holds one checkpoint in 4 steady iterations or two in
+    10: the prediction does not depend on where the window cuts."""
+    pipeline = load_pipeline(GRPO, {"placement.strategy": "colocated",
+                                    "checkpoint.every": every})
+    plan = make_plan(pipeline, 1)
+    cost = CostModel(pipeline)
+    cost.device["checkpoint_s"] = 0.5  # a slow disk: a checkpoint weighs 3-4 iterations
+    without = load_pipeline(GRPO, {"placement.strategy": "colocated", "checkpoint.every": 0})
+    base = simulate(without, make_plan(without, 1), cost, 1, iterations=6).iteration_s
+    saving = cost.checkpoint_seconds("actor")
+    for window in (6, 12):
+        sim = simulate(pipeline, plan, cost, 1, iterations=window)
+        assert sim.iteration_s == pytest.approx(base + saving / every, rel=0.02), window
+
+
 def test_the_timeline_draws_every_worker():
     pipeline = load_pipeline(PPO, {"placement.strategy": "interleaved"})
     sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=4)

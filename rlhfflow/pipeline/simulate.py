@@ -85,7 +85,8 @@ def simulate(pipeline, plan, cost: CostModel, threads: int, iterations: int = 6,
     not."""
     versions = {m: 0 for m in pipeline.spec.models}
     specs, gates = compile_run(pipeline, plan, versions, iterations, rows=rows)
-    return _run(specs, gates, plan.n_workers, cost, threads, iterations, contended)
+    return _run(specs, gates, plan.n_workers, cost, threads, iterations, contended,
+                pipeline.spec.checkpoint.every)
 
 
 def _duration(spec: TaskSpec, cost: CostModel, threads: int, contended: bool) -> float:
@@ -100,13 +101,29 @@ def _duration(spec: TaskSpec, cost: CostModel, threads: int, contended: bool) ->
         shape = cost.shapes.get(spec.model)
         return cost.transfer_seconds(shape.nbytes if shape else 0) / 2
     if spec.kind == CHECKPOINT:
-        shape = cost.shapes.get(spec.model)
-        return 0.05 + (shape.nbytes * 4 if shape else 0) / 5e8
+        return cost.checkpoint_seconds(spec.model)
     return 0.0
 
 
+def _amortized(iterations: list[int], gaps: list[float], saved: set[int], every: int
+               ) -> float:
+    """The mean iteration time with one checkpoint per ``every`` iterations, from
+    simulated ``gaps`` (of ``iterations``, checkpointed where in ``saved``): the median
+    gap of iterations neither saving nor right after a save, plus the window's time
+    beyond that per checkpoint in it, spread over ``every`` iterations. (A short window
+    would otherwise weigh a checkpoint by its own length: one in 4 gaps instead of 5.)"""
+    plain = sorted(g for k, g in zip(iterations, gaps, strict=True)
+                   if k not in saved and k - 1 not in saved)
+    count = sum(1 for k in iterations if k in saved)
+    if not plain or not count:
+        return sum(gaps) / len(gaps)
+    base = plain[len(plain) // 2]
+    return base + (sum(gaps) - base * len(gaps)) / (count * every)
+
+
 def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: CostModel,
-         threads: int, iterations: int, contended: bool = False) -> Simulation:
+         threads: int, iterations: int, contended: bool = False,
+         checkpoint_every: int = 0) -> Simulation:
     d = cost.device
     sim = Simulation(specs=specs)
     index = {s.id: i for i, s in enumerate(specs)}
@@ -240,6 +257,10 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
     gaps = [b - a for a, b in zip(finishes, finishes[1:], strict=False)]
     steady = gaps[:-1] if len(gaps) > 1 else gaps  # as the run: not the last iteration
     sim.iteration_s = sum(steady) / len(steady) if steady else (finishes[-1] if finishes else 0)
+    saved = {s.iteration for s in specs if s.kind == CHECKPOINT}
+    if steady and saved and checkpoint_every > 1:
+        sim.iteration_s = _amortized(sorted(sim.finishes)[1:len(steady) + 1], steady, saved,
+                                     checkpoint_every)
     total = finishes[-1] if finishes else 1.0
     sim.busy_frac = [round(b / max(total, 1e-9), 4) for b in busy_time]
     return sim
