@@ -336,6 +336,10 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
     fig.update({f"trl_{k}": v for k, v in by_threads[best].items()})
     fig["speedup"] = round(fig["trl_s"] / fig["rlhfflow_s"], 3)
+    # each round's own ratio (the two ran minutes apart at most): how much of the
+    # figure is the machine drifting between rounds
+    fig["speedup_by_round"] = [round(steady(t["iteration_s"]) / steady(o["iteration_s"]), 3)
+                               for o, t in zip(ours, theirs[best], strict=True)]
     if recomputed:
         fig["recompute_logprobs"] = summarize(recomputed, rows)
         fig["speedup_recompute_logprobs"] = round(
@@ -398,6 +402,9 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
     print(f"speedup rlhfflow vs TRL: {fig['speedup']:.3f}x (samples/s ratio, against TRL's "
           f"fastest: {fig['trl_threads']} torch thread(s); load {fig['load_1min']:.2f} on "
           f"{fig['cpus']} cores before the runs)")
+    if len(fig["speedup_by_round"]) > 1:
+        print("speedup in each round (rlhfflow and TRL back to back): "
+              + ", ".join(f"{x:.3f}x" for x in fig["speedup_by_round"]))
 
 
 def main() -> None:

@@ -204,6 +204,10 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         "distributed.nanny.pre-spawn-environ": {
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},
+        # Dask's sampling profiler (the dashboard's Profile page) walks the running
+        # task's stack every 10 ms by default, holding the GIL the task's torch ops
+        # need: 100 ms keeps the page, at a tenth of the samples (see sampling_interval)
+        "distributed.worker.profile.interval": sampling_interval(),
     }
     if config["distributed.worker.multiprocessing-method"] == "forkserver":
         # Dask gives each worker 30 s to start: not the fork server's imports
@@ -216,6 +220,21 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
+
+
+#: Dask's default interval of its workers' sampling profiler.
+DASK_PROFILE_INTERVAL = "10ms"
+#: The interval the embedded cluster's workers sample at instead.
+PROFILE_INTERVAL = "100ms"
+
+
+def sampling_interval() -> str:
+    """The embedded workers' profiler interval: ``PROFILE_INTERVAL`` unless the user's
+    Dask config sets another than Dask's default. Measured over 6 alternating pairs of
+    20-iteration grpo-tiny runs, the profiler off made every run faster, by 5% on
+    average (most in the buffer writes: zarr's deep Python stacks are what it walks)."""
+    configured = dask.config.get("distributed.worker.profile.interval", DASK_PROFILE_INTERVAL)
+    return PROFILE_INTERVAL if configured == DASK_PROFILE_INTERVAL else configured
 
 
 def embedded_worker_processes(coordinator) -> list:
