@@ -9,6 +9,7 @@ import pytest
 from rlhfflow.pipeline.compiler import (
     CHECKPOINT,
     INSTALL,
+    SOURCE_KIND,
     STAGE,
     STORE,
     by_id,
@@ -252,6 +253,39 @@ def _without_evaluate(tmp_path):
     return path
 
 
+def _every_row_is_stored_once(specs, plan, graph, case) -> None:
+    """Each source micro-batch's rows are written once per iteration: by a store task,
+    or by the one stage task that wrote all of them (its group holds every stage that
+    writes columns), which is no gang and runs in its iteration's main turn."""
+    writers = {n for n in graph.loop_stages if graph.nodes[n].writes}
+    for k in {s.iteration for s in specs if s.iteration >= 0}:
+        stored = sorted(s.rows for s in specs if s.iteration == k
+                        and (s.kind == STORE or s.stores))
+        sources = sorted(s.rows for s in specs if s.iteration == k and s.kind == SOURCE_KIND)
+        assert stored == sources, (case, k, stored, sources)
+        for s in specs:
+            if s.iteration == k and s.stores:
+                assert s.kind == STAGE and writers <= set(s.stages), (case, s.id)
+                assert not s.gang and all(plan.stages[n].lag == 0 for n in s.stages), case
+
+
+def test_the_whole_iterations_task_stores_its_rows_and_returns_no_columns():
+    """grpo-tiny on one worker, one micro-batch: the iteration is one task, which writes
+    the buffer itself (no store task) and returns only its statistics, since no other
+    task reads its columns; with a stage outside it reading them, it keeps them."""
+    one = {"placement.strategy": "colocated", "data.micro_batches": 1}
+    specs, _ = _compile(GRPO, one, workers=1)
+    assert not [s for s in specs if s.kind == STORE]
+    whole = _tasks(specs, "generate", 0)
+    assert len(whole) == 1 and whole[0].stores and not whole[0].returns_rows
+    assert whole[0].stages == ("generate", "reward", "ref_logprob", "advantages",
+                               "train_actor")
+    specs, _ = _compile(GRPO, {**one, "stages.train_actor.fuse": False}, workers=1)
+    first = _tasks(specs, "generate", 0)[0]
+    assert first.stores and first.returns_rows  # train_actor reads its columns
+    assert _tasks(specs, "train_actor", 0)[0].id != first.id
+
+
 @pytest.mark.parametrize("name", ["ppo-tiny", "grpo-tiny", "remax-tiny", "online-dpo-tiny",
                                   "best-of-n"])
 def test_every_fusion_compiles_and_keeps_each_stage_on_its_workers(tmp_path, name):
@@ -260,7 +294,8 @@ def test_every_fusion_compiles_and_keeps_each_stage_on_its_workers(tmp_path, nam
     compiled before it), and a task runs where each of its stages with a placement may
     run (a trainer fused behind stages without a model keeps its workers)."""
     config = _without_evaluate(tmp_path) if name == "best-of-n" else CONFIGS / f"{name}.yaml"
-    loop = load_pipeline(config).graph.loop_stages
+    graph = load_pipeline(config).graph
+    loop = graph.loop_stages
     for strategy in ("colocated", "interleaved", "disaggregated"):
         for micro in (1, 2):
             for staleness in (0, 1):
@@ -271,6 +306,7 @@ def test_every_fusion_compiles_and_keeps_each_stage_on_its_workers(tmp_path, nam
                         overrides[f"stages.{alone}.fuse"] = False
                     specs, plan = _compile(config, overrides)
                     case = (strategy, micro, staleness, alone)
+                    _every_row_is_stored_once(specs, plan, graph, case)
                     for s in specs:
                         if s.kind != STAGE:
                             continue

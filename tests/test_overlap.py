@@ -94,6 +94,9 @@ def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path, mic
         runs[name] = run_pipeline(pipeline, progress=False, inline=True)
     assert _numbers(runs["fused"].metrics) == _numbers(runs["unfused"].metrics)
     assert torch.equal(_actor(runs["fused"]), _actor(runs["unfused"]))
+    # at one micro-batch the whole iteration's task writes the buffer itself, in place of
+    # a store task: every stored value is the same
+    assert _experience(runs["fused"]) == _experience(runs["unfused"])
     assert set(group) <= set(runs["fused"].metrics[-1]["stage_s"])
     # the update's metrics are its own, not the columns of the stages fused before it
     train = runs["fused"].metrics[-1]["train"]["train_actor"]
@@ -162,6 +165,13 @@ def _run(cluster, tmp_path, name, overrides, iterations=3, inline=False):
 def _numbers(metrics):
     keys = ("reward_mean", "kl_mean", "policy_loss", "value_loss", "clip_frac", "approx_kl")
     return [[m[k] for k in keys] for m in metrics]
+
+
+def _experience(result) -> list[dict[str, list]]:
+    """Every stored column of every iteration, as lists (but ``gen_seconds``, a time)."""
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
+    return [{k: np.asarray(v).tolist() for k, v in buffer.read(it).items()
+             if k != "gen_seconds"} for it in buffer.iterations()]
 
 
 def _actor(result) -> torch.Tensor:

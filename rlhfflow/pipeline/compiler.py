@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlhfflow.pipeline.graph import SOURCE
@@ -62,6 +62,11 @@ class TaskSpec:
         model: the model an export, install or checkpoint task moves or saves.
         version: the version an install task installs.
         rank: the gang rank of a gang task or of a checkpoint shard.
+        stores: a stage task that writes its own rows to the buffer, in place of a
+            store task (its group holds every stage that writes columns, and its rows
+            are one source micro-batch's).
+        returns_rows: whether a storing task still returns its columns (no other task
+            reads them: False).
     """
 
     id: str
@@ -79,6 +84,8 @@ class TaskSpec:
     model: str | None = None
     version: int = 0
     rank: int = 0
+    stores: bool = False
+    returns_rows: bool = True
 
     @property
     def label(self) -> str:
@@ -98,7 +105,8 @@ class IterationTasks:
     rows: int
     bounds: dict[str, list[tuple[int, int]]]  # stage -> its micro-batches' rows
     handles: dict[str, list[str]] = field(default_factory=dict)  # stage -> task ids
-    stores: list[str] = field(default_factory=list)
+    stores: list[str] = field(default_factory=list)  # per source micro-batch, in order
+    stored_by: dict[tuple[int, int], str] = field(default_factory=dict)  # rows -> task
     syncs: dict[str, list[str]] = field(default_factory=dict)  # model -> install ids
     checkpoint: dict[str, list[str]] | None = None  # model -> checkpoint task ids
 
@@ -207,6 +215,8 @@ class TaskCompiler:
             versions = {n.model: self.versions[n.model] for n in nodes if n.model}
             priority = -k * 1000 + max(self.rank[n] for n in group)
             tasks = self._stage_tasks(group, it, order, versions, priority, retries)
+            if self._stores_itself(group):
+                tasks = [self._storing(t, group, it) for t in tasks]
             out += tasks
             ids = [t.id for t in tasks]
             for n, node in zip(group, nodes, strict=True):
@@ -219,6 +229,27 @@ class TaskCompiler:
                         if s.kind == INSTALL:
                             it.syncs.setdefault(s.model, []).append(s.id)
         return out
+
+    def _stores_itself(self, group: tuple[str, ...]) -> bool:
+        """Whether the tasks of ``group`` write their own rows to the buffer: the group
+        holds every stage that writes columns (so a store would read this task alone),
+        and runs in its iteration's main turn (the coordinator creates the iteration's
+        arrays before submitting it), not as a gang, not under ``sequential``."""
+        sp = self.plan.stages[group[0]]
+        return (not self.plan.sequential and not sp.gang and sp.lag == 0
+                and set(self.writers[1:]) <= set(group))
+
+    def _storing(self, task: TaskSpec, group: tuple[str, ...], it: IterationTasks
+                 ) -> TaskSpec:
+        """``task`` storing its rows itself, when they are one source micro-batch's."""
+        if task.rows not in it.bounds[SOURCE]:
+            return task
+        it.stored_by[task.rows] = task.id
+        # a stage outside the group reading what the group wrote needs the columns
+        read = any(self.graph.producer(c, n) in group
+                   for n in self.graph.loop_stages if n not in group
+                   for c in self.graph.nodes[n].reads)
+        return replace(task, stores=True, returns_rows=read)
 
     def _order(self, group: tuple[str, ...], it: IterationTasks,
                previous: IterationTasks | None, later: IterationTasks | None) -> list[str]:
@@ -320,18 +351,25 @@ class TaskCompiler:
 
     def stores(self, it: IterationTasks) -> list[TaskSpec]:
         """One store task per source micro-batch (chunk-aligned rows of the buffer), on
-        any worker (next to its data); the coordinator creates the arrays first."""
+        any worker (next to its data), except where one stage task wrote all of its rows
+        and stores them itself (``_stores_itself``); the coordinator creates the arrays
+        first. ``it.stores`` lists, per source micro-batch in order, the task that stores
+        it."""
         k = it.index
         # fused stages share their tasks: take each group's results once
         writers = list({id(it.handles[w]): w for w in self.writers}.values())
         # sequential: the stores are the iteration's last stage
         after = tuple(it.handles[self.graph.loop_stages[-1]]) if self.plan.sequential else ()
         specs = []
+        it.stores = []
         for j, (a, b) in enumerate(it.bounds[SOURCE]):
+            if (a, b) in it.stored_by:  # its producer's task writes these rows itself
+                it.stores.append(it.stored_by[(a, b)])
+                continue
             parts = tuple(self.rows_of(it, w, a, b)[0] for w in writers)
             specs.append(TaskSpec(f"store-{k}-{j}", STORE, k, ("store",), parts, after,
                                   priority=-k * 1000 - 1, rows=(a, b)))
-        it.stores = [s.id for s in specs]
+            it.stores.append(specs[-1].id)
         return specs
 
     def checkpoint(self, k: int, after: Mapping[str, list[str]]) -> list[TaskSpec]:

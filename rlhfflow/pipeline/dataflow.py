@@ -20,6 +20,7 @@ from rlhfflow.pipeline.compiler import (
     TaskSpec,
 )
 from rlhfflow.pipeline.worker import (
+    StoreRows,
     checkpoint_task,
     export_weights_task,
     install_weights_task,
@@ -86,8 +87,10 @@ class Dataflow:
         if spec.kind == STAGE:
             task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
             args = [task, k, self._parts(spec.parts), waits, dict(spec.versions)]
-            if spec.gang:
-                args.append(tuple(self.addresses[w] for w in spec.gang))
+            args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
+            if spec.stores:
+                args.append(StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored),
+                                      spec.returns_rows))
             return self._task(spec, stage_task, *args)
         if spec.kind == STORE:
             return self._task(spec, store_task, self.buffer_path, k, spec.rows[0],

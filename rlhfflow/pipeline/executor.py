@@ -59,6 +59,7 @@ from rlhfflow.pipeline.runstate import (
 from rlhfflow.pipeline.source import PromptSource
 from rlhfflow.pipeline.telemetry import StartupClock, Telemetry, progress_line, summarise
 from rlhfflow.pipeline.worker import (
+    STORED,
     RunDef,
     StageDef,
     StageFailed,
@@ -620,10 +621,9 @@ class Executor:
 
     def _submit_main(self, it: IterationTasks, previous: IterationTasks | None,
                      later: IterationTasks | None) -> None:
-        """The rest of iteration ``it``'s stages, its stores (after the coordinator
-        created the iteration's arrays) and, when due, its checkpoint."""
+        """The iteration's arrays (the coordinator creates them), then the rest of
+        iteration ``it``'s stages, its stores and, when due, its checkpoint."""
         k = it.index
-        self.dataflow.submit(self.compiler.stages(it, previous, ahead=False, later=later))
         prompt_len, texts = self._begun.pop(k)
         lengths = {"prompt": prompt_len, "response": self._response_len()}
         schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
@@ -632,6 +632,8 @@ class Executor:
         self.buffer.begin_iteration(k, it.rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
         self.buffer.write_text(k, texts)
+        # after the arrays: a stage task may store its own rows (TaskSpec.stores)
+        self.dataflow.submit(self.compiler.stages(it, previous, ahead=False, later=later))
         self.dataflow.submit(self.compiler.stores(it))
         self.checkpointer.submit(k, self.compiler.iteration_checkpoint(it))
 
@@ -683,7 +685,8 @@ class Executor:
         all_handles.update({f"store[{j}]": h for j, h in enumerate(stores)})
         all_handles.update({f"realloc[{j}]": h for j, h in enumerate(installs)})
         self._wait_and_gather(all_handles, it.index, gather=False)
-        partials = self.backend.gather(stores)
+        # a stage task that stored its own rows returns the store's sums with its result
+        partials = [r[STORED] if STORED in r else r for r in self.backend.gather(stores)]
         responses = [t for p in partials for t in p.pop("response_text", [])]
         if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
             self.buffer.write_text(it.index, {"response_text": responses})
@@ -713,7 +716,7 @@ class Executor:
         """A stage's statistics from its task's result, without the columns of the
         stages fused into that task (they go to the buffer, not to the metrics)."""
         columns = {c for n in self.plan.group(stage) for c in self.graph.nodes[n].writes}
-        return {k: v for k, v in result.items() if k not in columns}
+        return {k: v for k, v in result.items() if k not in columns and k != STORED}
 
     def _wait_for(self, handles: dict[str, Any], iteration: int | None) -> None:
         self._wait_and_gather(handles, iteration, gather=False)

@@ -93,8 +93,10 @@ def _duration(spec: TaskSpec, cost: CostModel, threads: int, contended: bool) ->
     rows = spec.rows[1] - spec.rows[0]
     if spec.kind == STAGE:
         gang = len(spec.gang) if spec.gang else 1
-        return sum(cost.stage_seconds(s, rows, threads, gang, contended)
-                   for s in spec.stages)
+        store = cost.stage_seconds("store", rows, threads, contended=contended) \
+            if spec.stores else 0.0
+        return store + sum(cost.stage_seconds(s, rows, threads, gang, contended)
+                           for s in spec.stages)
     if spec.kind == STORE:
         return cost.stage_seconds("store", rows, threads, contended=contended)
     if spec.kind in (EXPORT, INSTALL):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,9 +270,25 @@ def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | No
                                f"but stage {name!r} expects version {expected}")
 
 
+STORED = "_stored"
+"""The key under which a task that stores its own rows returns its store's partial sums."""
+
+
+@dataclass(frozen=True)
+class StoreRows:
+    """What a stage task that writes its own rows to the buffer needs (in place of a
+    store task: ``TaskSpec.stores``): the buffer, the first row, the columns stored, and
+    whether the task still returns its columns (``False`` when no other task reads them)."""
+
+    path: str
+    start_row: int
+    columns: tuple[str, ...]
+    returns_rows: bool = True
+
+
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
                after: list[Any], versions: Mapping[str, int] | None = None,
-               gang: tuple[str, ...] | None = None) -> Batch:
+               gang: tuple[str, ...] | None = None, store: StoreRows | None = None) -> Batch:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
 
     ``name`` may be a tuple of fused stages: they run one after the other in this task,
@@ -280,7 +296,10 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     every column they wrote (no serialisation or scheduling between them).
     ``versions`` are the model versions the plan expects here; ``gang`` the members of
     the data-parallel gang this task is one rank of (checked, so a misplaced task fails
-    at once instead of hanging in a collective)."""
+    at once instead of hanging in a collective). With ``store`` the task then writes its
+    rows to the buffer as a store task would and returns the partial sums under
+    ``STORED``: one Dask task fewer per iteration, and the write runs before the task's
+    result goes out, not beside it."""
     del after
     host = current_host()
     names = (name,) if isinstance(name, str) else tuple(name)
@@ -299,7 +318,7 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
 
         ctx.peers = exchange_for(host, names, iteration)
     defs = host.run.stages
-    batch = assemble(parts, tuple(c for n in names for c in defs[n].reads))
+    batch = assemble(parts, None if store else tuple(c for n in names for c in defs[n].reads))
     out: Batch = {}
     rows = batch_rows(batch)
     for n in names:
@@ -314,7 +333,15 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
                     raise
                 raise StageFailed(n, exc) from exc
     # results travel between workers: keep them off the accelerator
-    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    if store is None:
+        return out
+    written = {**batch, **{k: v for k, v in out.items() if _has_rows(v)}}
+    partials = write_store(host, store.path, iteration, store.start_row, written,
+                           store.columns)
+    if not store.returns_rows:
+        out = {k: v for k, v in out.items() if not _has_rows(v)}
+    return {**out, STORED: partials}
 
 
 def continue_rows_task(stage: str, iteration: int, model: str, version: int, cont
@@ -336,8 +363,13 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
     return partial sums for the iteration's metrics, with the micro-batch's response
     texts for the coordinator to store; ``after`` only orders the task."""
     del after
-    host = current_host()
-    batch = assemble(parts)
+    return write_store(current_host(), path, iteration, start_row, assemble(parts), columns)
+
+
+def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, batch: Batch,
+                columns: Sequence[str]) -> dict[str, Any]:
+    """Write ``batch``'s ``columns`` to the buffer from ``start_row`` on (timed as
+    ``store``); the partial sums for the iteration's metrics, with the response texts."""
     with host.timed(iteration, "store", batch_rows(batch)):
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
