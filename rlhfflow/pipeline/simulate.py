@@ -7,8 +7,9 @@ task restricted to workers waits for one of them, an unrestricted one runs where
 its inputs are. A dependency adds Dask's latency, and a transfer when the producer ran on
 another worker. The ranks of a gang hold their workers from their own start until the
 whole gang is done (they meet in collectives). On a layout whose workers' threads
-fill every core, a task is slowed by the coordinator (``contention``) only when the
-busy workers fill them as it starts. Iterations are released in the run loop's
+fill every core, a task is slowed by the coordinator (``contention``) only while the
+busy workers fill them: from its start until enough of the others' tasks end, then it
+runs at full speed. Iterations are released in the run loop's
 order (``loop_steps``): the tasks compiled after iteration j's finish wait for it plus the
 coordinator's time to finish an iteration. The predicted iteration time is the mean gap
 between consecutive iteration finishes over the steady ones (not the first or last), as
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlhfflow.pipeline.compiler import (
     CHECKPOINT,
@@ -147,10 +149,14 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
     finish: dict[str, float] = {}
     ready: list[tuple[int, int, str]] = []  # (-priority, order, id)
     pending: list[tuple[float, int, str]] = []  # (time it becomes ready, order, id)
-    events: list[tuple[float, int, str]] = []  # (end time, order, id)
-    busy = [False] * n_workers
+    # (end time, order, running key, version): an end is stale once the speed changed
+    events: list[tuple[float, int, str, int]] = []
+    busy = [False] * n_workers  # holding a task (a gang rank waiting for its peers too)
+    computing: set[int] = set()  # workers whose task computes now
+    running: dict[str, dict[str, Any]] = {}  # task (or gang) -> its remaining work
+    started: dict[str, float] = {}
     busy_time = [0.0] * n_workers
-    gang_started: dict[tuple, list[tuple[str, float]]] = defaultdict(list)
+    gang_started: dict[tuple, list[str]] = defaultdict(list)
     done_count: dict[int, int] = defaultdict(int)
     last_end: dict[int, float] = defaultdict(float)
     now = 0.0
@@ -190,11 +196,42 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
                 heapq.heappush(pending, (ready_at[u], index[u], u))
 
     def crowded() -> bool:
-        """Whether a task starting now shares its cores with the coordinator: on a
-        contended layout, when the busy workers' threads (its own included) fill every
-        core. (One worker of two busy leaves the coordinator a core of its own: the
-        tasks of an interleaved plan mostly run so, measured as fast as alone.)"""
-        return contended and sum(busy) * threads >= cost.cores
+        """Whether the computing workers' threads fill every core, so that the tasks
+        share them with the coordinator (on a contended layout). One worker of two
+        computing leaves the coordinator a core of its own: the tasks of an interleaved
+        plan mostly run so, measured as fast as alone."""
+        return contended and len(computing) * threads >= cost.cores
+
+    def push_end(key: str, job: dict[str, Any], slowed: bool) -> None:
+        job["version"] += 1
+        end = now + max(0.0, job["left"]) * (job["ratio"] if slowed else 1.0)
+        heapq.heappush(events, (end, job["order"], key, job["version"]))
+
+    def respeed(was: bool) -> None:
+        """After the computing workers changed: if that changed whether the cores are
+        shared, progress every running task's work to now at the old speed and
+        estimate its end at the new one (only then: ends otherwise stand)."""
+        slowed = crowded()
+        if slowed == was:
+            return
+        for key, job in running.items():
+            job["left"] -= (now - job["since"]) / (job["ratio"] if was else 1.0)
+            job["since"] = now
+            push_end(key, job, slowed)
+
+    def start(key: str, spec: TaskSpec, ids: list[str], workers: list[int]) -> None:
+        """``ids`` (one task, or a gang's ranks on ``workers``) start computing now."""
+        fast = _duration(spec, cost, threads, False)
+        slow = _duration(spec, cost, threads, True) if contended else fast
+        was = crowded()
+        job = running[key] = {"ids": ids, "workers": workers, "left": fast, "since": now,
+                              "ratio": slow / fast if fast > 0 else 1.0, "version": 0,
+                              "order": index[ids[0]]}
+        computing.update(workers)
+        for i in ids:
+            started[i] = now
+        push_end(key, job, crowded())
+        respeed(was)
 
     def choose(spec: TaskSpec) -> int | None:
         allowed = spec.workers or tuple(range(n_workers))
@@ -228,33 +265,44 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
                 continue
             busy[w] = True
             where[spec.id] = w
-            if spec.gang:
+            if spec.gang:  # a rank computes once every rank is there (collectives)
                 group = (spec.iteration, spec.stages, spec.gang)
-                gang_started[group].append((spec.id, now))
+                gang_started[group].append(spec.id)
                 if len(gang_started[group]) == len(spec.gang):
-                    end = now + _duration(spec, cost, threads, crowded())
-                    for rank_id, started in gang_started.pop(group):
-                        sim.intervals[rank_id] = (where[rank_id], started, end)
-                        heapq.heappush(events, (end, index[rank_id], rank_id))
+                    ranks = gang_started.pop(group)
+                    start(spec.id, spec, ranks, [where[r] for r in ranks])
                 continue
-            end = now + _duration(spec, cost, threads, crowded())
-            sim.intervals[spec.id] = (w, now, end)
-            heapq.heappush(events, (end, item[1], spec.id))
+            start(spec.id, spec, [spec.id], [w])
         for item in skipped:
             heapq.heappush(ready, item)
         # advance to the next end or readiness
+        while events and events[0][3] != running.get(events[0][2], {}).get("version"):
+            heapq.heappop(events)  # an end estimated before the speed changed
         times = [t for t in (events[0][0] if events else None,
                              pending[0][0] if pending else None) if t is not None]
         if not times:
             break  # nothing can move (cannot happen for a compiled run)
         now = max(now, min(times))
+        ended = []
         while events and events[0][0] <= now + 1e-12:
-            _, _, i = heapq.heappop(events)
-            w = where[i]
-            busy[w] = False
-            interval = sim.intervals[i]
-            busy_time[w] += interval[2] - interval[1]
-            complete(i, now)
+            _, _, key, version = heapq.heappop(events)
+            if running.get(key, {}).get("version") == version:
+                ended.append(key)
+        if ended:
+            was = crowded()
+            done = []
+            for key in ended:
+                job = running.pop(key)
+                computing.difference_update(job["workers"])
+                for i in job["ids"]:
+                    w = where[i]
+                    busy[w] = False
+                    sim.intervals[i] = (w, started[i], now)
+                    busy_time[w] += now - started[i]
+                    done.append(i)
+            respeed(was)
+            for i in done:
+                complete(i, now)
     finishes = [sim.finishes[k] for k in sorted(sim.finishes)]
     gaps = [b - a for a, b in zip(finishes, finishes[1:], strict=False)]
     steady = gaps[:-1] if len(gaps) > 1 else gaps  # as the run: not the last iteration
