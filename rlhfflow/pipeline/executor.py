@@ -685,16 +685,19 @@ class Executor:
         all_handles.update({f"store[{j}]": h for j, h in enumerate(stores)})
         all_handles.update({f"realloc[{j}]": h for j, h in enumerate(installs)})
         self._wait_and_gather(all_handles, it.index, gather=False)
+        # each result once: a task that stored its own rows is also the iteration's
+        # trainer (every fetch is a request the worker's event loop serves)
+        wanted = list({id(h): h for h in [*stores, *trainers.values(), *reporters.values(),
+                                          *installs]}.values())
+        results = dict(zip(map(id, wanted), self.backend.gather(wanted), strict=True))
         # a stage task that stored its own rows returns the store's sums with its result
-        partials = [r[STORED] if STORED in r else r for r in self.backend.gather(stores)]
+        partials = [r[STORED] if STORED in r else r for r in (results[id(h)] for h in stores)]
         responses = [t for p in partials for t in p.pop("response_text", [])]
         if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
             self.buffer.write_text(it.index, {"response_text": responses})
-        train_stats = {n: self._statistics(n, r) for n, r in
-                       zip(trainers, self.backend.gather(list(trainers.values())), strict=True)}
-        reported = {n: self._statistics(n, r) for n, r in
-                    zip(reporters, self.backend.gather(list(reporters.values())), strict=True)}
-        moved = self.backend.gather(installs)
+        train_stats = {n: self._statistics(n, results[id(h)]) for n, h in trainers.items()}
+        reported = {n: self._statistics(n, results[id(h)]) for n, h in reporters.items()}
+        moved = [results[id(h)] for h in installs]
         retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
         record = self.telemetry.record(it.index, partials, train_stats, moved, retried,

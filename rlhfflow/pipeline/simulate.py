@@ -7,9 +7,9 @@ task restricted to workers waits for one of them, an unrestricted one runs where
 its inputs are. A dependency adds Dask's latency, and a transfer when the producer ran on
 another worker. The ranks of a gang hold their workers from their own start until the
 whole gang is done (they meet in collectives). On a layout whose workers' threads
-fill every core, a task is slowed by the coordinator (``contention``) only while the
-busy workers fill them: from its start until enough of the others' tasks end, then it
-runs at full speed. Iterations are released in the run loop's
+fill every core, tasks are slowed by the coordinator (``contention``) only while the
+computing workers fill them, and run at full speed otherwise (their ends re-estimated
+when that changes). Iterations are released in the run loop's
 order (``loop_steps``): the tasks compiled after iteration j's finish wait for it plus the
 coordinator's time to finish an iteration. The predicted iteration time is the mean gap
 between consecutive iteration finishes over the steady ones (not the first or last), as
