@@ -387,3 +387,22 @@ def test_embedded_workers_see_the_environment_of_when_the_cluster_starts(monkeyp
             Client(cluster) as client:
         seen = client.run(lambda: __import__("os").environ.get("RLHFFLOW_PROBE"))
     assert list(seen.values()) == ["set after the fork server started"]
+
+
+def test_embedded_workers_wake_for_fewer_timers_unless_the_user_set_them():
+    """Each timer of a worker wakes its event loop, which takes the GIL from the task:
+    the embedded cluster sets Dask's busiest ones slower (QUIET_TIMERS), except one the
+    user's Dask config sets itself."""
+    import dask
+
+    from rlhfflow.pipeline.backend import local_cluster
+
+    def intervals(dask_worker):
+        return {k: pc.callback_time for k, pc in dask_worker.periodic_callbacks.items()}
+
+    with dask.config.set({"distributed.worker.memory.monitor-interval": "250ms"}), \
+            local_cluster(1, dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client:
+        [ms] = client.run(intervals).values()
+    assert ms["tick"] == 500 and ms["profile"] == 100  # Dask's defaults: 20 and 10 ms
+    assert ms["memory_monitor"] == 250
