@@ -168,11 +168,12 @@ def test_page_shows_the_latest_run_with_a_column_per_stage_and_worker():
 
 
 def test_scheduler_with_the_preload_serves_the_page_and_the_run_names_it():
+    import torch
     from distributed import Client, LocalCluster
 
     from rlhfflow.monitor import page_line
     from rlhfflow.monitor.dashboard import MetricsPage
-    from rlhfflow.pipeline.backend import DaskBackend
+    from rlhfflow.pipeline.backend import INLINE_DATA_BYTES, DaskBackend
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
                       scheduler_kwargs={"preload": ["rlhfflow.monitor.dashboard"]}) as cluster, \
@@ -190,12 +191,16 @@ def test_scheduler_with_the_preload_serves_the_page_and_the_run_names_it():
         drawn.update()
         assert drawn.source.data["reward_mean"] == [0.5]
         assert "busy:0" in drawn.drawn and "stage:generate" in drawn.drawn
-        # a prompt batch (a dict of columns) scattered under a name the dashboard shows
+        # a large prompt batch (a dict of columns) is scattered under a name the
+        # dashboard shows; a small one rides in the messages of the tasks that use it
         backend = DaskBackend(client)
-        batch = {"prompt_ids": [1, 2], "prompt_mask": [1, 1]}
-        future = backend.scatter(batch, key="scatter-prompts-0-0123abcd")
-        assert future.key == "scatter-prompts-0-0123abcd" and future.result() == batch
-        assert backend.scatter(batch).result() == batch
+        large = {"prompt_ids": torch.arange(INLINE_DATA_BYTES // 8 + 1)}
+        future = backend.place(large, key="scatter-prompts-0-0123abcd")
+        assert future.key == "scatter-prompts-0-0123abcd"
+        assert torch.equal(future.result()["prompt_ids"], large["prompt_ids"])
+        assert torch.equal(backend.place(large).result()["prompt_ids"], large["prompt_ids"])
+        small = {"prompt_ids": [1, 2], "prompt_mask": [1, 1]}
+        assert backend.place(small) is small
 
 
 def test_scheduler_without_the_preload_gets_a_hint_not_a_link():

@@ -112,7 +112,7 @@ class InlineBackend:
         for each of its stages: counted once)."""
         return sum({h.key: h.retried for h in handles}.values())
 
-    def scatter(self, data: Any, worker: str | None = None, key: str = "data") -> _Done:
+    def place(self, data: Any, worker: str | None = None, key: str = "data") -> _Done:
         """Data is already here."""
         return _Done(key, data)
 
@@ -274,6 +274,28 @@ def default_torch_threads(workers: int, cores: int | None = None) -> int:
     return max(1, (cores - 1) // workers)
 
 
+#: Coordinator data up to this size (a micro-batch of prompts, typically) rides inside
+#: the messages of the tasks that use it instead of being scattered: a scatter is a round
+#: trip through the scheduler to the worker's event loop, and a release of its key later,
+#: while the worker computes (its event loop takes the GIL from the running task).
+#: Measured on grpo-tiny's worker (``strace -c``): 285 -> 219 futex calls (GIL hand-offs)
+#: and 21 -> 18 socket calls per iteration.
+INLINE_DATA_BYTES = 1 << 20
+
+
+def data_bytes(data: Any) -> int:
+    """Roughly the bytes of a dict of columns (tensors, arrays, lists of text or ids)."""
+    total = 0
+    for value in data.values() if isinstance(data, dict) else [data]:
+        if hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+        elif isinstance(value, (list, tuple)):
+            total += sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in value)
+        else:
+            total += 8
+    return total
+
+
 def _retries_left(keys: list[str], dask_scheduler=None) -> dict[str, int]:
     """On the scheduler: the retries each of ``keys`` has left."""
     tasks = dask_scheduler.tasks
@@ -367,9 +389,14 @@ class DaskBackend:
         # a key the scheduler has forgotten took none we can know of: count it as unused
         return sum(n - left.get(key, n) for key, n in allowed.items())
 
-    def scatter(self, data: Any, worker: str | None = None, key: str | None = None):
-        """Place coordinator data on ``worker`` (where its first consumer runs), under
-        ``key`` (its prefix is what the dashboard's progress bars show; else "dict")."""
+    def place(self, data: Any, worker: str | None = None, key: str | None = None):
+        """Make coordinator data (a dict of columns) available to the tasks that use it:
+        up to ``INLINE_DATA_BYTES`` it is returned as it is and travels inside those
+        tasks' own messages; larger, it is scattered to ``worker`` (where its first
+        consumer runs) under ``key`` (its prefix is what the dashboard's progress bars
+        show; else "dict")."""
+        if data_bytes(data) <= INLINE_DATA_BYTES:
+            return data
         # wrapped in a one-item mapping: Client.scatter spreads a bare dict value by value
         # under the dict's own keys, so every micro-batch (a dict of columns) would share
         # keys like "prompt_ids" and all but the first would silently get the first one's

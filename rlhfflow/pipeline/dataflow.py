@@ -81,8 +81,8 @@ class Dataflow:
         if spec.kind == SOURCE_KIND:
             where = self.addresses[spec.workers[0]] if spec.workers else None
             # named for the dashboard: "scatter-prompts" on its progress bars, not "dict"
-            return self.backend.scatter(slice_batch(batch, *spec.rows), where,
-                                        key=f"scatter-prompts-{k}-{uuid.uuid4().hex[:8]}")
+            return self.backend.place(slice_batch(batch, *spec.rows), where,
+                                      key=f"scatter-prompts-{k}-{uuid.uuid4().hex[:8]}")
         waits = self[spec.waits]
         if spec.kind == STAGE:
             task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
