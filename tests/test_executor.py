@@ -335,11 +335,20 @@ def test_the_grpo_demo_learns(cluster, tmp_path):
     workers: the vowel reward climbs."""
     pipeline = load_pipeline(CONFIGS / "grpo-tiny.yaml", _on(cluster, **{
         "iterations": 12, "output": str(tmp_path / "grpo"), "cluster.torch_threads": 1}))
-    rewards = [m["reward_mean"] for m in run_pipeline(pipeline, progress=False).metrics]
+    metrics = run_pipeline(pipeline, progress=False).metrics
+    rewards = [m["reward_mean"] for m in metrics]
     assert len(rewards) == 12
     first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
     # measured: 0.092 -> 0.632 (seed 0); a broken update or data path stays near 0.1
     assert last - first > 0.3, rewards
+    # every iteration's task intervals reached the run's records, whether the workers
+    # were asked for them or (an iteration that is one task) its result brought them
+    lines = [json.loads(line) for line in
+             (tmp_path / "grpo" / "tasks.jsonl").read_text().splitlines()]
+    stages = {"generate", "reward", "ref_logprob", "advantages", "train_actor", "store"}
+    for k in range(12):
+        assert {t[1] for line in lines for t in line["tasks"] if t[2] == k} == stages, k
+        assert set(metrics[k]["stage_s"]) == stages, k
 
 
 

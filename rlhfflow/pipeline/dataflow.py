@@ -90,7 +90,7 @@ class Dataflow:
             args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
             if spec.stores:
                 args.append(StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored),
-                                      spec.returns_rows))
+                                      spec.returns_rows, spec.reports))
             return self._task(spec, stage_task, *args)
         if spec.kind == STORE:
             return self._task(spec, store_task, self.buffer_path, k, spec.rows[0],

@@ -48,14 +48,18 @@ class Telemetry:
         self._busy.clear()
         self._window_start = time.time()
 
-    def _collect(self, iteration: int) -> dict[int, list[tuple[float, float]]]:
+    def _collect(self, iteration: int, reports: Sequence[dict[str, Any]] = ()
+                 ) -> dict[int, list[tuple[float, float]]]:
         """Pull the workers' task intervals: per-iteration stage times, per worker the
         finished intervals (kept for the busy fraction and in tasks.jsonl); returns the
-        running ones."""
+        running ones. ``reports`` came with the result of an iteration that was one task
+        (``TaskSpec.reports``): they are all its timings, and no worker is asked."""
         # timings are diagnostics: a worker that died with its timings loses them
         running: dict[int, list[tuple[float, float]]] = {}
         intervals = []
-        for address, report in self.backend.run_on_workers(pop_timings).items():
+        reported = {r["address"]: r for r in reports} if reports else \
+            self.backend.run_on_workers(pop_timings)
+        for address, report in reported.items():
             w = self.addresses.index(address) if address in self.addresses else None
             for task_iteration, stage, start, stop, rows in report["done"]:
                 self.timings[task_iteration][stage] += stop - start
@@ -90,13 +94,14 @@ class Telemetry:
 
     def record(self, iteration: int, partials: list[dict[str, float]],
                train: dict[str, dict[str, Any]], moved: list[dict[str, float]],
-               task_retries: int = 0, reported: dict[str, dict[str, Any]] | None = None
-               ) -> dict[str, Any]:
+               task_retries: int = 0, reported: dict[str, dict[str, Any]] | None = None,
+               timings: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
         """The metrics record of ``iteration`` from its store tasks' partial sums, its
         trainers' statistics, its weight transfers, the retries its tasks took and the
         metrics of its reporting stages (``Stage.reports``, e.g. ``eval/...``, kept under
-        their own names); the window of its wall time ends now."""
-        running = self._collect(iteration)
+        their own names) and, for an iteration that was one task, the worker's task
+        timings its result brought (``timings``); the window of its wall time ends now."""
+        running = self._collect(iteration, timings)
         now = time.time()
         iteration_s = now - self._window_start
         busy = self._busy_fractions(running, self._window_start, now)

@@ -273,17 +273,24 @@ def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | No
 STORED = "_stored"
 """The key under which a task that stores its own rows returns its store's partial sums."""
 
+TIMINGS = "_timings"
+"""The key (in ``STORED``) under which such a task, when it is its iteration's only task,
+returns its worker's task timings: ``pop_timings`` and the worker's address."""
+
 
 @dataclass(frozen=True)
 class StoreRows:
     """What a stage task that writes its own rows to the buffer needs (in place of a
-    store task: ``TaskSpec.stores``): the buffer, the first row, the columns stored, and
-    whether the task still returns its columns (``False`` when no other task reads them)."""
+    store task: ``TaskSpec.stores``): the buffer, the first row, the columns stored,
+    whether the task still returns its columns (``False`` when no other task reads them)
+    and whether it returns its worker's timings too (``TIMINGS``: the iteration's only
+    task, ``TaskSpec.reports``)."""
 
     path: str
     start_row: int
     columns: tuple[str, ...]
     returns_rows: bool = True
+    reports: bool = False
 
 
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
@@ -341,6 +348,8 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
                            store.columns)
     if not store.returns_rows:
         out = {k: v for k, v in out.items() if not _has_rows(v)}
+    if store.reports:  # no out-of-band request to the worker's event loop for them
+        partials[TIMINGS] = {**host.pop_timings(), "address": _address()}
     return {**out, STORED: partials}
 
 
