@@ -21,7 +21,7 @@ from rlhfflow.pipeline.costmodel import (
 from rlhfflow.pipeline.executor import run_pipeline
 from rlhfflow.pipeline.loader import load_pipeline
 from rlhfflow.pipeline.plan import STRATEGIES, PlanError, make_plan
-from rlhfflow.pipeline.planner import choose_plan
+from rlhfflow.pipeline.planner import RANK_TASK_S, choose_plan, tasks_per_iteration
 from rlhfflow.pipeline.profiler import observations_from_run, profile_pipeline
 from rlhfflow.pipeline.simulate import simulate
 from tests.conftest import CONFIGS, small_pipeline
@@ -239,7 +239,13 @@ def test_auto_picks_the_fastest_plan_that_fits_and_changes_nothing_computed():
     pipeline = load_pipeline(PPO, {"overlap.max_staleness": 1})
     choice = choose_plan(pipeline, n_workers=2)
     times = [c.predicted_s for c in choice.candidates if not c.problem]
-    assert choice.best.predicted_s == min(times)
+    # the fastest once each task of an iteration counts RANK_TASK_S: here a plan with
+    # fewer tasks, predicted slower than the fastest by less than its tasks would cost
+    def ranked(c):
+        return c.predicted_s + RANK_TASK_S * tasks_per_iteration(c)
+
+    assert ranked(choice.best) == min(ranked(c) for c in choice.candidates if not c.problem)
+    assert choice.best.predicted_s > min(times)
     assert {c.strategy for c in choice.candidates} == set(STRATEGIES)
     chosen = choice.pipeline.spec
     assert chosen.placement.strategy == choice.best.strategy
