@@ -67,8 +67,9 @@ class TaskSpec:
             are one source micro-batch's).
         returns_rows: whether a storing task still returns its columns (no other task
             reads them: False).
-        reports: a storing task that is its iteration's only task returns its worker's
-            task timings with its result (the coordinator then asks no worker for them).
+        reports: a storing task that is its iteration's only task, on a one-worker plan,
+            returns its worker's task timings with its result (the coordinator then asks
+            no worker for them).
     """
 
     id: str
@@ -231,9 +232,10 @@ class TaskCompiler:
                     for s in syncs:
                         if s.kind == INSTALL:
                             it.syncs.setdefault(s.model, []).append(s.id)
-        if not ahead and len(out) == 1 and out[0].stores and \
+        if not ahead and len(out) == 1 and out[0].stores and self.plan.n_workers == 1 and \
                 {i for n, ids in handles.items() if n != SOURCE for i in ids} == {out[0].id}:
-            # the whole iteration is this task: its worker's timings are all of the
+            # the whole iteration is this task on the only worker (no idle peer that
+            # finished rows it handed over): its worker's timings are all of the
             # iteration's, and they come back with its result
             out = [replace(out[0], reports=True)]
         return out

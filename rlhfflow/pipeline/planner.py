@@ -228,7 +228,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
         why = next((c.problem for c in ranked if c.error is None), "no candidate")
         raise PlanError(pipeline.source, "placement.strategy",
                         f"no plan fits the cluster ({why})")
-    ranked = fewest_tasks_first(ranked)
+    ranked = rank_with_task_cost(ranked)
     best = ranked[0]
     return PlanChoice(ranked, derive(pipeline, best.updates), cost,
                       time.perf_counter() - started, exhaustive)
@@ -240,9 +240,9 @@ def tasks_per_iteration(c: Candidate) -> float:
     return len(specs) / max(1, len({s.iteration for s in specs}))
 
 
-def fewest_tasks_first(ranked: list[Candidate]) -> list[Candidate]:
+def rank_with_task_cost(ranked: list[Candidate]) -> list[Candidate]:
     """``ranked`` (fastest prediction first) with the candidate that is fastest once each
-    of its tasks per iteration counts ``RANK_TASK_S`` moved to the front."""
+    task of its iterations counts ``RANK_TASK_S`` on top moved to the front."""
     fits = [c for c in ranked if c.problem is None and c.simulation is not None]
     if not fits:
         return ranked
