@@ -693,7 +693,8 @@ class Executor:
         results = dict(zip(map(id, wanted), self.backend.gather(wanted), strict=True))
         # a stage task that stored its own rows returns the store's sums with its result
         partials = [r[STORED] if STORED in r else r for r in (results[id(h)] for h in stores)]
-        reports = [p.pop(TIMINGS) for p in partials if TIMINGS in p]
+        # an iteration that is one task brings its worker's timings (TaskSpec.reports)
+        timings = [p.pop(TIMINGS) for p in partials if TIMINGS in p]
         responses = [t for p in partials for t in p.pop("response_text", [])]
         if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
             self.buffer.write_text(it.index, {"response_text": responses})
@@ -703,7 +704,7 @@ class Executor:
         retried = self.backend.retries_used(list(all_handles.values()))
         self.buffer.commit(it.index)
         record = self.telemetry.record(it.index, partials, train_stats, moved, retried,
-                                       reported, reports)
+                                       reported, timings)
         self.log.append(record)
         self.monitor.iteration(record)
         self._say(progress_line(record, self.pipeline.spec.iterations))

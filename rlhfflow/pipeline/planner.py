@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.pipeline.compiler import SOURCE_KIND, STAGE
 from rlhfflow.pipeline.costmodel import CostModel, Profile, ProfileError
 from rlhfflow.pipeline.loader import derive
 from rlhfflow.pipeline.plan import STRATEGIES, ExecutionPlan, PlanError, make_plan
@@ -118,7 +119,7 @@ class PlanChoice:
         out: dict[str, float] = defaultdict(float)
         iterations = len(c.simulation.finishes) or 1
         for spec in c.simulation.specs:
-            if spec.kind != "stage":
+            if spec.kind != STAGE:
                 continue
             rows = spec.rows[1] - spec.rows[0]
             gang = len(spec.gang) or 1
@@ -236,7 +237,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
 
 def tasks_per_iteration(c: Candidate) -> float:
     """The tasks (not counting prompt batches) one iteration of ``c`` compiles to."""
-    specs = [s for s in c.simulation.specs if s.iteration >= 0 and s.kind != "source"]
+    specs = [s for s in c.simulation.specs if s.iteration >= 0 and s.kind != SOURCE_KIND]
     return len(specs) / max(1, len({s.iteration for s in specs}))
 
 
