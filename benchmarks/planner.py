@@ -74,7 +74,12 @@ def bench(config: Path, iterations: int, rounds: int, profile_iterations: int,
     measured: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         for v in VARIANTS:
-            measured[v].append(measure(config, v, settings, scratch / f"{config.stem}-{v}"))
+            # a folder per run: overwriting one deletes the last run's files, which
+            # slows the next run's buffer writes on a disk mounted with `discard`
+            # (grpo-tiny co-located, 4 alternating pairs: store 6.3-8.1 ms after an
+            # overwrite, 2.9-5.7 ms into a new folder; see profiler.profile_pipeline)
+            out = scratch / f"{config.stem}-{v}-{r}"
+            measured[v].append(measure(config, v, settings, out))
             print(f"  round {r + 1} {v}: {measured[v][-1]['iteration_s']:.3f} s", flush=True)
     rows = {}
     for v in VARIANTS:
