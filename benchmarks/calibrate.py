@@ -152,9 +152,9 @@ def main() -> int:
     parser.add_argument("--save-dir", type=Path, help="keep the profiles made here")
     args = parser.parse_args()
 
-    from rlhfflow.pipeline import load_pipeline
-    from rlhfflow.pipeline.costmodel import CPU_DEVICE, CostModel, Profile
-    from rlhfflow.pipeline.profiler import profile_pipeline
+    from rlhfflow.config import load_pipeline
+    from rlhfflow.plan.auto.costmodel import CPU_DEVICE, CostModel, Profile
+    from rlhfflow.runtime.profiler import profile_pipeline
 
     profiles: list[tuple[Path, Profile]] = []
     for path in args.profiles:

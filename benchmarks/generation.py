@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from rlhfflow.engine.models import import_gguf, load_model, save_model, smollm2_gguf
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from rlhfflow.stages.models import import_gguf, load_model, save_model, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

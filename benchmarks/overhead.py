@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.backend import default_torch_threads
-from rlhfflow.pipeline.executor import run_pipeline
+from rlhfflow.config import load_pipeline
+from rlhfflow.runtime.backend import default_torch_threads
+from rlhfflow.runtime.executor import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 

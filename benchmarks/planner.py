@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.plan import STRATEGIES
-from rlhfflow.pipeline.planner import load_profile, plan_for_cli
-from rlhfflow.pipeline.profiler import profile_pipeline
+from rlhfflow.config import load_pipeline
+from rlhfflow.plan.auto.planner import load_profile, plan_for_cli
+from rlhfflow.plan.placement import STRATEGIES
+from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.profiler import profile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = (*STRATEGIES, "auto")

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.backend import default_torch_threads, local_cluster
-from rlhfflow.pipeline.plan import make_plan
+from rlhfflow.config import load_pipeline
+from rlhfflow.plan.placement import make_plan
+from rlhfflow.runtime.backend import default_torch_threads, local_cluster
 
 
 def check_gangs(config: Path, workers: int, variants: Mapping[str, Mapping[str, Any]]) -> None:

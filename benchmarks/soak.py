@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 import yaml
 
-from rlhfflow.pipeline.backend import embedded_worker_processes
+from rlhfflow.runtime.backend import embedded_worker_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 # what must not change under faults (timings may)
@@ -53,7 +53,7 @@ RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "
 def write_pipeline(directory: Path, iterations: int, every: int, workers: int = 2) -> Path:
     """A copy of ``configs/grpo-tiny.yaml`` sized for a soak (~0.3 s an iteration on 2
     cores) writing into ``directory/out``; returns its path."""
-    from rlhfflow.pipeline.spec import apply_overrides
+    from rlhfflow.config.spec import apply_overrides
 
     data = yaml.safe_load((ROOT / "configs" / "grpo-tiny.yaml").read_text())
     data = apply_overrides(data, {

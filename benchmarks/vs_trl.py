@@ -65,8 +65,8 @@ def _stage(graph, type_name: str) -> str:
 def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, Any]:
     """What one run of ``config`` does, in plain data both children read: the prompts of
     every iteration in rlhfflow's order, and the settings TRL needs (``trl_settings``)."""
-    from rlhfflow.pipeline import load_pipeline
-    from rlhfflow.pipeline.source import PromptSource
+    from rlhfflow.config import load_pipeline
+    from rlhfflow.data.source import PromptSource
 
     pipeline = load_pipeline(config, {"iterations": iterations})
     spec, graph = pipeline.spec, pipeline.graph
@@ -178,8 +178,8 @@ def recompute_logprob_stages(config: Path) -> dict[str, Any]:
 def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
     """One rlhfflow run with the pipeline's own settings; the per-iteration times and
     rewards from its metrics."""
-    from rlhfflow.pipeline import load_pipeline
-    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.config import load_pipeline
+    from rlhfflow.runtime.executor import run_pipeline
 
     out = Path(job["output"])
     first_done: list[float] = []

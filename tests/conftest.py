@@ -26,10 +26,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from rlhfflow.pipeline.spec import apply_overrides  # noqa: E402
+from rlhfflow.config.spec import apply_overrides  # noqa: E402
+from rlhfflow.data.records import encode_prompts  # noqa: E402
+from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
 from rlhfflow.stages import Batch, ModelConfig, ModelStore  # noqa: E402
-from rlhfflow.stages.data import encode_prompts  # noqa: E402
-from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # pytest-xdist's controller runs no tests
     import sys
 
-    from rlhfflow.pipeline.backend import start_fork_server
+    from rlhfflow.runtime.backend import start_fork_server
 
     # the server's path is the one it starts with: the tests package must be on it (as
     # pytest puts it there only when it collects), for workers unpickling test functions
@@ -173,7 +173,7 @@ def cluster():
     """Two device workers in their own processes, shared by the tests of a module: the
     embedded cluster a run starts, whose workers are forks of a server that imported
     torch and the stages once (spawned workers each paid those imports, ~10 s a module)."""
-    from rlhfflow.pipeline.backend import local_cluster
+    from rlhfflow.runtime.backend import local_cluster
 
     with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import small_pipeline
 

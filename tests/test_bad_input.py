@@ -15,13 +15,13 @@ import torch
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.budget import score_error_budget
-from rlhfflow.pipeline.executor import RunError, run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.spec import SpecError
-from rlhfflow.pipeline.worker import partial_metrics
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
+from rlhfflow.data.records import DataError
+from rlhfflow.runtime.budget import score_error_budget
+from rlhfflow.runtime.executor import RunError, run_pipeline
+from rlhfflow.runtime.worker.host import partial_metrics
 from rlhfflow.stages import StageContext, create_stage
-from rlhfflow.stages.data import DataError
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import read_score_errors, truncate_score_errors
 from tests.conftest import DATA, small_pipeline

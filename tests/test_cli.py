@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from rlhfflow import __version__
 from rlhfflow.cli.main import main, starter_prompts
-from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.config.loader import load_pipeline
 from rlhfflow.storage.buffer import ColumnSpec, ExperienceBuffer
 
 ROOT = Path(__file__).resolve().parents[1]

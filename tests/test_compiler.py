@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhfflow.pipeline.compiler import (
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.plan.compiler import (
     CHECKPOINT,
     INSTALL,
     SOURCE_KIND,
@@ -16,8 +17,7 @@ from rlhfflow.pipeline.compiler import (
     compile_run,
     loop_steps,
 )
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.plan import make_plan
+from rlhfflow.plan.placement import make_plan
 from tests.conftest import CONFIGS
 
 PPO = CONFIGS / "ppo-tiny.yaml"

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
 from tests.conftest import make_prompt_batch, small_pipeline
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there"]
@@ -98,8 +98,8 @@ def test_a_draft_distilled_away_from_generation_is_sent_to_the_generating_worker
     """Disaggregated: the draft trains in the train group, generate drafts on the rollout
     group; the plan sends the distilled weights there after every distillation, and the
     compiled generate of the next iteration waits for them."""
-    from rlhfflow.pipeline.compiler import TaskCompiler
-    from rlhfflow.pipeline.plan import make_plan
+    from rlhfflow.plan.compiler import TaskCompiler
+    from rlhfflow.plan.placement import make_plan
 
     path = small_pipeline(tmp_path, "grpo", overrides={
         "placement.strategy": "disaggregated",
@@ -135,7 +135,7 @@ def test_a_two_worker_run_distils_the_draft_and_repeats_exactly(cluster, tmp_pat
     weights, the ordering a race would break."""
     import numpy as np
 
-    from rlhfflow.pipeline.executor import run_pipeline
+    from rlhfflow.runtime.executor import run_pipeline
     from rlhfflow.storage import ExperienceBuffer
 
     def run(name: str):

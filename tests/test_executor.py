@@ -16,11 +16,11 @@ import pytest
 from dask.utils import key_split
 from distributed import Client, get_task_stream
 
-from rlhfflow.pipeline.backend import DaskBackend
-from rlhfflow.pipeline.executor import Executor, RunError, run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.runstate import prepare_output
-from rlhfflow.pipeline.worker import resident_models
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.runtime.backend import DaskBackend
+from rlhfflow.runtime.executor import Executor, RunError, run_pipeline
+from rlhfflow.runtime.runstate import prepare_output
+from rlhfflow.runtime.worker.host import resident_models
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import CONFIGS, small_pipeline
 
@@ -373,7 +373,7 @@ def test_a_single_reward_function_adds_no_per_function_means(tmp_path):
 
 
 def test_the_startup_clock_names_where_the_time_went():
-    from rlhfflow.pipeline.telemetry import StartupClock
+    from rlhfflow.runtime.telemetry import StartupClock
 
     clock = StartupClock(start=time.time() - 2.0)
     clock.mark("load")
@@ -388,7 +388,7 @@ def test_the_startup_clock_names_where_the_time_went():
 def test_embedded_workers_see_the_environment_of_when_the_cluster_starts(monkeypatch):
     """Workers are forks of a server started earlier (start_fork_server): a variable set
     after it started (a test's HF_HUB_CACHE, say) must still reach them."""
-    from rlhfflow.pipeline.backend import local_cluster, start_fork_server
+    from rlhfflow.runtime.backend import local_cluster, start_fork_server
 
     start_fork_server()
     monkeypatch.setenv("RLHFFLOW_PROBE", "set after the fork server started")
@@ -404,7 +404,7 @@ def test_embedded_workers_wake_for_fewer_timers_unless_the_user_set_them():
     user's Dask config sets itself."""
     import dask
 
-    from rlhfflow.pipeline.backend import local_cluster
+    from rlhfflow.runtime.backend import local_cluster
 
     def intervals(dask_worker):
         return {k: pc.callback_time for k, pc in dask_worker.periodic_callbacks.items()}

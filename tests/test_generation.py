@@ -17,16 +17,16 @@ import torch
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.spec import SpecError
-from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from rlhfflow.stages.models import (
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
+from rlhfflow.engine.models import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
     build_tiny_model,
     save_model,
 )
-from rlhfflow.stages.speculative import CostModel, shallow_view
+from rlhfflow.engine.speculative import CostModel, shallow_view
+from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from tests.conftest import make_prompt_batch, small_pipeline
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
@@ -382,7 +382,7 @@ def test_a_draft_model_with_the_actors_tokenizer_validates(tmp_path):
 
 
 def test_adaptive_drops_a_drafter_whose_steps_take_longer_than_predicted():
-    from rlhfflow.stages.speculative import Acceptance, AdaptivePolicy, NgramDrafter
+    from rlhfflow.engine.speculative import Acceptance, AdaptivePolicy, NgramDrafter
 
     drafters = {"ngram": NgramDrafter([[5, 6, 5, 6]], [0], {}, 2, 1)}
     policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4, timed=True)
@@ -402,7 +402,7 @@ class _CostlyDrafter:
 
 
 def test_adaptive_probes_an_unknown_drafter_on_a_few_cheap_steps_only():
-    from rlhfflow.stages.speculative import Acceptance, AdaptivePolicy
+    from rlhfflow.engine.speculative import Acceptance, AdaptivePolicy
 
     drafters = {"layers": _CostlyDrafter()}
     # a forward costs the same for 1 or 2 tokens (small batch): a k=1 probe costs 1.2x

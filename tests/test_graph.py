@@ -10,8 +10,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.graph import SOURCE, CycleError, StageGraph, StageNode
-from rlhfflow.pipeline.loader import Pipeline, load_pipeline
+from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
+from rlhfflow.config.loader import Pipeline, load_pipeline
 from rlhfflow.stages import SOURCE_COLUMNS, Column
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_auto_old_logprobs_takes_only_the_trained_models_own_samples() -> None:
     """``old_logprobs: auto`` divides by generate's log-probs only when generate samples
     from the model being trained; otherwise it asks for recomputed ones, and the loader
     names the missing column."""
-    from rlhfflow.pipeline.spec import SpecError
+    from rlhfflow.config.spec import SpecError
 
     with pytest.raises(SpecError, match="reads column 'old_logprobs', which no upstream"):
         load_pipeline(GRPO_TINY, {"stages.generate.model": "ref"})

@@ -16,9 +16,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.stages.models import (
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.engine.models import (
     build_tiny_model,
     hub_cache_dir,
     hub_snapshot,
@@ -26,6 +25,7 @@ from rlhfflow.stages.models import (
     load_model,
     save_model,
 )
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.storage.metrics import MetricsLog
 from tests.conftest import small_pipeline
 

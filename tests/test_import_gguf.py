@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.stages.models import import_gguf, load_model, smollm2_gguf
+from rlhfflow.engine.models import import_gguf, load_model, smollm2_gguf
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")

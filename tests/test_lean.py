@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from rlhfflow.stages import ModelConfig, ModelStore, lean
-from rlhfflow.stages.common import response_logprobs
-from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_tiny_model
-from rlhfflow.stages.speculative import shallow_view
+from rlhfflow.engine import lean
+from rlhfflow.engine.forward import response_logprobs
+from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_tiny_model
+from rlhfflow.engine.speculative import shallow_view
+from rlhfflow.stages import ModelConfig, ModelStore
 
 
 def _pair(**config):

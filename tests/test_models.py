@@ -1,4 +1,4 @@
-"""Tests for rlhfflow.stages.models: local tokenizers, tiny models, save/load, value heads."""
+"""Tests for rlhfflow.engine.models: local tokenizers, tiny models, save/load, value heads."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from rlhfflow.stages.common import cache_kwargs, output_cache
-from rlhfflow.stages.models import (
+from rlhfflow.engine.forward import cache_kwargs, output_cache
+from rlhfflow.engine.models import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
     build_tiny_model,
@@ -419,7 +419,7 @@ def test_a_frozen_bf16_model_stays_pure_bf16(tiny_lm_dir):
 
 
 def test_a_non_finite_loss_stops_naming_the_model_and_step(tiny_lm_dir, tok):
-    from rlhfflow.stages.resident import NonFiniteError
+    from rlhfflow.engine.resident import NonFiniteError
 
     resident = _resident(tiny_lm_dir)
     resident.step(_lm_loss(resident, tok))
@@ -430,7 +430,7 @@ def test_a_non_finite_loss_stops_naming_the_model_and_step(tiny_lm_dir, tok):
 
 
 def test_non_finite_steps_are_skipped_and_counted_under_a_budget(tiny_lm_dir, tok):
-    from rlhfflow.stages.resident import NonFiniteError
+    from rlhfflow.engine.resident import NonFiniteError
 
     resident = _resident(tiny_lm_dir, skip_nonfinite=1)
     before = {k: v.clone() for k, v in resident.module.state_dict().items()}
@@ -452,7 +452,7 @@ def test_non_finite_steps_are_skipped_and_counted_under_a_budget(tiny_lm_dir, to
     ("cosine", [0.25, 0.5, 0.75, 1.0, 1.0, 0.75, 0.25]),
 ])
 def test_learning_rate_schedules(schedule, expected):
-    from rlhfflow.stages.resident import lr_factor
+    from rlhfflow.engine.resident import lr_factor
 
     got = [lr_factor(step, schedule, warmup_steps=4, total_steps=7) for step in range(7)]
     assert got == pytest.approx(expected)
@@ -495,7 +495,7 @@ def test_response_logits_equal_the_full_forwards(tokenizer, arch):
     forward over every position (to the bit in one forward: distinct prompts, responses
     of the full length; to float rounding where responses end early and run cut to
     their length, tests/test_shared_prompts.py)."""
-    from rlhfflow.stages.common import response_logits, sequence_inputs
+    from rlhfflow.engine.forward import response_logits, sequence_inputs
 
     module = build_tiny_model(tokenizer, "lm", seed=0, arch=arch)
     gen = torch.Generator().manual_seed(0)

@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
 from rlhfflow.monitor.dashboard import latest_run, page_columns
 from rlhfflow.monitor.report import build_report
 from rlhfflow.monitor.sinks import flat_metrics
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import small_pipeline
 
@@ -173,7 +173,7 @@ def test_scheduler_with_the_preload_serves_the_page_and_the_run_names_it():
 
     from rlhfflow.monitor import page_line
     from rlhfflow.monitor.dashboard import MetricsPage
-    from rlhfflow.pipeline.backend import INLINE_DATA_BYTES, DaskBackend
+    from rlhfflow.runtime.backend import INLINE_DATA_BYTES, DaskBackend
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
                       scheduler_kwargs={"preload": ["rlhfflow.monitor.dashboard"]}) as cluster, \

@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.plan import make_plan
-from rlhfflow.pipeline.spec import SpecError
-from rlhfflow.stages.models import load_model
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
+from rlhfflow.engine.models import load_model
+from rlhfflow.plan.placement import make_plan
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import CONFIGS, small_pipeline
 

@@ -14,10 +14,10 @@ import yaml
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main as cli
-from rlhfflow.pipeline.budget import skipping_stage
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
+from rlhfflow.runtime.budget import skipping_stage
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from rlhfflow.stages.inference import ScoreStage
 from rlhfflow.stages.preference import dpo_pair_loss

@@ -12,12 +12,12 @@ import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.backend import start_fork_server
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.plan import PlanError, make_plan
-from rlhfflow.stages.models import load_model
-from rlhfflow.stages.parallel import free_port
+from rlhfflow.config import load_pipeline
+from rlhfflow.engine.models import load_model
+from rlhfflow.engine.parallel import free_port
+from rlhfflow.plan.placement import PlanError, make_plan
+from rlhfflow.runtime.backend import start_fork_server
+from rlhfflow.runtime.executor import run_pipeline
 from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"
@@ -129,9 +129,9 @@ def _train_rank(rank: int, world: int, port: int, model_dir: str, batch: dict,
                 results, algorithm_settings: dict, stage_type: str = "train_actor",
                 stage_params: dict | None = None) -> None:
     """One rank of a gang training the actor on ``batch`` (or alone when world is 1)."""
-    from rlhfflow.pipeline.spec import AlgorithmSpec
+    from rlhfflow.config.spec import AlgorithmSpec
+    from rlhfflow.engine.parallel import join_gang
     from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-    from rlhfflow.stages.parallel import join_gang
 
     torch.set_num_threads(1)
     gang = None
@@ -248,8 +248,8 @@ def test_a_two_rank_gang_makes_the_same_dpo_and_sft_update_as_one_worker(
 def _nan_step_rank(rank: int, port: int, model_dir: str, results) -> None:
     """One rank of a two-rank gang: a step where only rank 1's loss is NaN, then one
     where both are finite."""
+    from rlhfflow.engine.parallel import join_gang
     from rlhfflow.stages import ModelConfig, ModelStore
-    from rlhfflow.stages.parallel import join_gang
 
     torch.set_num_threads(1)
     gang = join_gang(("w0", "w1"), f"w{rank}", "127.0.0.1", port, 60.0)
@@ -357,7 +357,7 @@ def test_a_lock_left_by_a_killed_extension_build_is_removed_a_fresh_one_kept(tmp
     import os
     import time
 
-    from rlhfflow.stages.parallel import STALE_BUILD_LOCK_S, clear_stale_build_locks
+    from rlhfflow.engine.parallel import STALE_BUILD_LOCK_S, clear_stale_build_locks
 
     old, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
     for lock in (old, fresh):

@@ -11,19 +11,19 @@ import pytest
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.costmodel import (
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.plan.auto.costmodel import (
     CostModel,
     Observation,
     Profile,
     ProfileError,
     model_shapes,
 )
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.plan import STRATEGIES, PlanError, make_plan
-from rlhfflow.pipeline.planner import RANK_TASK_S, choose_plan, tasks_per_iteration
-from rlhfflow.pipeline.profiler import observations_from_run, profile_pipeline
-from rlhfflow.pipeline.simulate import simulate
+from rlhfflow.plan.auto.planner import RANK_TASK_S, choose_plan, tasks_per_iteration
+from rlhfflow.plan.auto.simulate import simulate
+from rlhfflow.plan.placement import STRATEGIES, PlanError, make_plan
+from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
 from tests.conftest import CONFIGS, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"
@@ -396,7 +396,7 @@ def test_the_profiling_pass_measures_every_stage_on_an_embedded_cluster(tmp_path
 @pytest.mark.slow
 def test_a_run_far_from_its_analytic_prediction_says_how_to_profile(tmp_path, monkeypatch,
                                                                       capsys):
-    from rlhfflow.pipeline import costmodel
+    from rlhfflow.plan.auto import costmodel
 
     # constants of an impossibly fast machine: every run is far slower than predicted
     monkeypatch.setitem(costmodel.CPU_DEVICE, "flops_per_s", 1e18)
@@ -417,7 +417,7 @@ def test_the_calibration_fit_recovers_the_times_of_another_machine():
     import statistics
 
     from benchmarks.calibrate import errors, fit
-    from rlhfflow.pipeline.costmodel import CPU_DEVICE
+    from rlhfflow.plan.auto.costmodel import CPU_DEVICE
 
     other = {**CPU_DEVICE, "flops_per_s": CPU_DEVICE["flops_per_s"] / 2,
              "layer_s": CPU_DEVICE["layer_s"] * 3, "train_step_s": 0.05,

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 from distributed import Client
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.backend import local_cluster
-from rlhfflow.pipeline.executor import run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.plan import make_plan
-from rlhfflow.pipeline.spec import AlgorithmSpec, SpecError
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import AlgorithmSpec, SpecError
+from rlhfflow.plan.placement import make_plan
+from rlhfflow.runtime.backend import local_cluster
+from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.stages import base
 from rlhfflow.stages.reference import describe_stage_types, render_markdown
 from rlhfflow.storage import ExperienceBuffer

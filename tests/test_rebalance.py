@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch
 
-from rlhfflow.pipeline.worker import (
+from rlhfflow.engine.models import build_char_tokenizer, save_model
+from rlhfflow.runtime.worker.host import (
     PLUGIN_NAME,
     RLHFWorkerPlugin,
     RunDef,
@@ -24,7 +25,6 @@ from rlhfflow.pipeline.worker import (
     stage_task,
 )
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from rlhfflow.stages.models import build_char_tokenizer, save_model
 from tests.conftest import make_prompt_batch
 from tests.test_generation import TEXTS, _peaked_model
 
@@ -142,6 +142,6 @@ def test_a_generate_task_hands_rows_to_an_idle_dask_worker(cluster, actor_dir, b
 
 
 def _stage_intervals(dask_worker=None):
-    from rlhfflow.pipeline.worker import current_host
+    from rlhfflow.runtime.worker.host import current_host
 
     return list(current_host(dask_worker).timings)

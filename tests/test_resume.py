@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.backend import embedded_worker_processes
-from rlhfflow.pipeline.executor import RunError, run_pipeline
-from rlhfflow.pipeline.loader import load_pipeline
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.runtime.backend import embedded_worker_processes
+from rlhfflow.runtime.executor import RunError, run_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
 from tests.conftest import DATA, small_pipeline
 from tests.test_setup_stages import _with_setup_stage

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from rlhfflow.pipeline import load_pipeline
-from rlhfflow.pipeline.executor import RunError, run_pipeline
+from rlhfflow.config import load_pipeline
+from rlhfflow.runtime.executor import RunError, run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import DATA, small_pipeline
 
@@ -74,7 +74,7 @@ def test_sft_trains_on_the_best_responses_of_a_buffer(tmp_path):
 
 
 def test_sft_needs_exactly_one_data_source(tmp_path):
-    from rlhfflow.pipeline.spec import SpecError
+    from rlhfflow.config.spec import SpecError
 
     path = _with_setup_stage(small_pipeline(tmp_path), {
         "type": "sft", "model": "actor", "params": {}})

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from rlhfflow.stages.common import (
+from rlhfflow.engine.forward import (
     length_groups,
     position_ids,
     prefill,
@@ -18,8 +18,8 @@ from rlhfflow.stages.common import (
     sequence_inputs,
     shared_prompt_rows,
 )
+from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model
 from rlhfflow.stages.generate import GenerateParams, generate
-from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model
 
 PROMPTS = ["speak of the star:", "a", "talk about a fire and a rain:"]
 
@@ -215,7 +215,7 @@ def test_length_groups_are_the_cheapest_cuts_of_at_most_four_groups():
 
 
 def test_gang_ranks_get_whole_prompt_groups_with_balanced_tokens(tok):
-    from rlhfflow.stages.parallel import Gang
+    from rlhfflow.engine.parallel import Gang
     from rlhfflow.stages.train import _rank_rows
 
     # prompt 0's four samples are long, the others short: equal row counts would give

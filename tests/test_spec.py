@@ -18,8 +18,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.pipeline.loader import load_pipeline
-from rlhfflow.pipeline.spec import SpecError
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 PPO_TINY = ROOT / "configs" / "ppo-tiny.yaml"
@@ -566,7 +566,7 @@ def test_estimator_and_policy_loss_by_import_path_are_accepted(tmp_path: Path) -
 
 
 def test_presets_keep_their_estimators() -> None:
-    from rlhfflow.pipeline.spec import AlgorithmSpec
+    from rlhfflow.config.spec import AlgorithmSpec
 
     assert {n: AlgorithmSpec(name=n).estimator for n in ("ppo", "grpo", "rloo", "dr_grpo")} \
         == {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "dr_grpo": "dr_grpo"}

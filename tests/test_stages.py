@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from rlhfflow import ops
-from rlhfflow.pipeline.spec import AlgorithmSpec
+from rlhfflow.config.spec import AlgorithmSpec
+from rlhfflow.data.records import prompt_problem, prompt_token_ids, render_prompt
+from rlhfflow.engine.models import load_model, sequence_scores
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
-from rlhfflow.stages.data import prompt_problem, prompt_token_ids, render_prompt
 from rlhfflow.stages.generate import eos_ids, filter_logits
 from rlhfflow.stages.inference import RewardError, record_columns, reward_fields
-from rlhfflow.stages.models import load_model, sequence_scores
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
 
@@ -711,9 +711,9 @@ def test_prompts_come_from_parquet_with_rows_named_in_errors(tmp_path):
     pa = pytest.importorskip("pyarrow")  # an optional dependency: skipped where absent
     import pyarrow.parquet as pq
 
-    from rlhfflow.pipeline.loader import load_pipeline
-    from rlhfflow.pipeline.source import PromptSource
-    from rlhfflow.stages.data import DataError
+    from rlhfflow.config.loader import load_pipeline
+    from rlhfflow.data.records import DataError
+    from rlhfflow.data.source import PromptSource
     from tests.conftest import small_pipeline
 
     table = pa.Table.from_pylist([{"prompt": "speak of the sun:", "answer": "5"},
@@ -773,8 +773,8 @@ def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
         tmp_path, chat_lm_dir, dtype):
     import json
 
-    from rlhfflow.pipeline.executor import run_pipeline
-    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.config.loader import load_pipeline
+    from rlhfflow.runtime.executor import run_pipeline
     from rlhfflow.storage import ExperienceBuffer
     from tests.conftest import small_pipeline
 

@@ -37,9 +37,9 @@ def test_the_fork_server_starts_before_anything_heavy_is_imported():
     got = _modules_after(
         "import json, sys\n"
         "import rlhfflow.cli.main\n"
-        "import rlhfflow.pipeline.forkserver\n"
+        "import rlhfflow.launch.forkserver\n"
         "print(json.dumps({m: m in sys.modules for m in "
-        "['torch', 'dask', 'distributed', 'rlhfflow.stages', 'rlhfflow.pipeline.loader']}))")
+        "['torch', 'dask', 'distributed', 'rlhfflow.stages', 'rlhfflow.config.loader']}))")
     assert not any(got.values()), got
 
 
@@ -50,10 +50,10 @@ def test_the_coordinator_prepares_a_run_without_transformers_model_classes(tmp_p
     got = _modules_after(
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from rlhfflow.pipeline.loader import load_pipeline\n"
-        "from rlhfflow.pipeline.planner import choose_plan, load_profile\n"
-        "from rlhfflow.pipeline.executor import Executor\n"
-        "from rlhfflow.pipeline.runstate import prepare_output\n"
+        "from rlhfflow.config.loader import load_pipeline\n"
+        "from rlhfflow.plan.auto.planner import choose_plan, load_profile\n"
+        "from rlhfflow.runtime.executor import Executor\n"
+        "from rlhfflow.runtime.runstate import prepare_output\n"
         f"p = load_pipeline({str(file)!r})\n"
         "p = choose_plan(p, load_profile(p)).pipeline\n"
         "out, start = prepare_output(p, True, 'auto', False)\n"
@@ -74,7 +74,7 @@ def test_saving_a_model_does_not_import_deepspeed(tmp_path):
     unless DeepSpeed was imported, and saving must not import it."""
     got = _modules_after(
         "import json, sys\n"
-        "from rlhfflow.stages.models import load_model, save_tiny_model\n"
+        "from rlhfflow.engine.models import load_model, save_tiny_model\n"
         f"save_tiny_model({str(tmp_path / 'm')!r}, 'lm', seed=0, n_layer=1, hidden=16, "
         "n_head=2)\n"
         f"model, _ = load_model({str(tmp_path / 'm')!r})\n"
@@ -90,7 +90,7 @@ def test_a_task_thread_that_ran_torch_before_the_plugin_gets_the_plugins_threads
     iterations ran ~10x slower)."""
     from distributed import Client
 
-    from rlhfflow.pipeline.worker import PLUGIN_NAME, RLHFWorkerPlugin, RunDef
+    from rlhfflow.runtime.worker.host import PLUGIN_NAME, RLHFWorkerPlugin, RunDef
 
     def threads_now() -> int:
         import torch
@@ -115,7 +115,7 @@ def stage_task_threads() -> int:
     """What a task sees once it asked for its host, as every rlhfflow task does first."""
     import torch
 
-    from rlhfflow.pipeline.worker import current_host
+    from rlhfflow.runtime.worker.host import current_host
 
     current_host()
     return torch.get_num_threads()
@@ -145,7 +145,7 @@ def test_a_dashboard_port_in_use_moves_with_one_plain_line(tmp_path):
 
 
 def test_waiting_for_the_fork_server_has_its_own_limit_and_says_what_it_waited_for():
-    from rlhfflow.pipeline.forkserver import start_fork_server, wait_fork_server
+    from rlhfflow.launch.forkserver import start_fork_server, wait_fork_server
 
     if not start_fork_server():
         pytest.skip("no fork server on this platform")
@@ -158,7 +158,7 @@ def test_workers_that_do_not_start_in_time_are_one_line(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from rlhfflow.cli.main import main
-    from rlhfflow.pipeline import backend
+    from rlhfflow.runtime import backend
 
     def slow(timeout=0):
         raise TimeoutError("the worker processes' fork server did not finish importing")

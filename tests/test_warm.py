@@ -1,4 +1,4 @@
-"""The warm server (``rlhfflow.pipeline.warm``): ``rlhfflow run`` as a fork of a process
+"""The warm server (``rlhfflow.launch.warm``): ``rlhfflow run`` as a fork of a process
 that imported everything once.
 
 Each test gets a server of its own (``XDG_RUNTIME_DIR`` in ``tmp_path``), started by
@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlhfflow.pipeline import warm
+from rlhfflow.launch import warm
 from tests.conftest import REPO, small_pipeline
 
 pytestmark = [pytest.mark.slow,

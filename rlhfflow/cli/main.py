@@ -20,7 +20,7 @@ import click
 from rlhfflow import __version__
 
 if TYPE_CHECKING:
-    from rlhfflow.pipeline.loader import Pipeline
+    from rlhfflow.config.loader import Pipeline
 
 
 class UserError(click.ClickException):
@@ -37,8 +37,8 @@ def _first_line(exc: BaseException) -> str:
 @contextmanager
 def pipeline_errors() -> Iterator[None]:
     """Turn a bad pipeline file, data file or path into a one-line ``UserError``."""
-    from rlhfflow.pipeline.spec import SpecError
-    from rlhfflow.stages.data import DataError
+    from rlhfflow.config.spec import SpecError
+    from rlhfflow.data.records import DataError
 
     try:
         yield
@@ -50,7 +50,7 @@ def pipeline_errors() -> Iterator[None]:
 
 def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
     """``load_pipeline`` with user mistakes turned into ``UserError``."""
-    from rlhfflow.pipeline.loader import load_pipeline
+    from rlhfflow.config.loader import load_pipeline
 
     with pipeline_errors():
         return load_pipeline(file, overrides)
@@ -62,7 +62,7 @@ def _parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
         return {}
     import yaml
 
-    from rlhfflow.pipeline.spec import _Loader
+    from rlhfflow.config.spec import _Loader
 
     out: dict[str, Any] = {}
     for item in values:
@@ -101,7 +101,7 @@ SET_OPTION = click.option(
 
 class _Commands(click.Group):
     """The ``rlhfflow`` group: from the command line, ``rlhfflow run`` is handed to a
-    warm server when one is up (``rlhfflow.pipeline.warm``)."""
+    warm server when one is up (``rlhfflow.launch.warm``)."""
 
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         if args is None:  # the command line (an explicit list: a test, or the warm fork)
@@ -117,7 +117,7 @@ def _run_warm(argv: list[str]) -> None:
     is off or cannot start."""
     if argv[:1] != ["run"] or any(a in ("-h", "--help", "--supervise") for a in argv):
         return
-    from rlhfflow.pipeline import warm
+    from rlhfflow.launch import warm
 
     if not warm.enabled():
         return
@@ -285,7 +285,7 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
         "placement.profile": ("--profile", str(Path(profile_path).resolve())
                               if profile_path is not None else None)})
     pipeline = load(file, overrides)
-    from rlhfflow.pipeline.planner import describe_choice, load_profile, plan_for_cli
+    from rlhfflow.plan.auto.planner import describe_choice, load_profile, plan_for_cli
 
     with pipeline_errors(), profile_errors():
         profile = load_profile(pipeline)
@@ -297,7 +297,7 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
 @contextmanager
 def profile_errors() -> Iterator[None]:
     """A profile that cannot be used is a one-line ``UserError``."""
-    from rlhfflow.pipeline.costmodel import ProfileError
+    from rlhfflow.plan.auto.costmodel import ProfileError
 
     try:
         yield
@@ -336,10 +336,10 @@ def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str
       rlhfflow profile configs/grpo-small.yaml --from-run runs/grpo-small
     """
     pipeline = load(file, _parse_sets(sets))
-    from rlhfflow.pipeline.costmodel import Profile, machine_info, model_shapes
-    from rlhfflow.pipeline.executor import RunError
-    from rlhfflow.pipeline.planner import default_profile_path
-    from rlhfflow.pipeline.profiler import observations_from_run, profile_pipeline
+    from rlhfflow.plan.auto.costmodel import Profile, machine_info, model_shapes
+    from rlhfflow.plan.auto.planner import default_profile_path
+    from rlhfflow.runtime.executor import RunError
+    from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
 
     path = Path(output) if output else default_profile_path(pipeline)
     if pipeline.spec.data is None:
@@ -474,7 +474,7 @@ def init(directory: str, force: bool) -> None:
     root = Path(directory)
     if root.exists() and any(root.iterdir()) and not force:
         raise UserError(f"{root}: directory is not empty; use --force to write into it")
-    from rlhfflow.stages.models import build_char_tokenizer, build_tiny_model, save_model
+    from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model
 
     pipeline_file, prompts_file, model_dir = (root / "pipeline.yaml", root / "prompts.jsonl",
                                               root / "models" / "tiny-lm")
@@ -572,8 +572,8 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     if not supervise and _embedded_cluster(file, scheduler):
         # the workers' imports start now, before this process imports anything heavy
         # (--set values are read with the spec's YAML loader, which imports the stages),
-        # and run beside its own (read on in rlhfflow.pipeline.forkserver)
-        from rlhfflow.pipeline.forkserver import start_fork_server
+        # and run beside its own (read on in rlhfflow.launch.forkserver)
+        from rlhfflow.launch.forkserver import start_fork_server
 
         start_fork_server()
     overrides = _merge_options(_parse_sets(sets), {
@@ -594,7 +594,7 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
                              max_restarts, lambda line: click.echo(line, err=True))
         raise SystemExit(code)
-    from rlhfflow.pipeline.executor import RunError, run_pipeline
+    from rlhfflow.runtime.executor import RunError, run_pipeline
 
     stop = threading.Event()
     previous = _install_stop_handlers(stop, quiet)
@@ -659,7 +659,7 @@ def stages(fmt: str, builtin_only: bool) -> None:
     Example:
       rlhfflow stages
     """
-    from rlhfflow.pipeline.spec import AlgorithmSpec
+    from rlhfflow.config.spec import AlgorithmSpec
     from rlhfflow.stages.reference import (
         describe_stage_types,
         render_markdown,
@@ -699,7 +699,7 @@ def stage_test(file: str, stage_name: str, iteration: int) -> None:
     import traceback
 
     pipeline = load(file)
-    from rlhfflow.pipeline.stagetest import format_columns, run_stage_alone
+    from rlhfflow.runtime.stagetest import format_columns, run_stage_alone
 
     with tempfile.TemporaryDirectory(prefix="rlhfflow-stage-test-") as tmp:
         try:
@@ -815,7 +815,7 @@ def warm(stop: bool) -> None:
     """
     import time
 
-    from rlhfflow.pipeline import warm as warm_server
+    from rlhfflow.launch import warm as warm_server
 
     if stop:
         click.echo(f"stopped {warm_server.stop_servers()} warm server(s)")
@@ -865,7 +865,7 @@ def models_import_gguf(out_dir: str, gguf_file: str | None, smollm2: bool,
       rlhfflow models import-gguf --smollm2 models/smollm2-135m
       rlhfflow models import-gguf --gguf my-model.Q8_0.gguf models/my-model
     """
-    from rlhfflow.stages.models import import_gguf, smollm2_gguf
+    from rlhfflow.engine.models import import_gguf, smollm2_gguf
 
     if (gguf_file is None) == (not smollm2):
         raise UserError("give exactly one of --gguf FILE and --smollm2")

@@ -8,6 +8,7 @@ packages add types through the ``rlhfflow.stages`` entry-point group (``load_plu
 and a pipeline may name any ``Stage`` subclass by import path (``resolve_stage_type``).
 """
 
+from rlhfflow.engine.resident import ModelConfig, ModelStore, ResidentModel
 from rlhfflow.stages import (  # noqa: F401  (registers)
     advantages,
     evaluate,
@@ -38,7 +39,6 @@ from rlhfflow.stages.base import (
     slice_batch,
     stage_type_path,
 )
-from rlhfflow.stages.resident import ModelConfig, ModelStore, ResidentModel
 
 __all__ = [
     "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "SOURCE_COLUMNS", "STAGE_TYPES",

@@ -76,10 +76,10 @@ class StageContext:
         models: where the stage finds resident models by name.
         algorithm: the pipeline's algorithm settings (``AlgorithmSpec``), or None.
         settings: extra values the pipeline resolves for stages (e.g. rollout temperature).
-        gang: the data-parallel gang (``rlhfflow.stages.parallel.Gang``) a training stage
+        gang: the data-parallel gang (``rlhfflow.engine.parallel.Gang``) a training stage
             runs in, or None when it trains alone.
         peers: for a generating stage that runs on several workers, the other workers
-            it may hand rows to (``rlhfflow.pipeline.rebalance.RowExchange``: ``peer``,
+            it may hand rows to (``rlhfflow.runtime.worker.rebalance.RowExchange``: ``peer``,
             ``send``, ``gather``), or None. Stages stay Dask-free: they see this hook only.
     """
 

@@ -15,9 +15,9 @@ from typing import Annotated, Any
 import torch
 from pydantic import Field
 
+from rlhfflow.data.records import DataError, encode_prompts, read_jsonl
+from rlhfflow.engine.forward import stage_seed
 from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import stage_seed
-from rlhfflow.stages.data import DataError, encode_prompts, read_jsonl
 from rlhfflow.stages.generate import GenerateParams, generate
 from rlhfflow.stages.inference import (
     RewardFunctionSpec,

@@ -7,11 +7,11 @@ inverse CDF with that row's uniform draw, which is exact categorical sampling.
 
 Rows that finished (EOS or ``max_new_tokens``) leave the decode batch and its KV cache
 (``compact``, on by default; the same tokens, log-probs equal up to float rounding).
-``drafter`` turns on speculative decoding (``rlhfflow.stages.speculative``): the target
+``drafter`` turns on speculative decoding (``rlhfflow.engine.speculative``): the target
 distribution is kept exactly, greedy decoding gives the plain tokens, and ``adaptive``
 picks the drafter and draft length per step from the workload. With ``migrate`` (plain
 decoding), rows may move mid-way to an idle worker through ``StageContext.peers``
-(sample reallocation, ``rlhfflow.pipeline.rebalance``) and come back decoded as here.
+(sample reallocation, ``rlhfflow.runtime.worker.rebalance``) and come back decoded as here.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
+from rlhfflow.engine.forward import cache_kwargs, output_cache, prefill, stage_seed
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import cache_kwargs, output_cache, prefill, stage_seed
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -259,7 +259,7 @@ class GenerateStage(Stage):
             out.update(gen_steps=zeros, gen_drafted=zeros, gen_accepted=zeros,
                        gen_k_sum=zeros, gen_moved=zeros)
         else:
-            from rlhfflow.stages.speculative import decode
+            from rlhfflow.engine.speculative import decode
 
             out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
                                       self.acceptance, eos, handoff)
@@ -280,7 +280,7 @@ class GenerateStage(Stage):
         """Finish rows another worker's call of this stage handed over (a
         ``speculative.Continuation``): ``(outputs, steps)`` for those rows, as that call
         would have computed them itself."""
-        from rlhfflow.stages.speculative import decode
+        from rlhfflow.engine.speculative import decode
 
         resident = ctx.models.get(self.model)
         tok = resident.tokenizer
@@ -303,8 +303,8 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
     """Run ``speculative.decode`` on a batch with the drafters ``params`` ask for, and
     remember the responses for the n-gram drafter's history. ``acceptance`` (drafter ->
     ``Acceptance``) carries measured acceptance from call to call, halved each call."""
-    from rlhfflow.stages import speculative as spec
-    from rlhfflow.stages.decoding import row_streams
+    from rlhfflow.engine import speculative as spec
+    from rlhfflow.engine.decoding import row_streams
 
     tok, module = resident.tokenizer, resident.module
     uses = used_drafters(params)
@@ -395,7 +395,7 @@ _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _layers_view(module: torch.nn.Module, layers: int) -> torch.nn.Module:
     """The actor's first-layers drafter, built once per module (it shares the weights)."""
-    from rlhfflow.stages.speculative import shallow_view
+    from rlhfflow.engine.speculative import shallow_view
 
     views = _VIEWS.setdefault(module, {})
     if layers not in views:

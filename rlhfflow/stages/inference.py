@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlhfflow.engine.forward import response_logprobs, response_values
 from rlhfflow.ops.registry import load_callable
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import response_logprobs, response_values
 
 RESPONSE_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -397,7 +397,7 @@ class ScoreStage(Stage):
     @torch.no_grad()
     def _model_scores(self, resident, prompts: list[str], responses: list[str]) -> torch.Tensor:
         """Score with the reward model's own tokenizer, so it may differ from the actor's."""
-        from rlhfflow.stages.models import sequence_scores
+        from rlhfflow.engine.models import sequence_scores
 
         tok = resident.tokenizer
         texts = [p + r for p, r in zip(prompts, responses, strict=True)]
@@ -409,7 +409,7 @@ class ScoreStage(Stage):
 
 # ---------------------------------------------------------------------------------------
 # Record fields as keyword columns of reward functions (owned by the data side: prompt
-# records travel as the JSON text column ``prompt_fields``; see pipeline/source.py).
+# records travel as the JSON text column ``prompt_fields``; see data/source.py).
 
 
 def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[str], list[str],

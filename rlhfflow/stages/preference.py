@@ -16,10 +16,10 @@ import torch
 from pydantic import Field
 
 from rlhfflow import ops
+from rlhfflow.data.records import DataError, encode_prompts, encode_responses, read_jsonl
+from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.stages.advantages import score_valid
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.common import response_logprobs
-from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
 from rlhfflow.stages.inference import RESPONSE_INPUTS
 from rlhfflow.stages.train import OnceParams, TrainParams, _OnceTrainer, _resolve, _Trainer
 

@@ -18,6 +18,16 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from rlhfflow import ops
+from rlhfflow.data.records import DataError, encode_prompts, encode_responses, read_jsonl
+from rlhfflow.engine.forward import (
+    minibatch_indices,
+    response_logits,
+    response_logprobs,
+    response_values,
+    shared_prompt_rows,
+    stage_seed,
+)
+from rlhfflow.engine.parallel import allreduce_sum
 from rlhfflow.stages.advantages import score_valid
 from rlhfflow.stages.base import (
     Batch,
@@ -27,17 +37,7 @@ from rlhfflow.stages.base import (
     concat_batches,
     register_stage,
 )
-from rlhfflow.stages.common import (
-    minibatch_indices,
-    response_logits,
-    response_logprobs,
-    response_values,
-    shared_prompt_rows,
-    stage_seed,
-)
-from rlhfflow.stages.data import DataError, encode_prompts, encode_responses, read_jsonl
 from rlhfflow.stages.inference import RESPONSE_INPUTS
-from rlhfflow.stages.parallel import allreduce_sum
 from rlhfflow.storage import ExperienceBuffer
 
 
@@ -585,7 +585,7 @@ class RewardModelStage(_OnceTrainer):
         return loss, {"rm_loss": loss.item(), "rm_accuracy": float((margin > 0).float().mean())}
 
     def _scores(self, resident, texts: list[str]) -> torch.Tensor:
-        from rlhfflow.stages.models import sequence_scores
+        from rlhfflow.engine.models import sequence_scores
 
         # the same tokenization the score stage uses, so training and scoring agree
         enc = resident.tokenizer(texts, return_tensors="pt", padding=True,

@@ -1,0 +1,563 @@
+"""``load_pipeline``: read, validate and resolve a pipeline file into a ``Pipeline``.
+
+Checks beyond the schema (``spec.py``): names, stage types and params, models and their
+heads, ``after`` references and cycles, columns a stage reads that no upstream stage
+writes, trainable models nobody trains, files that do not exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
+from rlhfflow.config.spec import (
+    MODEL_NAME,
+    STAGE_NAME,
+    PipelineSpec,
+    SpecError,
+    apply_overrides,
+    did_you_mean,
+    parse_params,
+    parse_spec,
+    read_yaml,
+)
+from rlhfflow.stages import (
+    SOURCE_COLUMNS,
+    Column,
+    Stage,
+    StageParams,
+    StageTypeError,
+    resolve_stage_type,
+    stage_type_path,
+)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A validated pipeline: the spec, each stage's typed params, the graph, and paths
+    resolved against the pipeline file's folder."""
+
+    spec: PipelineSpec
+    source: Path
+    params: Mapping[str, StageParams]
+    graph: StageGraph
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative model and data paths are relative to the pipeline file's folder."""
+        return self.source.parent
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name: ``name:`` or the file's stem."""
+        return self.spec.name or self.source.stem
+
+    def resolve(self, path: str) -> Path:
+        """A path from the file, relative to the file's folder unless absolute."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p).resolve()
+
+    def model_dir(self, path: str) -> Path:
+        """A model's ``path:`` on this machine: a directory relative to the file, or else,
+        for a Hub id (``org/name[@revision]``), its snapshot in the local Hugging Face
+        cache (``ModelNotCachedError`` when it is not there)."""
+        from rlhfflow.engine.models import hub_snapshot, is_hub_id  # torch: not at import
+
+        local = self.resolve(path)
+        return local if local.exists() or not is_hub_id(path) else hub_snapshot(path)
+
+    def model_source(self, path: str) -> str:
+        """What workers load for a model's ``path:``: the absolute directory, or the Hub
+        id itself, which each worker finds in its own cache (a cluster's machines may keep
+        theirs in other places)."""
+        from rlhfflow.engine.models import is_hub_id
+
+        local = self.resolve(path)
+        return str(local) if local.exists() or not is_hub_id(path) else path
+
+    @property
+    def output_dir(self) -> Path:
+        """``output:`` (relative to the current directory), default ``runs/NAME``."""
+        return Path(self.spec.output or f"runs/{self.name}").expanduser().resolve()
+
+    @property
+    def prompts_path(self) -> Path | None:
+        """The prompts file, if the pipeline has a data section."""
+        return self.resolve(self.spec.data.prompts) if self.spec.data else None
+
+    def model_root(self, name: str) -> str:
+        """The model whose initial weights ``name`` ends up copying through ``from:``."""
+        seen = [name]
+        while self.spec.models[seen[-1]].from_ is not None:
+            seen.append(self.spec.models[seen[-1]].from_)
+        return seen[-1]
+
+    @property
+    def rollout_temperature(self) -> float:
+        """The sampling temperature of the first generator (log-probs must match it)."""
+        generates = self.graph.generators()
+        return self.graph.nodes[generates[0]].temperature if generates else 1.0
+
+
+def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
+    """Read and validate a pipeline file; raise ``SpecError`` (one line) on any mistake.
+
+    ``overrides`` maps dotted keys to values (``{"cluster.workers": 1}``) and is applied
+    before validation, so overridden values are checked like the rest.
+    """
+    file = Path(path)
+    data = read_yaml(file)
+    if overrides:
+        data = apply_overrides(data, {k: v for k, v in overrides.items() if v is not None})
+    spec = parse_spec(file, data)
+    _check_models(file, spec)
+    params, classes = _check_stages(file, spec)
+    params = _resolve_params(file, spec, params, classes)
+    graph = _build_graph(file, spec, params, classes)
+    pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
+    _check_training(file, pipeline)
+    _check_files(file, pipeline)
+    _check_auxiliary_models(file, pipeline)
+    _check_model_shapes(file, pipeline)
+    pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
+    _check_prompts(file, pipeline)
+    return pipeline
+
+
+def _check_models(file: Path, spec: PipelineSpec) -> None:
+    for name, model in spec.models.items():
+        if not MODEL_NAME.match(name):
+            raise SpecError(file, f"models.{name}", "model names are letters, digits and "
+                                                    "underscores, starting with a letter")
+        if model.from_ is not None:
+            if model.from_ not in spec.models:
+                hint = did_you_mean(model.from_, spec.models)
+                raise SpecError(file, f"models.{name}.from",
+                                f"unknown model {model.from_!r}{hint}")
+            source = spec.models[model.from_]
+            if source.head == "value" and model.head == "lm":
+                raise SpecError(file, f"models.{name}.from", f"cannot make an 'lm' model from "
+                                f"{model.from_!r}, which has a value head")
+    if spec.overlap.sequential and spec.overlap.max_staleness:
+        raise SpecError(file, "overlap.max_staleness", "a sequential run overlaps nothing: "
+                        "set max_staleness to 0 or sequential to false")
+    for name in spec.placement.models:
+        if name not in spec.models:
+            hint = did_you_mean(name, spec.models)
+            raise SpecError(file, f"placement.models.{name}", f"unknown model {name!r}{hint}")
+    for name in spec.placement.stages:
+        if name not in spec.stages:
+            hint = did_you_mean(name, spec.stages)
+            raise SpecError(file, f"placement.stages.{name}", f"unknown stage {name!r}{hint}")
+    for name in spec.models:  # `from:` chains must end somewhere
+        seen = [name]
+        while spec.models[seen[-1]].from_ is not None:
+            nxt = spec.models[seen[-1]].from_
+            if nxt in seen:
+                raise SpecError(file, f"models.{name}.from",
+                                f"'from' cycle: {' -> '.join(seen + [nxt])}")
+            seen.append(nxt)
+
+
+def _check_stages(file: Path, spec: PipelineSpec
+                  ) -> tuple[dict[str, StageParams], dict[str, type[Stage]]]:
+    params: dict[str, StageParams] = {}
+    classes: dict[str, type[Stage]] = {}
+    if not spec.stages:
+        raise SpecError(file, "stages", "expected at least one stage")
+    for name, stage in spec.stages.items():
+        where = f"stages.{name}"
+        if not STAGE_NAME.match(name):
+            raise SpecError(file, where, "stage names are lowercase letters and underscores "
+                            "(no digits: the dashboard groups tasks by the name's letters)")
+        if name == SOURCE:
+            raise SpecError(file, where, f"the stage name {SOURCE!r} is reserved for the prompt "
+                            "source; rename the stage")
+        try:
+            cls = classes[name] = resolve_stage_type(stage.type)
+        except StageTypeError as exc:
+            raise SpecError(file, f"{where}.type", str(exc)) from None
+        if stage.model is None and cls.model_head is not None and not cls.model_optional:
+            fitting = [m for m, model in spec.models.items() if model.head == cls.model_head]
+            hint = (f"; models with that head: {', '.join(fitting)}" if fitting
+                    else "; no model in 'models' has that head")
+            raise SpecError(file, f"{where}.model", f"required key is missing: stage type "
+                            f"{stage.type!r} needs a model with head {cls.model_head!r}{hint}")
+        if stage.model is not None:
+            if cls.model_head is None:
+                raise SpecError(file, f"{where}.model",
+                                f"stage type {stage.type!r} takes no model; remove the key")
+            if stage.model not in spec.models:
+                hint = did_you_mean(stage.model, spec.models)
+                raise SpecError(file, f"{where}.model", f"unknown model {stage.model!r}{hint}")
+            head = spec.models[stage.model].head
+            if head != cls.model_head:
+                raise SpecError(file, f"{where}.model", f"stage type {stage.type!r} needs a "
+                                f"model with head {cls.model_head!r}; model {stage.model!r} "
+                                f"has head {head!r}")
+        for i, parent in enumerate(stage.after):
+            if parent == name:
+                raise SpecError(file, f"{where}.after[{i}]", "a stage cannot run after itself")
+            if parent not in spec.stages:
+                hint = did_you_mean(parent, spec.stages)
+                raise SpecError(file, f"{where}.after[{i}]", f"unknown stage {parent!r}{hint}")
+        if stage.backend == "deepspeed" and (not cls.trains or cls.once):
+            raise SpecError(file, f"{where}.backend", f"'deepspeed' trains in the loop: only "
+                            f"train_actor and train_critic stages take it, not {stage.type!r}")
+        if stage.deepspeed is not None and stage.backend != "deepspeed":
+            raise SpecError(file, f"{where}.deepspeed", "DeepSpeed settings need "
+                                                        "'backend: deepspeed' on the stage")
+        if stage.micro_batches is not None and (cls.per_batch or cls.once):
+            raise SpecError(file, f"{where}.micro_batches", f"stage type {stage.type!r} works "
+                            f"on the whole batch; only micro-batch stages (generate, score, "
+                            f"logprob, values) take micro_batches")
+        params[name] = parse_params(file, name, cls.Params, stage.params)
+        problem = _plugin_call(file, where, cls.check_params, params[name],
+                               stage.model is not None, file.resolve().parent)
+        if problem:
+            raise SpecError(file, f"{where}.{problem[0]}", problem[1])
+    return params, classes
+
+
+def _resolve_params(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
+                    classes: dict[str, type[Stage]]) -> dict[str, StageParams]:
+    """Each stage's params with its ``auto`` choices settled (``Stage.resolve_params``),
+    given what the other stages write."""
+    written: dict[str, dict[str, list[str | None]]] = {}
+    for name, stage in spec.stages.items():
+        columns = _plugin_call(file, f"stages.{name}.type", classes[name].writes,
+                               params[name], spec.algorithm, stage.model is not None)
+        written[name] = {column: [stage.model] for column in columns} \
+            if isinstance(columns, Mapping) else {}
+    settled = {}
+    for name, stage in spec.stages.items():
+        writers: dict[str, tuple[str | None, ...]] = {}
+        for other, columns in written.items():
+            if other != name:
+                for column, models in columns.items():
+                    writers[column] = (*writers.get(column, ()), *models)
+        settled[name] = _plugin_call(file, f"stages.{name}.params",
+                                     classes[name].resolve_params, params[name],
+                                     stage.model, writers)
+        if not isinstance(settled[name], classes[name].Params):
+            raise SpecError(file, f"stages.{name}.type",
+                            f"{stage_type_path(classes[name])}.resolve_params() must "
+                            f"return its Params, got {type(settled[name]).__name__}")
+    return settled
+
+
+def _plugin_call(file: Path, where: str, method: Any, *args: Any) -> Any:
+    """Call a stage class's hook; a plugin's exception becomes a one-line SpecError."""
+    try:
+        return method(*args)
+    except Exception as exc:  # noqa: BLE001  (plugin code: report it, never crash)
+        owner = getattr(method, "__self__", None)
+        path = stage_type_path(owner) if isinstance(owner, type) else "the stage type"
+        text = str(exc).strip().splitlines()
+        cause = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        raise SpecError(file, where, f"{path}.{method.__name__}() raised {cause}") from None
+
+
+def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams,
+                   algorithm: Any, has_model: bool) -> tuple[tuple[str, ...], dict[str, Column]]:
+    """What a stage reads and writes, checked: a plugin that declares a column badly is
+    stopped here, not when the buffer is created on the cluster."""
+    reads = _plugin_call(file, where, cls.reads, params, algorithm, has_model)
+    writes = _plugin_call(file, where, cls.writes, params, algorithm, has_model)
+    path = stage_type_path(cls)
+    if not isinstance(reads, tuple | list) or not all(isinstance(c, str) for c in reads):
+        raise SpecError(file, where, f"{path}.reads() must return column names (str), "
+                                     f"got {reads!r}")
+    if not isinstance(writes, Mapping):
+        raise SpecError(file, where, f"{path}.writes() must return a dict of column name "
+                                     f"-> Column, got {type(writes).__name__}")
+    for column, col in writes.items():
+        problem = column_problem(column, col)
+        if problem:
+            raise SpecError(file, where, f"{path}.writes() declares column {column!r} "
+                                         f"badly: {problem}")
+    return tuple(reads), dict(writes)
+
+
+def column_problem(name: Any, col: Any) -> str | None:
+    """Why ``name: col`` is not a column the experience buffer can store, or None."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return "column names are letters, digits and underscores, not starting with a digit"
+    if name in SOURCE_COLUMNS:
+        return "the data source writes it"
+    if not isinstance(col, Column):
+        return f"expected rlhfflow.stages.Column, got {type(col).__name__}"
+    if col.length not in (None, "prompt", "response"):
+        return f"length must be 'prompt', 'response' or None, not {col.length!r}"
+    if col.dtype == "str":
+        return None if col.length is None else "a 'str' column holds one value per row"
+    try:
+        kind = np.dtype(col.dtype).kind
+    except TypeError:
+        kind = None
+    if kind is None or kind not in "biuf":
+        return f"dtype must be 'str' or a bool/int/float numpy dtype, not {col.dtype!r}"
+    return None
+
+
+def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
+                 classes: dict[str, type[Stage]]) -> StageGraph:
+    nodes = {}
+    samples = spec.data.samples_per_prompt if spec.data is not None else 1
+    for name, stage in spec.stages.items():
+        cls = classes[name]
+        reads, writes = _stage_columns(file, f"stages.{name}.type", cls, params[name],
+                                       spec.algorithm, stage.model is not None)
+        nodes[name] = StageNode(
+            name=name, type=stage.type, model=stage.model, after=tuple(stage.after),
+            reads=reads, writes=writes, trains=cls.trains, once=cls.once,
+            per_batch=cls.per_batch, generates=cls.generates, scores=cls.scores,
+            reports=cls.reports,
+            response_tokens=_plugin_call(file, f"stages.{name}.params", cls.response_tokens,
+                                         params[name]),
+            temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
+                                     params[name]),
+            impl=stage_type_path(cls),
+            uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())),
+            row_filter=_plugin_call(file, f"stages.{name}.params", cls.row_filter,
+                                    params[name]),
+            kept_share=float(_plugin_call(file, f"stages.{name}.params", cls.kept_share,
+                                          params[name], samples)),
+            every=max(1, int(_plugin_call(file, f"stages.{name}.params", cls.runs_every,
+                                          params[name]))))
+    try:
+        graph = StageGraph(nodes)
+    except CycleError as exc:
+        raise SpecError(file, f"stages.{exc.cycle[0]}.after", f"the 'after' lists form a "
+                        f"cycle: {' -> '.join(exc.cycle)}") from None
+    for name in graph.order:
+        node = graph.nodes[name]
+        for i, parent in enumerate(node.after):
+            if graph.nodes[parent].once is False and node.once:
+                raise SpecError(file, f"stages.{name}.after[{i}]", f"stage type {node.type!r} "
+                                f"runs once before the loop and cannot wait for loop stage "
+                                f"{parent!r}")
+        for column in node.reads:
+            if graph.producer(column, name) is None:
+                writers = graph.writers(column)
+                hint = (f"; add stage {writers[0]!r} to stages.{name}.after" if writers
+                        else "; no stage in the pipeline writes it")
+                raise SpecError(file, f"stages.{name}", f"reads column {column!r}, which no "
+                                f"upstream stage writes{hint}")
+    for column in graph.columns():
+        writers = [w for w in graph.writers(column) if not graph.nodes[w].once]
+        if len(writers) > 1:
+            raise SpecError(file, f"stages.{writers[1]}", f"writes column {column!r}, "
+                            f"which stage {writers[0]!r} writes too")
+    return graph
+
+
+def _check_training(file: Path, pipeline: Pipeline) -> None:
+    spec, graph = pipeline.spec, pipeline.graph
+    for name, model in spec.models.items():
+        trainers = graph.trainers(name)
+        deepspeed = [t for t in trainers if spec.stages[t].backend == "deepspeed"]
+        if model.dtype == "float16" and deepspeed:
+            # our fp16 loss scaler wraps the torch optimizer step, which DeepSpeed replaces;
+            # without scaling fp16 AdamW turned every weight to NaN (measured)
+            raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
+                            f"scaling under backend: deepspeed (stage {deepspeed[0]!r}); use "
+                            f"bfloat16 or float32, or backend: torch")
+        if model.trainable and not trainers:
+            raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
+                            "stage trains it; add a training stage or set trainable: false")
+        if trainers and not model.trainable:
+            raise SpecError(file, f"stages.{trainers[0]}.model", f"stage trains {name!r}, which "
+                            f"is not trainable; set models.{name}.trainable: true")
+    if graph.loop_stages and spec.data is None and spec.iterations > 0:
+        raise SpecError(file, "data", "the pipeline has stages that run every iteration, "
+                                      "so it needs a 'data' section with a prompts file")
+
+
+def _check_files(file: Path, pipeline: Pipeline) -> None:
+    for name, model in pipeline.spec.models.items():
+        if model.path is None:
+            continue
+        try:
+            path = pipeline.model_dir(model.path)
+        except FileNotFoundError as err:  # a Hub id the cache lacks
+            raise SpecError(file, f"models.{name}.path", str(err)) from None
+        if not path.is_dir():
+            raise SpecError(file, f"models.{name}.path", f"directory not found: {path}")
+        if not (path / "config.json").is_file():
+            raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
+                            f"directory (no config.json): {path}")
+    prompts = pipeline.prompts_path
+    if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
+        raise SpecError(file, "data.prompts", f"file not found: {prompts}")
+    _check_context(file, pipeline)
+
+
+def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
+    """What is known of ``model``'s shape (from ``tiny:`` or its config.json):
+    ``layers`` (decoder layers) and ``positions``; a key is missing where unknown."""
+    root = pipeline.spec.models[pipeline.model_root(model)]
+    if root.tiny is not None:
+        return {"layers": root.tiny.layers, "positions": root.tiny.max_positions}
+    try:
+        config = json.loads((pipeline.model_dir(root.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    shape = {}
+    for name, keys in (("layers", ("num_hidden_layers", "n_layer")),
+                       ("positions", ("max_position_embeddings", "n_positions",
+                                      "max_sequence_length"))):
+        found = next((config[k] for k in keys if isinstance(config.get(k), int)), None)
+        if found is not None:
+            shape[name] = found
+    return shape
+
+
+def _check_model_shapes(file: Path, pipeline: Pipeline) -> None:
+    """Each stage's own checks of its params against its model's shape."""
+    for name, stage in pipeline.spec.stages.items():
+        if stage.model is None or stage.model not in pipeline.spec.models:
+            continue
+        problem = resolve_stage_type(stage.type).check_model(
+            pipeline.params[name], model_shape(pipeline, stage.model))
+        if problem is not None:
+            key, message = problem
+            raise SpecError(file, f"stages.{name}.{key}", message)
+
+
+def _check_context(file: Path, pipeline: Pipeline) -> None:
+    """Prompt and response must fit the context of every model that reads them."""
+    data = pipeline.spec.data
+    if data is None or not pipeline.graph.generators():
+        return
+    new_tokens = pipeline.graph.response_tokens
+    needed = data.max_prompt_tokens + new_tokens
+    for name in pipeline.graph.loop_stages:
+        model = pipeline.graph.nodes[name].model
+        context = model_shape(pipeline, model).get("positions") if model else None
+        if context is not None and needed > context:
+            raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
+                            f"+ {new_tokens} new tokens = {needed} exceed the {context} "
+                            f"positions of model {model!r} (stage {name!r})")
+
+
+def derive(pipeline: Pipeline, updates: Mapping[str, Any]) -> Pipeline:
+    """``pipeline`` with dotted keys of its spec replaced (``{"cluster.workers": 1,
+    "stages.values.micro_batches": 4}``), for settings that change where and how the
+    stages run but not what they compute (placement, overlap, cluster, output): the
+    params and graph are kept, nothing is revalidated."""
+    from dataclasses import replace
+
+    spec = pipeline.spec
+    for key, value in updates.items():
+        spec = _set(spec, key.split("."), value)
+    return replace(pipeline, spec=spec)
+
+
+def _set(node: Any, path: list[str], value: Any) -> Any:
+    head, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        current = node[head]
+        return {**node, head: _set(current, rest, value) if rest else value}
+    current = getattr(node, head)
+    return node.model_copy(update={head: _set(current, rest, value) if rest else value})
+def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
+    """The spec with each trainable model's ``optimizer.total_steps`` (for a decaying
+    schedule) and ``optimizer.checkpoint`` filled in, so the workers need nothing else."""
+    spec, graph = pipeline.spec, pipeline.graph
+    models = dict(spec.models)
+    for name, model in spec.models.items():
+        if not model.trainable:
+            continue
+        opt = model.optimizer
+        updates: dict[str, Any] = {}
+        if opt.checkpoint is None:
+            updates["checkpoint"] = spec.checkpoint.optimizer
+        if opt.total_steps is None and opt.schedule != "constant":
+            per_iteration = sum(
+                pipeline.params[t].epochs * pipeline.params[t].minibatches
+                for t in graph.trainers(name) if not graph.nodes[t].once)
+            if per_iteration == 0 or spec.iterations == 0:
+                raise SpecError(file, f"models.{name}.optimizer.total_steps", f"schedule "
+                                f"{opt.schedule!r} needs total_steps: no loop stage trains "
+                                f"{name!r}, so it cannot be derived from the iterations")
+            updates["total_steps"] = spec.iterations * per_iteration
+        if opt.total_steps is not None and opt.warmup_steps > opt.total_steps:
+            raise SpecError(file, f"models.{name}.optimizer.warmup_steps", f"{opt.warmup_steps} "
+                            f"warmup steps exceed total_steps={opt.total_steps}")
+        if updates:
+            models[name] = model.model_copy(update={"optimizer": opt.model_copy(update=updates)})
+    return spec.model_copy(update={"models": models})
+
+
+def _check_prompts(file: Path, pipeline: Pipeline) -> None:
+    """Read the prompts file as the run will (records, chat template, token counts), and
+    check that every record has the fields the reward functions ask for."""
+    from rlhfflow.data.source import PromptSource
+    from rlhfflow.stages.inference import load_function, reward_fields
+
+    generates = pipeline.graph.generators()
+    if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
+        return
+    source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
+    for name in pipeline.graph.scorers():
+        params = pipeline.params[name]
+        listed = getattr(params, "reward_functions", None)
+        entries = listed() if callable(listed) else []
+        for i, entry in enumerate(entries):
+            key = "params.function" if len(entries) == 1 and \
+                getattr(params, "function", None) else f"params.functions[{i}].function"
+            fn = load_function(entry.function, pipeline.base_dir)
+            required, _, _ = reward_fields(fn, entry.kwargs)
+            for field in required:
+                line = source.missing_field(field)
+                if line is not None:
+                    raise SpecError(file, f"stages.{name}.{key}", f"the reward function "
+                                    f"takes {field!r}, which record {pipeline.prompts_path}:"
+                                    f"{line} does not have (give it a default, or add the "
+                                    f"field)")
+
+
+def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
+    """Models a stage uses besides its own (a draft model) must exist, be ``lm`` models
+    and share the stage model's tokenizer: their token ids are compared as they are."""
+    spec = pipeline.spec
+    for name, stage in spec.stages.items():
+        uses = resolve_stage_type(stage.type).auxiliary_models(pipeline.params[name])
+        for key, model in uses.items():
+            where = f"stages.{name}.{key}"
+            if model not in spec.models:
+                hint = did_you_mean(model, spec.models)
+                raise SpecError(file, where, f"unknown model {model!r}{hint}")
+            if spec.models[model].head != "lm":
+                raise SpecError(file, where, f"model {model!r} has head "
+                                f"{spec.models[model].head!r}; a draft model needs 'lm'")
+            if stage.model is None:
+                continue
+            mine, theirs = _vocabulary(pipeline, stage.model), _vocabulary(pipeline, model)
+            if mine != theirs:
+                raise SpecError(file, where, f"model {model!r} has another vocabulary than "
+                                f"{stage.model!r} ({len(theirs[1])} vs {len(mine[1])} "
+                                f"tokens, vocab_size {theirs[0]} vs {mine[0]}); a draft "
+                                "model must share the actor's tokenizer")
+
+
+def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
+    """``(vocab_size, token -> id)`` of a model, from its root's files or ``tiny:``."""
+    root = pipeline.spec.models[pipeline.model_root(model)]
+    if root.tiny is not None:
+        from rlhfflow.engine.models import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+        return len(tokenizer), tokenizer.get_vocab()
+    from transformers import AutoTokenizer
+
+    path = pipeline.model_dir(root.path)
+    size = json.loads((path / "config.json").read_text()).get("vocab_size", -1)
+    return size, AutoTokenizer.from_pretrained(path).get_vocab()

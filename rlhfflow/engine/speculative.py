@@ -1,0 +1,667 @@
+"""Drafters, the adaptive drafting policy and the decoding loop that uses them.
+
+Drafters propose up to ``k`` tokens per active row; :func:`rlhfflow.engine.decoding.verify`
+keeps the target's distribution whatever they propose, so a drafter only changes speed:
+
+* :class:`NgramDrafter` (``ngram``): model-free lookup of the row's last n tokens in the
+  prompt, in the other samples of the same prompt in this batch, and in earlier responses
+  to the same prompt (RL revisits prompts and its responses repeat).
+* :class:`ModelDrafter` with a separate draft model (``model``, same tokenizer as the
+  actor), or with the actor's own first layers and its LM head (``layers``: no extra
+  weights, and it follows the actor as it trains because it shares its modules).
+
+:class:`AdaptivePolicy` (RLHFSpec) picks the drafter and ``k`` at every step from the
+number of active rows, the acceptance measured so far and a measured cost of a forward
+pass (:class:`CostModel`), maximising expected emitted tokens per second; ``k = 0``
+(plain decoding) when nothing pays, e.g. at large batch on CPU where a forward costs in
+proportion to the tokens it scores.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhfflow.engine.decoding import KVState, RowStreams, emitted_lengths, verify
+
+
+# --------------------------------------------------------------------------- cost model
+class CostModel:
+    """Seconds of one forward pass scoring ``n`` tokens (``rows * width``), interpolated
+    piecewise-linearly in ``n`` from a table measured on the model itself.
+
+    ``fixed`` (``(seconds, seconds_per_token)``) replaces the measurement: decisions, and
+    hence sampled tokens, then repeat exactly from run to run.
+    """
+
+    def __init__(self, points: list[tuple[int, float]]) -> None:
+        self.points = sorted(points)
+
+    @classmethod
+    def linear(cls, fixed: float, per_token: float) -> CostModel:
+        """A cost of ``fixed + per_token * n``."""
+        return cls([(1, fixed + per_token), (1 << 20, fixed + per_token * (1 << 20))])
+
+    def __call__(self, tokens: int) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (n0, c0), (n1, c1) in zip(pts, pts[1:], strict=False):
+            if tokens <= n1:
+                return c0 + (c1 - c0) * (tokens - n0) / (n1 - n0)
+        (n0, c0), (n1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) * (tokens - n1) / (n1 - n0)
+
+
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def measure_cost(module: torch.nn.Module, max_tokens: int, context: int = 48) -> CostModel:
+    """Time forwards of ``n = 1, 2, 4 .. max_tokens`` new tokens after a ``context``-token
+    cache (best of 2 each); cached per module for the life of the process."""
+    known = _MEASURED.get(module)
+    if known is not None and known.points[-1][0] >= max_tokens:
+        return known
+    device = next(module.parameters()).device
+    vocab = module.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    points, n = [], 1
+    while True:
+        rows = max(1, n // 8)  # shapes like verification: several rows, a few tokens each
+        width = n // rows
+        ids = torch.randint(4, vocab, (rows, context + width), generator=gen).to(device)
+        best = float("inf")
+        for _ in range(2):
+            mask = torch.ones(rows, context, dtype=torch.long, device=device)
+            state = KVState(module, ids[:, :context], mask)
+            start = time.perf_counter()
+            state.forward(ids[:, context:])
+            best = min(best, time.perf_counter() - start)
+        points.append((rows * width, best))
+        if n >= max_tokens:
+            break
+        n = min(2 * n, max_tokens)
+    _MEASURED[module] = CostModel(points)
+    return _MEASURED[module]
+
+
+# --------------------------------------------------------------------------- drafters
+@dataclass
+class Draft:
+    """Proposals for the active rows: ``tokens [B, k]``, ``length [B]`` real ones per row,
+    ``probs [B, k, V]`` the drafter's distributions (None: deterministic, one-hot)."""
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    probs: torch.Tensor | None
+
+
+class NgramDrafter:
+    """Prompt / same-group / earlier-response n-gram lookup (no model).
+
+    Each prompt group has an index ``ngram -> (sequence, position after it)`` over the
+    prompt and every sample's tokens so far, plus ``history`` (earlier prompt+response
+    sequences of the same prompt). The longest n-gram (``max_n`` down to ``min_n``) that
+    ends the row and was seen before proposes what followed it, most recent first.
+    """
+
+    name = "ngram"
+
+    def __init__(self, seqs: list[list[int]], groups: list[int],
+                 history: dict[int, list[list[int]]], max_n: int, min_n: int) -> None:
+        self.seqs, self.groups, self.max_n, self.min_n = seqs, groups, max_n, min_n
+        self.index: dict[int, dict[tuple[int, ...], tuple[list[int], int]]] = {}
+        for group in dict.fromkeys(groups):
+            self.index[group] = {}
+            for old in history.get(group, []):
+                self._add(self.index[group], old, 0)
+        self.indexed = [0] * len(seqs)
+        for row in range(len(seqs)):
+            self._catch_up(row)
+
+    def _add(self, index: dict, seq: list[int], start: int) -> None:
+        for i in range(max(start, 1), len(seq)):
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                index[tuple(seq[i - n:i])] = (seq, i)
+
+    def _catch_up(self, row: int) -> None:
+        seq = self.seqs[row]
+        self._add(self.index[self.groups[row]], seq, self.indexed[row])
+        self.indexed[row] = len(seq)
+
+    def propose(self, k: int, limit: torch.Tensor, streams: RowStreams,
+                produced: torch.Tensor, params) -> Draft:
+        """Up to ``min(k, limit[row])`` tokens per row from the longest matching n-gram."""
+        rows = len(self.seqs)
+        tokens = torch.zeros(rows, k, dtype=torch.long)
+        length = torch.zeros(rows, dtype=torch.long)
+        for row, seq in enumerate(self.seqs):
+            self._catch_up(row)
+            cap = min(k, int(limit[row]))
+            if cap <= 0:
+                continue
+            index = self.index[self.groups[row]]
+            for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
+                hit = index.get(tuple(seq[-n:]))
+                if hit is not None:
+                    source, at = hit
+                    follow = source[at:at + cap]
+                    tokens[row, :len(follow)] = torch.tensor(follow, dtype=torch.long)
+                    length[row] = len(follow)
+                    break
+        return Draft(tokens, length, None)
+
+    def commit(self, accepted: torch.Tensor, emitted: list[list[int]], drafted: bool) -> None:
+        """Nothing to undo: the index catches up from the sequences lazily."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the state of ``rows`` only (the loop keeps ``seqs`` itself)."""
+        keep = rows.tolist()
+        self.groups = [self.groups[r] for r in keep]
+        self.indexed = [self.indexed[r] for r in keep]
+
+    def cost(self, rows: int, k: int) -> float:
+        """A dictionary look-up per row: nothing next to a forward pass."""
+        return 0.0
+
+
+class ModelDrafter:
+    """Autoregressive drafting with a small causal LM that shares the actor's tokenizer
+    (a draft model, or the actor's first layers: :func:`shallow_view`). It keeps a KV
+    cache of its own; tokens the target emitted that it has not seen yet are fed first."""
+
+    def __init__(self, name: str, module: torch.nn.Module, prompt_ids: torch.Tensor,
+                 prompt_mask: torch.Tensor, first: torch.Tensor, cost: CostModel) -> None:
+        self.name, self.cost_model, self.module = name, cost, module
+        self._prompt: tuple[torch.Tensor, torch.Tensor] | None = (prompt_ids, prompt_mask)
+        self._state: KVState | None = None
+        self.pending = [[t] for t in first.tolist()]
+        self._start, self._k = 0, 0
+
+    @property
+    def state(self) -> KVState:
+        """The draft's cache, prefilled on first use: adaptive drafting may never choose
+        this drafter, and a prefill of the first 6 of 30 layers is ~7% of the work of a
+        batch-16, 64-token call on SmolLM2 by FLOP count (the tokens emitted meanwhile
+        wait in ``pending``)."""
+        if self._state is None:
+            self._state = KVState(self.module, *self._prompt)
+            self._prompt = None
+        return self._state
+
+    def propose(self, k: int, limit: torch.Tensor, streams: RowStreams,
+                produced: torch.Tensor, params) -> Draft:
+        """Sample (or take the argmax of) ``k`` tokens per row from the draft model."""
+        from rlhfflow.engine.decoding import _inverse_cdf
+        from rlhfflow.stages.generate import filter_logits
+
+        width = max(len(p) for p in self.pending)
+        ids = torch.zeros(len(self.pending), width, dtype=torch.long)
+        fed = torch.zeros(len(self.pending), width, dtype=torch.bool)
+        for row, tokens in enumerate(self.pending):  # holes first, real tokens last
+            ids[row, width - len(tokens):] = torch.tensor(tokens)
+            fed[row, width - len(tokens):] = True
+        logits = self.state.forward(ids, fed)[:, -1]
+        self._start, self._k = self.state.mask.shape[1], k
+        steps = streams.draft.shape[1]
+        drafts, probs = [], []
+        for i in range(k):
+            if params.greedy:
+                token = logits.argmax(-1)
+            else:
+                filtered = filter_logits(logits / params.temperature, params.top_k,
+                                         params.top_p)
+                q = torch.softmax(filtered, -1)
+                probs.append(q)
+                u = streams.draft[torch.arange(len(produced)), (produced + i).clamp(max=steps - 1)]
+                token = _inverse_cdf(q.double(), u)
+            drafts.append(token.cpu())
+            if i < k - 1:
+                logits = self.state.forward(token[:, None])[:, -1]
+        length = torch.minimum(torch.full_like(limit, k), limit.clamp(min=0))
+        return Draft(torch.stack(drafts, 1), length, torch.stack(probs, 1) if probs else None)
+
+    def commit(self, accepted: torch.Tensor, emitted: list[list[int]], drafted: bool) -> None:
+        """Holes for the rejected drafts in the cache; the rest of ``emitted`` is pending."""
+        if not drafted:
+            for row, tokens in enumerate(emitted):
+                self.pending[row].extend(tokens)
+            return
+        kept = accepted.clamp(max=self._k - 1)  # d_k itself was never fed
+        self.state.reject(self._start, kept)
+        self.state.drop_empty_columns()
+        self.pending = [tokens[int(n):] for tokens, n in zip(emitted, kept, strict=True)]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` only."""
+        if self._state is None:
+            ids, mask = self._prompt
+            self._prompt = (ids[rows], mask[rows])
+        else:
+            self._state.select(rows)
+        self.pending = [self.pending[r] for r in rows.tolist()]
+
+    def cost(self, rows: int, k: int) -> float:
+        """``k`` sequential forwards of the draft model over ``rows`` tokens."""
+        return k * self.cost_model(rows)
+
+
+def shallow_view(module: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """The actor's first ``layers`` decoder layers with its final norm and LM head, as a
+    model of its own that shares (not copies) those modules: self-speculation costs no
+    memory and follows the actor's weights as it trains. Llama-style models only
+    (``module.model.layers``), which covers SmolLM2, Llama, Qwen and Mistral."""
+    inner = getattr(module, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        raise ValueError(f"drafter 'layers' needs a Llama-style model (model.layers); "
+                         f"{type(module).__name__} has none")
+    total = len(inner.layers)
+    if layers >= total:
+        raise ValueError(f"draft_layers {layers} must be below the actor's {total} layers")
+    config = copy.deepcopy(module.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    view_inner = copy.copy(inner)
+    # copy.copy shares the _modules dict: give the views dicts of their own
+    view_inner._modules = dict(inner._modules)
+    view_inner.layers = torch.nn.ModuleList(list(inner.layers)[:layers])
+    view_inner.config = config
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    view.model = view_inner
+    view.config = config
+    return view
+
+
+# --------------------------------------------------------------------------- policy
+@dataclass
+class Acceptance:
+    """Draft tokens the target evaluated and accepted, and rows that got any draft."""
+
+    accepted: float = 0
+    evaluated: float = 0
+    covered: float = 0
+    offered: float = 0
+
+    def rate(self) -> float:
+        """Per-token acceptance, with a pessimistic Beta(1, 9) prior: an untrained drafter
+        is nearly useless (1-2% on SmolLM2-135M at temperature 1), and an optimistic
+        prior paid for finding that out on many steps. ``AdaptivePolicy`` probes a
+        drafter it knows too little of on a few cheap steps instead."""
+        return (self.accepted + 1) / (self.evaluated + 10)
+
+    def decay(self, keep: float) -> None:
+        """Forget the past by a factor (the actor drifts between iterations)."""
+        self.accepted, self.evaluated = self.accepted * keep, self.evaluated * keep
+        self.covered, self.offered = self.covered * keep, self.offered * keep
+
+    def coverage(self) -> float:
+        """Fraction of rows that received a draft (an n-gram may find none)."""
+        return (self.covered + 1) / (self.offered + 1)
+
+
+@dataclass
+class FixedPolicy:
+    """Always the same drafter and ``k`` (``None, 0``: plain decoding)."""
+
+    drafter: str | None
+    k: int
+    stats: dict[str, Acceptance] = field(default_factory=dict)
+
+    def choose(self, rows: int, drafters: dict) -> tuple[str | None, int]:
+        """The configured choice."""
+        return self.drafter, self.k
+
+    def observe(self, name: str, verdict_accepted: torch.Tensor, draft_len: torch.Tensor
+                ) -> None:
+        """Record acceptance (for metrics only)."""
+        observe(self.stats.setdefault(name, Acceptance()), verdict_accepted, draft_len)
+
+
+def observe(acc: Acceptance, accepted: torch.Tensor, draft_len: torch.Tensor) -> None:
+    """Add one verification's outcome: a row evaluated its accepted drafts plus the one
+    it rejected (if any), so ``accepted / evaluated`` estimates per-token acceptance."""
+    acc.accepted += int(accepted.sum())
+    acc.evaluated += int((accepted + (accepted < draft_len).long()).sum())
+    acc.covered += int((draft_len > 0).sum())
+    acc.offered += len(draft_len)
+
+
+@dataclass
+class AdaptivePolicy:
+    """RLHFSpec's workload-aware choice, made at every step.
+
+    For each drafter and ``k``, expected tokens per row per step with per-token acceptance
+    ``a`` are ``c * (1 - a^(k+1)) / (1 - a) + (1 - c)`` (``c``: fraction of rows that get
+    a draft); time is the verification forward over ``rows * (k + 1)`` tokens plus the
+    drafter's cost. The choice with the most tokens per second wins, ``k = 0`` included.
+
+    With ``timed`` (a measured cost model), the wall time of every step corrects the
+    prediction of its kind (``off`` or the drafter): a running ratio of measured to
+    predicted seconds. That catches what the forward's table leaves out (drafter
+    bookkeeping, the acceptance test over the vocabulary, a machine busier than when
+    measured), so a choice that does not pay in practice is dropped.
+    """
+
+    verify_cost: CostModel
+    k_max: int
+    stats: dict[str, Acceptance] = field(default_factory=dict)
+    timed: bool = False
+    correction: dict[str, float] = field(default_factory=dict)
+    #: a drafter with fewer evaluated draft tokens than this is probed with ``k = 1`` on
+    #: up to ``probe_steps`` steps of a call, where such a step is predicted to cost at
+    #: most ``probe_cost`` times a plain one (never at large batch on a CPU)
+    probe_tokens: float = 8.0
+    probe_steps: int = 2
+    probe_cost: float = 1.3
+    probed: Counter = field(default_factory=Counter)
+
+    def predict(self, name: str | None, rows: int, k: int, drafters: dict) -> float:
+        """Predicted seconds of a step, corrected by the measured ratio of its kind."""
+        seconds = self.verify_cost(rows * (k + 1))
+        if name is not None:
+            seconds += drafters[name].cost(rows, k)
+        return seconds * self.correction.get(name or "off", 1.0)
+
+    def choose(self, rows: int, drafters: dict) -> tuple[str | None, int]:
+        """``(drafter, k)`` of the best expected throughput; ``(None, 0)`` for plain."""
+        best, best_rate = (None, 0), rows / self.predict(None, rows, 0, drafters)
+        for name in drafters:
+            acc = self.stats.setdefault(name, Acceptance())
+            a, c = min(acc.rate(), 0.999), acc.coverage()
+            for k in range(1, self.k_max + 1):
+                tokens = c * (1 - a ** (k + 1)) / (1 - a) + (1 - c)
+                rate = rows * tokens / self.predict(name, rows, k, drafters)
+                if rate > best_rate * 1.02:  # ties go to the simpler
+                    best, best_rate = (name, k), rate
+        return best if best[0] is not None else self._probe(rows, drafters)
+
+    def _probe(self, rows: int, drafters: dict) -> tuple[str | None, int]:
+        """``(drafter, 1)`` for a drafter whose acceptance is still unknown, when a probe
+        is cheap here and this call has probes left; else plain ``(None, 0)``."""
+        plain = self.predict(None, rows, 0, drafters)
+        for name in drafters:
+            if (self.stats[name].evaluated < self.probe_tokens
+                    and self.probed[name] < self.probe_steps
+                    and self.predict(name, rows, 1, drafters) <= self.probe_cost * plain):
+                self.probed[name] += 1
+                return name, 1
+        return None, 0
+
+    def observe_time(self, name: str | None, rows: int, k: int, drafters: dict,
+                     seconds: float) -> None:
+        """Fold a step's measured wall time into its kind's correction."""
+        if not self.timed:
+            return
+        kind = name or "off"
+        old = self.correction.get(kind, 1.0)
+        predicted = self.predict(name, rows, k, drafters) / old
+        if predicted > 0:
+            self.correction[kind] = 0.7 * old + 0.3 * seconds / predicted
+
+    def observe(self, name: str, accepted: torch.Tensor, draft_len: torch.Tensor) -> None:
+        """Update the acceptance of ``name``."""
+        observe(self.stats.setdefault(name, Acceptance()), accepted, draft_len)
+
+
+# --------------------------------------------------------------------------- the loop
+@dataclass
+class DecodeStats:
+    """Per-row and per-call figures of one decoding call (see ``GenerateStage``);
+    ``moved`` marks the rows finished on another worker (sample reallocation)."""
+
+    steps: torch.Tensor
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+    k_sum: torch.Tensor
+    choices: Counter = field(default_factory=Counter)
+    rows_left: int = 0
+    seconds: float = 0.0
+    moved: torch.Tensor | None = None
+
+
+def per_row_step_s(step_times: dict[int, list[float]]) -> float:
+    """What one more row adds to a plain decode step, in seconds: the least-squares
+    slope of the median step time over the batch sizes seen (rows leave as they end).
+    0 until two sizes at least 25% apart were seen: a step's cost need not grow with its
+    rows (on a CPU at a few rows it is mostly weight reads and dispatch), so handing rows
+    to another worker is predicted to save only what this call has measured."""
+    points = [(rows, sorted(times)[len(times) // 2]) for rows, times in step_times.items()]
+    if len(points) < 2:
+        return 0.0
+    sizes = [rows for rows, _ in points]
+    if max(sizes) < 1.25 * min(sizes):
+        return 0.0
+    mean_x = sum(sizes) / len(points)
+    mean_y = sum(t for _, t in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (t - mean_y) for x, t in points) / var
+    return max(slope, 0.0)
+
+
+def _plain_step(target, last: torch.Tensor, streams, produced: torch.Tensor, params,
+                sample_step, eos_id: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One plain decoding step of the active rows: ``(token [B], logprob [B], hit_eos
+    [B])``, bit for bit what ``verify`` gives with no drafts (the same operations on the
+    same values) without its bookkeeping for drafts (~2 ms of a 26 ms grpo-tiny
+    generate call)."""
+    logits = target.forward(last[:, None])[:, 0]
+    uniforms = streams.sample.gather(1, produced[:, None])[:, 0]
+    token = sample_step(logits, uniforms, params).to(logits.device)
+    logprob = torch.log_softmax(logits / params.temperature, -1).gather(
+        -1, token[:, None])[:, 0]
+    token = token.cpu()
+    hit = torch.isin(token, eos_id) if eos_id is not None else \
+        torch.zeros(len(token), dtype=torch.bool)
+    return token, logprob.cpu(), hit
+
+
+@dataclass
+class Continuation:
+    """Rows of a plain decoding call handed over mid-way (sample reallocation): all the
+    loop needs to go on with them elsewhere exactly as it would have gone on here.
+
+    ``rows`` are their indices in the handing call's batch; ``cache`` is
+    ``KVState.export``'s (shipped rather than re-prefilled: a prefill of the generated
+    tokens need not give the incremental decode's logits bit for bit); ``tokens``,
+    ``logprobs``, ``mask`` and ``steps`` their outputs and step counts so far."""
+
+    rows: torch.Tensor
+    cache: dict
+    streams: RowStreams
+    produced: torch.Tensor
+    last: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    steps: torch.Tensor
+
+
+@torch.no_grad()
+def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+           streams: RowStreams, params, eos_id: int | Sequence[int] | None, pad_id: int,
+           sample_step,
+           make_drafters=None, policy=None, handoff=None, resume: Continuation | None = None
+           ) -> tuple[dict[str, torch.Tensor], DecodeStats]:
+    """Decode with finished rows leaving the batch, and optional speculation.
+
+    ``make_drafters(first_tokens)`` returns ``{name: drafter}`` for the rows (called after
+    the first token, which comes from the prompt's logits); ``policy`` chooses
+    ``(drafter, k)`` per step (default: plain). Output as ``generate.generate``.
+
+    Sample reallocation (plain decoding only): ``handoff`` (a ``StageContext.peers``)
+    may name an idle worker between steps, given the seconds handing half the active
+    rows over is predicted to save (the remaining steps times those rows' share of a
+    step, ``per_row_step_s``); they then go there as a ``Continuation`` and their
+    results are merged back at the end. ``resume`` is the
+    receiving side: decode a ``Continuation`` (``prompt_ids``/``prompt_mask`` unused);
+    the output has its rows. Either way every token and log-prob is the one this call
+    would have produced alone (counter-based per-row streams, the cache shipped).
+    """
+    start_time = time.perf_counter()
+    steps = params.max_new_tokens
+    if eos_id is not None:
+        eos_id = torch.as_tensor(eos_id).flatten()  # one id or several (chat models)
+    if resume is not None:
+        rows_total = len(resume.rows)
+        target = KVState.restore(module, resume.cache)
+        tokens_out, logprobs_out = resume.tokens.clone(), resume.logprobs.clone()
+        mask_out = resume.mask.clone()
+        stats = DecodeStats(resume.steps.clone(),
+                            *(torch.zeros(rows_total, dtype=torch.long) for _ in range(3)))
+        active = torch.arange(rows_total)
+        produced, last = resume.produced.clone(), resume.last.clone()
+        streams = resume.streams
+        finished = torch.zeros(rows_total, dtype=torch.bool)
+        make_drafters, handoff = None, None
+    else:
+        rows_total = prompt_ids.shape[0]
+        target = KVState(module, prompt_ids, prompt_mask)
+        tokens_out = torch.full((rows_total, steps), pad_id, dtype=torch.long)
+        logprobs_out = torch.zeros(rows_total, steps)
+        mask_out = torch.zeros(rows_total, steps, dtype=torch.int8)
+        stats = DecodeStats(*(torch.zeros(rows_total, dtype=torch.long) for _ in range(4)))
+        if rows_total == 0:
+            return {"response_ids": tokens_out, "response_mask": mask_out,
+                    "sample_logprobs": logprobs_out}, stats
+
+        logits = target.prefill_logits
+        first = sample_step(logits, streams.sample[:, 0], params).cpu()
+        lp = torch.log_softmax(logits / params.temperature, -1).cpu()
+        tokens_out[:, 0], mask_out[:, 0] = first, 1
+        logprobs_out[:, 0] = lp.gather(-1, first[:, None]).squeeze(-1)
+        active = torch.arange(rows_total)
+        produced = torch.ones(rows_total, dtype=torch.long)
+        last = first
+        finished = produced >= steps
+        if eos_id is not None:
+            finished |= torch.isin(first, eos_id)
+    stats.moved = torch.zeros(rows_total, dtype=torch.long)
+    # each row's tokens so far, as lists: only drafters read them (plain decoding skips
+    # this per-row Python work, which at batch 64 cost more than compaction saved)
+    seqs = []
+    if make_drafters:
+        real = prompt_mask.bool()
+        seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)]
+    drafters = make_drafters(first, seqs) if make_drafters else {}
+    policy = policy or FixedPolicy(None, 0)
+    if drafters:
+        handoff = None  # drafter state (caches, n-gram indexes) does not travel
+    handed: list[tuple[Continuation, object]] = []
+    step_times: dict[int, list[float]] = {}  # active rows -> seconds of plain steps
+
+    while True:
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(-1)
+            stats.rows_left += int(finished.sum())
+            if not len(keep):
+                break
+            target.select(keep)
+            for drafter in drafters.values():
+                drafter.select(keep)
+            streams, active, produced, last = (streams.select(keep), active[keep],
+                                               produced[keep], last[keep])
+            if drafters:
+                seqs[:] = [seqs[r] for r in keep.tolist()]
+        if handoff is not None and len(active) >= 2:
+            saving = (steps - int(produced.min())) * \
+                per_row_step_s(step_times) * (len(active) // 2)
+            peer = handoff.peer(len(active), saving)
+            if peer is not None:
+                half = len(active) // 2
+                give, keep = torch.arange(half, len(active)), torch.arange(half)
+                rows = active[give]
+                cont = Continuation(rows, target.export(give), streams.select(give),
+                                    produced[give], last[give], tokens_out[rows],
+                                    logprobs_out[rows], mask_out[rows], stats.steps[rows])
+                handed.append((cont, handoff.send(peer, cont)))
+                target.select(keep)
+                streams, active, produced, last = (streams.select(keep), active[keep],
+                                                   produced[keep], last[keep])
+        step_start = time.perf_counter()
+        name, k = policy.choose(len(active), drafters)
+        if not drafters:  # plain decoding: one token per row, as verify would at k = 0
+            token, logprob, hit_eos = _plain_step(target, last, streams, produced, params,
+                                                  sample_step, eos_id)
+            tokens_out[active, produced] = token
+            logprobs_out[active, produced] = logprob
+            mask_out[active, produced] = 1
+            stats.steps[active] += 1
+            stats.choices[("off", 0)] += 1
+            elapsed = time.perf_counter() - step_start
+            if hasattr(policy, "observe_time"):
+                policy.observe_time(None, len(active), 0, drafters, elapsed)
+            step_times.setdefault(len(active), []).append(elapsed)
+            produced, last = produced + 1, token
+            finished = hit_eos | (produced >= steps)
+            continue
+        limit = steps - produced - 1  # the step emits its drafts plus one token
+        if name is not None and k > 0 and bool((limit > 0).any()):
+            draft = drafters[name].propose(k, limit, streams, produced, params)
+            k = draft.tokens.shape[1]
+        else:
+            name, k = None, 0
+            draft = Draft(torch.zeros(len(active), 0, dtype=torch.long),
+                          torch.zeros(len(active), dtype=torch.long), None)
+        width_before = target.mask.shape[1]
+        logits = target.forward(torch.cat([last[:, None], draft.tokens], 1))
+        verdict = verify(logits, draft.tokens, draft.length, draft.probs, streams, produced,
+                         params, sample_step)
+        if k:
+            target.reject(width_before, verdict.accepted + 1)
+            target.drop_empty_columns()
+            policy.observe(name, verdict.accepted, draft.length)
+        count, hit_eos = emitted_lengths(verdict, eos_id)
+        col = torch.arange(verdict.tokens.shape[1])
+        emit = col[None, :] < count[:, None]
+        where_rows = active[:, None].expand_as(emit)[emit]
+        where_cols = (produced[:, None] + col[None, :])[emit]
+        tokens_out[where_rows, where_cols] = verdict.tokens[emit]
+        logprobs_out[where_rows, where_cols] = verdict.logprobs[emit]
+        mask_out[where_rows, where_cols] = 1
+        if drafters:
+            emitted = [verdict.tokens[r, :int(count[r])].tolist() for r in range(len(active))]
+            for seq, new in zip(seqs, emitted, strict=True):
+                seq.extend(new)
+            for other_name, drafter in drafters.items():
+                drafter.commit(verdict.accepted, emitted, drafted=other_name == name)
+        stats.steps[active] += 1
+        stats.drafted[active] += draft.length
+        stats.accepted[active] += verdict.accepted
+        stats.k_sum[active] += k
+        stats.choices[(name or "off", k)] += 1
+        if hasattr(policy, "observe_time"):
+            policy.observe_time(name, len(active), k, drafters,
+                                time.perf_counter() - step_start)
+        produced = produced + count
+        last = verdict.tokens[torch.arange(len(active)), count - 1]
+        finished = hit_eos | (produced >= steps)
+        if name is None:
+            step_times.setdefault(len(active), []).append(time.perf_counter() - step_start)
+    if handed:
+        results = handoff.gather([handle for _, handle in handed])
+        for (cont, _), result in zip(handed, results, strict=True):
+            if result is None:  # the peer's model moved on: finish the rows here
+                result = decode(module, None, None, cont.streams, params, eos_id, pad_id,
+                                sample_step, resume=cont)
+                result = result[0], result[1].steps
+            else:
+                stats.moved[cont.rows] = 1
+            out, steps_done = result
+            rows = cont.rows
+            tokens_out[rows] = out["response_ids"]
+            logprobs_out[rows] = out["sample_logprobs"]
+            mask_out[rows] = out["response_mask"]
+            stats.steps[rows] = steps_done
+    stats.seconds = time.perf_counter() - start_time
+    return {"response_ids": tokens_out, "response_mask": mask_out,
+            "sample_logprobs": logprobs_out}, stats

@@ -1,0 +1,520 @@
+"""Plans compile to data: every iteration becomes a list of task specs.
+
+A ``TaskSpec`` is plain data: an id, what it runs (a group of fused stages, a store, a
+weight export or install, a checkpoint save), its inputs as references to other specs and
+the rows to take of them, what else it waits for, the workers it may run on, its priority
+and retries. ``TaskCompiler`` holds the dependency rules (streaming micro-batches, fusion,
+the model edges within and across iterations, bounded staleness, gangs, shadows) and
+nothing else: the executor's dataflow layer turns specs into Dask futures, and the
+planner's simulator walks the same specs with estimated durations, so what is predicted
+is what runs. No Dask here, so the rules are unit-tested in milliseconds.
+
+``loop_steps`` is the order in which the run loop compiles and finishes iterations
+(iteration k+1 is compiled before k is finished; with ``max_staleness N`` the stages
+that run ahead are compiled N iterations early), shared by the executor and simulator.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlhfflow.config.graph import SOURCE
+from rlhfflow.data.source import micro_batch_bounds
+from rlhfflow.plan.placement import ExecutionPlan, inputs_of
+
+# what a task runs
+SOURCE_KIND, STAGE, STORE, EXPORT, INSTALL, CHECKPOINT = (
+    "source", "stage", "store", "export", "install", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One input of a task: the results of ``refs`` (one per micro-batch of a producer,
+    concatenated row-wise) and, for a micro-batch task, the rows ``[a, b)`` to take of
+    that concatenation (None: all of it)."""
+
+    refs: tuple[str, ...]
+    rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of a run, as data.
+
+    Attributes:
+        id: unique within a run (the Dask key is the id plus a random token; its first
+            word names the stage, so the dashboard groups tasks by stage).
+        kind: ``source`` (the prompts of a micro-batch, scattered), ``stage``, ``store``,
+            ``export``, ``install`` or ``checkpoint``.
+        iteration: the iteration (-1 for setup stages).
+        stages: the stages the task runs, in order (several when fused).
+        parts: the data inputs, in the order the task takes them.
+        waits: ids of other tasks it must run after (no data from them).
+        workers: the workers it may run on (empty: any).
+        priority: higher runs first among ready tasks (Dask's convention).
+        retries: how often a failed attempt is retried.
+        rows: the rows ``[a, b)`` of the iteration's batch it works on.
+        versions: the model versions it expects on its worker.
+        gang: for one rank of a data-parallel gang, the gang's workers (rank = index).
+        model: the model an export, install or checkpoint task moves or saves.
+        version: the version an install task installs.
+        rank: the gang rank of a gang task or of a checkpoint shard.
+        stores: a stage task that writes its own rows to the buffer, in place of a
+            store task (its group holds every stage that writes columns, and its rows
+            are one source micro-batch's).
+        returns_rows: whether a storing task still returns its columns (no other task
+            reads them: False).
+        reports: a storing task that is its iteration's only task, on a one-worker plan,
+            returns its worker's task timings with its result (the coordinator then asks
+            no worker for them).
+    """
+
+    id: str
+    kind: str
+    iteration: int
+    stages: tuple[str, ...] = ()
+    parts: tuple[Part, ...] = ()
+    waits: tuple[str, ...] = ()
+    workers: tuple[int, ...] = ()
+    priority: int = 0
+    retries: int = 0
+    rows: tuple[int, int] = (0, 0)
+    versions: Mapping[str, int] = field(default_factory=dict)
+    gang: tuple[int, ...] = ()
+    model: str | None = None
+    version: int = 0
+    rank: int = 0
+    stores: bool = False
+    returns_rows: bool = True
+    reports: bool = False
+
+    @property
+    def label(self) -> str:
+        """The stage name shown for the task (fused stages joined by ``+``)."""
+        return "+".join(self.stages) if self.stages else self.kind
+
+    def needs(self) -> list[str]:
+        """Every id the task waits for: its inputs' and its other waits, once each."""
+        return list(dict.fromkeys([r for p in self.parts for r in p.refs] + list(self.waits)))
+
+
+@dataclass
+class IterationTasks:
+    """The ids of one compiled iteration, by what later compilation refers to."""
+
+    index: int
+    rows: int
+    bounds: dict[str, list[tuple[int, int]]]  # stage -> its micro-batches' rows
+    handles: dict[str, list[str]] = field(default_factory=dict)  # stage -> task ids
+    stores: list[str] = field(default_factory=list)  # per source micro-batch, in order
+    stored_by: dict[tuple[int, int], str] = field(default_factory=dict)  # rows -> task
+    syncs: dict[str, list[str]] = field(default_factory=dict)  # model -> install ids
+    checkpoint: dict[str, list[str]] | None = None  # model -> checkpoint task ids
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One step of the run loop: begin the turn of ``iteration`` (``start``: where a run
+    may stop), compile its source and the stages that run ahead (``ahead``), compile the
+    rest (``main``, after ``previous``, before ``later``'s ahead stages train), or wait
+    for it and log it (``finish``)."""
+
+    kind: str
+    iteration: int
+    previous: int | None = None
+    later: int | None = None
+
+
+def loop_steps(first: int, iterations: int, lag: int, pipelined: bool = True
+               ) -> Iterator[LoopStep]:
+    """The run loop's order of compiling and finishing iterations ``first..iterations-1``.
+
+    Iteration k+1 is compiled before k is finished, so the scheduler starts it the moment
+    its inputs exist (an inline backend runs tasks as they are submitted: no overlap);
+    the stages that run ahead (``lag`` = max_staleness) are compiled ``lag`` iterations
+    earlier. The caller may stop at a ``start`` step."""
+    live: set[int] = set()
+    previous: int | None = None
+    for k in range(first, iterations):
+        yield LoopStep("start", k)
+        for i in range(k, min(k + lag, iterations - 1) + 1):
+            if i not in live:
+                live.add(i)
+                yield LoopStep("ahead", i, previous)
+        live.discard(k)
+        later = k + lag if k + lag in live else None
+        yield LoopStep("main", k, previous, later)
+        if previous is not None:
+            yield LoopStep("finish", previous)
+        previous = k
+        if not pipelined:
+            yield LoopStep("finish", k)
+            previous = None
+    if previous is not None:
+        yield LoopStep("finish", previous)
+
+
+class TaskCompiler:
+    """Compiles a pipeline's iterations under an execution plan into task specs.
+
+    Stateful in the two things that carry across iterations: the version each model will
+    have once the tasks compiled so far have run (``versions``), and the last gang
+    compiled on each worker set (a gang waits for the previous one on the same workers).
+    """
+
+    def __init__(self, pipeline, plan: ExecutionPlan, versions: Mapping[str, int]) -> None:
+        self.pipeline = pipeline
+        self.graph = pipeline.graph
+        self.plan = plan
+        self.versions = dict(versions)
+        self._gang_tail: dict[tuple[int, ...], list[str]] = {}
+        self.releases: dict[str, list[str]] = defaultdict(list)  # trainer -> its users
+        for user, trainer in self.graph.release_edges():
+            self.releases[trainer].append(user)
+        self.crossings: dict[str, list[str]] = defaultdict(list)  # user -> last trainers
+        for trainer, user in self.graph.cross_iteration_edges():
+            self.crossings[user].append(trainer)
+        self.rank = upward_rank(self.graph)
+        self.writers = [SOURCE] + [n for n in self.graph.loop_stages
+                                   if self.graph.nodes[n].writes]
+
+    # ----------------------------------------------------------------- iterations
+    def begin(self, k: int, rows: int) -> tuple[IterationTasks, list[TaskSpec]]:
+        """Iteration ``k`` of ``rows`` rows: its micro-batch bounds per stage, and one
+        source task per source micro-batch, placed next to the first stage's tasks."""
+        data = self.pipeline.spec.data
+        bounds = {SOURCE: micro_batch_bounds(rows, data.micro_batches)}
+        for name, sp in self.plan.stages.items():
+            if sp.micro_batches is not None:
+                bounds[name] = micro_batch_bounds(rows, sp.micro_batches)
+        first = self.plan.stages[self.graph.loop_stages[0]]
+        specs = []
+        for j, (a, b) in enumerate(bounds[SOURCE]):
+            w = first.worker(j)
+            specs.append(TaskSpec(f"{SOURCE}-{k}-{j}", SOURCE_KIND, k, rows=(a, b),
+                                  workers=() if w is None else (w,)))
+        it = IterationTasks(k, rows, bounds, {SOURCE: [s.id for s in specs]})
+        return it, specs
+
+    def stages(self, it: IterationTasks, previous: IterationTasks | None, ahead: bool,
+               later: IterationTasks | None = None) -> list[TaskSpec]:
+        """The stage tasks of iteration ``it`` that run ahead (``ahead=True``: the
+        generating model's inference with max_staleness > 0) or all the others.
+        ``later`` is the iteration whose ahead stages were compiled last: this
+        iteration's trainers (and weight installs) must wait for them, as they use the
+        weights from before this update."""
+        spec, k, handles = self.pipeline.spec, it.index, it.handles
+        out: list[TaskSpec] = []
+        for name in self.graph.loop_stages:
+            sp = self.plan.stages[name]
+            if name in handles or (sp.lag > 0) != ahead:
+                continue
+            group = self.plan.group(name)
+            order = self._order(group, it, previous, later)
+            retries = max(spec.stages[n].retries for n in group)
+            nodes = [self.graph.nodes[n] for n in group]
+            versions = {n.model: self.versions[n.model] for n in nodes if n.model}
+            priority = -k * 1000 + max(self.rank[n] for n in group)
+            tasks = self._stage_tasks(group, it, order, versions, priority, retries)
+            if self._stores_itself(group):
+                tasks = [self._storing(t, group, it) for t in tasks]
+            out += tasks
+            ids = [t.id for t in tasks]
+            for n, node in zip(group, nodes, strict=True):
+                handles[n] = ids
+                if node.trains:
+                    self.versions[node.model] += 1
+                    syncs = self._syncs(n, k, ids, later)
+                    out += syncs
+                    for s in syncs:
+                        if s.kind == INSTALL:
+                            it.syncs.setdefault(s.model, []).append(s.id)
+        if not ahead and len(out) == 1 and out[0].stores and self.plan.n_workers == 1 and \
+                {i for n, ids in handles.items() if n != SOURCE for i in ids} == {out[0].id}:
+            # the whole iteration is this task on the only worker (no idle peer that
+            # finished rows it handed over): its worker's timings are all of the
+            # iteration's, and they come back with its result
+            out = [replace(out[0], reports=True)]
+        return out
+
+    def _stores_itself(self, group: tuple[str, ...]) -> bool:
+        """Whether the tasks of ``group`` write their own rows to the buffer: the group
+        holds every stage that writes columns (so a store would read this task alone),
+        and runs in its iteration's main turn (the coordinator creates the iteration's
+        arrays before submitting it), not as a gang, not under ``sequential``."""
+        sp = self.plan.stages[group[0]]
+        return (not self.plan.sequential and not sp.gang and sp.lag == 0
+                and set(self.writers[1:]) <= set(group))
+
+    def _storing(self, task: TaskSpec, group: tuple[str, ...], it: IterationTasks
+                 ) -> TaskSpec:
+        """``task`` storing its rows itself, when they are one source micro-batch's."""
+        if task.rows not in it.bounds[SOURCE]:
+            return task
+        it.stored_by[task.rows] = task.id
+        # a stage outside the group reading what the group wrote needs the columns
+        read = any(self.graph.producer(c, n) in group
+                   for n in self.graph.loop_stages if n not in group
+                   for c in self.graph.nodes[n].reads)
+        return replace(task, stores=True, returns_rows=read)
+
+    def _order(self, group: tuple[str, ...], it: IterationTasks,
+               previous: IterationTasks | None, later: IterationTasks | None) -> list[str]:
+        """What a task of ``group`` waits for besides its inputs: the model edges."""
+        order: list[str] = []
+        for n in group:
+            node = self.graph.nodes[n]
+            for user in self.releases[n]:  # a trainer waits for the users of its model
+                if user in group:  # fused before it: they run first in its own task
+                    continue
+                if self.plan.stages[user].lag == 0:
+                    order += it.handles[user]
+                elif later is not None and self._at_home(user):
+                    order += later.handles[user]
+            if previous is not None:
+                order += [h for t in self.crossings[n] for h in previous.handles[t]]
+                # a shadow copy is used only once the new weights are installed on it
+                for model in (node.model, *node.uses):
+                    order += previous.syncs.get(model, [])
+                if node.trains and previous.checkpoint and \
+                        node.model in previous.checkpoint:
+                    # the update of k must not start before checkpoint k-1 saved it
+                    order += previous.checkpoint[node.model]
+        if self.plan.sequential:
+            order += self._barrier(it, group[0], previous)
+        return order
+
+    def _stage_tasks(self, group: tuple[str, ...], it: IterationTasks, order: list[str],
+                     versions: dict[str, int], priority: int, retries: int
+                     ) -> list[TaskSpec]:
+        """The tasks of one stage group: one per micro-batch, one for the whole batch, or
+        one per rank of a gang."""
+        name, k = group[0], it.index
+        sp = self.plan.stages[name]
+        inputs = list(dict.fromkeys(x for n in group for x in inputs_of(self.graph, n)
+                                    if x not in group))
+        producers = list(dict.fromkeys(
+            p for n in group for c in self.graph.nodes[n].reads
+            if (p := self.graph.producer(c, n)) not in group))
+        label = "+".join(group)
+        if sp.micro_batches is None:
+            parts = tuple(Part(tuple(it.handles[p])) for p in producers)
+            waits = order + [h for x in inputs if x not in producers for h in it.handles[x]]
+            if sp.gang:
+                return self._gang(name, k, parts, waits, versions, priority, it.rows)
+            # a fused whole-batch group runs where its stages with a model run
+            workers = next((w for n in group if (w := self.plan.stages[n].workers)), ())
+            return [TaskSpec(f"{label}-{k}", STAGE, k, group, parts, _ids(waits),
+                             workers[:1], priority, retries, (0, it.rows), versions)]
+        tasks = []
+        for j, (a, b) in enumerate(it.bounds[name]):
+            parts, waits = [], list(order)
+            for x in inputs:
+                part, refs = self.rows_of(it, x, a, b)
+                waits += refs
+                if x in producers:
+                    parts.append(part)
+            if SOURCE in producers:
+                parts.append(self.rows_of(it, SOURCE, a, b)[0])
+            tasks.append(TaskSpec(f"{label}-{k}-{j}", STAGE, k, group, tuple(parts),
+                                  _ids(waits), sp.workers, priority, retries, (a, b),
+                                  versions))
+        return tasks
+
+    def _gang(self, name: str, k: int, parts: tuple[Part, ...], waits: list[str],
+              versions: dict[str, int], priority: int, rows: int) -> list[TaskSpec]:
+        """One task per worker of a gang, one rank each. A gang waits for the previous
+        gang on the same workers, so two gangs never hold each other's workers while
+        waiting in a collective (a deadlock with one thread each). No retries: one rank
+        retried alone would wait for peers that already finished."""
+        sp = self.plan.stages[name]
+        waits = waits + self._gang_tail.get(sp.workers, [])
+        tasks = [TaskSpec(f"{name}-{k}-r{rank}", STAGE, k, (name,), parts, _ids(waits),
+                          (w,), priority, 0, (0, rows), versions, gang=sp.workers, rank=rank)
+                 for rank, w in enumerate(sp.workers)]
+        self._gang_tail[sp.workers] = [t.id for t in tasks]
+        return tasks
+
+    def _syncs(self, trainer: str, k: int, trained: list[str],
+               later: IterationTasks | None) -> list[TaskSpec]:
+        """Send the weights ``trainer`` produced to the model's shadow copies (parameter
+        reallocation): one export at the home, one versioned install per shadow, after
+        the stages running ahead on that shadow (they use the weights it has now)."""
+        out = []
+        for t in self.plan.transfers_after(trainer):
+            export = TaskSpec(f"export-{k}-{t.model}", EXPORT, k, parts=(Part(tuple(trained)),),
+                              workers=(t.source,), priority=-k * 1000 + 999, model=t.model)
+            out.append(export)
+            for w in t.targets:
+                users = [h for n, sp in self.plan.stages.items()
+                         if later is not None and sp.lag and w in sp.workers
+                         and self.graph.nodes[n].model == t.model
+                         for h in later.handles.get(n, [])]
+                out.append(TaskSpec(f"realloc-{k}-{t.model}-w{w}", INSTALL, k,
+                                    parts=(Part((export.id,)),), waits=tuple(users),
+                                    workers=(w,), priority=-k * 1000 + 999, model=t.model,
+                                    version=self.versions[t.model]))
+        return out
+
+    def stores(self, it: IterationTasks) -> list[TaskSpec]:
+        """One store task per source micro-batch (chunk-aligned rows of the buffer), on
+        any worker (next to its data), except where one stage task wrote all of its rows
+        and stores them itself (``_stores_itself``); the coordinator creates the arrays
+        first. ``it.stores`` lists, per source micro-batch in order, the task that stores
+        it."""
+        k = it.index
+        # fused stages share their tasks: take each group's results once
+        writers = list({id(it.handles[w]): w for w in self.writers}.values())
+        # sequential: the stores are the iteration's last stage
+        after = tuple(it.handles[self.graph.loop_stages[-1]]) if self.plan.sequential else ()
+        specs = []
+        it.stores = []
+        for j, (a, b) in enumerate(it.bounds[SOURCE]):
+            if (a, b) in it.stored_by:  # its producer's task writes these rows itself
+                it.stores.append(it.stored_by[(a, b)])
+                continue
+            parts = tuple(self.rows_of(it, w, a, b)[0] for w in writers)
+            specs.append(TaskSpec(f"store-{k}-{j}", STORE, k, ("store",), parts, after,
+                                  priority=-k * 1000 - 1, rows=(a, b)))
+            it.stores.append(specs[-1].id)
+        return specs
+
+    def checkpoint(self, k: int, after: Mapping[str, list[str]]) -> list[TaskSpec]:
+        """Tasks saving every loop-trained model into checkpoint ``k``, each after
+        ``after[model]`` (the iteration's training tasks of that model): rank 0 of its
+        gang saves it, and every rank its ZeRO shard when DeepSpeed trains it."""
+        specs = []
+        for m in self.graph.loop_trained():
+            ranks = self.plan.homes[m] if self.deepspeed(m) else self.plan.homes[m][:1]
+            specs += [TaskSpec(f"checkpoint-{k}-{m}-r{rank}", CHECKPOINT, k,
+                               waits=tuple(after.get(m, [])), workers=(w,),
+                               priority=-k * 1000, model=m, rank=rank)
+                      for rank, w in enumerate(ranks)]
+        return specs
+
+    def iteration_checkpoint(self, it: IterationTasks) -> list[TaskSpec]:
+        """Checkpoint ``it`` after its training tasks, if one is due after it."""
+        every = self.pipeline.spec.checkpoint.every
+        if not (every > 0 and (it.index + 1) % every == 0):
+            return []
+        trainers = {m: [h for t in self.graph.trainers(m) if t in it.handles
+                        for h in it.handles[t]] for m in self.graph.loop_trained()}
+        specs = self.checkpoint(it.index, trainers)
+        it.checkpoint = {}
+        for s in specs:
+            it.checkpoint.setdefault(s.model, []).append(s.id)
+        return specs
+
+    def setup(self) -> list[TaskSpec]:
+        """The once-stages (SFT, reward model), each on the first worker of its model,
+        after the setup stages it lists in ``after``."""
+        return [TaskSpec(name, STAGE, -1, (name,),
+                         waits=tuple(self.graph.nodes[name].after),
+                         workers=self.plan.stages[name].workers[:1],
+                         retries=self.pipeline.spec.stages[name].retries)
+                for name in self.graph.setup_stages]
+
+    # ----------------------------------------------------------------- helpers
+    def rows_of(self, it: IterationTasks, stage: str, a: int, b: int
+                ) -> tuple[Part, list[str]]:
+        """Rows ``[a, b)`` of ``stage``'s output in iteration ``it``: the input of a task
+        (the micro-batches holding those rows, and the rows to take of their
+        concatenation) and the ids it waits for."""
+        hs = it.handles[stage]
+        if stage != SOURCE and self.graph.nodes[stage].per_batch:
+            return Part(tuple(hs), (a, b)), list(hs)
+        bounds = it.bounds[stage]
+        js = [j for j, (pa, pb) in enumerate(bounds) if pa < b and pb > a]
+        start, stop = bounds[js[0]][0], bounds[js[-1]][1]
+        rows = None if (a, b) == (start, stop) else (a - start, b - start)
+        chosen = [hs[j] for j in js]
+        return Part(tuple(chosen), rows), chosen
+
+    def _barrier(self, it: IterationTasks, name: str, previous: IterationTasks | None
+                 ) -> list[str]:
+        """``overlap.sequential``: what a stage waits for besides its inputs: the whole
+        previous stage, or for the first stage all of the previous iteration."""
+        loop = self.graph.loop_stages
+        i = loop.index(name)
+        if i > 0:
+            return list(it.handles[loop[i - 1]])
+        if previous is None:
+            return []
+        return [h for hs in previous.handles.values() for h in hs] + previous.stores + \
+            [h for hs in previous.syncs.values() for h in hs]
+
+    def _at_home(self, stage: str) -> bool:
+        """Whether ``stage`` may run on a worker where its model is trained."""
+        sp = self.plan.stages[stage]
+        model = self.graph.nodes[stage].model
+        return bool(set(sp.workers) & set(self.plan.homes.get(model, ())))
+
+    def deepspeed(self, model: str) -> bool:
+        """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""
+        return any(self.pipeline.spec.stages[t].backend == "deepspeed"
+                   for t in self.graph.trainers(model))
+
+
+def _ids(ids: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(ids))
+
+
+def upward_rank(graph) -> dict[str, int]:
+    """Per loop stage, the length (in stages) of the longest path from it to the end of
+    the iteration, and for a trainer on through the next iteration's users of its model
+    (the next rollout waits for the actor's update): the priority of its tasks within
+    an iteration, so the critical path goes first. Always below 1000."""
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for name in graph.loop_stages:
+        for x in inputs_of(graph, name):
+            consumers[x].append(name)
+    rank: dict[str, int] = {}
+    for name in reversed(graph.loop_stages):
+        rank[name] = 1 + max((rank[c] for c in consumers[name] if c in rank), default=0)
+    out = dict(rank)
+    for trainer, user in graph.cross_iteration_edges():
+        out[trainer] = max(out[trainer], rank[trainer] + rank[user])
+    return {n: min(r, 998) for n, r in out.items()}
+
+
+def compile_run(pipeline, plan: ExecutionPlan, versions: Mapping[str, int], iterations: int,
+                first: int = 0, rows: int | None = None) -> tuple[list[TaskSpec], list[int | None]]:
+    """Every task of iterations ``first..iterations-1`` in the order the executor submits
+    them (for the simulator and tests) and, per task, the iteration whose finish the run
+    loop waits for before submitting it (None: submitted at the start)."""
+    compiler = TaskCompiler(pipeline, plan, versions)
+    data = pipeline.spec.data
+    rows = rows if rows is not None else data.batch_size * data.samples_per_prompt
+    live: dict[int, IterationTasks] = {}
+    specs: list[TaskSpec] = []
+    gates: list[int | None] = []
+    gate: int | None = None
+    for step in loop_steps(first, iterations, plan.max_staleness):
+        new: list[TaskSpec] = []
+        if step.kind == "ahead":
+            it, source = compiler.begin(step.iteration, rows)
+            live[step.iteration] = it
+            new = source + compiler.stages(it, live.get(step.previous), ahead=True)
+        elif step.kind == "main":
+            it = live[step.iteration]
+            new = compiler.stages(it, live.get(step.previous), ahead=False,
+                                  later=live.get(step.later))
+            new += compiler.stores(it) + compiler.iteration_checkpoint(it)
+        elif step.kind == "finish":
+            gate = step.iteration
+        specs += new
+        gates += [gate] * len(new)
+    return specs, gates
+
+
+def by_id(specs: list[TaskSpec]) -> dict[str, TaskSpec]:
+    """Specs by id (ids are unique within a run)."""
+    out: dict[str, Any] = {}
+    for s in specs:
+        if s.id in out:
+            raise ValueError(f"task id {s.id!r} compiled twice")
+        out[s.id] = s
+    return out

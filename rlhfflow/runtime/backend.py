@@ -1,0 +1,529 @@
+"""Where tasks run: on a Dask cluster (``DaskBackend``) or in this process
+(``InlineBackend``, the no-Dask baseline of ``benchmarks/overhead.py`` and of tests).
+
+The executor talks to both through the same handful of calls, so the only difference
+between an in-process run and a Dask run is the Dask layer itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import queue
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dask
+
+from rlhfflow.launch.forkserver import sigint_ignored, start_fork_server, wait_fork_server
+from rlhfflow.runtime.worker.host import (
+    PLUGIN_NAME,
+    RLHFWorkerPlugin,
+    RunDef,
+    WorkerHost,
+    set_local_host,
+    worker_device,
+)
+
+
+def _first_key(handles: Sequence[Any], status: str) -> str:
+    return next((h.key for h in handles if h.status == status), "task")
+
+
+class TaskFailed(RuntimeError):
+    """A task failed (after its retries): carries the task key and the cause."""
+
+    def __init__(self, key: str, cause: BaseException) -> None:
+        self.key, self.cause = key, cause
+        super().__init__(f"{key}: {type(cause).__name__}: {cause}")
+
+
+class WorkerLost(RuntimeError):
+    """A worker that holds resident state left the cluster."""
+
+
+# --------------------------------------------------------------------------- inline
+
+
+class _Done:
+    """The result (or error) of a task run inline."""
+
+    __slots__ = ("key", "value", "error", "retried")
+
+    def __init__(self, key: str, value: Any = None, error: BaseException | None = None,
+                 retried: int = 0):
+        self.key, self.value, self.error, self.retried = key, value, error, retried
+
+
+def _resolve(obj: Any) -> Any:
+    if isinstance(obj, _Done):
+        if obj.error is not None:
+            raise obj.error
+        return obj.value
+    if isinstance(obj, list):
+        return [_resolve(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_resolve(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _resolve(v) for k, v in obj.items()}
+    return obj
+
+
+class InlineBackend:
+    """Runs every task at once, in this process, in submission order (dependencies are
+    always submitted first). Same task functions, same retries; no Dask."""
+
+    workers: Sequence[str] = ("inline",)
+    dashboard_link: str | None = None
+    pipelined = False
+
+    def warm(self) -> list:
+        """Nothing to import ahead: the in-process worker is this process."""
+        return []
+
+    def start(self, run: RunDef, torch_threads: int | None) -> None:
+        """Install the in-process worker state."""
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        set_local_host(WorkerHost(run, device=worker_device(run.settings.get("device"))))
+
+    def submit(self, fn: Callable, *args: Any, key: str,
+               worker: str | Sequence[str] | None = None, retries: int = 0,
+               priority: int = 0) -> _Done:
+        """Run ``fn`` now; a failure is kept and raised where the result is used."""
+        for attempt in range(retries + 1):
+            try:
+                return _Done(key, fn(*_resolve(args)), retried=attempt)
+            except Exception as exc:  # noqa: BLE001 - reported by wait()
+                if attempt == retries:
+                    return _Done(key, error=exc, retried=attempt)
+        raise AssertionError("unreachable")
+
+    def retries_used(self, handles: Sequence[_Done]) -> int:
+        """How many retries ``handles`` took, all together (a fused task's handle stands
+        for each of its stages: counted once)."""
+        return sum({h.key: h.retried for h in handles}.values())
+
+    def place(self, data: Any, worker: str | None = None, key: str = "data") -> _Done:
+        """Data is already here."""
+        return _Done(key, data)
+
+    def wait(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> None:
+        """Raise ``TaskFailed`` for the first failed task."""
+        for h in handles:
+            if h.error is not None:
+                raise TaskFailed(h.key, h.error)
+
+    def gather(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> list[Any]:
+        """Results of finished tasks."""
+        self.wait(handles)
+        return [h.value for h in handles]
+
+    def run_on_workers(self, fn: Callable, *args: Any,
+                       workers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Call ``fn`` on the (only) worker (awaiting it if it is a coroutine)."""
+        result = fn(*args)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        return {"inline": result}
+
+    def restart_workers(self) -> None:
+        """The in-process worker keeps its process (and its gang) for good."""
+
+    def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """The in-process worker cannot be lost."""
+
+    def cancel_all(self) -> None:
+        """Nothing is ever queued inline."""
+
+    def wait_for_workers(self, count: int, timeout: float) -> bool:
+        """The in-process worker cannot be lost."""
+        return True
+
+    def close(self) -> None:
+        """Drop the in-process worker state."""
+        set_local_host(None)
+
+
+# --------------------------------------------------------------------------- dask
+
+
+def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str = ":8787",
+                  memory_limit: str = "auto", torch_threads: int | None = None,
+                  device: str = "auto"):
+    """An embedded cluster: one worker process per device, one thread each, resources
+    ``{"device": 1}``. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
+    on CPU each worker's torch gets its share of the cores."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    gpus = _cuda_count() if device in ("auto", "cuda") else 0
+    if device == "cuda" and gpus == 0:
+        raise RuntimeError("cluster.device is 'cuda' but no CUDA device is visible")
+    if gpus:
+        workers = min(workers, gpus)
+    threads = torch_threads or default_torch_threads(workers)
+    # worker processes read logging config from the environment at import: keep their
+    # chatter off the user's terminal; a task's failure reaches the user once, as the
+    # run's one-line error naming the stage, iteration and cause
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")
+    specs = {}
+    for i in range(workers):
+        # forked workers start with the fork server's environment: give them this
+        # process's as it is now (HF_HUB_CACHE and the like, read when used)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {})}
+        specs[f"device-{i}"] = {"cls": Nanny, "options": {
+            "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
+            "memory_limit": memory_limit, "name": f"device-{i}",
+            # if the coordinator (and with it the scheduler) dies, workers exit
+            "death_timeout": 30}}
+    scheduler = {"cls": Scheduler, "options": {"host": host,
+                                               "dashboard_address": dashboard_address}}
+    config = {
+        # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
+        "distributed.worker.daemon": False,
+        # workers are forks of a server that imported torch and the stages once
+        # (start_fork_server), not fresh interpreters that each import them
+        "distributed.worker.multiprocessing-method": (
+            "forkserver" if start_fork_server() else "spawn"),
+        # the rlhfflow page of the dashboard (rlhfflow.monitor.dashboard)
+        "distributed.scheduler.preload": [*dask.config.get("distributed.scheduler.preload", []),
+                                          "rlhfflow.monitor.dashboard"],
+        # set before the worker process starts (OpenMP and glibc read them at start-up).
+        # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
+        # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
+        # becomes an mmap/munmap of fresh pages; we measured torch compute at 2x the time
+        # in such workers (benchmarks/overhead.py, README "Performance notes").
+        "distributed.nanny.pre-spawn-environ": {
+            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+            "OPENBLAS_NUM_THREADS": threads},
+        # the workers' timers wake their event loop, which then takes the GIL from the
+        # running task between two torch ops (see QUIET_TIMERS)
+        **quiet_timers(),
+    }
+    if config["distributed.worker.multiprocessing-method"] == "forkserver":
+        # Dask gives each worker 30 s to start: not the fork server's imports
+        wait_fork_server()
+    with dask.config.set(config), sigint_ignored(), warnings.catch_warnings():
+        # a dashboard port taken (another run on this machine): Dask serves it on a free
+        # port, which the run prints with its dashboard link, instead of a raw warning
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use")
+        # the scheduler runs in this process: a worker lost mid-run is the run's to report
+        # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
+        return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
+                           name="rlhfflow")
+
+
+#: The embedded cluster's timers, as Dask's defaults and as set instead. Each fires a
+#: callback in the worker's event loop, which shares the GIL with the running task: the
+#: loop takes it between two of the task's torch ops and the task waits for it back.
+#: Dask's defaults wake a worker ~76 times a second; these ~20. ``tick`` only measures the
+#: loop's latency (Dask warns when it exceeds ``tick.limit``, 3 s); the memory monitor
+#: pauses or restarts a worker near its memory limit (rlhfflow's workers hold their
+#: models, not spillable data); the sampling profiler (the dashboard's Profile page)
+#: walks the running task's stack. Measured: see ``quiet_timers``.
+QUIET_TIMERS = {
+    "distributed.admin.tick.interval": ("20ms", "500ms"),
+    "distributed.worker.memory.monitor-interval": ("100ms", "500ms"),
+    "distributed.worker.profile.interval": ("10ms", "100ms"),
+}
+
+
+def quiet_timers() -> dict[str, str]:
+    """The embedded cluster's timer settings (``QUIET_TIMERS``); a Dask config that sets
+    one to other than Dask's default keeps its own. Measured on grpo-tiny's one-task
+    iterations: the profiler at 100 ms instead of 10 ms, 138.0 -> 126.8 ms per iteration
+    (5 alternating pairs); the tick and memory monitor as set, the worker's event loop
+    woke 27 instead of 41 times per iteration, 285 instead of 358 futex calls (GIL
+    hand-offs; ``strace -c`` on the worker), 115.0 -> 107.9 ms per iteration (6 pairs)."""
+    out = {}
+    for key, (default, quiet) in QUIET_TIMERS.items():
+        configured = dask.config.get(key, default)
+        out[key] = quiet if configured == default else configured
+    return out
+
+
+def embedded_worker_processes(coordinator) -> list:
+    """The embedded cluster's worker processes under ``coordinator`` (a
+    ``psutil.Process``): forks of its fork server, or processes its nannies spawned."""
+    def command(p) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except Exception:  # noqa: BLE001 - gone, or a zombie
+            return ""
+
+    children = coordinator.children(recursive=True)
+    servers = {c.pid for c in children if "forkserver" in command(c)
+               and c.ppid() == coordinator.pid}
+    return [c for c in children if c.ppid() in servers or "spawn_main" in command(c)]
+
+
+def default_torch_threads(workers: int, cores: int | None = None) -> int:
+    """Torch threads per embedded worker: the cores split between workers, keeping one
+    for the coordinator and scheduler. On 2 cores with 1 worker, 2 threads made each
+    iteration 1.34x slower than 1 thread, the scheduler's work stalling torch's OpenMP
+    threads (benchmarks/overhead.py)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, (cores - 1) // workers)
+
+
+#: Coordinator data up to this size (a micro-batch of prompts, typically) rides inside
+#: the messages of the tasks that use it instead of being scattered: a scatter is a round
+#: trip through the scheduler to the worker's event loop, and a release of its key later,
+#: while the worker computes (its event loop takes the GIL from the running task).
+#: Measured on grpo-tiny's worker (``strace -c``): 285 -> 219 futex calls (GIL hand-offs)
+#: and 21 -> 18 socket calls per iteration.
+INLINE_DATA_BYTES = 1 << 20
+
+
+def data_bytes(data: Any) -> int:
+    """Roughly the bytes of a dict of columns (tensors, arrays, lists of text or ids)."""
+    total = 0
+    for value in data.values() if isinstance(data, dict) else [data]:
+        if hasattr(value, "nbytes"):
+            total += int(value.nbytes)
+        elif isinstance(value, (list, tuple)):
+            total += sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in value)
+        else:
+            total += 8
+    return total
+
+
+def _retries_left(keys: list[str], dask_scheduler=None) -> dict[str, int]:
+    """On the scheduler: the retries each of ``keys`` has left."""
+    tasks = dask_scheduler.tasks
+    return {k: tasks[k].retries for k in keys if k in tasks}
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA means CPU workers
+        return 0
+
+
+class DaskBackend:
+    """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
+
+    pipelined = True
+
+    def __init__(self, client, cluster=None) -> None:
+        self.client = client
+        self.cluster = cluster
+        info = client.scheduler_info()["workers"]
+        if not info:
+            raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
+        self.workers = self._device_workers(info)
+        self.dashboard_link = client.dashboard_link
+        self._submitted: weakref.WeakSet = weakref.WeakSet()
+        self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
+
+    @staticmethod
+    def _device_workers(info: dict[str, Any]) -> list[str]:
+        # workers started with `--resources device=1` hold models; a cluster without that
+        # resource anywhere is used whole
+        devices = [a for a in info if info[a].get("resources", {}).get("device", 0) >= 1]
+        chosen = devices or list(info)
+        return sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
+
+    @classmethod
+    def connect(cls, address: str | None, workers: int, **cluster_options: Any) -> DaskBackend:
+        """Connect to ``address``, or start an embedded cluster of ``workers`` devices."""
+        from distributed import Client
+
+        if address:
+            client = Client(address, timeout="20s")
+            return cls(client)
+        cluster = local_cluster(workers, **cluster_options)
+        client = Client(cluster)
+        client.wait_for_workers(len(cluster.workers), timeout=120)
+        return cls(client, cluster)
+
+    def warm(self) -> list:
+        """Start importing what the stages need on every worker (tasks; wait for them
+        with :meth:`wait` before installing the resident state)."""
+        from rlhfflow.runtime.worker.preload import warm
+
+        return [self.client.submit(warm, key=f"warm-imports-{i}", pure=False, workers=[w],
+                                   allow_other_workers=False)
+                for i, w in enumerate(self.workers)]
+
+    def start(self, run: RunDef, torch_threads: int | None) -> None:
+        """Give every worker its resident state (replacing a previous run's)."""
+        if torch_threads is None and self.cluster is not None:
+            # forked workers have the fork server's OMP_NUM_THREADS, not their share
+            torch_threads = default_torch_threads(len(self.workers))
+        self.client.register_plugin(RLHFWorkerPlugin(run, torch_threads), name=PLUGIN_NAME)
+
+    def submit(self, fn: Callable, *args: Any, key: str,
+               worker: str | Sequence[str] | None = None, retries: int = 0,
+               priority: int = 0):
+        """Submit a task; a pinned task runs only on ``worker`` (or on whichever of a list
+        of workers the scheduler finds free first)."""
+        workers = [worker] if isinstance(worker, str) else (list(worker) if worker else None)
+        future = self.client.submit(fn, *args, key=key, pure=False, retries=retries,
+                                    priority=priority, workers=workers,
+                                    allow_other_workers=False)
+        self._submitted.add(future)
+        if retries:
+            self._retries[key] = retries
+        return future
+
+    def retries_used(self, handles: Sequence[Any]) -> int:
+        """How many retries ``handles`` (finished tasks the client still holds) took, all
+        together: the scheduler counts a task's retries down as it uses them, so one call
+        asks it for what is left. No call at all when none of them may be retried."""
+        allowed = {h.key: self._retries.pop(h.key) for h in handles if h.key in self._retries}
+        if not allowed:
+            return 0
+        left = self.client.run_on_scheduler(_retries_left, list(allowed))
+        # a key the scheduler has forgotten took none we can know of: count it as unused
+        return sum(n - left.get(key, n) for key, n in allowed.items())
+
+    def place(self, data: Any, worker: str | None = None, key: str | None = None):
+        """Make coordinator data (a dict of columns) available to the tasks that use it:
+        up to ``INLINE_DATA_BYTES`` it is returned as it is and travels inside those
+        tasks' own messages; larger, it is scattered to ``worker`` (where its first
+        consumer runs) under ``key`` (its prefix is what the dashboard's progress bars
+        show; else "dict")."""
+        if data_bytes(data) <= INLINE_DATA_BYTES:
+            return data
+        # wrapped in a one-item mapping: Client.scatter spreads a bare dict value by value
+        # under the dict's own keys, so every micro-batch (a dict of columns) would share
+        # keys like "prompt_ids" and all but the first would silently get the first one's
+        try:
+            [future] = self.client.scatter({key or f"data-{uuid.uuid4().hex}": data},
+                                           workers=[worker] if worker else None,
+                                           hash=False).values()
+        except Exception:
+            if worker:  # the worker it was meant for may have died
+                self._check_alive([worker], grace=5.0)
+            raise
+        return future
+
+    def wait(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> None:
+        """Wait for ``handles``; raise ``TaskFailed`` at the first error, ``WorkerLost`` if a
+        worker that holds models leaves (its pinned tasks would otherwise wait forever).
+
+        ``handles`` come in dependency order (as the executor submits them): a failed task
+        is blamed on the earliest failed handle, the one that raised."""
+        # one callback per future rather than distributed.wait(FIRST_COMPLETED) in a loop,
+        # which registers every pending future again after each completion (quadratic:
+        # ~10% of the coordinator's CPU on the tiny demos)
+        unique = list({h.key: h for h in handles}.values())
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        for h in unique:
+            h.add_done_callback(finished.put)
+        for _ in unique:
+            while True:
+                try:
+                    f = finished.get(timeout=2)
+                    break
+                except queue.Empty:
+                    self._check_alive(pinned)
+            if f.status in ("error", "cancelled"):
+                # Dask fails every task downstream of a failed one too, with the same
+                # exception, and reports them together in no order: take the earliest
+                f = next(h for h in handles if h.status in ("error", "cancelled"))
+                if f.status == "cancelled":
+                    # Dask cancels what depended on data held by a worker that died
+                    self._check_alive(pinned, grace=5.0)
+                    raise TaskFailed(f.key, RuntimeError("task was cancelled"))
+                cause = f.exception()
+                if type(cause).__name__ == "KilledWorker":
+                    raise WorkerLost(f"a worker died while running {f.key}")
+                raise TaskFailed(f.key, cause)
+
+    def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """Raise ``WorkerLost`` if one of ``pinned`` left (within ``grace`` seconds)."""
+        self._check_alive(pinned, grace)
+
+    def _check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:
+        """Raise ``WorkerLost`` if a worker holding models has left the cluster (waiting up
+        to ``grace`` seconds for the scheduler to notice)."""
+        if not pinned:
+            return
+        deadline = time.monotonic() + grace
+        while True:
+            alive = set(self.client.scheduler_info()["workers"])
+            gone = [w for w in pinned if w not in alive]
+            if gone:
+                raise WorkerLost(f"worker {gone[0]} left the cluster while it held "
+                                 f"resident models")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.25)
+
+    def gather(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> list[Any]:
+        """Bring small results (metrics) to the coordinator. A result held by a worker
+        that died in the meantime is lost: ``WorkerLost``. (``Client.gather`` would wait
+        for it forever: the task that made it is pinned to the dead worker.)"""
+        out = []
+        for h in handles:
+            while True:
+                try:
+                    out.append(h.result(timeout=2))
+                    break
+                except TimeoutError:
+                    self._check_alive(pinned or self.workers)
+                except Exception:
+                    self._check_alive(pinned or self.workers, grace=5.0)
+                    raise
+        return out
+
+    def run_on_workers(self, fn: Callable, *args: Any,
+                       workers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Call ``fn`` on every worker, or on ``workers``, at once (out of band, not a
+        task); a coroutine function is awaited in the workers' event loops."""
+        try:
+            return self.client.run(fn, *args, workers=list(workers) if workers else None)
+        except Exception:
+            self._check_alive(list(workers or self.workers), grace=5.0)
+            raise
+
+    def restart_workers(self) -> None:
+        """Restart every worker process (their nannies start fresh ones): a process
+        group whose member died cannot be repaired, only replaced with new processes."""
+        self.client.restart(wait_for_workers=False)
+
+    def cancel_all(self) -> None:
+        """Cancel every task of this run that has not finished."""
+        live = [f for f in list(self._submitted) if not f.done()]
+        self._retries.clear()  # nothing cancelled is asked about afterwards
+        if live:
+            self.client.cancel(live, force=True)
+
+    def wait_for_workers(self, count: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``count`` device workers (a nanny restarts a killed
+        one). Then use whatever device workers there are; False if there are none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self._device_workers(self.client.scheduler_info()["workers"])
+            if len(workers) >= count or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if workers:
+            self.workers = workers
+        return bool(workers)
+
+    def close(self) -> None:
+        """Cancel what is still queued (after a failure, the next iteration's tasks), free
+        resident models, shut an embedded cluster down."""
+        try:
+            self.cancel_all()
+            if self.cluster is None:
+                self.client.unregister_worker_plugin(PLUGIN_NAME)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()

@@ -1,0 +1,263 @@
+"""What a run measures about itself: per-iteration stage times, worker busy fractions,
+overlap, the metrics record of each iteration, the progress line and the summary.
+
+The workers keep the compute interval of every task (with the rows it worked on); the
+coordinator pulls them once per iteration. Besides the per-iteration sums that go to
+``metrics.jsonl``, every interval is kept in ``OUTPUT/tasks.jsonl`` (one line per
+iteration) so that a finished run can refine the planner's profile
+(``rlhfflow profile --from-run``) and be drawn as a timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhfflow.runtime.worker.host import pop_timings
+from rlhfflow.storage import MetricsLog
+
+TASKS_FILE = "tasks.jsonl"
+
+
+class Telemetry:
+    """Collects the workers' task intervals and turns one iteration's results into its
+    metrics record."""
+
+    def __init__(self, backend, output_dir: Path) -> None:
+        self.backend = backend
+        self.tasks = MetricsLog(output_dir / TASKS_FILE)
+        self.addresses: list[str] = []
+        self.layout: dict[str, Any] = {}
+        self.timings: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # busy time per worker: finished compute intervals not yet past a window
+        self._busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        self._window_start = time.time()
+
+    def restart(self, addresses: Sequence[str], layout: dict[str, Any] | None = None) -> None:
+        """Start measuring afresh on ``addresses`` (a new loop, or after a recovery);
+        ``layout`` (torch threads per worker, gang size per stage) is kept with the
+        intervals so a profile knows what they were measured under."""
+        self.addresses = list(addresses)
+        self.layout = dict(layout or {})
+        self.timings.clear()
+        self._busy.clear()
+        self._window_start = time.time()
+
+    def _collect(self, iteration: int, reports: Sequence[dict[str, Any]] = ()
+                 ) -> dict[int, list[tuple[float, float]]]:
+        """Pull the workers' task intervals: per-iteration stage times, per worker the
+        finished intervals (kept for the busy fraction and in tasks.jsonl); returns the
+        running ones. ``reports`` came with the result of an iteration that was one task
+        (``TaskSpec.reports``): they are all its timings, and no worker is asked."""
+        # timings are diagnostics: a worker that died with its timings loses them
+        running: dict[int, list[tuple[float, float]]] = {}
+        intervals = []
+        reported = {r["address"]: r for r in reports} if reports else \
+            self.backend.run_on_workers(pop_timings)
+        for address, report in reported.items():
+            w = self.addresses.index(address) if address in self.addresses else None
+            for task_iteration, stage, start, stop, rows in report["done"]:
+                self.timings[task_iteration][stage] += stop - start
+                intervals.append([w, stage, task_iteration, round(start, 6), round(stop, 6),
+                                  rows])
+                if w is not None:  # busy fractions are of the device workers
+                    self._busy[w].append((start, stop))
+            if w is None:
+                continue
+            running[w] = [(start, report["now"]) for _, _, start in report["running"]]
+        if intervals:
+            self.tasks.append({"iteration": iteration, "layout": self.layout,
+                               "tasks": intervals})
+        return running
+
+    def _busy_fractions(self, running: dict[int, list[tuple[float, float]]], start: float,
+                        stop: float) -> list[float]:
+        """Per worker, the fraction of ``[start, stop]`` it spent computing."""
+        fractions = []
+        for w in range(len(self.addresses)):
+            spans = sorted((max(a, start), min(b, stop))
+                           for a, b in self._busy[w] + running.get(w, []))
+            busy, reach = 0.0, start
+            for a, b in spans:
+                a = max(a, reach)
+                if b > a:
+                    busy += b - a
+                    reach = b
+            fractions.append(round(busy / max(stop - start, 1e-9), 4))
+            self._busy[w] = [(a, b) for a, b in self._busy[w] if b > stop]
+        return fractions
+
+    def record(self, iteration: int, partials: list[dict[str, float]],
+               train: dict[str, dict[str, Any]], moved: list[dict[str, float]],
+               task_retries: int = 0, reported: dict[str, dict[str, Any]] | None = None,
+               timings: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+        """The metrics record of ``iteration`` from its store tasks' partial sums, its
+        trainers' statistics, its weight transfers, the retries its tasks took and the
+        metrics of its reporting stages (``Stage.reports``, e.g. ``eval/...``, kept under
+        their own names) and, for an iteration that was one task, the worker's task
+        timings its result brought (``timings``); the window of its wall time ends now."""
+        running = self._collect(iteration, timings)
+        now = time.time()
+        iteration_s = now - self._window_start
+        busy = self._busy_fractions(running, self._window_start, now)
+        self._window_start = now
+        total: dict[str, float] = defaultdict(float)
+        for p in partials:
+            for key, value in p.items():
+                total[key] += value
+        n = total["rows"]
+        scored = total.get("scored", 0.0)
+        mean = total["score_sum"] / scored if scored else None
+        std = math.sqrt(max(0.0, total["score_sq"] / scored - mean ** 2)) if mean is not None \
+            else None
+        stats = {k: v for s in train.values() for k, v in s.items()}
+        # per token, whatever the loss aggregation (kl_loss is the aggregated term)
+        kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
+            else stats.get("kl_mean", stats.get("kl_loss"))
+        stage_s = {k: round(v, 4) for k, v in self.timings.pop(iteration, {}).items()}
+        return {
+            "iteration": iteration, "samples": int(n),
+            "samples_skipped": int(total.get("skipped", 0)),
+            "reward_mean": mean, "reward_std": std, "kl_mean": kl_mean,
+            "policy_loss": stats.get("policy_loss"), "value_loss": stats.get("value_loss"),
+            "clip_frac": stats.get("clip_frac"), "approx_kl": stats.get("approx_kl"),
+            "clip_frac_lower": stats.get("clip_frac_lower"), "lr": stats.get("lr"),
+            "response_length_mean": total["length_sum"] / n if n else None,
+            "tokens_generated": int(total["tokens"]),
+            "staleness_mean": stats.get("staleness_mean"),
+            "staleness_max": stats.get("staleness_max"),
+            "iteration_s": round(iteration_s, 4),
+            "stage_s": stage_s,
+            "overlap": round(sum(stage_s.values()) / max(iteration_s, 1e-9), 4),
+            "busy_frac": busy,
+            "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
+            "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
+            **_generation(total),
+            "score_errors": int(total.get("score_errors", 0)),
+            "score_retries": int(total.get("score_retries", 0)),
+            "task_retries": task_retries,
+            **{f"reward_mean_{name}": total[k] / scored if scored else None
+               for k, name in _function_sums(total)},
+            "train": train,
+            **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
+        }
+
+
+def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:
+    """``(key, name)`` of each reward function's own score sum (``score_NAME_sum``, from
+    ``params.functions``); not the weighted ``score_sum`` itself."""
+    return [(k, k[len("score_"):-len("_sum")]) for k in sorted(total)
+            if k.startswith("score_") and k.endswith("_sum") and k != "score_sum"]
+
+
+def _generation(total: dict[str, float]) -> dict[str, Any]:
+    """The decoding figures of an iteration: tokens/s of the generate tasks, and with
+    speculative decoding the acceptance rate, accepted tokens per verification and the
+    mean draft length (None where nothing was drafted), and the rows sample
+    reallocation moved to another worker."""
+    if "gen_steps_sum" not in total:
+        return {}
+    steps, drafted = total["gen_steps_sum"], total["gen_drafted_sum"]
+    seconds = total.get("gen_seconds_sum", 0.0)
+    return {
+        "gen_tokens_per_s": round(total["tokens"] / seconds, 2) if seconds else None,
+        "gen_acceptance": round(total["gen_accepted_sum"] / drafted, 4) if drafted else None,
+        "gen_accepted_per_verify": round(total["gen_accepted_sum"] / steps, 4)
+        if drafted and steps else None,
+        "gen_k_mean": round(total["gen_k_sum_sum"] / steps, 3) if drafted and steps else None,
+        "gen_rows_migrated": int(total.get("gen_moved_sum", 0)),
+    }
+
+
+def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | None:
+    """The overlap a run achieved over its steady iterations (not the first, which loads
+    the models, nor the last, which has nothing left to overlap with): the summary and
+    its one line, or None without any iteration."""
+    steady = steady_records(records)
+    if not steady:
+        return None
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    busy = [mean([r["busy_frac"][w] for r in steady])
+            for w in range(len(steady[0]["busy_frac"]))]
+    stale = [r["staleness_max"] for r in records if r.get("staleness_max") is not None]
+    summary = {
+        "iterations": len(steady),
+        "iteration_s": round(mean([r["iteration_s"] for r in steady]), 4),
+        "overlap": round(mean([r["overlap"] for r in steady]), 4),
+        "busy_frac": [round(b, 4) for b in busy],
+        "staleness_max": max(stale) if stale else None,
+    }
+    workers = ", ".join(f"w{w} {b:.2f}" for w, b in enumerate(busy))
+    stale_text = f"; staleness max {max(stale)}" if stale else ""
+    line = (f"rlhfflow: overlap {summary['overlap']:.2f} (sum of stage times / iteration "
+            f"wall time, mean over {len(steady)} iteration(s)); busy: {workers}{stale_text}")
+    return summary, line
+
+
+def steady_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The iterations that show the steady state: all but the first and the last."""
+    return records[1:-1] if len(records) > 2 else records
+
+
+def progress_line(r: dict[str, Any], total: int) -> str:
+    """The one line printed per iteration."""
+    done = r["iteration"] + 1
+    width = 20
+    bar = "#" * (done * width // total) + "-" * (width - done * width // total)
+    reward = f"{r['reward_mean']:.3f}" if r["reward_mean"] is not None else "-"
+    kl = f"{r['kl_mean']:.4f}" if r["kl_mean"] is not None else "-"
+    skipped = f"  skipped {r['samples_skipped']}" if r["samples_skipped"] else ""
+    return (f"[{bar}] {done:>4}/{total}  reward {reward}  kl {kl}  "
+            f"len {r['response_length_mean']:.1f}  {r['iteration_s']:.2f}s{skipped}")
+
+
+class StartupClock:
+    """Where the time from the command to the first iteration goes: named phases, each
+    the wall time since the previous mark; the first runs from the process's start
+    (imports, reading and validating the file)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = process_start() if start is None else start
+        self.last = self.start
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def line(self, first_iteration_s: float | None = None) -> str:
+        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases
+                          if seconds >= 0.05)
+        first = (f"; first iteration {first_iteration_s:.1f} s"
+                 if first_iteration_s is not None else "")
+        return f"rlhfflow: start-up {self.total:.1f} s to the first task ({parts}){first}"
+
+
+def process_start() -> float:
+    """When this process started (wall clock), for the start-up time of a run; in a run
+    forked from a warm server, when its ``rlhfflow run`` command started."""
+    from rlhfflow.launch.warm import STARTED_AT_VAR
+
+    try:
+        return float(os.environ[STARTED_AT_VAR])
+    except (KeyError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - no psutil, or a platform without it: from now
+        return time.time()

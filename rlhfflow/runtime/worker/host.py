@@ -1,0 +1,525 @@
+"""What runs inside a device worker: the resident state and the task functions.
+
+``WorkerHost`` keeps the models (a ``ModelStore``), stage objects and task timings of
+one worker between tasks. On Dask it is owned by ``RLHFWorkerPlugin`` (a WorkerPlugin,
+not an Actor: DESIGN.md); in process it is a module global. Task functions find it with
+``current_host()`` and are plain functions of their inputs, so Dask can retry them.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from distributed import WorkerPlugin
+
+from rlhfflow.stages import (
+    Batch,
+    ModelConfig,
+    ModelStore,
+    Stage,
+    StageContext,
+    concat_batches,
+    create_stage,
+    slice_batch,
+)
+from rlhfflow.storage import ExperienceBuffer
+from rlhfflow.storage.errors import write_score_errors
+
+PLUGIN_NAME = "rlhfflow"
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """A stage as a worker needs it: its class's import path (``type``, so plugin types
+    need only be importable on the worker), typed params and model name."""
+
+    type: str
+    params: Any
+    model: str | None
+    reads: tuple[str, ...] = ()
+    backend: str = "torch"
+    deepspeed: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RunDef:
+    """Everything workers need to know about a run (sent once, with the plugin)."""
+
+    stages: Mapping[str, StageDef]
+    models: Mapping[str, ModelConfig]
+    algorithm: Any
+    seed: int
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+class WorkerHost:
+    """Resident state of one worker: models, stage objects, timings of finished tasks."""
+
+    def __init__(self, run: RunDef, device: str = "cpu",
+                 torch_threads: int | None = None) -> None:
+        self.run = run
+        self.torch_threads = torch_threads
+        self.store = ModelStore(run.models, device=device)
+        self._stages: dict[str, Stage] = {}
+        self.timings: list[tuple[int, str, float, float, int]] = []
+        self.running: dict[int, tuple[int, str, float]] = {}  # thread id -> task started
+        self._lock = threading.Lock()
+
+    def stage(self, name: str) -> Stage:
+        """The stage object ``name`` (created once per worker)."""
+        if name not in self._stages:
+            d = self.run.stages[name]
+            stage = create_stage(d.type, name, d.params, self.run.algorithm, d.model)
+            if d.backend != "torch":
+                stage.backend, stage.deepspeed = d.backend, d.deepspeed
+            self._stages[name] = stage
+        return self._stages[name]
+
+    def context(self, iteration: int) -> StageContext:
+        """The context stages see in ``iteration``."""
+        return StageContext(iteration=iteration, seed=self.run.seed, models=self.store,
+                            algorithm=self.run.algorithm, settings=self.run.settings)
+
+    def record(self, iteration: int, stage: str, start: float, stop: float,
+               rows: int = 0) -> None:
+        """Remember a task's compute interval (wall clock, seconds since the epoch) and
+        the rows it worked on (what the planner's cost model is fitted to)."""
+        with self._lock:
+            self.timings.append((iteration, stage, start, stop, rows))
+
+    @contextmanager
+    def timed(self, iteration: int, stage: str, rows: int = 0):
+        """Record the compute interval of the block; while it runs it is reported as
+        running (so the busy time of a window that ends mid-task is not lost)."""
+        start = time.time()
+        thread = threading.get_ident()
+        topic = self.run.settings.get("rows_topic")
+        if topic:  # sample reallocation: peers may stop handing rows to this worker
+            from rlhfflow.runtime.worker.rebalance import announce
+
+            announce(topic, False, self.store.loaded())
+        with self._lock:
+            self.running[thread] = (iteration, stage, start)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.running.pop(thread, None)
+                self.timings.append((iteration, stage, start, time.time(), rows))
+            if topic:
+                from rlhfflow.runtime.worker.rebalance import announce, nothing_else_to_do
+
+                if nothing_else_to_do():
+                    announce(topic, True, self.store.loaded())
+
+    def pop_timings(self) -> dict[str, list]:
+        """Hand the finished intervals to the coordinator (and forget them), with the
+        tasks still running as ``(iteration, stage, start)``."""
+        with self._lock:
+            out, self.timings = self.timings, []
+            running = list(self.running.values())
+        return {"done": out, "running": running, "now": time.time()}
+
+    def close(self) -> None:
+        """Drop the models so their memory is freed."""
+        self.store.models.clear()
+        self._stages.clear()
+        gc.collect()
+
+
+class RLHFWorkerPlugin(WorkerPlugin):
+    """Owns a ``WorkerHost`` on every Dask worker for the life of a run."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self, run: RunDef, torch_threads: int | None = None) -> None:
+        self.run = run
+        self.torch_threads = torch_threads
+        self.host: WorkerHost | None = None
+
+    def setup(self, worker) -> None:
+        """Size torch's thread pool to this worker's share of the cores; create the host."""
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.get("device")),
+                               torch_threads=self.torch_threads)
+
+    def teardown(self, worker) -> None:
+        """Free the resident models."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+
+def worker_device(requested: str | None) -> str:
+    """``cluster.device`` as a torch device: ``cpu`` stays on CPU even where a GPU is
+    visible; ``auto`` takes this worker's GPU when there is one."""
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("cluster.device is 'cuda' but this worker sees no CUDA device")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_LOCAL_HOST: WorkerHost | None = None
+
+
+def set_local_host(host: WorkerHost | None) -> None:
+    """Install the host used when tasks run in this process (no Dask)."""
+    global _LOCAL_HOST
+    _LOCAL_HOST = host
+
+
+def current_host(dask_worker=None) -> WorkerHost:
+    """The host of the worker running the current task (or of ``dask_worker``, for
+    functions run out of band with ``Client.run``), or the in-process one."""
+    try:
+        from distributed import get_worker
+
+        worker = dask_worker if dask_worker is not None else get_worker()
+        plugin = worker.plugins.get(PLUGIN_NAME)
+    except ValueError:  # not inside a Dask worker
+        plugin = None
+    if plugin is not None and plugin.host is not None:
+        threads = plugin.host.torch_threads
+        # torch keeps a thread's OpenMP size from its first parallel op: a task thread
+        # that ran torch before the plugin's setup (in the event loop's thread) sized its
+        # pool would keep the forked default (all the cores, per worker) for good
+        if threads and dask_worker is None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return plugin.host
+    if _LOCAL_HOST is None:
+        raise RuntimeError("no rlhfflow worker state here: register RLHFWorkerPlugin first")
+    return _LOCAL_HOST
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def part(results: list[Any], rows: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One input of a task: the outputs of one producer (one result per micro-batch, or
+    one for the whole batch) and, for a micro-batch task, the rows to take from them.
+
+    A plain dict on purpose: Dask replaces futures only inside builtin containers.
+    """
+    return {"results": list(results), "rows": rows}
+
+
+def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> Batch:
+    """Merge the inputs of a task into one batch of columns, keeping ``columns`` (all if
+    None). A fused task's result may hold per-task values too (a trainer's metrics,
+    fused behind the stages that wrote the rows): they are no columns, and left out."""
+    batch: Batch = {}
+    for p in parts:
+        data = concat_batches(list(p["results"]))
+        data = {k: v for k, v in data.items() if _has_rows(v)}
+        if p["rows"] is not None:
+            data = slice_batch(data, *p["rows"])
+        for key, value in data.items():
+            if columns is None or key in columns:
+                batch[key] = value
+    return batch
+
+
+def _has_rows(value: Any) -> bool:
+    """Whether ``value`` is a column (a tensor with a row dimension, or a list)."""
+    return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+class StaleWeights(RuntimeError):
+    """A task found another version of a model than the plan expects on its worker."""
+
+
+class StageFailed(RuntimeError):
+    """One stage of a fused task failed: names it, and keeps its exception as ``cause``."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"stage {stage!r}: {type(cause).__name__}: {cause}")
+        self.stage, self.cause = stage, cause
+
+    def __reduce__(self):
+        return StageFailed, (self.stage, self.cause)
+
+
+def _address(dask_worker=None) -> str:
+    try:
+        from distributed import get_worker
+
+        return (dask_worker or get_worker()).address
+    except ValueError:  # not inside a Dask worker
+        return "inline"
+
+
+def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | None) -> None:
+    """Fail fast when a model on this worker is not the version the plan expects."""
+    for model, expected in (versions or {}).items():
+        got = host.store.get(model).version
+        if got != expected:
+            raise StaleWeights(f"model {model!r} is version {got} on worker {_address()}, "
+                               f"but stage {name!r} expects version {expected}")
+
+
+STORED = "_stored"
+"""The key under which a task that stores its own rows returns its store's partial sums."""
+
+TIMINGS = "_timings"
+"""The key (in ``STORED``) under which such a task, when it is its iteration's only task,
+returns its worker's task timings: ``pop_timings`` and the worker's address."""
+
+
+@dataclass(frozen=True)
+class StoreRows:
+    """What a stage task that writes its own rows to the buffer needs (in place of a
+    store task: ``TaskSpec.stores``): the buffer, the first row, the columns stored,
+    whether the task still returns its columns (``False`` when no other task reads them)
+    and whether it returns its worker's timings too (``TIMINGS``: the iteration's only
+    task, ``TaskSpec.reports``)."""
+
+    path: str
+    start_row: int
+    columns: tuple[str, ...]
+    returns_rows: bool = True
+    reports: bool = False
+
+
+def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
+               after: list[Any], versions: Mapping[str, int] | None = None,
+               gang: tuple[str, ...] | None = None, store: StoreRows | None = None) -> Batch:
+    """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
+
+    ``name`` may be a tuple of fused stages: they run one after the other in this task,
+    each on its inputs plus the columns the ones before it wrote, and the task returns
+    every column they wrote (no serialisation or scheduling between them).
+    ``versions`` are the model versions the plan expects here; ``gang`` the members of
+    the data-parallel gang this task is one rank of (checked, so a misplaced task fails
+    at once instead of hanging in a collective). With ``store`` the task then writes its
+    rows to the buffer as a store task would and returns the partial sums under
+    ``STORED``: one Dask task fewer per iteration, and the write runs before the task's
+    result goes out, not beside it."""
+    del after
+    host = current_host()
+    names = (name,) if isinstance(name, str) else tuple(name)
+    check_versions(host, "+".join(names), versions)
+    ctx = host.context(iteration)
+    if gang is not None:
+        from rlhfflow.engine.parallel import current_gang
+
+        ctx.gang = current_gang()
+        if ctx.gang is None or ctx.gang.members != tuple(gang) or \
+                gang[ctx.gang.rank] != _address():
+            raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
+                               f"gang {list(gang)} it was sent to")
+    if gang is None:
+        from rlhfflow.runtime.worker.rebalance import exchange_for
+
+        ctx.peers = exchange_for(host, names, iteration)
+    defs = host.run.stages
+    batch = assemble(parts, None if store else tuple(c for n in names for c in defs[n].reads))
+    out: Batch = {}
+    rows = batch_rows(batch)
+    for n in names:
+        stage = host.stage(n)
+        inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
+                  if c in out or c in batch}
+        with host.timed(iteration, n, rows):
+            try:
+                out.update(stage.run(inputs, ctx))
+            except Exception as exc:
+                if len(names) == 1:
+                    raise
+                raise StageFailed(n, exc) from exc
+    # results travel between workers: keep them off the accelerator
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    if store is None:
+        return out
+    written = {**batch, **{k: v for k, v in out.items() if _has_rows(v)}}
+    partials = write_store(host, store.path, iteration, store.start_row, written,
+                           store.columns)
+    if not store.returns_rows:
+        out = {k: v for k, v in out.items() if not _has_rows(v)}
+    if store.reports:  # no out-of-band request to the worker's event loop for them
+        partials[TIMINGS] = {**host.pop_timings(), "address": _address()}
+    return {**out, STORED: partials}
+
+
+def continue_rows_task(stage: str, iteration: int, model: str, version: int, cont
+                       ) -> tuple[Batch, torch.Tensor] | None:
+    """Finish rows another worker's task of generating stage ``stage`` handed over
+    (``rlhfflow.runtime.worker.rebalance``): its outputs for those rows, or None when this
+    worker's ``model`` is no longer ``version`` (the sender then finishes them)."""
+    host = current_host()
+    if host.store.get(model).version != version:
+        return None
+    with host.timed(iteration, stage, 0):
+        out, steps = host.stage(stage).continue_rows(cont, host.context(iteration))
+    return {k: v.cpu() for k, v in out.items()}, steps
+
+
+def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
+               columns: list[str], after: list[Any] = ()) -> dict[str, Any]:
+    """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
+    return partial sums for the iteration's metrics, with the micro-batch's response
+    texts for the coordinator to store; ``after`` only orders the task."""
+    del after
+    return write_store(current_host(), path, iteration, start_row, assemble(parts), columns)
+
+
+def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, batch: Batch,
+                columns: Sequence[str]) -> dict[str, Any]:
+    """Write ``batch``'s ``columns`` to the buffer from ``start_row`` on (timed as
+    ``store``); the partial sums for the iteration's metrics, with the response texts."""
+    with host.timed(iteration, "store", batch_rows(batch)):
+        tensors = {k: v for k, v in batch.items()
+                   if k in columns and isinstance(v, torch.Tensor)}
+        ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
+        if "score_error" in batch:  # reward errors skipped (on_error: skip): list them
+            write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
+                               batch.get("prompt_text"), batch.get("response_text"))
+        out: dict[str, Any] = partial_metrics(batch)
+        if "response_text" in batch:  # ragged text: the coordinator stores it
+            out["response_text"] = list(batch["response_text"])
+        return out
+
+
+def batch_rows(batch: Batch) -> int:
+    """The rows of a batch (0 for a task without inputs, e.g. a setup stage)."""
+    return next((len(v) for v in batch.values()), 0)
+
+
+def partial_metrics(batch: Batch) -> dict[str, float]:
+    """Sums over one micro-batch, combined across micro-batches by the coordinator."""
+    mask = batch["response_mask"].float()
+    lengths = mask.sum(-1)
+    out = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
+           "tokens": float(mask.sum())}
+    if "scores" in batch:
+        valid = batch["score_valid"].bool() if "score_valid" in batch else \
+            torch.ones(len(batch["scores"]), dtype=torch.bool)
+        scores = batch["scores"].double()[valid]
+        out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()),
+                   scored=float(valid.sum()), skipped=float((~valid).sum()))
+        for column, value in batch.items():  # each reward function's own score (functions:)
+            if column.startswith("score_") and column not in SCORE_STAGE_COLUMNS:
+                out[f"{column}_sum"] = float(value.double()[valid].sum())
+    if "kl" in batch:
+        out["kl_sum"] = float((batch["kl"] * mask).sum())
+    for column in GENERATION_COLUMNS:  # decoding statistics of the generate stage
+        if column in batch:
+            out[f"{column}_sum"] = float(batch[column].double().sum())
+    if "score_error" in batch:
+        out["score_errors"] = float(sum(1 for e in batch["score_error"] if e))
+    if "score_retries" in batch:
+        out["score_retries"] = float(batch["score_retries"].sum())
+    return out
+
+
+GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds",
+                      "gen_moved")
+"""Per-row decoding statistics ``generate`` writes, summed for the iteration's record."""
+
+# the score stage's own columns; any other score_<name> is one reward function's score
+SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")
+
+
+def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
+    """Save a resident model in transformers format (atomically)."""
+    del after
+    resident = current_host().store.get(model)
+    resident.save(path)
+    return {"model": model, "path": path, "version": resident.version}
+
+
+def checkpoint_task(model: str, directory: str, after: list[Any], rank: int = 0
+                    ) -> dict[str, Any]:
+    """Save a trainable model's weights and optimizer state into a checkpoint being
+    assembled (``directory`` is the checkpoint's temporary directory). Rank 0 of a gang
+    saves the weights; each rank of a DeepSpeed gang saves its ZeRO optimizer shard."""
+    del after
+    resident = current_host().store.get(model)
+    root = Path(directory)
+    if rank == 0:
+        resident.save(root / "models" / model)
+    resident.save_optimizer(root / "optimizers" / f"{model}.pt", rank)
+    return {"model": model, "version": resident.version}
+
+
+def export_weights_task(model: str, iteration: int, after: list[Any]) -> dict[str, Any]:
+    """The weights of ``model`` at its home, to be installed on its shadow copies."""
+    del after
+    host = current_host()
+    start = time.time()
+    resident = host.store.get(model)
+    weights = resident.state_for_transfer()
+    sent = time.time()
+    host.record(iteration, "realloc", start, sent)
+    return {"model": model, "version": resident.version, "weights": weights, "sent": sent,
+            "nbytes": sum(t.numel() * t.element_size() for t in weights.values())}
+
+
+def install_weights_task(payload: dict[str, Any], version: int, iteration: int,
+                         after: list[Any] = ()) -> dict[str, Any]:
+    """Install weights sent by ``export_weights_task`` on this worker's copy, checking
+    they are the version the plan expects; ``after`` (the tasks still using the copy
+    there) only orders it. Returns bytes received and the seconds from export to
+    installed (transfer included)."""
+    del after
+    host = current_host()
+    start = time.time()
+    if payload["version"] != version:
+        raise StaleWeights(f"received {payload['model']!r} version {payload['version']}, "
+                           f"expected version {version}")
+    host.store.get(payload["model"]).install(payload["weights"], version)
+    done = time.time()
+    host.record(iteration, "realloc", start, done)
+    return {"nbytes": payload["nbytes"], "seconds": done - payload["sent"]}
+
+
+async def join_gang_task(members: list[str], master: str, port: int, timeout_s: float,
+                         dask_worker=None) -> int:
+    """Join the data-parallel gang ``members`` (run on all of them at once, out of band
+    with ``Client.run``); blocking rendezvous in a thread, so the worker stays alive."""
+    import asyncio
+
+    from rlhfflow.engine.parallel import join_gang
+
+    host = current_host(dask_worker)
+    gang = await asyncio.to_thread(join_gang, tuple(members), _address(dask_worker), master,
+                                   port, timeout_s, host.store.device)
+    return gang.rank
+
+
+def gang_port(host: str, dask_worker=None) -> int:
+    """A free port on this worker's host for a gang's rendezvous."""
+    from rlhfflow.engine.parallel import free_port
+
+    return free_port(host)
+
+
+def update_model_configs(configs: Mapping[str, ModelConfig], dask_worker=None) -> None:
+    """Point models at new initial weights (after the setup stages trained them)."""
+    host = current_host(dask_worker)
+    for config in configs.values():
+        host.store.update_config(config)
+
+
+def pop_timings(dask_worker=None) -> dict[str, list]:
+    """Collect this worker's task timings (called on every worker by the coordinator)."""
+    return current_host(dask_worker).pop_timings()
+
+
+def resident_models(dask_worker=None) -> dict[str, dict[str, int]]:
+    """Loaded models with their versions and load counts (for tests and diagnostics)."""
+    store = current_host(dask_worker).store
+    return {name: {"version": m.version, "loads": store.loads.get(name, 0)}
+            for name, m in store.models.items()}
