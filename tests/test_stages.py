@@ -11,8 +11,9 @@ from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
 from rlhfflow.data.records import prompt_problem, prompt_token_ids, render_prompt
 from rlhfflow.engine.models import load_model, sequence_scores
+from rlhfflow.engine.sampling import filter_logits
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
-from rlhfflow.stages.generate import eos_ids, filter_logits
+from rlhfflow.stages.generate import eos_ids
 from rlhfflow.stages.inference import RewardError, record_columns, reward_fields
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch

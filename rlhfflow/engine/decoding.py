@@ -30,6 +30,7 @@ from rlhfflow.engine.forward import (
     prefill,
     stage_seed,
 )
+from rlhfflow.engine.sampling import filter_logits, inverse_cdf
 
 
 @dataclass
@@ -49,7 +50,7 @@ def row_streams(seed: int, iteration: int, prompt_index: torch.Tensor,
                 sample_index: torch.Tensor, steps: int, speculative: bool = True
                 ) -> RowStreams:
     """Uniforms of every row: ``sample`` is exactly today's per-row stream
-    (``generate.sample_uniforms``); ``accept`` and ``draft`` come from generators of their
+    (``sampling.sample_uniforms``); ``accept`` and ``draft`` come from generators of their
     own, so speculation never shifts the plain stream. Without ``speculative`` (no
     drafter will run) those two are ``[N, 0]``: plain decoding never reads them (and
     seeding two more generators per row cost ~1 ms of a 26 ms grpo-tiny generate)."""
@@ -166,14 +167,6 @@ class KVState:
         self.mask = self.mask[:, index]
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs [N, V]`` (float64, unnormalised) with ``uniforms [N]``;
-    the same arithmetic as ``generate.sample_step``."""
-    cdf = probs.cumsum(-1)
-    target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-
-
 @dataclass
 class Verdict:
     """Outcome of one verification for each row: ``tokens [B, w]`` (``count [B]`` of them
@@ -216,8 +209,6 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
                 # vocabulary in float64 per draft position costs as much as a forward)
                 p = logprobs_all[:, :k].gather(-1, drafts_d[..., None])[..., 0].double().exp()
             else:
-                from rlhfflow.stages.generate import filter_logits
-
                 filtered = filter_logits(scaled[:, :k].reshape(rows * k, -1), params.top_k,
                                          params.top_p).reshape(rows, k, -1)
                 p = torch.softmax(filtered.double(), -1).gather(-1, drafts_d[..., None])[..., 0]
@@ -235,8 +226,6 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
     rejected = accepted < draft_len.to(device)
     if k and not params.greedy and bool(rejected.any()):
         # the first rejected draft is replaced by a draw from norm(max(p - q, 0))
-        from rlhfflow.stages.generate import filter_logits
-
         idx = rejected.nonzero().squeeze(-1)
         pos = accepted[idx]
         p = torch.softmax(filter_logits(scaled[idx, pos], params.top_k, params.top_p)
@@ -246,7 +235,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
         else:
             q = draft_probs.to(device)[idx, pos].double()
         residual = (p - q).clamp(min=0)
-        token[idx] = _inverse_cdf(residual, final_u[idx.cpu()])
+        token[idx] = inverse_cdf(residual, final_u[idx.cpu()])
     tokens = torch.cat([drafts.to(device), torch.zeros(rows, 1, dtype=torch.long,
                                                        device=device)], dim=1)
     tokens[arange, accepted] = token

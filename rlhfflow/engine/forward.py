@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhfflow import ops
-from rlhfflow.stages.base import Batch
+from rlhfflow.engine.batch import Batch
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhfflow.engine.decoding import KVState, RowStreams, emitted_lengths, verify
+from rlhfflow.engine.sampling import filter_logits, inverse_cdf
 
 
 # --------------------------------------------------------------------------- cost model
@@ -199,8 +200,6 @@ class ModelDrafter:
     def propose(self, k: int, limit: torch.Tensor, streams: RowStreams,
                 produced: torch.Tensor, params) -> Draft:
         """Sample (or take the argmax of) ``k`` tokens per row from the draft model."""
-        from rlhfflow.engine.decoding import _inverse_cdf
-        from rlhfflow.stages.generate import filter_logits
 
         width = max(len(p) for p in self.pending)
         ids = torch.zeros(len(self.pending), width, dtype=torch.long)
@@ -221,7 +220,7 @@ class ModelDrafter:
                 q = torch.softmax(filtered, -1)
                 probs.append(q)
                 u = streams.draft[torch.arange(len(produced)), (produced + i).clamp(max=steps - 1)]
-                token = _inverse_cdf(q.double(), u)
+                token = inverse_cdf(q.double(), u)
             drafts.append(token.cpu())
             if i < k - 1:
                 logits = self.state.forward(token[:, None])[:, -1]

@@ -8,6 +8,7 @@ packages add types through the ``rlhfflow.stages`` entry-point group (``load_plu
 and a pipeline may name any ``Stage`` subclass by import path (``resolve_stage_type``).
 """
 
+from rlhfflow.engine.batch import Batch, concat_batches, slice_batch
 from rlhfflow.engine.resident import ModelConfig, ModelStore, ResidentModel
 from rlhfflow.stages import (  # noqa: F401  (registers)
     advantages,
@@ -23,20 +24,17 @@ from rlhfflow.stages.base import (
     PLUGIN_SOURCES,
     SOURCE_COLUMNS,
     STAGE_TYPES,
-    Batch,
     Column,
     Stage,
     StageContext,
     StageParams,
     StageTypeError,
-    concat_batches,
     create_stage,
     get_stage_type,
     known_stage_types,
     load_plugins,
     register_stage,
     resolve_stage_type,
-    slice_batch,
     stage_type_path,
 )
 

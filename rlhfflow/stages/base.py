@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-Batch = dict[str, Any]
-"""Columns of a (micro-)batch: tensors with the row dimension first, or lists of str."""
+from rlhfflow.engine.batch import Batch
 
 
 class StageParams(BaseModel):
@@ -353,30 +351,3 @@ def create_stage(type_name: str, name: str | None = None,
     """Instantiate a stage by registered name or import path, validating ``params``."""
     cls = get_stage_type(type_name)
     return cls(name or cls.type_name or type_name, params, algorithm, model)
-
-
-def concat_batches(parts: list[Batch]) -> Batch:
-    """Join micro-batches row-wise; tensors of different trailing lengths are right-padded."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    out: Batch = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts]
-        if isinstance(values[0], torch.Tensor):
-            out[key] = _cat_padded(values)
-        else:
-            out[key] = [v for part in values for v in part]
-    return out
-
-
-def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if tensors[0].dim() < 2 or len({t.shape[1:] for t in tensors}) == 1:
-        return torch.cat(tensors)
-    width = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
-    return torch.cat(padded)
-
-
-def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``[start, stop)`` of every column."""
-    return {k: v[start:stop] for k, v in batch.items()}

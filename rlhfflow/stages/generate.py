@@ -25,7 +25,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from rlhfflow.engine.forward import cache_kwargs, output_cache, prefill, stage_seed
+from rlhfflow.engine.forward import cache_kwargs, output_cache, prefill
+from rlhfflow.engine.sampling import sample_step, sample_uniforms
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 
 DRAFTERS = ("ngram", "layers", "model")
@@ -84,45 +85,6 @@ class GenerateParams(StageParams):
     verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
                           "measured once per worker (sampled tokens then depend on it)")
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf. ``logits [N, V]``."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # drop a token when the tokens before it already cover top_p (keeps at least one)
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_uniforms(seed: int, iteration: int, prompt_index: torch.Tensor,
-                    sample_index: torch.Tensor, steps: int) -> torch.Tensor:
-    """One uniform per row and step ``[N, steps]``, each row from its own generator."""
-    rows = []
-    for p, s in zip(prompt_index.tolist(), sample_index.tolist(), strict=True):
-        gen = torch.Generator().manual_seed(stage_seed(seed, iteration, p, s))
-        rows.append(torch.rand(steps, generator=gen, dtype=torch.float64))
-    return torch.stack(rows) if rows else torch.zeros(0, steps, dtype=torch.float64)
-
-
-def sample_step(logits: torch.Tensor, uniforms: torch.Tensor, params: GenerateParams
-                ) -> torch.Tensor:
-    """Sample one token per row from ``logits [N, V]`` with ``uniforms [N]``."""
-    if params.greedy:
-        return logits.argmax(-1)
-    filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(filtered.double(), dim=-1)
-    cdf = probs.cumsum(-1)
-    target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
-    token = torch.searchsorted(cdf, target).squeeze(-1)
-    # searchsorted may land on a zero-probability token after the last positive one
-    return token.clamp(max=logits.shape[-1] - 1)
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from rlhfflow import ops
 from rlhfflow.data.records import DataError, encode_prompts, encode_responses, read_jsonl
+from rlhfflow.engine.batch import Batch, concat_batches
 from rlhfflow.engine.forward import (
     minibatch_indices,
     response_logits,
@@ -29,14 +30,7 @@ from rlhfflow.engine.forward import (
 )
 from rlhfflow.engine.parallel import allreduce_sum
 from rlhfflow.stages.advantages import score_valid
-from rlhfflow.stages.base import (
-    Batch,
-    Stage,
-    StageContext,
-    StageParams,
-    concat_batches,
-    register_stage,
-)
+from rlhfflow.stages.base import Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.inference import RESPONSE_INPUTS
 from rlhfflow.storage import ExperienceBuffer
 
