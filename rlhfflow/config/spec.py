@@ -25,16 +25,8 @@ from pydantic import (
 )
 
 from rlhfflow import ops
+from rlhfflow.errors import SpecError
 from rlhfflow.stages import StageParams
-
-
-class SpecError(Exception):
-    """A mistake in a pipeline file: the file, the key path and what was expected."""
-
-    def __init__(self, file: str | Path, path: str, message: str) -> None:
-        self.file, self.path, self.message = str(file), path, message
-        where = f"{self.file}: {path}: " if path else f"{self.file}: "
-        super().__init__(where + message)
 
 
 class Strict(BaseModel):

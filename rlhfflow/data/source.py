@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfflow.config.spec import SpecError
 from rlhfflow.data.records import (
     DataError,
     pad_prompts,
@@ -27,8 +26,9 @@ from rlhfflow.data.records import (
     read_records,
     render_prompt,
 )
+from rlhfflow.engine.batch import Batch
 from rlhfflow.engine.forward import stage_seed
-from rlhfflow.stages import Batch
+from rlhfflow.errors import SpecError
 
 
 def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
