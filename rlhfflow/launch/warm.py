@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -61,8 +62,11 @@ IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "
                         "CUDA", "NVIDIA", "HIP_", "ROCM", "HF_", "HUGGINGFACE", "TRANSFORMERS",
                         "TOKENIZERS", "DASK_", "DS_", "PYTHON", "LD_", "MALLOC_", "XDG_CACHE")
 
+#: the command a fork becomes: ``rlhfflow``'s click group
+ENTRY_POINT = "rlhfflow.cli.main:main"
+
 # what the server imports before it listens: the coordinator's and the workers' code
-PRELOAD = ("distributed", "rlhfflow.runtime.worker.warm_imports", "rlhfflow.cli.main",
+PRELOAD = ("distributed", "rlhfflow.runtime.worker.warm_imports", ENTRY_POINT.partition(":")[0],
            "rlhfflow.runtime.executor", "rlhfflow.monitor.dashboard",
            "distributed.dashboard.scheduler")
 
@@ -457,9 +461,15 @@ def coordinator(argv: list[str], env: dict[str, str], sock: str, stdin: int, std
         os.kill(os.getpid(), signal.SIGKILL)  # the client died (or was killed): so do we
 
     threading.Thread(target=watch_client, name="rlhfflow-client-watch", daemon=True).start()
-    from rlhfflow.cli.main import main
+    entry_point().main(args=argv, prog_name="rlhfflow", standalone_mode=True)
 
-    main.main(args=argv, prog_name="rlhfflow", standalone_mode=True)
+
+def entry_point() -> Any:
+    """The command a fork becomes (the click group ``ENTRY_POINT`` names, imported by the
+    server before it listens): named, not imported here, so that launching stays below
+    the command line it launches."""
+    module, _, attr = ENTRY_POINT.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _process_start() -> float:
