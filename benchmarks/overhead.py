@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from rlhfflow.config import load_pipeline
-from rlhfflow.runtime.backend import default_torch_threads
+from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.runtime.executor import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhfflow.config import load_pipeline
-from rlhfflow.plan.placement import make_plan
-from rlhfflow.runtime.backend import default_torch_threads, local_cluster
+from rlhfflow.plan.auto.planner import resolve_plan
+from rlhfflow.plan.layout import default_torch_threads
+from rlhfflow.runtime.backend import local_cluster
 
 
 def check_gangs(config: Path, workers: int, variants: Mapping[str, Mapping[str, Any]]) -> None:
@@ -19,7 +20,7 @@ def check_gangs(config: Path, workers: int, variants: Mapping[str, Mapping[str, 
     life, so the later run would fail minutes in."""
     owner: dict[int, tuple[int, ...]] = {}
     for name, overrides in variants.items():
-        for gang in make_plan(load_pipeline(config, overrides), workers).gangs:
+        for gang in resolve_plan(load_pipeline(config, overrides), workers).gangs:
             for w in gang:
                 if owner.setdefault(w, gang) != gang:
                     raise SystemExit(f"{name} on {workers} workers puts worker {w} in gang "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlhfflow.config.loader import load_pipeline
+from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.plan.compiler import (
     CHECKPOINT,
     INSTALL,
@@ -17,7 +18,6 @@ from rlhfflow.plan.compiler import (
     compile_run,
     loop_steps,
 )
-from rlhfflow.plan.placement import make_plan
 from tests.conftest import CONFIGS
 
 PPO = CONFIGS / "ppo-tiny.yaml"
@@ -26,7 +26,7 @@ GRPO = CONFIGS / "grpo-tiny.yaml"
 
 def _compile(config=PPO, overrides=None, workers=2, iterations=3):
     pipeline = load_pipeline(config, overrides or {})
-    plan = make_plan(pipeline, workers, {m: 1000 for m in pipeline.spec.models})
+    plan = resolve_plan(pipeline, workers, {m: 1000 for m in pipeline.spec.models})
     versions = {m: 0 for m in pipeline.spec.models}
     specs, _ = compile_run(pipeline, plan, versions, iterations)
     return specs, plan

@@ -98,8 +98,8 @@ def test_a_draft_distilled_away_from_generation_is_sent_to_the_generating_worker
     """Disaggregated: the draft trains in the train group, generate drafts on the rollout
     group; the plan sends the distilled weights there after every distillation, and the
     compiled generate of the next iteration waits for them."""
+    from rlhfflow.plan.auto.planner import resolve_plan
     from rlhfflow.plan.compiler import TaskCompiler
-    from rlhfflow.plan.placement import make_plan
 
     path = small_pipeline(tmp_path, "grpo", overrides={
         "placement.strategy": "disaggregated",
@@ -110,7 +110,7 @@ def test_a_draft_distilled_away_from_generation_is_sent_to_the_generating_worker
         "stages.distill": {"type": "distill_draft", "model": "draft",
                            "after": ["generate"]}})
     pipeline = load_pipeline(path)
-    plan = make_plan(pipeline, 2)
+    plan = resolve_plan(pipeline, 2)
     rollout, train = plan.groups["rollout"], plan.groups["train"]
     assert plan.stages["distill"].workers == train == plan.homes["draft"]
     [sync] = [t for t in plan.transfers if t.model == "draft"]

@@ -15,7 +15,7 @@ from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.engine.models import load_model
-from rlhfflow.plan.placement import make_plan
+from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import CONFIGS, small_pipeline
@@ -24,7 +24,7 @@ DEMO = CONFIGS / "ppo-tiny.yaml"
 
 
 def _plan(overrides=None, workers=2):
-    return make_plan(load_pipeline(DEMO, {"placement.strategy": "interleaved",
+    return resolve_plan(load_pipeline(DEMO, {"placement.strategy": "interleaved",
                                           **(overrides or {})}), workers)
 
 
@@ -57,12 +57,12 @@ def test_fusion_follows_workers_micro_batches_and_the_fuse_keys(overrides, fused
 def test_whole_batch_stages_fuse_only_where_no_other_stage_would_wait_longer():
     # GRPO on one worker, one micro-batch: the whole iteration is one task (a micro-batch
     # of every row is the whole batch)
-    grpo = make_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
+    grpo = resolve_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
                                    {"placement.strategy": "colocated",
                                     "data.micro_batches": 1}), 1)
     assert grpo.fused == (("generate", "reward", "ref_logprob", "advantages", "train_actor"),)
     # two micro-batches: the advantages and the update are one task per iteration
-    grpo = make_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
+    grpo = resolve_plan(load_pipeline(CONFIGS / "grpo-tiny.yaml",
                                    {"placement.strategy": "colocated",
                                     "data.micro_batches": 2}), 1)
     assert grpo.fused == (("generate", "reward", "ref_logprob"), ("advantages", "train_actor"))
@@ -90,7 +90,7 @@ def test_fused_whole_batch_stages_give_the_numbers_of_unfused_ones(tmp_path, mic
             "placement.strategy": "colocated"})
         pipeline = load_pipeline(path)
         if name == "fused":
-            assert group in make_plan(pipeline, 1).fused
+            assert group in resolve_plan(pipeline, 1).fused
         runs[name] = run_pipeline(pipeline, progress=False, inline=True)
     assert _numbers(runs["fused"].metrics) == _numbers(runs["unfused"].metrics)
     assert torch.equal(_actor(runs["fused"]), _actor(runs["unfused"]))

@@ -15,7 +15,8 @@ from rlhfflow.cli.main import main
 from rlhfflow.config import load_pipeline
 from rlhfflow.engine.models import load_model
 from rlhfflow.engine.parallel import free_port
-from rlhfflow.plan.placement import PlanError, make_plan
+from rlhfflow.plan.auto.planner import resolve_plan
+from rlhfflow.plan.placement import PlanError
 from rlhfflow.runtime.backend import start_fork_server
 from rlhfflow.runtime.executor import run_pipeline
 from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
@@ -25,7 +26,7 @@ PPO = CONFIGS / "ppo-tiny.yaml"
 
 def _plan(overrides=None, workers=2):
     pipeline = load_pipeline(PPO, overrides)
-    return make_plan(pipeline, workers)
+    return resolve_plan(pipeline, workers)
 
 
 # --------------------------------------------------------------------------- plans

@@ -19,7 +19,7 @@ from rlhfflow.plan.auto.costmodel import (
     ProfileError,
     model_shapes,
 )
-from rlhfflow.plan.auto.planner import RANK_TASK_S, choose_plan, tasks_per_iteration
+from rlhfflow.plan.auto.planner import RANK_TASK_S, choose_plan, resolve_plan, tasks_per_iteration
 from rlhfflow.plan.auto.simulate import simulate
 from rlhfflow.plan.placement import STRATEGIES, PlanError, make_plan
 from rlhfflow.runtime.executor import run_pipeline
@@ -153,7 +153,7 @@ def test_a_profile_survives_a_round_trip(tmp_path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_simulated_schedule_keeps_every_dependency_and_one_task_per_worker(strategy):
     pipeline = load_pipeline(PPO, {"placement.strategy": strategy})
-    plan = make_plan(pipeline, 2)
+    plan = resolve_plan(pipeline, 2)
     sim = simulate(pipeline, plan, CostModel(pipeline), threads=1, iterations=4)
     specs = {s.id: s for s in sim.specs}
     for task_id, (_w, start, _stop) in sim.intervals.items():
@@ -173,7 +173,7 @@ def test_the_simulated_schedule_keeps_every_dependency_and_one_task_per_worker(s
 
 def test_a_gang_runs_all_its_ranks_at_once():
     pipeline = load_pipeline(PPO, {"placement.strategy": "colocated"})
-    sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=3)
+    sim = simulate(pipeline, resolve_plan(pipeline, 2), CostModel(pipeline), 1, iterations=3)
     ranks = [v for k, v in sim.intervals.items() if k.startswith("train_actor-1-r")]
     assert len(ranks) == 2 and ranks[0][2] == ranks[1][2]  # they end together
     assert {w for w, _, _ in ranks} == {0, 1}
@@ -186,7 +186,7 @@ def test_a_task_is_slowed_by_the_coordinator_only_while_every_core_is_busy():
     alone. The speed changes as the other worker's tasks start and end (processor
     sharing), not once at the task's start."""
     pipeline = load_pipeline(GRPO, {"placement.strategy": "interleaved"})
-    plan = make_plan(pipeline, 2)
+    plan = resolve_plan(pipeline, 2)
     cost = CostModel(pipeline, cores=2)
     sim = simulate(pipeline, plan, cost, threads=1, iterations=4, contended=True)
     specs = {s.id: s for s in sim.specs}
@@ -213,11 +213,11 @@ def test_checkpoints_cost_their_real_rate_whatever_the_window(every):
     10: the prediction does not depend on where the window cuts."""
     pipeline = load_pipeline(GRPO, {"placement.strategy": "colocated",
                                     "checkpoint.every": every})
-    plan = make_plan(pipeline, 1)
+    plan = resolve_plan(pipeline, 1)
     cost = CostModel(pipeline)
     cost.device["checkpoint_s"] = 0.5  # a slow disk: a checkpoint weighs 3-4 iterations
     without = load_pipeline(GRPO, {"placement.strategy": "colocated", "checkpoint.every": 0})
-    base = simulate(without, make_plan(without, 1), cost, 1, iterations=6).iteration_s
+    base = simulate(without, resolve_plan(without, 1), cost, 1, iterations=6).iteration_s
     saving = cost.checkpoint_seconds("actor")
     for window in (6, 12):
         sim = simulate(pipeline, plan, cost, 1, iterations=window)
@@ -226,7 +226,7 @@ def test_checkpoints_cost_their_real_rate_whatever_the_window(every):
 
 def test_the_timeline_draws_every_worker():
     pipeline = load_pipeline(PPO, {"placement.strategy": "interleaved"})
-    sim = simulate(pipeline, make_plan(pipeline, 2), CostModel(pipeline), 1, iterations=4)
+    sim = simulate(pipeline, resolve_plan(pipeline, 2), CostModel(pipeline), 1, iterations=4)
     lines = sim.timeline(2, 2)
     assert lines[0].startswith("  w0") and lines[1].startswith("  w1")
     assert "generate" in lines[-1] and "train_actor" in lines[-1]
@@ -290,9 +290,15 @@ def test_a_plan_that_does_not_fit_is_never_chosen():
     assert "placement.strategy: no plan fits the cluster (does not fit: worker" in str(err.value)
 
 
-def test_make_plan_with_auto_returns_a_concrete_strategy():
-    plan = make_plan(load_pipeline(PPO), 2)
+def test_resolve_plan_with_auto_returns_a_concrete_strategy():
+    plan = resolve_plan(load_pipeline(PPO), 2)
     assert plan.strategy in STRATEGIES
+
+
+def test_make_plan_leaves_auto_to_the_planner():
+    """Placement knows no planner: a caller resolves ``auto`` first (``resolve_plan``)."""
+    with pytest.raises(ValueError, match="resolve placement.strategy 'auto' first"):
+        make_plan(load_pipeline(PPO), 2)
 
 
 def test_large_clusters_are_planned_with_a_guided_search():

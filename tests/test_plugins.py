@@ -20,7 +20,7 @@ from distributed import Client
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import AlgorithmSpec, SpecError
-from rlhfflow.plan.placement import make_plan
+from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.runtime.backend import local_cluster
 from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.stages import base
@@ -165,7 +165,7 @@ def test_a_plugin_generator_is_planned_like_the_builtin_one(tmp_path):
     node = pipeline.graph.nodes["generate"]
     assert node.generates and node.type == "tests.bad_plugin:MyGenerator"
     assert node.response_tokens == 8 and pipeline.graph.generators() == ["generate"]
-    plan = make_plan(pipeline, 2)
+    plan = resolve_plan(pipeline, 2)
     assert plan.stages["generate"].workers == plan.groups["rollout"]
     assert plan.stages["generate"].lag == 1
 

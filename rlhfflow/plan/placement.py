@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.config.spec import SpecError, did_you_mean
+from rlhfflow.plan.shapes import model_shapes
 
 STRATEGIES = ("colocated", "interleaved", "disaggregated")
 """The concrete strategies; ``auto`` picks one of them (``rlhfflow.plan.auto.planner``)."""
@@ -130,11 +131,8 @@ def make_plan(pipeline: Pipeline, n_workers: int,
     if n_workers < 1:
         raise PlanError(file, "cluster.workers", "the cluster has no device worker")
     if placement.strategy == "auto":
-        # the strategy only: what else the planner may choose (micro-batches, fusion,
-        # workers) is resolved by ``choose_plan`` before a run, into a concrete pipeline
-        from rlhfflow.plan.auto.planner import choose_strategy
-
-        return choose_strategy(pipeline, n_workers).plan
+        raise ValueError("make_plan needs a concrete strategy: resolve placement.strategy "
+                         "'auto' first (rlhfflow.plan.auto.planner.resolve_plan)")
     sizes = dict(model_bytes) if model_bytes is not None else model_sizes(pipeline)
     groups = _groups(pipeline, n_workers)
 
@@ -414,8 +412,6 @@ def _check_gangs(file, stages: Mapping[str, StagePlan], graph) -> None:
 def model_sizes(pipeline: Pipeline) -> dict[str, int]:
     """Parameter bytes of every model, from its config (built on the meta device; 0 for
     a model not on disk yet)."""
-    from rlhfflow.plan.auto.costmodel import model_shapes
-
     return {name: shape.nbytes for name, shape in model_shapes(pipeline).items()}
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import dask
 
 from rlhfflow.launch.forkserver import sigint_ignored, start_fork_server, wait_fork_server
+from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.runtime.worker.host import (
     PLUGIN_NAME,
     RLHFWorkerPlugin,
@@ -263,15 +264,6 @@ def embedded_worker_processes(coordinator) -> list:
     servers = {c.pid for c in children if "forkserver" in command(c)
                and c.ppid() == coordinator.pid}
     return [c for c in children if c.ppid() in servers or "spawn_main" in command(c)]
-
-
-def default_torch_threads(workers: int, cores: int | None = None) -> int:
-    """Torch threads per embedded worker: the cores split between workers, keeping one
-    for the coordinator and scheduler. On 2 cores with 1 worker, 2 threads made each
-    iteration 1.34x slower than 1 thread, the scheduler's work stalling torch's OpenMP
-    threads (benchmarks/overhead.py)."""
-    cores = cores or os.cpu_count() or 1
-    return max(1, (cores - 1) // workers)
 
 
 #: Coordinator data up to this size (a micro-batch of prompts, typically) rides inside

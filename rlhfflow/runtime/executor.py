@@ -30,16 +30,16 @@ from rlhfflow.config.loader import Pipeline, derive
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.monitor import RunMonitor
-from rlhfflow.plan.auto.planner import PlanChoice, choose_plan, load_profile
+from rlhfflow.plan.auto.planner import PlanChoice, choose_plan, load_profile, resolve_plan
 from rlhfflow.plan.compiler import IterationTasks, TaskCompiler, loop_steps
-from rlhfflow.plan.placement import ExecutionPlan, PlanError, make_plan, model_sizes
+from rlhfflow.plan.layout import default_torch_threads
+from rlhfflow.plan.placement import ExecutionPlan, PlanError, model_sizes
 from rlhfflow.runtime.backend import (
     DaskBackend,
     InlineBackend,
     TaskFailed,
     WorkerLost,
     _cuda_count,
-    default_torch_threads,
 )
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (
@@ -382,7 +382,7 @@ class Executor:
         start compiling from the models' current versions."""
         spec = self.pipeline.spec
         self.addresses = list(self.backend.workers)
-        self.plan = make_plan(self.pipeline, len(self.addresses), self.model_bytes)
+        self.plan = resolve_plan(self.pipeline, len(self.addresses), self.model_bytes)
         self._check_gang_batches()
         self.compiler = TaskCompiler(self.pipeline, self.plan,
                                      {m: c.version for m, c in self.models.items()})

@@ -21,17 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlhfflow.plan.auto.costmodel import Observation, Profile, machine_info, model_shapes
+from rlhfflow.plan.layout import default_torch_threads, layouts
 from rlhfflow.runtime.telemetry import TASKS_FILE
-
-
-def layouts(cores: int, max_workers: int) -> list[tuple[int, int]]:
-    """Embedded worker layouts worth comparing on ``cores`` cores: ``W`` workers of
-    ``cores // W`` torch threads (every core busy with torch) and of ``(cores - 1) // W``
-    (a core left to the coordinator), for ``W`` up to ``max_workers``."""
-    out = []
-    for w in range(1, max(1, min(cores, max_workers)) + 1):
-        out += [(w, max(1, cores // w)), (w, max(1, (cores - 1) // w))]
-    return list(dict.fromkeys(out))
 
 
 def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observation]:
@@ -110,7 +101,6 @@ def profile_pipeline(pipeline, iterations: int = 3,
     """Run ``pipeline`` briefly under each layout and two plans, on an embedded cluster,
     and return the profile of its stages."""
     from rlhfflow.config.loader import derive
-    from rlhfflow.runtime.backend import default_torch_threads
     from rlhfflow.runtime.executor import run_pipeline
 
     spec = pipeline.spec

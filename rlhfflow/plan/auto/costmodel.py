@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.plan.shapes import ModelShape, model_shapes
+
 FORMAT = "rlhfflow-profile/1"
 
 # Analytic constants of one CPU core, fitted to the stages of configs/grpo-tiny, ppo-tiny,
@@ -69,21 +71,6 @@ CPU_DEVICE = {
 
 class ProfileError(Exception):
     """A profile file that cannot be used: one line naming the file and the problem."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the cost of a model's work depends on."""
-
-    params: int
-    layers: int
-    hidden: int
-    vocab: int
-    bytes_per_param: int = 4
-
-    @property
-    def nbytes(self) -> int:
-        return self.params * self.bytes_per_param
 
 
 @dataclass(frozen=True)
@@ -174,45 +161,6 @@ def machine_info() -> dict[str, Any]:
     memory = torch.cuda.get_device_properties(0).total_memory if gpu else None
     return {"cpu": cpu, "cores": os.cpu_count() or 1, "gpu": gpu, "gpu_memory": memory,
             "torch": torch.__version__, "system": platform.system()}
-
-
-def model_shapes(pipeline) -> dict[str, ModelShape]:
-    """The shape of every model of ``pipeline`` (from its config, built on the meta
-    device; a ``tiny:`` model's from its arguments; a model not on disk yet has an
-    unknown, zero shape)."""
-    from rlhfflow.engine.models import (
-        build_char_tokenizer,
-        model_config,
-        parameter_bytes,
-        tiny_parameter_count,
-    )
-    from rlhfflow.engine.resident import DTYPES
-
-    spec = pipeline.spec
-    shapes = {}
-    for name, model in spec.models.items():
-        root = spec.models[pipeline.model_root(name)]
-        dtype = DTYPES[model.dtype]
-        size = dtype.itemsize
-        if root.tiny is not None:  # counted without transformers' model classes
-            t = root.tiny
-            tokenizer = build_char_tokenizer()
-            params = tiny_parameter_count(tokenizer, model.head, arch=t.arch,
-                                          n_layer=t.layers, hidden=t.hidden,
-                                          max_positions=t.max_positions)
-            shapes[name] = ModelShape(params, t.layers, t.hidden, len(tokenizer), size)
-            continue
-        try:
-            config = model_config(pipeline.model_dir(root.path))
-        except (OSError, ValueError):
-            shapes[name] = ModelShape(0, 0, 0, 0)
-            continue
-        params = parameter_bytes(config, model.head, dtype) // size
-        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
-        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1)
-        shapes[name] = ModelShape(int(params), int(layers), int(hidden),
-                                  int(getattr(config, "vocab_size", 1)), size)
-    return shapes
 
 
 def prompt_tokens(pipeline) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from rlhfflow.config.loader import derive
 from rlhfflow.plan.auto.costmodel import CostModel, Profile, ProfileError
 from rlhfflow.plan.auto.simulate import Simulation, simulate
 from rlhfflow.plan.compiler import SOURCE_KIND, STAGE
+from rlhfflow.plan.layout import default_torch_threads, layouts
 from rlhfflow.plan.placement import STRATEGIES, ExecutionPlan, PlanError, make_plan
 
 SEARCH_BUDGET_S = 1.5
@@ -153,9 +155,6 @@ def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
 
 def _layouts(pipeline, n_workers: int | None, cores: int, measured: bool
              ) -> list[tuple[int, int]]:
-    from rlhfflow.runtime.backend import default_torch_threads
-    from rlhfflow.runtime.profiler import layouts
-
     cluster = pipeline.spec.cluster
     if n_workers is not None:  # a given cluster: its workers, their threads
         threads = cluster.torch_threads or (default_torch_threads(n_workers, cores)
@@ -249,6 +248,17 @@ def rank_with_task_cost(ranked: list[Candidate]) -> list[Candidate]:
         return ranked
     pick = min(fits, key=lambda c: c.predicted_s + RANK_TASK_S * tasks_per_iteration(c))
     return [pick, *(c for c in ranked if c is not pick)]
+
+
+def resolve_plan(pipeline, n_workers: int, model_bytes: Mapping[str, int] | None = None
+                 ) -> ExecutionPlan:
+    """The execution plan of ``pipeline`` on ``n_workers`` workers: ``make_plan`` of its
+    strategy, or with ``placement.strategy: auto``, of the strategy the planner picks (the
+    strategy only: what else the planner may choose, micro-batches, fusion and workers, is
+    resolved by ``choose_plan`` before a run, into a concrete pipeline)."""
+    if pipeline.spec.placement.strategy == "auto":
+        return choose_strategy(pipeline, n_workers).plan
+    return make_plan(pipeline, n_workers, model_bytes)
 
 
 def choose_strategy(pipeline, n_workers: int, profile: Profile | None = None) -> Candidate:
