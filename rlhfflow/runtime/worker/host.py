@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
 from rlhfflow.stages import (
     Batch,
     ModelConfig,
@@ -103,8 +104,6 @@ class WorkerHost:
         thread = threading.get_ident()
         topic = self.run.settings.get("rows_topic")
         if topic:  # sample reallocation: peers may stop handing rows to this worker
-            from rlhfflow.runtime.worker.rebalance import announce
-
             announce(topic, False, self.store.loaded())
         with self._lock:
             self.running[thread] = (iteration, stage, start)
@@ -115,8 +114,6 @@ class WorkerHost:
                 self.running.pop(thread, None)
                 self.timings.append((iteration, stage, start, time.time(), rows))
             if topic:
-                from rlhfflow.runtime.worker.rebalance import announce, nothing_else_to_do
-
                 if nothing_else_to_do():
                     announce(topic, True, self.store.loaded())
 
@@ -321,9 +318,7 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
             raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
                                f"gang {list(gang)} it was sent to")
     if gang is None:
-        from rlhfflow.runtime.worker.rebalance import exchange_for
-
-        ctx.peers = exchange_for(host, names, iteration)
+        ctx.peers = exchange_for(host, names, iteration, continue_rows_task)
     defs = host.run.stages
     batch = assemble(parts, None if store else tuple(c for n in names for c in defs[n].reads))
     out: Batch = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from rlhfflow.engine.speculative import Continuation
@@ -113,9 +114,11 @@ class RowExchange:
     """The ``StageContext.peers`` of one generate task on a Dask worker."""
 
     def __init__(self, topic: str, stage: str, iteration: int, model: str, version: int,
-                 overhead_s: float, priority: int = 1_000_000) -> None:
+                 overhead_s: float, continue_task: Callable[..., Any],
+                 priority: int = 1_000_000) -> None:
         from distributed import get_client, get_worker
 
+        self.continue_task = continue_task
         self.topic, self.stage, self.iteration = topic, stage, iteration
         self.model, self.version, self.priority = model, version, priority
         self.overhead_s = overhead_s
@@ -138,11 +141,9 @@ class RowExchange:
 
     def send(self, peer: str, cont: Continuation) -> Any:
         """Start finishing ``cont`` on ``peer``; the handle (a future) for ``gather``."""
-        from rlhfflow.runtime.worker.host import continue_rows_task
-
         [data] = self.client.scatter([cont], workers=[peer], direct=True, hash=False)
         future = self.client.submit(
-            continue_rows_task, self.stage, self.iteration, self.model, self.version, data,
+            self.continue_task, self.stage, self.iteration, self.model, self.version, data,
             key=f"moved-{self.stage}-{self.iteration}-{uuid.uuid4().hex[:8]}",
             workers=[peer], allow_other_workers=False, pure=False, retries=0,
             priority=self.priority + 1)
@@ -160,10 +161,12 @@ class RowExchange:
             rejoin()
 
 
-def exchange_for(host, names: tuple[str, ...], iteration: int, priority: int = 1_000_000
+def exchange_for(host, names: tuple[str, ...], iteration: int,
+                 continue_task: Callable[..., Any], priority: int = 1_000_000
                  ) -> RowExchange | None:
     """The hook for a task running ``names`` (fused stages), or None: only the first
-    stage of a task may hand rows over, when it generates and the run has a topic."""
+    stage of a task may hand rows over, when it generates and the run has a topic.
+    ``continue_task`` is the worker's task that finishes handed-over rows on a peer."""
     topic = host.run.settings.get("rows_topic")
     if not topic:
         return None
@@ -173,6 +176,6 @@ def exchange_for(host, names: tuple[str, ...], iteration: int, priority: int = 1
     try:
         version = host.store.get(stage.model).version
         return RowExchange(topic, names[0], iteration, stage.model, version,
-                           stage.params.migrate_min_s, priority)
+                           stage.params.migrate_min_s, continue_task, priority)
     except ValueError:  # not inside a Dask worker
         return None
