@@ -1,0 +1,149 @@
+"""The package's layers point one way, and no module imports itself back through others.
+
+Every ``import`` statement counts, those inside function bodies and ``TYPE_CHECKING``
+blocks included: an import deferred to a call is still an arrow between two modules, and
+a cycle closed by one is still a cycle. Read from the source files, so the test needs
+nothing imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "rlhfflow"
+
+#: From the top down. A module may import its own package's modules and any lower layer's;
+#: the packages of one layer are independent of each other. A module belongs to the
+#: longest package named here that contains it.
+LAYERS: list[tuple[str, ...]] = [
+    ("rlhfflow.cli",),                         # the commands
+    ("rlhfflow.runtime",),                     # the coordinator's side of a run
+    ("rlhfflow.runtime.worker",),              # what runs inside a device worker
+    ("rlhfflow.plan.auto", "rlhfflow.monitor"),  # the auto-planner; watching a run
+    ("rlhfflow.plan",),                        # placement and the compiled schedule
+    ("rlhfflow.config",),                      # what the user wrote
+    ("rlhfflow.stages",),                      # the stage SDK and the stage types
+    ("rlhfflow.data",),                        # data sets and the prompt stream
+    ("rlhfflow.engine",),                      # models, decoding, training engines
+    ("rlhfflow.ops", "rlhfflow.storage", "rlhfflow.launch"),  # leaves
+    ("rlhfflow",),                             # the package root: version, errors
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` imports a.b.c's module
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("rlhfflow"):
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, package) of the longest package in LAYERS holding ``module``."""
+    best = (len(LAYERS), "")
+    for index, packages in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) \
+                    and len(package) > len(best[1]):
+                best = (index, package)
+    return best
+
+
+def test_every_module_belongs_to_a_layer():
+    assert [m for m in modules() if layer_of(m)[0] == len(LAYERS)] == []
+
+
+def test_layers_point_one_way():
+    wrong = []
+    for name, targets in sorted(import_graph().items()):
+        layer, package = layer_of(name)
+        for target in sorted(targets):
+            target_layer, target_package = layer_of(target)
+            if target_package == package:
+                continue
+            if target_layer < layer or (target_layer == layer and target_package != package):
+                wrong.append(f"{name} -> {target}")
+    assert wrong == [], "imports against the layers:\n" + "\n".join(wrong)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_function_level_imports_count(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from rlhfflow.cli import main\n")
+    assert imports_of("rlhfflow.ops.m", path, {"rlhfflow.cli", "rlhfflow.cli.main"}) \
+        == {"rlhfflow.cli.main"}
