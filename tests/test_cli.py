@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from rlhfflow import __version__
-from rlhfflow.cli.main import main, starter_prompts
+from rlhfflow.cli.init import starter_prompts
+from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.storage.buffer import ColumnSpec, ExperienceBuffer
 

@@ -1,0 +1,106 @@
+"""What the commands share: the one-line user error, loading a pipeline file with its
+``--set`` overrides, and plain-text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from rlhfflow.config.loader import Pipeline
+
+
+class UserError(click.ClickException):
+    """A mistake in what the user gave us (a pipeline file, a path): one line, exit 2."""
+
+    exit_code = 2
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextmanager
+def pipeline_errors() -> Iterator[None]:
+    """Turn a bad pipeline file, data file or path into a one-line ``UserError``."""
+    from rlhfflow.config.spec import SpecError
+    from rlhfflow.data.records import DataError
+
+    try:
+        yield
+    except SpecError as exc:
+        raise UserError(str(exc)) from None
+    except (DataError, FileNotFoundError) as exc:
+        raise UserError(first_line(exc)) from None
+
+
+def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
+    """``load_pipeline`` with user mistakes turned into ``UserError``."""
+    from rlhfflow.config.loader import load_pipeline
+
+    with pipeline_errors():
+        return load_pipeline(file, overrides)
+
+
+def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as overrides (VALUE read as YAML: 1, 0.5, true, [0, 1])."""
+    if not values:  # the spec's loader imports the stages (torch): only when needed
+        return {}
+    import yaml
+
+    from rlhfflow.config.spec import _Loader
+
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE (e.g. overlap.max_staleness=1), "
+                                     f"got {item!r}", param_hint="--set")
+        key = key.strip()
+        if key in out:  # the last one would win silently, like a duplicate key in the file
+            raise UserError(f"--set {key}: given twice; keep one")
+        try:
+            out[key] = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+        except yaml.YAMLError as exc:
+            # a duplicate key inside a flow mapping (--set 'overlap={a: 1, a: 2}') too
+            problem = getattr(exc, "problem", None)
+            detail = f" ({problem})" if problem and "duplicate key" in problem else ""
+            raise click.BadParameter(f"{key}: the value {text!r} is not valid YAML{detail}",
+                                     param_hint="--set") from None
+    return out
+
+
+def merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """``--set`` overrides plus the dedicated options (``--iterations``...); one key given
+    both ways is a mistake, not a silent choice of one of them."""
+    for key, (flag, value) in options.items():
+        if value is not None and key in sets:
+            raise UserError(f"--set {key} and {flag} both given; keep one")
+    return {**sets, **{k: v for k, (_, v) in options.items() if v is not None}}
+
+
+SET_OPTION = click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE",
+    help="Override any key of the file, as a dotted path and a YAML value; repeatable. "
+         "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated")
+
+
+@contextmanager
+def profile_errors() -> Iterator[None]:
+    """A profile that cannot be used is a one-line ``UserError``."""
+    from rlhfflow.plan.auto.costmodel import ProfileError
+
+    try:
+        yield
+    except ProfileError as exc:
+        raise UserError(first_line(exc)) from None
+
+
+def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)
+                               ).rstrip() for row in rows]

@@ -1,0 +1,78 @@
+"""``rlhfflow stages`` (the stage types) and ``rlhfflow stage test FILE STAGE``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rlhfflow.cli.common import first_line, load, pipeline_errors
+
+
+@click.command("stages")
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown"]), default="text",
+              show_default=True, help="Plain text, or Markdown (the README's reference).")
+@click.option("--builtin-only", is_flag=True,
+              help="Only rlhfflow's own types, not those of installed plugins.")
+def stages(fmt: str, builtin_only: bool) -> None:
+    """List the stage types: built-in, installed plugins (the ``rlhfflow.stages``
+    entry-point group) and plugins that failed to load, with what each reads and
+    writes, its roles and its params.
+
+    \b
+    Example:
+      rlhfflow stages
+    """
+    from rlhfflow.config.spec import AlgorithmSpec
+    from rlhfflow.stages.reference import (
+        describe_stage_types,
+        render_markdown,
+        render_text,
+    )
+
+    docs = describe_stage_types(AlgorithmSpec(), builtin_only=builtin_only)
+    click.echo((render_markdown if fmt == "markdown" else render_text)(docs), nl=False)
+
+
+@click.group()
+def stage() -> None:
+    """Work with one stage of a pipeline.
+
+    \b
+    Example:
+      rlhfflow stage test dag.yaml reward --iteration 2
+    """
+
+
+@stage.command("test")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("stage_name", metavar="STAGE")
+@click.option("--iteration", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="K", help="The iteration whose prompts (and seeds) to use.")
+def stage_test(file: str, stage_name: str, iteration: int) -> None:
+    """Run STAGE of FILE in this process on one iteration's batch, running the stages
+    it waits for first, and print the columns it wrote (like ``airflow tasks test``).
+
+    Models start from their initial weights; nothing is written to the run's output.
+
+    \b
+    Example:
+      rlhfflow stage test configs/grpo-tiny.yaml reward --iteration 1
+    """
+    import tempfile
+    import traceback
+
+    pipeline = load(file)
+    from rlhfflow.runtime.stagetest import format_columns, run_stage_alone
+
+    with tempfile.TemporaryDirectory(prefix="rlhfflow-stage-test-") as tmp:
+        try:
+            with pipeline_errors():
+                result = run_stage_alone(pipeline, stage_name, iteration, Path(tmp))
+        except click.ClickException:
+            raise
+        except Exception as exc:  # the stage's own failure: its traceback is what helps
+            traceback.print_exc()
+            raise click.ClickException(f"stage {stage_name!r} failed: "
+                                       f"{first_line(exc)}") from None
+    click.echo(format_columns(result), nl=False)

@@ -1,0 +1,62 @@
+"""``rlhfflow validate FILE``: check a pipeline file and summarise it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from rlhfflow.cli.common import load, table
+
+if TYPE_CHECKING:
+    from rlhfflow.config.loader import Pipeline
+
+
+def _model_source(pipeline: Pipeline, spec: Any) -> str:
+    if spec.path is not None:
+        return f"path {pipeline.model_dir(spec.path)}"
+    if spec.from_ is not None:
+        return f"from {spec.from_}"
+    tiny = spec.tiny
+    return f"tiny {tiny.arch} ({tiny.layers} layers, hidden {tiny.hidden})"
+
+
+def summary(pipeline: Pipeline) -> str:
+    """A short description of a validated pipeline, for ``rlhfflow validate``."""
+    spec, graph = pipeline.spec, pipeline.graph
+    lines = [f"{pipeline.source}: valid", f"name: {pipeline.name}"]
+    if spec.models:
+        lines.append("models:")
+        lines += table([(name, m.head, "trainable" if m.trainable else "frozen",
+                          _model_source(pipeline, m)) for name, m in spec.models.items()])
+    lines.append("stages (in order):")
+    lines += table([(name, graph.nodes[name].type, f"@{graph.nodes[name].model}"
+                      if graph.nodes[name].model else "-",
+                      "once, before the loop" if graph.nodes[name].once else "")
+                     for name in graph.order])
+    lines.append(f"iterations: {spec.iterations}")
+    if spec.data is not None:
+        data = spec.data
+        lines.append(f"data: {pipeline.prompts_path}, {data.batch_size} prompts x "
+                     f"{data.samples_per_prompt} samples per prompt = "
+                     f"{data.batch_size * data.samples_per_prompt} rows per iteration")
+    cluster = spec.cluster
+    lines.append(f"cluster: scheduler {cluster.address}" if cluster.address else
+                 f"cluster: {cluster.workers} local workers (device {cluster.device})")
+    lines.append(f"output: {pipeline.output_dir}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def validate(file: str) -> None:
+    """Check a pipeline FILE and print a summary of it.
+
+    Exits 0 when the file is valid. Otherwise prints one line naming the file,
+    the key and what was expected, and exits 2.
+
+    \b
+    Example:
+      rlhfflow validate configs/ppo-tiny.yaml
+    """
+    click.echo(summary(load(file)))
