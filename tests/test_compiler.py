@@ -14,9 +14,21 @@ from rlhfflow.plan.compiler import (
     SOURCE_KIND,
     STAGE,
     STORE,
+    TaskCompiler,
     by_id,
     compile_run,
     loop_steps,
+)
+from rlhfflow.plan.explain import ExplainError, explain
+from rlhfflow.plan.tasks import (
+    CHECKPOINT_LEVEL,
+    RULES,
+    STORE_LEVEL,
+    TRANSFER_LEVEL,
+    CheckpointTask,
+    StageTask,
+    StoreTask,
+    priority,
 )
 from tests.conftest import CONFIGS
 
@@ -34,7 +46,7 @@ def _compile(config=PPO, overrides=None, workers=2, iterations=3):
 
 def _tasks(specs, stage, k):
     """The tasks of iteration ``k`` that run ``stage``."""
-    return [s for s in specs if s.iteration == k and stage in s.stages]
+    return [s for s in specs if s.iteration == k and isinstance(s, StageTask) and stage in s.stages]
 
 
 def _closure(specs):
@@ -80,7 +92,7 @@ def test_every_plan_compiles_to_a_task_graph_in_submission_order(config, overrid
         seen.add(s.id)
     by_id(specs)  # ids are unique
     for k in range(3):  # every loop stage of every iteration has tasks
-        assert {n for s in specs if s.iteration == k for n in s.stages} >= {
+        assert {n for s in specs if s.iteration == k for n in s.label.split("+")} >= {
             "generate", "reward", "advantages", "train_actor", "store"}
 
 
@@ -158,7 +170,7 @@ def test_colocated_training_runs_as_gangs_that_take_turns_on_the_same_workers():
     assert all(t.retries == 0 for t in actor + critic)
     # the critic's gang follows the actor's, so the two never hold each other's workers
     for t in critic:
-        assert {a.id for a in actor} <= set(t.waits)
+        assert {a.id for a in actor} <= set(t.wait_ids())
 
 
 def test_disaggregated_syncs_the_new_weights_to_the_rollout_shadow():
@@ -260,11 +272,11 @@ def _every_row_is_stored_once(specs, plan, graph, case) -> None:
     writers = {n for n in graph.loop_stages if graph.nodes[n].writes}
     for k in {s.iteration for s in specs if s.iteration >= 0}:
         stored = sorted(s.rows for s in specs if s.iteration == k
-                        and (s.kind == STORE or s.stores))
+                        and (isinstance(s, StoreTask) or isinstance(s, StageTask) and s.stores))
         sources = sorted(s.rows for s in specs if s.iteration == k and s.kind == SOURCE_KIND)
         assert stored == sources, (case, k, stored, sources)
         for s in specs:
-            if s.iteration == k and s.stores:
+            if s.iteration == k and isinstance(s, StageTask) and s.stores:
                 assert s.kind == STAGE and writers <= set(s.stages), (case, s.id)
                 assert not s.gang and all(plan.stages[n].lag == 0 for n in s.stages), case
 
@@ -285,7 +297,7 @@ def test_the_whole_iterations_task_stores_its_rows_and_returns_no_columns():
     specs, _ = _compile(GRPO, {**one, "stages.train_actor.fuse": False}, workers=1)
     first = _tasks(specs, "generate", 0)[0]
     assert first.stores and first.returns_rows  # train_actor reads its columns
-    assert not any(s.reports for s in specs)  # two tasks: the workers are asked
+    assert not any(isinstance(s, StageTask) and s.reports for s in specs)  # two tasks: asked
     assert _tasks(specs, "train_actor", 0)[0].id != first.id
 
 
@@ -318,3 +330,67 @@ def test_every_fusion_compiles_and_keeps_each_stage_on_its_workers(tmp_path, nam
                             if allowed and not plan.stages[stage].gang:
                                 assert s.workers and set(s.workers) <= set(allowed), \
                                     (case, s.id, s.workers, stage, allowed)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@pytest.mark.parametrize("config", sorted(p.stem for p in CONFIGS.glob("*-tiny.yaml")))
+def test_every_wait_carries_a_named_rule(tmp_path, config):
+    """No anonymous wait: each one names its rule, and a rule about a model names it."""
+    for overrides in ({"placement.strategy": "colocated", "overlap.sequential": True},
+                      {"placement.strategy": "disaggregated", "overlap.max_staleness": 1,
+                       "checkpoint.every": 1}):
+        pipeline = load_pipeline(CONFIGS / f"{config}.yaml", overrides)
+        plan = resolve_plan(pipeline, 2)
+        specs = TaskCompiler(pipeline, plan, {m: 0 for m in pipeline.spec.models}).setup()
+        if pipeline.spec.data is not None:
+            specs += compile_run(pipeline, plan, {m: 0 for m in pipeline.spec.models}, 3)[0]
+        ids = {s.id for s in specs}
+        for s in specs:
+            for wait in s.waits:
+                assert wait.rule in RULES and wait.task in ids, (config, s.id, wait)
+                if "{model}" in wait.rule.why:
+                    assert wait.model, (config, s.id, wait)
+
+
+def test_priorities_come_from_one_function():
+    """Within an iteration: transfers, stages by upward rank, checkpoints, stores; a later
+    iteration's stages after all of them."""
+    specs, _ = _compile(PPO, {"placement.strategy": "disaggregated", "checkpoint.every": 1})
+    by_kind = {}
+    for s in specs:
+        if s.iteration == 1:
+            by_kind.setdefault(type(s).__name__, set()).add(s.priority)
+    assert by_kind["ExportTask"] == by_kind["InstallTask"] == {priority(1, TRANSFER_LEVEL)}
+    assert by_kind["CheckpointTask"] == {priority(1, CHECKPOINT_LEVEL)}
+    assert by_kind["StoreTask"] == {priority(1, STORE_LEVEL)}
+    assert all(priority(1, STORE_LEVEL) < p < priority(1, TRANSFER_LEVEL)
+               for p in by_kind["StageTask"])
+    # a later iteration's stages and checkpoints after every task of an earlier one
+    assert max(s.priority for s in specs if s.iteration == 2
+               and isinstance(s, StageTask | CheckpointTask)) < min(by_kind["StoreTask"])
+
+
+def test_explain_names_the_rule_of_every_wait():
+    pipeline = load_pipeline(PPO, {"placement.strategy": "disaggregated",
+                                   "checkpoint.every": 1})
+    lines = explain(pipeline, resolve_plan(pipeline, 2), "train_actor")
+    text = "\n".join(lines)
+    assert lines[0] == "train_actor: 1 task(s) in iteration 1"
+    for rule in ("reads", "updated", "installed", "saved"):
+        assert f"    {rule}: " in text, text
+    assert "installed: install (iteration 0): they install the previous iteration's " \
+           "weights of actor on the shadow copy it uses" in text
+    sequential = load_pipeline(PPO, {"placement.strategy": "colocated",
+                                     "overlap.sequential": True})
+    text = "\n".join(explain(sequential, resolve_plan(sequential, 2), "train_critic"))
+    assert "rank 1 of a gang of 2" in text and "    gang: train_actor (iteration 1) x2" in text
+    assert "    sequential: train_actor (iteration 1) x2: overlap.sequential" in text
+
+
+def test_explain_of_an_unknown_stage_is_one_line():
+    pipeline = load_pipeline(PPO)
+    with pytest.raises(ExplainError, match="no stage 'train_actr' in .*did you mean "
+                                           "'train_actor'"):
+        explain(pipeline, resolve_plan(pipeline, 2), "train_actr")

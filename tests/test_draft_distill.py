@@ -120,10 +120,10 @@ def test_a_draft_distilled_away_from_generation_is_sent_to_the_generating_worker
     compiler.stages(first, None, ahead=False)
     second, _ = compiler.begin(1, 32)
     generate = [t for t in compiler.stages(second, first, ahead=False)
-                if "generate" in t.stages]
+                if "generate" in t.label.split("+")]
     installs = first.syncs["draft"]
     assert generate and installs
-    assert all(set(installs) <= set(t.waits) for t in generate)
+    assert all(set(installs) <= set(t.wait_ids()) for t in generate)
 
 
 @pytest.mark.slow

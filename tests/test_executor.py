@@ -268,6 +268,22 @@ def test_a_failing_stage_stops_the_run_naming_stage_iteration_and_cause(cluster,
     assert ExperienceBuffer(tmp_path / "out" / "buffer.zarr").iterations() == []
 
 
+def test_a_failing_stage_is_named_from_its_task_not_its_key(cluster, tmp_path):
+    """Task keys are never parsed back: a stage whose name holds digits and runs as a task
+    of its own is named whole when it fails."""
+    (tmp_path / "broken.py").write_text(BROKEN_REWARD)
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "stages.reward.params.function": "broken.py:reward", "stages.reward.retries": 0,
+        "stages.reward.fuse": False})
+    text = path.read_text().replace("reward:", "reward2:").replace("[reward]", "[reward2]")
+    text = text.replace("- reward\n", "- reward2\n")
+    path.write_text(text)
+    pipeline = load_pipeline(path, _on(cluster))
+    assert "reward2" in pipeline.graph.nodes
+    with pytest.raises(RunError, match=r"^stage 'reward2' failed in iteration 0: RewardError"):
+        run_pipeline(pipeline, progress=False)
+
+
 def _wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

@@ -193,7 +193,7 @@ def test_a_task_is_slowed_by_the_coordinator_only_while_every_core_is_busy():
     kinds = set()
     for tid, (w, a, b) in sim.intervals.items():
         spec = specs[tid]
-        if spec.stages != ("ref_logprob",):
+        if spec.label != "ref_logprob":
             continue
         rows = spec.rows[1] - spec.rows[0]
         fast = cost.stage_seconds("ref_logprob", rows, 1, contended=False)

@@ -237,9 +237,12 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("head-mismatch", lambda s: put(s, "stages.values.model", "actor"),
      "stages.values.model: stage type 'values' needs a model with head 'value'; "
      "model 'actor' has head 'lm'"),
-    ("stage-name-digits", lambda s: rename(s, "stages.values", "values2"),
-     "stages.values2: stage names are lowercase letters and underscores (no digits: the "
-     "dashboard groups tasks by the name's letters)"),
+    ("stage-name-digit-first", lambda s: rename(s, "stages.values", "2values"),
+     "stages.2values: stage names are lowercase letters, digits and underscores, starting "
+     "with a letter"),
+    ("stage-name-upper", lambda s: rename(s, "stages.values", "Values"),
+     "stages.Values: stage names are lowercase letters, digits and underscores, starting "
+     "with a letter"),
     ("stage-name-reserved", lambda s: rename(s, "stages.values", "data"),
      "stages.data: the stage name 'data' is reserved for the prompt source; rename the stage"),
     # the graph

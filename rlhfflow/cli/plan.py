@@ -8,6 +8,7 @@ import click
 
 from rlhfflow.cli.common import (
     SET_OPTION,
+    UserError,
     load,
     merge_options,
     parse_sets,
@@ -31,9 +32,12 @@ from rlhfflow.cli.common import (
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Predict with this profile instead of 'placement.profile' (default "
                    "profiles/NAME.json beside the pipeline file, if there is one).")
+@click.option("--explain", "explain_stage", metavar="STAGE",
+              help="Instead of the plan, say why each task of STAGE waits, for what: every "
+                   "wait with the rule that made it (iteration 1, as every later one).")
 @SET_OPTION
 def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
-         profile_path: str | None, sets: tuple[str, ...]) -> None:
+         profile_path: str | None, explain_stage: str | None, sets: tuple[str, ...]) -> None:
     """Print the execution plan of a pipeline FILE without running it.
 
     For every stage: the workers it runs on and how its batch is split among
@@ -51,6 +55,7 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
       rlhfflow plan configs/grpo-small.yaml --workers 64 --profile gpu.json
       rlhfflow plan configs/ppo-tiny.yaml --strategy disaggregated \\
           --set overlap.max_staleness=1
+      rlhfflow plan configs/ppo-tiny.yaml --explain train_critic
     """
     overrides = merge_options(parse_sets(sets), {
         "cluster.workers": ("--workers", workers),
@@ -63,5 +68,16 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
     with pipeline_errors(), profile_errors():
         profile = load_profile(pipeline)
         choice = plan_for_cli(pipeline, profile, workers)
+        if explain_stage is not None:
+            from rlhfflow.plan.explain import ExplainError, explain
+
+            try:
+                lines = explain(choice.pipeline, choice.best.plan, explain_stage)
+            except ExplainError as exc:
+                raise UserError(str(exc)) from None
+            click.echo(f"plan: {choice.best.plan.strategy} on {choice.best.plan.n_workers} "
+                       f"worker(s)")
+            click.echo("\n".join(lines))
+            return
         click.echo(choice.best.plan.to_text(choice.pipeline))
         click.echo("\n".join(describe_choice(choice, profile, candidates)))

@@ -174,8 +174,8 @@ def _check_stages(file: Path, spec: PipelineSpec
     for name, stage in spec.stages.items():
         where = f"stages.{name}"
         if not STAGE_NAME.match(name):
-            raise SpecError(file, where, "stage names are lowercase letters and underscores "
-                            "(no digits: the dashboard groups tasks by the name's letters)")
+            raise SpecError(file, where, "stage names are lowercase letters, digits and "
+                            "underscores, starting with a letter")
         if name == SOURCE:
             raise SpecError(file, where, f"the stage name {SOURCE!r} is reserved for the prompt "
                             "source; rename the stage")

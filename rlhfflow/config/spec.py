@@ -40,7 +40,7 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
-STAGE_NAME = re.compile(r"^[a-z][a-z_]*$")
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 MODEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

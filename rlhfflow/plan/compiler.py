@@ -1,17 +1,11 @@
-"""Plans compile to data: every iteration becomes a list of task specs.
+"""Plans compile to data: every iteration becomes a list of typed tasks (``tasks``).
 
-A ``TaskSpec`` is plain data: an id, what it runs (a group of fused stages, a store, a
-weight export or install, a checkpoint save), its inputs as references to other specs and
-the rows to take of them, what else it waits for, the workers it may run on, its priority
-and retries. ``TaskCompiler`` holds the dependency rules (streaming micro-batches, fusion,
-the model edges within and across iterations, bounded staleness, gangs, shadows) and
-nothing else: the executor's dataflow layer turns specs into Dask futures, and the
-planner's simulator walks the same specs with estimated durations, so what is predicted
+``TaskCompiler`` holds the dependency rules (streaming micro-batches, fusion, the model
+edges within and across iterations, bounded staleness, gangs, shadows), each wait
+recorded with its rule, and nothing else. ``schedule`` is the one order in which a run
+compiles and finishes its iterations: the runtime submits its steps to Dask, and the
+planner's simulator walks the same steps with estimated durations, so what is predicted
 is what runs. No Dask here, so the rules are unit-tested in milliseconds.
-
-``loop_steps`` is the order in which the run loop compiles and finishes iterations
-(iteration k+1 is compiled before k is finished; with ``max_staleness N`` the stages
-that run ahead are compiled N iterations early), shared by the executor and simulator.
 """
 
 from __future__ import annotations
@@ -24,81 +18,36 @@ from typing import Any
 from rlhfflow.config.graph import SOURCE
 from rlhfflow.data.source import micro_batch_bounds
 from rlhfflow.plan.placement import ExecutionPlan, inputs_of
+from rlhfflow.plan.tasks import (
+    AFTER,
+    AHEAD_RELEASE,
+    AHEAD_USERS,
+    CHECKPOINT_LEVEL,
+    GANG,
+    INSTALLED,
+    RELEASE,
+    SAVED,
+    SEQUENTIAL,
+    STORE_LEVEL,
+    TRAINED,
+    TRANSFER_LEVEL,
+    UPDATED,
+    CheckpointTask,
+    ExportTask,
+    InstallTask,
+    Part,
+    SourceTask,
+    StageTask,
+    StoreTask,
+    Task,
+    Wait,
+    priority,
+)
 
-# what a task runs
+# what a task runs (each a type in ``rlhfflow.plan.tasks``; these are their ``kind``)
 SOURCE_KIND, STAGE, STORE, EXPORT, INSTALL, CHECKPOINT = (
-    "source", "stage", "store", "export", "install", "checkpoint")
-
-
-@dataclass(frozen=True)
-class Part:
-    """One input of a task: the results of ``refs`` (one per micro-batch of a producer,
-    concatenated row-wise) and, for a micro-batch task, the rows ``[a, b)`` to take of
-    that concatenation (None: all of it)."""
-
-    refs: tuple[str, ...]
-    rows: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One task of a run, as data.
-
-    Attributes:
-        id: unique within a run (the Dask key is the id plus a random token; its first
-            word names the stage, so the dashboard groups tasks by stage).
-        kind: ``source`` (the prompts of a micro-batch, scattered), ``stage``, ``store``,
-            ``export``, ``install`` or ``checkpoint``.
-        iteration: the iteration (-1 for setup stages).
-        stages: the stages the task runs, in order (several when fused).
-        parts: the data inputs, in the order the task takes them.
-        waits: ids of other tasks it must run after (no data from them).
-        workers: the workers it may run on (empty: any).
-        priority: higher runs first among ready tasks (Dask's convention).
-        retries: how often a failed attempt is retried.
-        rows: the rows ``[a, b)`` of the iteration's batch it works on.
-        versions: the model versions it expects on its worker.
-        gang: for one rank of a data-parallel gang, the gang's workers (rank = index).
-        model: the model an export, install or checkpoint task moves or saves.
-        version: the version an install task installs.
-        rank: the gang rank of a gang task or of a checkpoint shard.
-        stores: a stage task that writes its own rows to the buffer, in place of a
-            store task (its group holds every stage that writes columns, and its rows
-            are one source micro-batch's).
-        returns_rows: whether a storing task still returns its columns (no other task
-            reads them: False).
-        reports: a storing task that is its iteration's only task, on a one-worker plan,
-            returns its worker's task timings with its result (the coordinator then asks
-            no worker for them).
-    """
-
-    id: str
-    kind: str
-    iteration: int
-    stages: tuple[str, ...] = ()
-    parts: tuple[Part, ...] = ()
-    waits: tuple[str, ...] = ()
-    workers: tuple[int, ...] = ()
-    priority: int = 0
-    retries: int = 0
-    rows: tuple[int, int] = (0, 0)
-    versions: Mapping[str, int] = field(default_factory=dict)
-    gang: tuple[int, ...] = ()
-    model: str | None = None
-    version: int = 0
-    rank: int = 0
-    stores: bool = False
-    returns_rows: bool = True
-    reports: bool = False
-
-    @property
-    def label(self) -> str:
-        """The stage name shown for the task (fused stages joined by ``+``)."""
-        return "+".join(self.stages) if self.stages else self.kind
-
-    def needs(self) -> list[str]:
-        """Every id the task waits for: its inputs' and its other waits, once each."""
-        return list(dict.fromkeys([r for p in self.parts for r in p.refs] + list(self.waits)))
+    SourceTask.kind, StageTask.kind, StoreTask.kind, ExportTask.kind, InstallTask.kind,
+    CheckpointTask.kind)
 
 
 @dataclass
@@ -113,6 +62,10 @@ class IterationTasks:
     stored_by: dict[tuple[int, int], str] = field(default_factory=dict)  # rows -> task
     syncs: dict[str, list[str]] = field(default_factory=dict)  # model -> install ids
     checkpoint: dict[str, list[str]] | None = None  # model -> checkpoint task ids
+
+    def task_ids(self) -> list[str]:
+        """The ids of every stage task of the iteration (its source excluded)."""
+        return [i for n, ids in self.handles.items() if n != SOURCE for i in ids]
 
 
 @dataclass(frozen=True)
@@ -182,7 +135,7 @@ class TaskCompiler:
                                    if self.graph.nodes[n].writes]
 
     # ----------------------------------------------------------------- iterations
-    def begin(self, k: int, rows: int) -> tuple[IterationTasks, list[TaskSpec]]:
+    def begin(self, k: int, rows: int) -> tuple[IterationTasks, list[SourceTask]]:
         """Iteration ``k`` of ``rows`` rows: its micro-batch bounds per stage, and one
         source task per source micro-batch, placed next to the first stage's tasks."""
         data = self.pipeline.spec.data
@@ -194,20 +147,20 @@ class TaskCompiler:
         specs = []
         for j, (a, b) in enumerate(bounds[SOURCE]):
             w = first.worker(j)
-            specs.append(TaskSpec(f"{SOURCE}-{k}-{j}", SOURCE_KIND, k, rows=(a, b),
-                                  workers=() if w is None else (w,)))
+            specs.append(SourceTask(id=f"{SOURCE}-{k}-{j}", iteration=k, rows=(a, b),
+                                    workers=() if w is None else (w,)))
         it = IterationTasks(k, rows, bounds, {SOURCE: [s.id for s in specs]})
         return it, specs
 
     def stages(self, it: IterationTasks, previous: IterationTasks | None, ahead: bool,
-               later: IterationTasks | None = None) -> list[TaskSpec]:
+               later: IterationTasks | None = None) -> list[Task]:
         """The stage tasks of iteration ``it`` that run ahead (``ahead=True``: the
         generating model's inference with max_staleness > 0) or all the others.
         ``later`` is the iteration whose ahead stages were compiled last: this
         iteration's trainers (and weight installs) must wait for them, as they use the
         weights from before this update."""
         spec, k, handles = self.pipeline.spec, it.index, it.handles
-        out: list[TaskSpec] = []
+        out: list[Task] = []
         for name in self.graph.loop_stages:
             sp = self.plan.stages[name]
             if name in handles or (sp.lag > 0) != ahead:
@@ -217,8 +170,8 @@ class TaskCompiler:
             retries = max(spec.stages[n].retries for n in group)
             nodes = [self.graph.nodes[n] for n in group]
             versions = {n.model: self.versions[n.model] for n in nodes if n.model}
-            priority = -k * 1000 + max(self.rank[n] for n in group)
-            tasks = self._stage_tasks(group, it, order, versions, priority, retries)
+            level = max(self.rank[n] for n in group)
+            tasks = self._stage_tasks(group, it, order, versions, priority(k, level), retries)
             if self._stores_itself(group):
                 tasks = [self._storing(t, group, it) for t in tasks]
             out += tasks
@@ -230,10 +183,10 @@ class TaskCompiler:
                     syncs = self._syncs(n, k, ids, later)
                     out += syncs
                     for s in syncs:
-                        if s.kind == INSTALL:
+                        if isinstance(s, InstallTask):
                             it.syncs.setdefault(s.model, []).append(s.id)
-        if not ahead and len(out) == 1 and out[0].stores and self.plan.n_workers == 1 and \
-                {i for n, ids in handles.items() if n != SOURCE for i in ids} == {out[0].id}:
+        if not ahead and len(out) == 1 and isinstance(out[0], StageTask) and out[0].stores \
+                and self.plan.n_workers == 1 and set(it.task_ids()) == {out[0].id}:
             # the whole iteration is this task on the only worker (no idle peer that
             # finished rows it handed over): its worker's timings are all of the
             # iteration's, and they come back with its result
@@ -249,8 +202,8 @@ class TaskCompiler:
         return (not self.plan.sequential and not sp.gang and sp.lag == 0
                 and set(self.writers[1:]) <= set(group))
 
-    def _storing(self, task: TaskSpec, group: tuple[str, ...], it: IterationTasks
-                 ) -> TaskSpec:
+    def _storing(self, task: StageTask, group: tuple[str, ...], it: IterationTasks
+                 ) -> StageTask:
         """``task`` storing its rows itself, when they are one source micro-batch's."""
         if task.rows not in it.bounds[SOURCE]:
             return task
@@ -262,34 +215,35 @@ class TaskCompiler:
         return replace(task, stores=True, returns_rows=read)
 
     def _order(self, group: tuple[str, ...], it: IterationTasks,
-               previous: IterationTasks | None, later: IterationTasks | None) -> list[str]:
+               previous: IterationTasks | None, later: IterationTasks | None) -> list[Wait]:
         """What a task of ``group`` waits for besides its inputs: the model edges."""
-        order: list[str] = []
+        order: list[Wait] = []
         for n in group:
             node = self.graph.nodes[n]
             for user in self.releases[n]:  # a trainer waits for the users of its model
                 if user in group:  # fused before it: they run first in its own task
                     continue
                 if self.plan.stages[user].lag == 0:
-                    order += it.handles[user]
+                    order += _waits(it.handles[user], RELEASE, node.model)
                 elif later is not None and self._at_home(user):
-                    order += later.handles[user]
+                    order += _waits(later.handles[user], AHEAD_RELEASE, node.model)
             if previous is not None:
-                order += [h for t in self.crossings[n] for h in previous.handles[t]]
+                order += [Wait(h, UPDATED, self.graph.nodes[t].model)
+                          for t in self.crossings[n] for h in previous.handles[t]]
                 # a shadow copy is used only once the new weights are installed on it
                 for model in (node.model, *node.uses):
-                    order += previous.syncs.get(model, [])
+                    order += _waits(previous.syncs.get(model, []), INSTALLED, model)
                 if node.trains and previous.checkpoint and \
                         node.model in previous.checkpoint:
                     # the update of k must not start before checkpoint k-1 saved it
-                    order += previous.checkpoint[node.model]
+                    order += _waits(previous.checkpoint[node.model], SAVED, node.model)
         if self.plan.sequential:
-            order += self._barrier(it, group[0], previous)
+            order += _waits(self._barrier(it, group[0], previous), SEQUENTIAL)
         return order
 
-    def _stage_tasks(self, group: tuple[str, ...], it: IterationTasks, order: list[str],
+    def _stage_tasks(self, group: tuple[str, ...], it: IterationTasks, order: list[Wait],
                      versions: dict[str, int], priority: int, retries: int
-                     ) -> list[TaskSpec]:
+                     ) -> list[StageTask]:
         """The tasks of one stage group: one per micro-batch, one for the whole batch, or
         one per rank of a gang."""
         name, k = group[0], it.index
@@ -302,64 +256,72 @@ class TaskCompiler:
         label = "+".join(group)
         if sp.micro_batches is None:
             parts = tuple(Part(tuple(it.handles[p])) for p in producers)
-            waits = order + [h for x in inputs if x not in producers for h in it.handles[x]]
+            waits = order + [Wait(h, AFTER) for x in inputs if x not in producers
+                             for h in it.handles[x]]
             if sp.gang:
                 return self._gang(name, k, parts, waits, versions, priority, it.rows)
             # a fused whole-batch group runs where its stages with a model run
             workers = next((w for n in group if (w := self.plan.stages[n].workers)), ())
-            return [TaskSpec(f"{label}-{k}", STAGE, k, group, parts, _ids(waits),
-                             workers[:1], priority, retries, (0, it.rows), versions)]
+            return [StageTask(id=f"{label}-{k}", iteration=k, stages=group, parts=parts,
+                              waits=_unique(waits), workers=workers[:1], priority=priority,
+                              retries=retries, rows=(0, it.rows), versions=versions)]
         tasks = []
         for j, (a, b) in enumerate(it.bounds[name]):
             parts, waits = [], list(order)
             for x in inputs:
                 part, refs = self.rows_of(it, x, a, b)
-                waits += refs
                 if x in producers:
                     parts.append(part)
+                else:
+                    waits += _waits(refs, AFTER)
             if SOURCE in producers:
                 parts.append(self.rows_of(it, SOURCE, a, b)[0])
-            tasks.append(TaskSpec(f"{label}-{k}-{j}", STAGE, k, group, tuple(parts),
-                                  _ids(waits), sp.workers, priority, retries, (a, b),
-                                  versions))
+            tasks.append(StageTask(id=f"{label}-{k}-{j}", iteration=k, stages=group,
+                                   parts=tuple(parts), waits=_unique(waits),
+                                   workers=sp.workers, priority=priority, retries=retries,
+                                   rows=(a, b), versions=versions))
         return tasks
 
-    def _gang(self, name: str, k: int, parts: tuple[Part, ...], waits: list[str],
-              versions: dict[str, int], priority: int, rows: int) -> list[TaskSpec]:
+    def _gang(self, name: str, k: int, parts: tuple[Part, ...], waits: list[Wait],
+              versions: dict[str, int], priority: int, rows: int) -> list[StageTask]:
         """One task per worker of a gang, one rank each. A gang waits for the previous
         gang on the same workers, so two gangs never hold each other's workers while
         waiting in a collective (a deadlock with one thread each). No retries: one rank
         retried alone would wait for peers that already finished."""
         sp = self.plan.stages[name]
-        waits = waits + self._gang_tail.get(sp.workers, [])
-        tasks = [TaskSpec(f"{name}-{k}-r{rank}", STAGE, k, (name,), parts, _ids(waits),
-                          (w,), priority, 0, (0, rows), versions, gang=sp.workers, rank=rank)
+        waits = waits + _waits(self._gang_tail.get(sp.workers, []), GANG)
+        tasks = [StageTask(id=f"{name}-{k}-r{rank}", iteration=k, stages=(name,), parts=parts,
+                           waits=_unique(waits), workers=(w,), priority=priority, retries=0,
+                           rows=(0, rows), versions=versions, gang=sp.workers, rank=rank)
                  for rank, w in enumerate(sp.workers)]
         self._gang_tail[sp.workers] = [t.id for t in tasks]
         return tasks
 
     def _syncs(self, trainer: str, k: int, trained: list[str],
-               later: IterationTasks | None) -> list[TaskSpec]:
+               later: IterationTasks | None) -> list[Task]:
         """Send the weights ``trainer`` produced to the model's shadow copies (parameter
         reallocation): one export at the home, one versioned install per shadow, after
         the stages running ahead on that shadow (they use the weights it has now)."""
-        out = []
+        out: list[Task] = []
+        first = priority(k, TRANSFER_LEVEL)
         for t in self.plan.transfers_after(trainer):
-            export = TaskSpec(f"export-{k}-{t.model}", EXPORT, k, parts=(Part(tuple(trained)),),
-                              workers=(t.source,), priority=-k * 1000 + 999, model=t.model)
+            export = ExportTask(id=f"export-{k}-{t.model}", iteration=k,
+                                parts=(Part(tuple(trained)),), workers=(t.source,),
+                                priority=first, model=t.model)
             out.append(export)
             for w in t.targets:
                 users = [h for n, sp in self.plan.stages.items()
                          if later is not None and sp.lag and w in sp.workers
                          and self.graph.nodes[n].model == t.model
                          for h in later.handles.get(n, [])]
-                out.append(TaskSpec(f"realloc-{k}-{t.model}-w{w}", INSTALL, k,
-                                    parts=(Part((export.id,)),), waits=tuple(users),
-                                    workers=(w,), priority=-k * 1000 + 999, model=t.model,
-                                    version=self.versions[t.model]))
+                out.append(InstallTask(id=f"realloc-{k}-{t.model}-w{w}", iteration=k,
+                                       parts=(Part((export.id,)),),
+                                       waits=tuple(_waits(users, AHEAD_USERS, t.model)),
+                                       workers=(w,), priority=first, model=t.model,
+                                       version=self.versions[t.model]))
         return out
 
-    def stores(self, it: IterationTasks) -> list[TaskSpec]:
+    def stores(self, it: IterationTasks) -> list[StoreTask]:
         """One store task per source micro-batch (chunk-aligned rows of the buffer), on
         any worker (next to its data), except where one stage task wrote all of its rows
         and stores them itself (``_stores_itself``); the coordinator creates the arrays
@@ -369,7 +331,8 @@ class TaskCompiler:
         # fused stages share their tasks: take each group's results once
         writers = list({id(it.handles[w]): w for w in self.writers}.values())
         # sequential: the stores are the iteration's last stage
-        after = tuple(it.handles[self.graph.loop_stages[-1]]) if self.plan.sequential else ()
+        after = tuple(_waits(it.handles[self.graph.loop_stages[-1]], SEQUENTIAL)) \
+            if self.plan.sequential else ()
         specs = []
         it.stores = []
         for j, (a, b) in enumerate(it.bounds[SOURCE]):
@@ -377,25 +340,26 @@ class TaskCompiler:
                 it.stores.append(it.stored_by[(a, b)])
                 continue
             parts = tuple(self.rows_of(it, w, a, b)[0] for w in writers)
-            specs.append(TaskSpec(f"store-{k}-{j}", STORE, k, ("store",), parts, after,
-                                  priority=-k * 1000 - 1, rows=(a, b)))
+            specs.append(StoreTask(id=f"store-{k}-{j}", iteration=k, parts=parts, waits=after,
+                                   priority=priority(k, STORE_LEVEL), rows=(a, b)))
             it.stores.append(specs[-1].id)
         return specs
 
-    def checkpoint(self, k: int, after: Mapping[str, list[str]]) -> list[TaskSpec]:
+    def checkpoint(self, k: int, after: Mapping[str, list[str]]) -> list[CheckpointTask]:
         """Tasks saving every loop-trained model into checkpoint ``k``, each after
         ``after[model]`` (the iteration's training tasks of that model): rank 0 of its
         gang saves it, and every rank its ZeRO shard when DeepSpeed trains it."""
         specs = []
         for m in self.graph.loop_trained():
             ranks = self.plan.homes[m] if self.deepspeed(m) else self.plan.homes[m][:1]
-            specs += [TaskSpec(f"checkpoint-{k}-{m}-r{rank}", CHECKPOINT, k,
-                               waits=tuple(after.get(m, [])), workers=(w,),
-                               priority=-k * 1000, model=m, rank=rank)
+            specs += [CheckpointTask(id=f"checkpoint-{k}-{m}-r{rank}", iteration=k,
+                                     waits=tuple(_waits(after.get(m, []), TRAINED, m)),
+                                     workers=(w,), priority=priority(k, CHECKPOINT_LEVEL),
+                                     model=m, rank=rank)
                       for rank, w in enumerate(ranks)]
         return specs
 
-    def iteration_checkpoint(self, it: IterationTasks) -> list[TaskSpec]:
+    def iteration_checkpoint(self, it: IterationTasks) -> list[CheckpointTask]:
         """Checkpoint ``it`` after its training tasks, if one is due after it."""
         every = self.pipeline.spec.checkpoint.every
         if not (every > 0 and (it.index + 1) % every == 0):
@@ -408,13 +372,13 @@ class TaskCompiler:
             it.checkpoint.setdefault(s.model, []).append(s.id)
         return specs
 
-    def setup(self) -> list[TaskSpec]:
+    def setup(self) -> list[StageTask]:
         """The once-stages (SFT, reward model), each on the first worker of its model,
         after the setup stages it lists in ``after``."""
-        return [TaskSpec(name, STAGE, -1, (name,),
-                         waits=tuple(self.graph.nodes[name].after),
-                         workers=self.plan.stages[name].workers[:1],
-                         retries=self.pipeline.spec.stages[name].retries)
+        return [StageTask(id=name, iteration=-1, stages=(name,),
+                          waits=tuple(_waits(self.graph.nodes[name].after, AFTER)),
+                          workers=self.plan.stages[name].workers[:1],
+                          retries=self.pipeline.spec.stages[name].retries)
                 for name in self.graph.setup_stages]
 
     # ----------------------------------------------------------------- helpers
@@ -458,8 +422,14 @@ class TaskCompiler:
                    for t in self.graph.trainers(model))
 
 
-def _ids(ids: list[str]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(ids))
+def _waits(ids, rule, model: str | None = None) -> list[Wait]:
+    return [Wait(i, rule, model) for i in ids]
+
+
+def _unique(waits: list[Wait]) -> tuple[Wait, ...]:
+    """``waits`` without repeats, in order; a task waited for by two rules keeps both (the
+    runtime waits for it once: ``Task.wait_ids``)."""
+    return tuple(dict.fromkeys(waits))
 
 
 def upward_rank(graph) -> dict[str, int]:
@@ -477,40 +447,104 @@ def upward_rank(graph) -> dict[str, int]:
     out = dict(rank)
     for trainer, user in graph.cross_iteration_edges():
         out[trainer] = max(out[trainer], rank[trainer] + rank[user])
-    return {n: min(r, 998) for n, r in out.items()}
+    return {n: min(r, TRANSFER_LEVEL - 1) for n, r in out.items()}
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Start:
+    """The turn of ``iteration`` begins: where a run may stop."""
+
+    iteration: int
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Iteration ``it`` begins: its prompts (``source``, to be placed with the
+    iteration's batch) and the stages that run ahead of it (``ahead``)."""
+
+    it: IterationTasks
+    source: list[SourceTask]
+    ahead: list[Task]
+
+
+@dataclass(frozen=True)
+class Main:
+    """The rest of iteration ``it``: its ``stages``, its ``stores`` (the buffer's arrays
+    must exist before either is submitted: a stage task may store its own rows) and,
+    when one is due, its ``checkpoint``."""
+
+    it: IterationTasks
+    stages: list[Task]
+    stores: list[StoreTask]
+    checkpoint: list[CheckpointTask]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Wait for iteration ``it`` and log it."""
+
+    it: IterationTasks
+
+
+Step = Start | Begin | Main | Finish
+
+
+def schedule(compiler: TaskCompiler, first: int, iterations: int, rows: int,
+             pipelined: bool = True) -> Iterator[Step]:
+    """The run's steps for iterations ``first..iterations-1``, each iteration compiled in
+    the order of ``loop_steps``: the one order the runtime submits and the simulator
+    predicts. ``rows`` is the size of every iteration's batch."""
+    live: dict[int, IterationTasks] = {}
+    for step in loop_steps(first, iterations, compiler.plan.max_staleness, pipelined):
+        k = step.iteration
+        if step.kind == "start":
+            yield Start(k)
+        elif step.kind == "ahead":
+            it, source = compiler.begin(k, rows)
+            live[k] = it
+            yield Begin(it, source, compiler.stages(it, live.get(step.previous), ahead=True))
+        elif step.kind == "main":
+            it = live[k]
+            stages = compiler.stages(it, live.get(step.previous), ahead=False,
+                                     later=live.get(step.later))
+            yield Main(it, stages, compiler.stores(it), compiler.iteration_checkpoint(it))
+        else:
+            yield Finish(live.pop(k))
+
+
+def batch_rows(pipeline) -> int:
+    """Rows of every iteration's batch: prompts times samples per prompt."""
+    data = pipeline.spec.data
+    return data.batch_size * data.samples_per_prompt
 
 
 def compile_run(pipeline, plan: ExecutionPlan, versions: Mapping[str, int], iterations: int,
-                first: int = 0, rows: int | None = None) -> tuple[list[TaskSpec], list[int | None]]:
-    """Every task of iterations ``first..iterations-1`` in the order the executor submits
-    them (for the simulator and tests) and, per task, the iteration whose finish the run
-    loop waits for before submitting it (None: submitted at the start)."""
+                first: int = 0, rows: int | None = None) -> tuple[list[Task], list[int | None]]:
+    """Every task of iterations ``first..iterations-1`` in the order the runtime submits
+    them (``schedule``) and, per task, the iteration whose finish the run waits for before
+    submitting it (None: submitted at the start)."""
     compiler = TaskCompiler(pipeline, plan, versions)
-    data = pipeline.spec.data
-    rows = rows if rows is not None else data.batch_size * data.samples_per_prompt
-    live: dict[int, IterationTasks] = {}
-    specs: list[TaskSpec] = []
+    rows = rows if rows is not None else batch_rows(pipeline)
+    specs: list[Task] = []
     gates: list[int | None] = []
     gate: int | None = None
-    for step in loop_steps(first, iterations, plan.max_staleness):
-        new: list[TaskSpec] = []
-        if step.kind == "ahead":
-            it, source = compiler.begin(step.iteration, rows)
-            live[step.iteration] = it
-            new = source + compiler.stages(it, live.get(step.previous), ahead=True)
-        elif step.kind == "main":
-            it = live[step.iteration]
-            new = compiler.stages(it, live.get(step.previous), ahead=False,
-                                  later=live.get(step.later))
-            new += compiler.stores(it) + compiler.iteration_checkpoint(it)
-        elif step.kind == "finish":
-            gate = step.iteration
+    for step in schedule(compiler, first, iterations, rows):
+        new: list[Task] = []
+        if isinstance(step, Begin):
+            new = [*step.source, *step.ahead]
+        elif isinstance(step, Main):
+            new = [*step.stages, *step.stores, *step.checkpoint]
+        elif isinstance(step, Finish):
+            gate = step.it.index
         specs += new
         gates += [gate] * len(new)
     return specs, gates
 
 
-def by_id(specs: list[TaskSpec]) -> dict[str, TaskSpec]:
+def by_id(specs: list[Task]) -> dict[str, Task]:
     """Specs by id (ids are unique within a run)."""
     out: dict[str, Any] = {}
     for s in specs:

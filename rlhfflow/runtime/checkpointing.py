@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.plan.compiler import TaskSpec
+from rlhfflow.plan.tasks import CheckpointTask
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.stages import ModelConfig
 from rlhfflow.storage import Checkpoint, CheckpointStore, ExperienceBuffer, MetricsLog
@@ -71,7 +71,7 @@ class Checkpointer:
         self.wait = wait  # (handles by label, iteration) -> None; raises RunError
         self.pending: dict[int, tuple[Path, dict[str, list[Any]]]] = {}
 
-    def submit(self, k: int, specs: list[TaskSpec]) -> None:
+    def submit(self, k: int, specs: list[CheckpointTask]) -> None:
         """Submit the checkpoint tasks of iteration ``k`` into a fresh directory."""
         if not specs:
             return

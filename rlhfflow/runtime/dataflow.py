@@ -1,23 +1,26 @@
-"""The thin step from task specs to tasks: each ``TaskSpec`` becomes one backend task
-(a Dask future, or a result run inline) whose arguments are the futures of the specs it
-refers to. Nothing here decides a dependency; ``rlhfflow.plan.compiler`` does.
+"""The thin step from tasks to backend tasks: each ``rlhfflow.plan.tasks.Task`` becomes
+one backend task (a Dask future, or a result run inline) whose arguments are the futures
+of the tasks it refers to, dispatched on the task's type. Nothing here decides a
+dependency; ``rlhfflow.plan.compiler`` does. Every backend key maps back to its task
+(``task_of``), so a failure is attributed without parsing the key.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
+from functools import singledispatchmethod
 from typing import Any
 
-from rlhfflow.plan.compiler import (
-    CHECKPOINT,
-    EXPORT,
-    INSTALL,
-    SOURCE_KIND,
-    STAGE,
-    STORE,
+from rlhfflow.plan.tasks import (
+    CheckpointTask,
+    ExportTask,
+    InstallTask,
     Part,
-    TaskSpec,
+    SourceTask,
+    StageTask,
+    StoreTask,
+    Task,
 )
 from rlhfflow.runtime.worker.host import (
     StoreRows,
@@ -46,19 +49,24 @@ class Dataflow:
         self.stored = list(stored)
         self.handles: dict[str, Any] = {}
         self._iteration: dict[str, int] = {}
+        self._tasks: dict[str, Task] = {}  # backend key -> task
 
-    def submit(self, specs: Iterable[TaskSpec], batch: Batch | None = None,
+    def submit(self, specs: Iterable[Task], batch: Batch | None = None,
                directory: str | None = None) -> list[Any]:
         """Submit ``specs`` in order (each after the specs it refers to); ``batch`` is
         the iteration's source data for source specs, ``directory`` the checkpoint being
         assembled for checkpoint specs. Returns their handles."""
         out = []
         for spec in specs:
-            handle = self._submit(spec, batch, directory)
+            handle = self._submit(spec, batch=batch, directory=directory)
             self.handles[spec.id] = handle
             self._iteration[spec.id] = spec.iteration
             out.append(handle)
         return out
+
+    def task_of(self, key: str) -> Task | None:
+        """The task a backend key was submitted for (None: not one of this dataflow's)."""
+        return self._tasks.get(key)
 
     def __getitem__(self, ids: Iterable[str]) -> list[Any]:
         """The handles of ``ids``."""
@@ -69,50 +77,67 @@ class Dataflow:
         any more), so Dask can release their results."""
         for key in [k for k, i in self._iteration.items() if 0 <= i < iteration]:
             del self.handles[key], self._iteration[key]
+        self._tasks = {k: t for k, t in self._tasks.items() if not 0 <= t.iteration < iteration}
 
     def clear(self) -> None:
         """Forget every handle (after a recovery cut the run back)."""
         self.handles.clear()
         self._iteration.clear()
+        self._tasks.clear()
 
-    # ----------------------------------------------------------------- one spec
-    def _submit(self, spec: TaskSpec, batch: Batch | None, directory: str | None) -> Any:
-        k = spec.iteration
-        if spec.kind == SOURCE_KIND:
-            where = self.addresses[spec.workers[0]] if spec.workers else None
-            # named for the dashboard: "scatter-prompts" on its progress bars, not "dict"
-            return self.backend.place(slice_batch(batch, *spec.rows), where,
-                                      key=f"scatter-prompts-{k}-{uuid.uuid4().hex[:8]}")
-        waits = self[spec.waits]
-        if spec.kind == STAGE:
-            task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
-            args = [task, k, self._parts(spec.parts), waits, dict(spec.versions)]
-            args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
-            if spec.stores:
-                args.append(StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored),
-                                      spec.returns_rows, spec.reports))
-            return self._task(spec, stage_task, *args)
-        if spec.kind == STORE:
-            return self._task(spec, store_task, self.buffer_path, k, spec.rows[0],
-                              self._parts(spec.parts), self.stored, waits)
-        if spec.kind == EXPORT:
-            return self._task(spec, export_weights_task, spec.model, k,
-                              self[spec.parts[0].refs])
-        if spec.kind == INSTALL:
-            [export] = self[spec.parts[0].refs]
-            return self._task(spec, install_weights_task, export, spec.version, k, waits)
-        if spec.kind == CHECKPOINT:
-            return self._task(spec, checkpoint_task, spec.model, directory, waits, spec.rank)
-        raise ValueError(f"task {spec.id!r}: unknown kind {spec.kind!r}")
+    # ----------------------------------------------------------------- one task
+    @singledispatchmethod
+    def _submit(self, spec: Task, **context: Any) -> Any:
+        raise TypeError(f"task {spec.id!r}: no way to submit a {type(spec).__name__}")
 
-    def _task(self, spec: TaskSpec, fn, *args: Any) -> Any:
-        return self.backend.submit(fn, *args, key=f"{spec.id}-{uuid.uuid4().hex[:8]}",
-                                   worker=self._where(spec), retries=spec.retries,
-                                   priority=spec.priority)
+    @_submit.register
+    def _(self, spec: SourceTask, *, batch: Batch | None, **context: Any) -> Any:
+        where = self.addresses[spec.workers[0]] if spec.workers else None
+        # named for the dashboard: "scatter-prompts" on its progress bars, not "dict"
+        return self.backend.place(slice_batch(batch, *spec.rows), where,
+                                  key=f"scatter-prompts-{spec.iteration}-{uuid.uuid4().hex[:8]}")
+
+    @_submit.register
+    def _(self, spec: StageTask, **context: Any) -> Any:
+        task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
+        args = [task, spec.iteration, self._parts(spec.parts), self[spec.wait_ids()],
+                dict(spec.versions)]
+        args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
+        if spec.stores:
+            args.append(StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored),
+                                  spec.returns_rows, spec.reports))
+        return self._task(spec, stage_task, *args)
+
+    @_submit.register
+    def _(self, spec: StoreTask, **context: Any) -> Any:
+        return self._task(spec, store_task, self.buffer_path, spec.iteration, spec.rows[0],
+                          self._parts(spec.parts), self.stored, self[spec.wait_ids()])
+
+    @_submit.register
+    def _(self, spec: ExportTask, **context: Any) -> Any:
+        return self._task(spec, export_weights_task, spec.model, spec.iteration,
+                          self[spec.parts[0].refs])
+
+    @_submit.register
+    def _(self, spec: InstallTask, **context: Any) -> Any:
+        [export] = self[spec.parts[0].refs]
+        return self._task(spec, install_weights_task, export, spec.version, spec.iteration,
+                          self[spec.wait_ids()])
+
+    @_submit.register
+    def _(self, spec: CheckpointTask, *, directory: str | None, **context: Any) -> Any:
+        return self._task(spec, checkpoint_task, spec.model, directory,
+                          self[spec.wait_ids()], spec.rank)
+
+    def _task(self, spec: Task, fn, *args: Any) -> Any:
+        key = f"{spec.id}-{uuid.uuid4().hex[:8]}"
+        self._tasks[key] = spec
+        return self.backend.submit(fn, *args, key=key, worker=self._where(spec),
+                                   retries=spec.retries, priority=spec.priority)
 
     def _parts(self, parts: tuple[Part, ...]) -> list[dict[str, Any]]:
         return [part(self[p.refs], p.rows) for p in parts]
 
-    def _where(self, spec: TaskSpec) -> list[str] | None:
+    def _where(self, spec: Task) -> list[str] | None:
         """The addresses a task may run on (None: any worker)."""
         return [self.addresses[w] for w in spec.workers] or None

@@ -6,7 +6,7 @@ What each iteration's tasks are (micro-batches streaming through the stages, fus
 model edges within and across iterations, bounded staleness, gangs, weight syncs to
 shadows, stores, checkpoints) is decided by ``rlhfflow.plan.compiler`` as plain task
 specs; ``rlhfflow.runtime.dataflow`` submits them to Dask; ``checkpointing`` and
-``telemetry`` keep checkpoints and measurements. The loop follows ``loop_steps``:
+``telemetry`` keep checkpoints and measurements. The loop follows ``schedule``:
 iteration k+1 is submitted while k runs, so the scheduler starts it the moment the new
 weights exist.
 """
@@ -31,7 +31,15 @@ from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.monitor import RunMonitor
 from rlhfflow.plan.auto.planner import PlanChoice, choose_plan, load_profile, resolve_plan
-from rlhfflow.plan.compiler import IterationTasks, TaskCompiler, loop_steps
+from rlhfflow.plan.compiler import (
+    Begin,
+    IterationTasks,
+    Main,
+    Start,
+    TaskCompiler,
+    batch_rows,
+    schedule,
+)
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.plan.placement import ExecutionPlan, PlanError, model_sizes
 from rlhfflow.runtime.backend import (
@@ -559,29 +567,26 @@ class Executor:
         a checkpoint of the last one."""
         spec = self.pipeline.spec
         records: list[dict[str, Any]] = []
-        live: dict[int, IterationTasks] = {}
-        unfinished: list[int] = []
+        unfinished: dict[int, IterationTasks] = {}
         self.telemetry.restart(self.addresses, self._layout())
-        for step in loop_steps(first, spec.iterations, self.plan.max_staleness,
-                               self.backend.pipelined):
-            k = step.iteration
-            if step.kind == "start":
+        for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
+                             self.backend.pipelined):
+            if isinstance(step, Start):
                 if self.stop is not None and self.stop.is_set():
-                    in_flight = f"iteration {unfinished[-1]}" if unfinished else "nothing"
+                    in_flight = f"iteration {list(unfinished)[-1]}" if unfinished else "nothing"
                     self._say(f"rlhfflow: stopping: finishing {in_flight} in flight, then "
                               f"saving a checkpoint")
                     break
-            elif step.kind == "ahead":
-                live[k] = self._begin(k, live.get(step.previous))
-            elif step.kind == "main":
-                self._submit_main(live[k], live.get(step.previous), live.get(step.later))
-                unfinished.append(k)
+            elif isinstance(step, Begin):
+                self._begin(step)
+            elif isinstance(step, Main):
+                self._submit_main(step)
+                unfinished[step.it.index] = step.it
             else:
-                records.append(self._finish(live.pop(k)))
-                unfinished.remove(k)
-                self.dataflow.forget_before(k)
-        for k in unfinished:  # stopped: the iteration in flight
-            records.append(self._finish(live.pop(k)))
+                records.append(self._finish(unfinished.pop(step.it.index)))
+                self.dataflow.forget_before(step.it.index)
+        for it in unfinished.values():  # stopped: the iteration in flight
+            records.append(self._finish(it))
         last = records[-1]["iteration"] if records else first - 1
         if last > self.last_checkpoint:
             self.checkpointer.submit(last, self.compiler.checkpoint(last, {}))
@@ -607,23 +612,25 @@ class Executor:
                 self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
                           f"{measured:.3f} s ({error:+.0%}){hint}")
 
-    def _begin(self, k: int, previous: IterationTasks | None) -> IterationTasks:
-        """Iteration ``k``: its prompts, placed next to the first stage's tasks, and the
-        stages that run ahead."""
+    def _begin(self, step: Begin) -> None:
+        """An iteration's prompts, placed next to the first stage's tasks, and the stages
+        that run ahead."""
+        k = step.it.index
         batch = self.source.batch(k)
+        if len(batch["prompt_ids"]) != step.it.rows:
+            raise RunError(f"iteration {k} has {len(batch['prompt_ids'])} rows, "
+                           f"{step.it.rows} were compiled")
         # the coordinator keeps the iteration's text (prompts, record fields) for the
         # buffer: zarr metadata and ragged text are its to write
         self._begun[k] = (batch["prompt_ids"].shape[1],
                           {c: list(batch[c]) for c in TEXT_COLUMNS if c in batch})
-        it, source = self.compiler.begin(k, len(batch["prompt_ids"]))
-        self.dataflow.submit(source, batch)
-        self.dataflow.submit(self.compiler.stages(it, previous, ahead=True))
-        return it
+        self.dataflow.submit(step.source, batch)
+        self.dataflow.submit(step.ahead)
 
-    def _submit_main(self, it: IterationTasks, previous: IterationTasks | None,
-                     later: IterationTasks | None) -> None:
-        """The iteration's arrays (the coordinator creates them), then the rest of
-        iteration ``it``'s stages, its stores and, when due, its checkpoint."""
+    def _submit_main(self, step: Main) -> None:
+        """The iteration's arrays (the coordinator creates them), then the rest of the
+        iteration's stages, its stores and, when due, its checkpoint."""
+        it = step.it
         k = it.index
         prompt_len, texts = self._begun.pop(k)
         lengths = {"prompt": prompt_len, "response": self._response_len()}
@@ -633,10 +640,10 @@ class Executor:
         self.buffer.begin_iteration(k, it.rows, schema, chunk_rows=chunk,
                                     attrs={"pipeline": self.pipeline.name})
         self.buffer.write_text(k, texts)
-        # after the arrays: a stage task may store its own rows (TaskSpec.stores)
-        self.dataflow.submit(self.compiler.stages(it, previous, ahead=False, later=later))
-        self.dataflow.submit(self.compiler.stores(it))
-        self.checkpointer.submit(k, self.compiler.iteration_checkpoint(it))
+        # after the arrays: a stage task may store its own rows (StageTask.stores)
+        self.dataflow.submit(step.stages)
+        self.dataflow.submit(step.stores)
+        self.checkpointer.submit(k, step.checkpoint)
 
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
@@ -693,7 +700,7 @@ class Executor:
         results = dict(zip(map(id, wanted), self.backend.gather(wanted), strict=True))
         # a stage task that stored its own rows returns the store's sums with its result
         partials = [r[STORED] if STORED in r else r for r in (results[id(h)] for h in stores)]
-        # an iteration that is one task brings its worker's timings (TaskSpec.reports)
+        # an iteration that is one task brings its worker's timings (StageTask.reports)
         timings = [p.pop(TIMINGS) for p in partials if TIMINGS in p]
         responses = [t for p in partials for t in p.pop("response_text", [])]
         if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
@@ -736,10 +743,11 @@ class Executor:
                 # a gang's survivors fail in their collective when a peer dies: that is
                 # the lost worker (recoverable), not the stage's fault
                 self.backend.check_alive(self.addresses, grace=5.0)
-            stage, cause = exc.key.split("-")[0], exc.cause
-            # a fused task is retried as often as the most retried stage in it
-            retries = max((self.pipeline.spec.stages[s].retries for s in stage.split("+")
-                           if s in self.pipeline.spec.stages), default=0)
+            task, cause = self.dataflow.task_of(exc.key), exc.cause
+            # the task's label (fused stages joined by +); a key submitted outside the
+            # dataflow (a model build or save) names itself
+            stage = task.label if task is not None else exc.key.rpartition("-")[0]
+            retries = task.retries if task is not None else 0
             if isinstance(cause, StageFailed):  # one stage of a fused task
                 stage, cause = cause.stage, cause.cause
             if _is_disk_full(cause):

@@ -53,7 +53,7 @@ class Telemetry:
         """Pull the workers' task intervals: per-iteration stage times, per worker the
         finished intervals (kept for the busy fraction and in tasks.jsonl); returns the
         running ones. ``reports`` came with the result of an iteration that was one task
-        (``TaskSpec.reports``): they are all its timings, and no worker is asked."""
+        (``StageTask.reports``): they are all its timings, and no worker is asked."""
         # timings are diagnostics: a worker that died with its timings loses them
         running: dict[int, list[tuple[float, float]]] = {}
         intervals = []

@@ -26,9 +26,9 @@ from typing import Any
 from rlhfflow.config.loader import derive
 from rlhfflow.plan.auto.costmodel import CostModel, Profile, ProfileError
 from rlhfflow.plan.auto.simulate import Simulation, simulate
-from rlhfflow.plan.compiler import SOURCE_KIND, STAGE
 from rlhfflow.plan.layout import default_torch_threads, layouts
 from rlhfflow.plan.placement import STRATEGIES, ExecutionPlan, PlanError, make_plan
+from rlhfflow.plan.tasks import SourceTask, StageTask
 
 SEARCH_BUDGET_S = 1.5
 FINAL_RUNNERS = 6  # candidates simulated again at full length before the choice
@@ -121,7 +121,7 @@ class PlanChoice:
         out: dict[str, float] = defaultdict(float)
         iterations = len(c.simulation.finishes) or 1
         for spec in c.simulation.specs:
-            if spec.kind != STAGE:
+            if not isinstance(spec, StageTask):
                 continue
             rows = spec.rows[1] - spec.rows[0]
             gang = len(spec.gang) or 1
@@ -236,7 +236,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
 
 def tasks_per_iteration(c: Candidate) -> float:
     """The tasks (not counting prompt batches) one iteration of ``c`` compiles to."""
-    specs = [s for s in c.simulation.specs if s.iteration >= 0 and s.kind != SOURCE_KIND]
+    specs = [s for s in c.simulation.specs if s.iteration >= 0 and not isinstance(s, SourceTask)]
     return len(specs) / max(1, len({s.iteration for s in specs}))
 
 

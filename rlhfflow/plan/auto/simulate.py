@@ -21,18 +21,19 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import singledispatch
 from typing import Any
 
 from rlhfflow.plan.auto.costmodel import CostModel
-from rlhfflow.plan.compiler import (
-    CHECKPOINT,
-    EXPORT,
-    INSTALL,
-    SOURCE_KIND,
-    STAGE,
-    STORE,
-    TaskSpec,
-    compile_run,
+from rlhfflow.plan.compiler import compile_run
+from rlhfflow.plan.tasks import (
+    CheckpointTask,
+    ExportTask,
+    InstallTask,
+    SourceTask,
+    StageTask,
+    StoreTask,
+    Task,
 )
 
 
@@ -45,7 +46,7 @@ class Simulation:
     finishes: dict[int, float] = field(default_factory=dict)
     iteration_s: float = 0.0
     busy_frac: list[float] = field(default_factory=list)
-    specs: list[TaskSpec] = field(default_factory=list)
+    specs: list[Task] = field(default_factory=list)
 
     def timeline(self, iteration: int, n_workers: int, width: int = 64) -> list[str]:
         """A text Gantt chart of ``iteration`` per worker: one letter per stage."""
@@ -91,22 +92,38 @@ def simulate(pipeline, plan, cost: CostModel, threads: int, iterations: int = 6,
                 pipeline.spec.checkpoint.every)
 
 
-def _duration(spec: TaskSpec, cost: CostModel, threads: int, contended: bool) -> float:
+@singledispatch
+def _duration(spec: Task, cost: CostModel, threads: int, contended: bool) -> float:
+    return 0.0  # a source task: the prompts are placed, not computed
+
+
+@_duration.register
+def _(spec: StageTask, cost: CostModel, threads: int, contended: bool) -> float:
     rows = spec.rows[1] - spec.rows[0]
-    if spec.kind == STAGE:
-        gang = len(spec.gang) if spec.gang else 1
-        store = cost.stage_seconds("store", rows, threads, contended=contended) \
-            if spec.stores else 0.0
-        return store + sum(cost.stage_seconds(s, rows, threads, gang, contended)
-                           for s in spec.stages)
-    if spec.kind == STORE:
-        return cost.stage_seconds("store", rows, threads, contended=contended)
-    if spec.kind in (EXPORT, INSTALL):
-        shape = cost.shapes.get(spec.model)
-        return cost.transfer_seconds(shape.nbytes if shape else 0) / 2
-    if spec.kind == CHECKPOINT:
-        return cost.checkpoint_seconds(spec.model)
-    return 0.0
+    gang = len(spec.gang) if spec.gang else 1
+    store = cost.stage_seconds("store", rows, threads, contended=contended) \
+        if spec.stores else 0.0
+    return store + sum(cost.stage_seconds(s, rows, threads, gang, contended)
+                       for s in spec.stages)
+
+
+@_duration.register
+def _(spec: StoreTask, cost: CostModel, threads: int, contended: bool) -> float:
+    return cost.stage_seconds("store", spec.rows[1] - spec.rows[0], threads,
+                              contended=contended)
+
+
+@_duration.register(ExportTask)
+@_duration.register(InstallTask)
+def _(spec: ExportTask | InstallTask, cost: CostModel, threads: int, contended: bool
+      ) -> float:
+    shape = cost.shapes.get(spec.model)
+    return cost.transfer_seconds(shape.nbytes if shape else 0) / 2
+
+
+@_duration.register
+def _(spec: CheckpointTask, cost: CostModel, threads: int, contended: bool) -> float:
+    return cost.checkpoint_seconds(spec.model)
 
 
 def _amortized(iterations: list[int], gaps: list[float], saved: set[int], every: int
@@ -125,7 +142,7 @@ def _amortized(iterations: list[int], gaps: list[float], saved: set[int], every:
     return base + (sum(gaps) - base * len(gaps)) / (count * every)
 
 
-def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: CostModel,
+def _run(specs: list[Task], gates: list[int | None], n_workers: int, cost: CostModel,
          threads: int, iterations: int, contended: bool = False,
          checkpoint_every: int = 0) -> Simulation:
     d = cost.device
@@ -138,7 +155,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
             users[r].append(s.id)
     per_iteration: dict[int, int] = defaultdict(int)
     for s in specs:
-        if s.kind != SOURCE_KIND:
+        if not isinstance(s, SourceTask):
             per_iteration[s.iteration] += 1
     gated: dict[int | None, list[str]] = defaultdict(list)
     for s, g in zip(specs, gates, strict=True):
@@ -176,7 +193,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
     def complete(task_id: str, t: float) -> None:
         spec = spec_of[task_id]
         finish[task_id] = t
-        moving = spec.kind != SOURCE_KIND
+        moving = not isinstance(spec, SourceTask)
         if moving:
             done_count[spec.iteration] += 1
             last_end[spec.iteration] = max(last_end[spec.iteration], t)
@@ -219,7 +236,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
             job["since"] = now
             push_end(key, job, slowed)
 
-    def start(key: str, spec: TaskSpec, ids: list[str], workers: list[int]) -> None:
+    def start(key: str, spec: Task, ids: list[str], workers: list[int]) -> None:
         """``ids`` (one task, or a gang's ranks on ``workers``) start computing now."""
         fast = _duration(spec, cost, threads, False)
         slow = _duration(spec, cost, threads, True) if contended else fast
@@ -233,7 +250,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
         push_end(key, job, crowded())
         respeed(was)
 
-    def choose(spec: TaskSpec) -> int | None:
+    def choose(spec: Task) -> int | None:
         allowed = spec.workers or tuple(range(n_workers))
         free = [w for w in allowed if not busy[w]]
         if not free:
@@ -256,7 +273,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
         while ready:
             item = heapq.heappop(ready)
             spec = specs[item[1]]
-            if spec.kind == SOURCE_KIND:
+            if isinstance(spec, SourceTask):
                 complete(spec.id, now)
                 continue
             w = choose(spec)
@@ -265,7 +282,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
                 continue
             busy[w] = True
             where[spec.id] = w
-            if spec.gang:  # a rank computes once every rank is there (collectives)
+            if isinstance(spec, StageTask) and spec.gang:  # a rank computes once every rank is there (collectives)
                 group = (spec.iteration, spec.stages, spec.gang)
                 gang_started[group].append(spec.id)
                 if len(gang_started[group]) == len(spec.gang):
@@ -307,7 +324,7 @@ def _run(specs: list[TaskSpec], gates: list[int | None], n_workers: int, cost: C
     gaps = [b - a for a, b in zip(finishes, finishes[1:], strict=False)]
     steady = gaps[:-1] if len(gaps) > 1 else gaps  # as the run: not the last iteration
     sim.iteration_s = sum(steady) / len(steady) if steady else (finishes[-1] if finishes else 0)
-    saved = {s.iteration for s in specs if s.kind == CHECKPOINT}
+    saved = {s.iteration for s in specs if isinstance(s, CheckpointTask)}
     if steady and saved and checkpoint_every > 1:
         sim.iteration_s = _amortized(sorted(sim.finishes)[1:len(steady) + 1], steady, saved,
                                      checkpoint_every)

@@ -278,10 +278,10 @@ returns its worker's task timings: ``pop_timings`` and the worker's address."""
 @dataclass(frozen=True)
 class StoreRows:
     """What a stage task that writes its own rows to the buffer needs (in place of a
-    store task: ``TaskSpec.stores``): the buffer, the first row, the columns stored,
+    store task: ``StageTask.stores``): the buffer, the first row, the columns stored,
     whether the task still returns its columns (``False`` when no other task reads them)
     and whether it returns its worker's timings too (``TIMINGS``: the iteration's only
-    task, ``TaskSpec.reports``)."""
+    task, ``StageTask.reports``)."""
 
     path: str
     start_row: int
