@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlhfflow.config import load_pipeline
 from rlhfflow.plan.layout import default_torch_threads
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from shared import check_gangs, print_stage_table, shared_cluster
 
 from rlhfflow.config import load_pipeline
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

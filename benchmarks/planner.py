@@ -30,8 +30,8 @@ from pathlib import Path
 from rlhfflow.config import load_pipeline
 from rlhfflow.plan.auto.planner import load_profile, plan_for_cli
 from rlhfflow.plan.placement import STRATEGIES
-from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.runtime.profiler import profile_pipeline
+from rlhfflow.runtime.run import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = (*STRATEGIES, "auto")

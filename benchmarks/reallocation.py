@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.shared import shared_cluster  # noqa: E402
 from rlhfflow.config import load_pipeline  # noqa: E402
-from rlhfflow.runtime.executor import run_pipeline  # noqa: E402
+from rlhfflow.runtime.run import run_pipeline  # noqa: E402
 
 
 def pipeline(args: argparse.Namespace, out: Path, migrate: bool) -> dict:

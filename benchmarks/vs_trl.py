@@ -179,7 +179,7 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
     """One rlhfflow run with the pipeline's own settings; the per-iteration times and
     rewards from its metrics."""
     from rlhfflow.config import load_pipeline
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
 
     out = Path(job["output"])
     first_done: list[float] = []

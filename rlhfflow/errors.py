@@ -1,11 +1,36 @@
-"""Errors that more than one layer of rlhfflow raises."""
+"""rlhfflow's errors: one family, two kinds.
+
+``UserError``: a mistake in what the user gave (a pipeline file, a data file, a path, an
+option): the command line prints its one line and exits 2. ``RunError``: the run cannot
+go on (a stage failed, a worker stayed away, the disk is full): one line, exit 1. The
+command line maps the family once (``rlhfflow.cli.main``); any other exception is a bug
+and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-class SpecError(Exception):
+class RlhfflowError(Exception):
+    """Base of rlhfflow's own errors; ``exit_code`` is what the command line exits with."""
+
+    exit_code = 1
+
+
+class UserError(RlhfflowError):
+    """A mistake in what the user gave: one line naming the file, key or argument."""
+
+    exit_code = 2
+
+
+class RunError(RlhfflowError, RuntimeError):
+    """The run cannot go on: names the stage, the iteration and the cause."""
+
+    exit_code = 1
+
+
+class SpecError(UserError):
     """A mistake in a pipeline file: the file, the key path and what was expected."""
 
     def __init__(self, file: str | Path, path: str, message: str) -> None:

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rlhfflow.config.loader import load_pipeline
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import small_pipeline
 

@@ -19,7 +19,7 @@ from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.data.records import DataError
 from rlhfflow.runtime.budget import score_error_budget
-from rlhfflow.runtime.executor import RunError, run_pipeline
+from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.runtime.worker.host import partial_metrics
 from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.storage import ExperienceBuffer, MetricsLog

@@ -135,7 +135,7 @@ def test_a_two_worker_run_distils_the_draft_and_repeats_exactly(cluster, tmp_pat
     weights, the ordering a race would break."""
     import numpy as np
 
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
     from rlhfflow.storage import ExperienceBuffer
 
     def run(name: str):

@@ -18,7 +18,8 @@ from distributed import Client, get_task_stream
 
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.runtime.backend import DaskBackend
-from rlhfflow.runtime.executor import Executor, RunError, run_pipeline
+from rlhfflow.runtime.executor import Executor
+from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.runtime.runstate import prepare_output
 from rlhfflow.runtime.worker.host import resident_models
 from rlhfflow.storage import ExperienceBuffer, MetricsLog

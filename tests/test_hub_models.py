@@ -25,7 +25,7 @@ from rlhfflow.engine.models import (
     load_model,
     save_model,
 )
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage.metrics import MetricsLog
 from tests.conftest import small_pipeline
 

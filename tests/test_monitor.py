@@ -17,7 +17,7 @@ from rlhfflow.config.spec import SpecError
 from rlhfflow.monitor.dashboard import latest_run, page_columns
 from rlhfflow.monitor.report import build_report
 from rlhfflow.monitor.sinks import flat_metrics
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import small_pipeline
 

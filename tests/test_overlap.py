@@ -16,7 +16,7 @@ from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.engine.models import load_model
 from rlhfflow.plan.auto.planner import resolve_plan
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import CONFIGS, small_pipeline
 

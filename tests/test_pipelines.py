@@ -17,7 +17,7 @@ from rlhfflow.cli.main import main as cli
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.runtime.budget import skipping_stage
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from rlhfflow.stages.inference import ScoreStage
 from rlhfflow.stages.preference import dpo_pair_loss

@@ -18,7 +18,7 @@ from rlhfflow.engine.parallel import free_port
 from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.plan.placement import PlanError
 from rlhfflow.runtime.backend import start_fork_server
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"

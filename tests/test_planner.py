@@ -22,8 +22,8 @@ from rlhfflow.plan.auto.costmodel import (
 from rlhfflow.plan.auto.planner import RANK_TASK_S, choose_plan, resolve_plan, tasks_per_iteration
 from rlhfflow.plan.auto.simulate import simulate
 from rlhfflow.plan.placement import STRATEGIES, PlanError, make_plan
-from rlhfflow.runtime.executor import run_pipeline
 from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from tests.conftest import CONFIGS, small_pipeline
 
 PPO = CONFIGS / "ppo-tiny.yaml"

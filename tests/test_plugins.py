@@ -22,7 +22,7 @@ from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import AlgorithmSpec, SpecError
 from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.runtime.backend import local_cluster
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.stages import base
 from rlhfflow.stages.reference import describe_stage_types, render_markdown
 from rlhfflow.storage import ExperienceBuffer

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rlhfflow.config import load_pipeline
-from rlhfflow.runtime.executor import RunError, run_pipeline
+from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import DATA, small_pipeline
 

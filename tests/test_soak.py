@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.soak import check, run_supervised, write_pipeline
 from rlhfflow.config.loader import load_pipeline
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime.run import run_pipeline
 
 
 @pytest.mark.slow

@@ -775,7 +775,7 @@ def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
     import json
 
     from rlhfflow.config.loader import load_pipeline
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
     from rlhfflow.storage import ExperienceBuffer
     from tests.conftest import small_pipeline
 

@@ -26,15 +26,11 @@ def first_line(exc: BaseException) -> str:
 
 @contextmanager
 def pipeline_errors() -> Iterator[None]:
-    """Turn a bad pipeline file, data file or path into a one-line ``UserError``."""
-    from rlhfflow.config.spec import SpecError
-    from rlhfflow.data.records import DataError
-
+    """Turn a path that is not there into a one-line ``UserError`` (a bad pipeline or
+    data file is an ``rlhfflow.errors.UserError``, which the group turns into one)."""
     try:
         yield
-    except SpecError as exc:
-        raise UserError(str(exc)) from None
-    except (DataError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
         raise UserError(first_line(exc)) from None
 
 
@@ -87,17 +83,6 @@ SET_OPTION = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
     help="Override any key of the file, as a dotted path and a YAML value; repeatable. "
          "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated")
-
-
-@contextmanager
-def profile_errors() -> Iterator[None]:
-    """A profile that cannot be used is a one-line ``UserError``."""
-    from rlhfflow.plan.auto.costmodel import ProfileError
-
-    try:
-        yield
-    except ProfileError as exc:
-        raise UserError(first_line(exc)) from None
 
 
 def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:

@@ -30,11 +30,22 @@ from rlhfflow.cli import (
     warm,
 )
 from rlhfflow.cli.common import first_line
+from rlhfflow.errors import RlhfflowError
 
 
 class _Commands(click.Group):
     """The ``rlhfflow`` group: from the command line, ``rlhfflow run`` is handed to a
-    warm server when one is up (``rlhfflow.launch.warm``)."""
+    warm server when one is up (``rlhfflow.launch.warm``). Every command's rlhfflow
+    error (``rlhfflow.errors``) becomes its one line and exit code here: 2 for a user's
+    mistake, 1 for a run that cannot go on."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RlhfflowError as exc:
+            error = click.ClickException(first_line(exc))
+            error.exit_code = exc.exit_code
+            raise error from None
 
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         if args is None:  # the command line (an explicit list: a test, or the warm fork)

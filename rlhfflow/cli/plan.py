@@ -8,12 +8,10 @@ import click
 
 from rlhfflow.cli.common import (
     SET_OPTION,
-    UserError,
     load,
     merge_options,
     parse_sets,
     pipeline_errors,
-    profile_errors,
 )
 
 
@@ -65,16 +63,13 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
     pipeline = load(file, overrides)
     from rlhfflow.plan.auto.planner import describe_choice, load_profile, plan_for_cli
 
-    with pipeline_errors(), profile_errors():
+    with pipeline_errors():
         profile = load_profile(pipeline)
         choice = plan_for_cli(pipeline, profile, workers)
         if explain_stage is not None:
-            from rlhfflow.plan.explain import ExplainError, explain
+            from rlhfflow.plan.explain import explain
 
-            try:
-                lines = explain(choice.pipeline, choice.best.plan, explain_stage)
-            except ExplainError as exc:
-                raise UserError(str(exc)) from None
+            lines = explain(choice.pipeline, choice.best.plan, explain_stage)
             click.echo(f"plan: {choice.best.plan.strategy} on {choice.best.plan.n_workers} "
                        f"worker(s)")
             click.echo("\n".join(lines))

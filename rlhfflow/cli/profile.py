@@ -9,11 +9,9 @@ import click
 from rlhfflow.cli.common import (
     SET_OPTION,
     UserError,
-    first_line,
     load,
     parse_sets,
     pipeline_errors,
-    profile_errors,
 )
 
 
@@ -50,13 +48,12 @@ def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str
     pipeline = load(file, parse_sets(sets))
     from rlhfflow.plan.auto.costmodel import Profile, machine_info, model_shapes
     from rlhfflow.plan.auto.planner import default_profile_path
-    from rlhfflow.runtime.executor import RunError
     from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
 
     path = Path(output) if output else default_profile_path(pipeline)
     if pipeline.spec.data is None:
         raise UserError(f"{file}: the pipeline has no iterations to profile (no 'data')")
-    with pipeline_errors(), profile_errors():
+    with pipeline_errors():
         if from_runs:
             found = Profile.load(path) if path.exists() else Profile(
                 pipeline.name, machine_info(),
@@ -68,11 +65,8 @@ def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str
                 found.observations += added
                 click.echo(f"added {len(added)} task(s) from {run_dir}")
         else:
-            try:
-                found = profile_pipeline(pipeline, iterations=iterations,
-                                         say=lambda line: click.echo(line, err=True))
-            except RunError as exc:
-                raise click.ClickException(first_line(exc)) from None
+            found = profile_pipeline(pipeline, iterations=iterations,
+                                     say=lambda line: click.echo(line, err=True))
         found.save(path)
     click.echo(f"profile: {len(found.observations)} measured task(s) of "
                f"{len(found.shapes)} model(s) on {found.machine.get('cpu')} "

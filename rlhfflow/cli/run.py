@@ -115,7 +115,7 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
                              max_restarts, lambda line: click.echo(line, err=True))
         raise SystemExit(code)
-    from rlhfflow.runtime.executor import RunError, run_pipeline
+    from rlhfflow.runtime.run import RunError, run_pipeline
 
     stop = threading.Event()
     previous = _install_stop_handlers(stop, quiet)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from rlhfflow.errors import UserError
 from rlhfflow.stages import SOURCE_COLUMNS, Column
 
 SOURCE = "data"
@@ -55,7 +56,7 @@ class StageNode:
     every: int = 1
 
 
-class CycleError(ValueError):
+class CycleError(UserError, ValueError):
     """The ``after`` edges form a cycle; ``cycle`` lists it, first stage repeated last."""
 
     def __init__(self, cycle: list[str]) -> None:

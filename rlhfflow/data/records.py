@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from rlhfflow.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A problem with a data file: names the file, the line and what was expected."""
 
 

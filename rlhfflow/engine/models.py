@@ -67,6 +67,8 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"
 from transformers.utils import logging as hf_logging
 
+from rlhfflow.errors import UserError
+
 # transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
 # accelerate: ~2.5 s of CPU that a process which only tokenizes prompts and plans (the
 # coordinator of a run, `rlhfflow validate`) never needs. They are imported where used.
@@ -497,7 +499,7 @@ def _check_missing_weights(
 _HUB_ID = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
 
 
-class ModelNotCachedError(FileNotFoundError):
+class ModelNotCachedError(UserError, FileNotFoundError):
     """A Hub id that the local Hugging Face cache does not hold."""
 
 

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 
 from rlhfflow.engine import lean
+from rlhfflow.errors import RlhfflowError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what an optimizer file holds since schedules and the skip budget were added
 _OPTIMIZER_FORMAT = 2
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RlhfflowError, RuntimeError):
     """A NaN or infinite loss or gradient in a training step: names the model and step."""
 
 

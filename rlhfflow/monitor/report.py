@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.errors import UserError
 from rlhfflow.storage import MetricsLog
 
 TASKS_FILE = "tasks.jsonl"
 
 
-class ReportError(Exception):
+class ReportError(UserError):
     """The run directory cannot be reported on: one line naming the path and why."""
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from rlhfflow.config.spec import did_you_mean
+from rlhfflow.errors import UserError
 from rlhfflow.plan.compiler import TaskCompiler, batch_rows, by_id, compile_run
 from rlhfflow.plan.placement import ExecutionPlan
 from rlhfflow.plan.tasks import READS, Rule, SourceTask, StageTask, Task
 
 
-class ExplainError(ValueError):
+class ExplainError(UserError, ValueError):
     """``--explain`` named no stage of the pipeline."""
 
 

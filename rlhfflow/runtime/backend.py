@@ -21,6 +21,7 @@ from typing import Any
 
 import dask
 
+from rlhfflow.errors import RlhfflowError
 from rlhfflow.launch.forkserver import sigint_ignored, start_fork_server, wait_fork_server
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.runtime.worker.host import (
@@ -37,7 +38,7 @@ def _first_key(handles: Sequence[Any], status: str) -> str:
     return next((h.key for h in handles if h.status == status), "task")
 
 
-class TaskFailed(RuntimeError):
+class TaskFailed(RlhfflowError, RuntimeError):
     """A task failed (after its retries): carries the task key and the cause."""
 
     def __init__(self, key: str, cause: BaseException) -> None:
@@ -45,7 +46,7 @@ class TaskFailed(RuntimeError):
         super().__init__(f"{key}: {type(cause).__name__}: {cause}")
 
 
-class WorkerLost(RuntimeError):
+class WorkerLost(RlhfflowError, RuntimeError):
     """A worker that holds resident state left the cluster."""
 
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.errors import RunError
 from rlhfflow.plan.tasks import CheckpointTask
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.stages import ModelConfig
@@ -21,7 +22,7 @@ from rlhfflow.storage import Checkpoint, CheckpointStore, ExperienceBuffer, Metr
 from rlhfflow.storage.errors import truncate_score_errors
 
 
-class CorruptCheckpoint(RuntimeError):
+class CorruptCheckpoint(RunError):
     """A published checkpoint lacks what resuming from it needs."""
 
 

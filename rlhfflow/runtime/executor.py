@@ -13,12 +13,10 @@ weights exist.
 
 from __future__ import annotations
 
-import errno
 import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -26,11 +24,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rlhfflow.config.graph import SOURCE
-from rlhfflow.config.loader import Pipeline, derive
+from rlhfflow.config.loader import Pipeline
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.monitor import RunMonitor
-from rlhfflow.plan.auto.planner import PlanChoice, choose_plan, load_profile, resolve_plan
+from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
 from rlhfflow.plan.compiler import (
     Begin,
     IterationTasks,
@@ -44,10 +42,8 @@ from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.plan.placement import ExecutionPlan, PlanError, model_sizes
 from rlhfflow.runtime.backend import (
     DaskBackend,
-    InlineBackend,
     TaskFailed,
     WorkerLost,
-    _cuda_count,
 )
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (
@@ -58,15 +54,21 @@ from rlhfflow.runtime.checkpointing import (
 )
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
+from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
+from rlhfflow.runtime.models import model_configs, tiny_models
 from rlhfflow.runtime.runstate import (
-    Resume,
-    RunStateError,
     StartPoint,
     identity_digest,
     pipeline_identity,
-    prepare_output,
 )
-from rlhfflow.runtime.telemetry import StartupClock, Telemetry, progress_line, summarise
+from rlhfflow.runtime.telemetry import (
+    StartupClock,
+    Telemetry,
+    dashboard_moved,
+    progress_line,
+    shown_path,
+    summarise,
+)
 from rlhfflow.runtime.worker.host import (
     STORED,
     TIMINGS,
@@ -82,10 +84,6 @@ from rlhfflow.stages import ModelConfig
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
 
 
-class RunError(RuntimeError):
-    """The run cannot go on: names the stage, the iteration and the cause."""
-
-
 @dataclass
 class RunResult:
     """What a finished run leaves behind."""
@@ -98,142 +96,8 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
-                 overwrite: bool = False, resume: Resume = "auto", force: bool = False,
-                 stop: threading.Event | None = None) -> RunResult:
-    """Run ``pipeline`` on its cluster (``cluster.address``, or an embedded cluster) or,
-    with ``inline=True``, in this process without Dask.
-
-    An output directory holding a run of the same pipeline is resumed from its last
-    checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
-    run to finish the iteration in flight, save a checkpoint and return.
-    """
-    clock = StartupClock()
-    clock.mark("load")  # since the process started: imports, reading and checking FILE
-    try:
-        out, start = prepare_output(pipeline, overwrite, resume, force)
-    except RunStateError as exc:
-        raise RunError(str(exc)) from None
-    digest = identity_digest(pipeline_identity(pipeline))
-    auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
-    choice = None
-    if auto and inline:  # one in-process worker: every strategy is the same plan
-        pipeline = derive(pipeline, {"placement.strategy": "colocated"})
-        auto = False
-    elif auto and pipeline.spec.cluster.address is None:
-        # the embedded cluster's workers and threads are the planner's to choose
-        gpus = 0 if pipeline.spec.cluster.device == "cpu" else _cuda_count()
-        workers = min(pipeline.spec.cluster.workers, gpus) if gpus else None
-        choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
-        pipeline = choice.pipeline
-        clock.mark("plan")
-    cluster = pipeline.spec.cluster
-    # the coordinator's own preparation (the prompts, the buffer) overlaps the embedded
-    # cluster's start (its workers are forks of a server importing torch and the model
-    # classes since the command began); an external cluster's plan depends on its
-    # workers, so there it comes after connecting
-    early = None if inline or cluster.address else Executor(pipeline, None, out, progress,
-                                                             start, stop)
-    with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
-        prepared = pool.submit(early.prepare) if early is not None else None
-        try:
-            backend = _connect(cluster, inline)
-        except BaseException:
-            if prepared is not None:
-                prepared.cancel()
-                wait([prepared])
-            raise
-        try:
-            # the workers import torch and the stages while this process prepares
-            warming = backend.warm() if early is not None else []
-            if prepared is not None:
-                prepared.result()
-            backend.wait(warming)
-        except BaseException as exc:
-            backend.close()
-            if isinstance(exc, Exception) and _is_disk_full(exc):
-                raise RunError(_disk_full(exc, "the coordinator")) from None
-            raise
-    clock.mark("cluster" if early is None else "cluster + prompts")
-    try:
-        if auto and choice is None:  # a given cluster: plan for the workers it has
-            choice = choose_plan(pipeline, load_profile(pipeline),
-                                 n_workers=len(backend.workers))
-            pipeline = choice.pipeline
-        executor = early or Executor(pipeline, None, out, progress, start, stop)
-        executor.attach(backend)
-        executor.digest = digest  # of the file as written: what a resume compares
-        executor.choice = choice
-        executor.clock = clock
-        return executor.run()
-    except WorkerLost as exc:  # past the recoveries, or in the final save
-        raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
-    except RunError:
-        raise
-    except Exception as exc:  # the coordinator's own writes: metrics, buffer metadata, ...
-        if _is_disk_full(exc):
-            raise RunError(_disk_full(exc, "the coordinator")) from None
-        raise
-    finally:
-        backend.close()
-
-
-def _shown(path: Path) -> str:
-    """``path`` as a user would type it here: relative to the working directory when
-    inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def _dashboard_moved(wanted: str, link: str) -> str:
-    """The note for an embedded cluster's dashboard that Dask served on another port than
-    ``cluster.dashboard_address`` asked for (it was taken), or ""."""
-    port = wanted.rpartition(":")[2]
-    served = urlsplit(link).port
-    if port in ("", "0") or served is None or port == str(served):
-        return ""
-    return f" (port {port} is in use, another run?)"
-
-
-def _connect(cluster, inline: bool):
-    """The backend: in process, a running scheduler, or an embedded cluster."""
-    if inline:
-        return InlineBackend()
-    try:
-        return DaskBackend.connect(
-            cluster.address, cluster.workers, host=cluster.host,
-            dashboard_address=cluster.dashboard_address,
-            memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
-            device=cluster.device)
-    except OSError as exc:  # TimeoutError too: workers that did not start in time
-        if cluster.address:
-            raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
-                           ) from None
-        raise RunError(f"the embedded cluster did not start: "
-                       f"{str(exc) or type(exc).__name__}") from None
-    except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
-        raise RunError(str(exc)) from None
-
-
 TEXT_COLUMNS = ("prompt_text", "prompt_fields")
 """Source text columns the coordinator stores in the buffer (as utf-8 with offsets)."""
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC, however a library wraps it (safetensors and zarr keep only the message)."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "os error 28" in text
-
-
-def _disk_full(exc: BaseException, who: str) -> str:
-    filename = getattr(exc, "filename", None)
-    where = f" writing {filename}" if filename else ""
-    return (f"no space left on device: {who} failed{where}; free space and run the same "
-            f"command again to resume from the last checkpoint")
 
 
 class Executor:
@@ -243,7 +107,12 @@ class Executor:
     keep checkpoints and measurements."""
 
     def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True,
-                 start: StartPoint | None = None, stop: threading.Event | None = None):
+                 start: StartPoint | None = None, stop: threading.Event | None = None, *,
+                 digest: str | None = None, choice: PlanChoice | None = None,
+                 clock: StartupClock | None = None):
+        """``digest``: of the pipeline file as written (a resume compares it; default: of
+        ``pipeline``); ``choice``: what ``placement: auto`` chose, if it did; ``clock``:
+        the start-up clock, started with the process."""
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.backend = backend
@@ -261,15 +130,15 @@ class Executor:
         self.models: dict[str, ModelConfig] = {}
         self.initial_models: dict[str, ModelConfig] = {}
         self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
-        self.digest = identity_digest(pipeline_identity(pipeline))
-        self.choice: PlanChoice | None = None  # what placement: auto chose, if it did
+        self.digest = digest or identity_digest(pipeline_identity(pipeline))
+        self.choice = choice
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
         self.tiny: dict[str, dict[str, Any]] = {}  # tiny models to build: tiny_models
-        self.clock = StartupClock()  # run_pipeline passes its own, started with the process
+        self.clock = clock or StartupClock()
         self.first_iteration_s: float | None = None
 
     # ----------------------------------------------------------------- set-up
@@ -319,7 +188,7 @@ class Executor:
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
         if self.backend.dashboard_link:
-            moved = _dashboard_moved(spec.cluster.dashboard_address,
+            moved = dashboard_moved(spec.cluster.dashboard_address,
                                      self.backend.dashboard_link) \
                 if getattr(self.backend, "cluster", None) is not None else ""
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
@@ -491,8 +360,8 @@ class Executor:
             self.backend.wait(handles, pinned=list(workers))
         except TaskFailed as exc:
             name = names[exc.key]
-            if _is_disk_full(exc.cause):
-                raise RunError(_disk_full(exc.cause, f"building model {name!r}")) from None
+            if is_disk_full(exc.cause):
+                raise RunError(disk_full(exc.cause, f"building model {name!r}")) from None
             raise RunError(f"building the tiny model {name!r}: {type(exc.cause).__name__}: "
                            f"{exc.cause}") from exc.cause
         self.tiny = {}
@@ -607,7 +476,7 @@ class Executor:
                 if abs(error) > 0.15 and not self.choice.cost.profiled:
                     # the analytic model's constants are another machine's: measure this one
                     hint = (f"; chosen with the analytic cost model: `rlhfflow profile "
-                            f"{_shown(self.pipeline.source)} --from-run {_shown(self.out)}` "
+                            f"{shown_path(self.pipeline.source)} --from-run {shown_path(self.out)}` "
                             f"makes a profile of this machine from this run")
                 self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
                           f"{measured:.3f} s ({error:+.0%}){hint}")
@@ -750,8 +619,8 @@ class Executor:
             retries = task.retries if task is not None else 0
             if isinstance(cause, StageFailed):  # one stage of a fused task
                 stage, cause = cause.stage, cause.cause
-            if _is_disk_full(cause):
-                raise RunError(_disk_full(cause, f"stage {stage!r}")) from None
+            if is_disk_full(cause):
+                raise RunError(disk_full(cause, f"stage {stage!r}")) from None
             where = f" in iteration {iteration}" if iteration is not None else " (setup)"
             tried = f" after {retries + 1} attempts" if retries else ""
             raise RunError(f"stage {stage!r} failed{where}{tried}: "
@@ -774,7 +643,6 @@ class Executor:
 
 def _host_of(address: str) -> str:
     """The host of a worker address (``tcp://10.0.0.5:4321`` -> ``10.0.0.5``)."""
-    from urllib.parse import urlsplit
 
     return urlsplit(address).hostname or "127.0.0.1"
 
@@ -786,40 +654,3 @@ def _token() -> str:
 def _format_stats(stats: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in stats.items())
-
-
-def tiny_models(pipeline: Pipeline, out: Path) -> dict[str, dict[str, Any]]:
-    """The ``tiny:`` models still to build, by name: the keyword arguments of
-    ``save_tiny_model`` (into OUT/models/NAME/init; a resumed run keeps its own)."""
-    spec = pipeline.spec
-    builds = {}
-    for name, model in spec.models.items():
-        path = out / "models" / name / "init"
-        if model.tiny is not None and not (path / "config.json").is_file():
-            tiny = model.tiny
-            builds[name] = {"path": str(path), "head": model.head,
-                            "seed": spec.seed if tiny.seed is None else tiny.seed,
-                            "arch": tiny.arch, "n_layer": tiny.layers, "hidden": tiny.hidden,
-                            "n_head": tiny.heads, "max_positions": tiny.max_positions}
-    return builds
-
-
-def model_configs(pipeline: Pipeline, out: Path, build: bool = True
-                  ) -> dict[str, ModelConfig]:
-    """Each model's config; ``tiny:`` models live in OUT/models/NAME/init, built here
-    unless ``build`` is false (a run builds them on a worker: ``tiny_models``)."""
-    spec = pipeline.spec
-    if build:
-        for kwargs in tiny_models(pipeline, out).values():
-            save_tiny_model(**kwargs)
-    paths: dict[str, str] = {}
-    for name, model in spec.models.items():
-        if model.tiny is not None:
-            paths[name] = str(out / "models" / name / "init")
-        elif model.path is not None:
-            paths[name] = pipeline.model_source(model.path)
-    return {name: ModelConfig(name=name, head=model.head,
-                              init_path=paths[pipeline.model_root(name)],
-                              trainable=model.trainable,
-                              optimizer=model.optimizer.model_dump(), dtype=model.dtype)
-            for name, model in spec.models.items()}

@@ -101,7 +101,7 @@ def profile_pipeline(pipeline, iterations: int = 3,
     """Run ``pipeline`` briefly under each layout and two plans, on an embedded cluster,
     and return the profile of its stages."""
     from rlhfflow.config.loader import derive
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
 
     spec = pipeline.spec
     cores = machine_info()["cores"]

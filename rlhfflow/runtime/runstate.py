@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhfflow.config.loader import Pipeline
+from rlhfflow.errors import RunError
 from rlhfflow.runtime.checkpointing import cut_back
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
@@ -32,7 +33,7 @@ RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint", "logging")
 Resume = Literal["auto", "yes", "no"]
 
 
-class RunStateError(RuntimeError):
+class RunStateError(RunError):
     """The run directory cannot be used as asked; one line saying why and what to do."""
 
 

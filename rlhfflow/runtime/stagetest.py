@@ -18,7 +18,7 @@ import torch
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.config.spec import SpecError, did_you_mean
 from rlhfflow.data.source import PromptSource
-from rlhfflow.runtime.executor import model_configs
+from rlhfflow.runtime.models import model_configs
 from rlhfflow.stages import Batch, ModelStore, StageContext, create_stage
 
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rlhfflow.runtime.worker.host import pop_timings
 from rlhfflow.storage import MetricsLog
@@ -261,3 +262,22 @@ def process_start() -> float:
         return psutil.Process().create_time()
     except Exception:  # noqa: BLE001 - no psutil, or a platform without it: from now
         return time.time()
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a user would type it here: relative to the working directory when
+    inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def dashboard_moved(wanted: str, link: str) -> str:
+    """The note for an embedded cluster's dashboard that Dask served on another port than
+    ``cluster.dashboard_address`` asked for (it was taken), or ""."""
+    port = wanted.rpartition(":")[2]
+    served = urlsplit(link).port
+    if port in ("", "0") or served is None or port == str(served):
+        return ""
+    return f" (port {port} is in use, another run?)"

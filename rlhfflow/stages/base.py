@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from rlhfflow.engine.batch import Batch
+from rlhfflow.errors import UserError
 
 
 class StageParams(BaseModel):
@@ -230,7 +231,7 @@ _plugins_loaded = False
 _plugins_lock = threading.Lock()
 
 
-class StageTypeError(ValueError):
+class StageTypeError(UserError, ValueError):
     """A stage type that cannot be used: unknown, not importable, or not a ``Stage``."""
 
 

@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlhfflow.engine.forward import response_logprobs, response_values
+from rlhfflow.errors import RlhfflowError
 from rlhfflow.ops.registry import load_callable
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 
@@ -174,11 +175,11 @@ def _load_function(ref: str, base_dir: str | None) -> Callable[..., Any]:
     return fn
 
 
-class RewardError(RuntimeError):
+class RewardError(RlhfflowError, RuntimeError):
     """A reward function raised: names where (the user's file and line) and what."""
 
 
-class RewardLengthError(ValueError):
+class RewardLengthError(RlhfflowError, ValueError):
     """A reward function returned another number of scores than responses: a bug in the
     function, never skipped."""
 

@@ -50,6 +50,8 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, MemoryStore, StorePath
 
+from rlhfflow.errors import RlhfflowError
+
 COMMIT_KEY = "complete"
 # Keys the buffer itself keeps in an iteration's attributes; user attrs may not shadow them.
 RESERVED_ATTRS = frozenset({COMMIT_KEY, "rows", "chunk_rows"})
@@ -93,7 +95,7 @@ class ColumnSpec:
         object.__setattr__(self, "shape", shape)
 
 
-class IterationNotFoundError(KeyError):
+class IterationNotFoundError(RlhfflowError, KeyError):
     """The iteration does not exist in the buffer or is not committed."""
 
     def __str__(self) -> str:

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.errors import RlhfflowError
+
 _NAME = re.compile(r"^iter_(\d{6})$")
 STATE_FILE = "state.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RlhfflowError, ValueError):
     """A checkpoint that cannot be used: names the path and what is wrong."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.errors import UserError
 from rlhfflow.plan.shapes import ModelShape, model_shapes
 
 FORMAT = "rlhfflow-profile/1"
@@ -69,7 +70,7 @@ CPU_DEVICE = {
 }
 
 
-class ProfileError(Exception):
+class ProfileError(UserError):
     """A profile file that cannot be used: one line naming the file and the problem."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from rlhfflow.errors import RlhfflowError
 from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
 from rlhfflow.stages import (
     Batch,
@@ -234,11 +235,11 @@ def _has_rows(value: Any) -> bool:
 # --------------------------------------------------------------------------- tasks
 
 
-class StaleWeights(RuntimeError):
+class StaleWeights(RlhfflowError, RuntimeError):
     """A task found another version of a model than the plan expects on its worker."""
 
 
-class StageFailed(RuntimeError):
+class StageFailed(RlhfflowError, RuntimeError):
     """One stage of a fused task failed: names it, and keeps its exception as ``cause``."""
 
     def __init__(self, stage: str, cause: BaseException) -> None:

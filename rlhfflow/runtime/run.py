@@ -1,0 +1,123 @@
+"""``run_pipeline``: a run from the outside. Prepare the output directory (a fresh start
+or a resume), let the planner choose a plan for ``placement: auto``, start or reach the
+cluster while the coordinator reads the prompts, then hand everything to the
+``Executor`` and turn what escapes it into a ``RunError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from rlhfflow.config.loader import Pipeline, derive
+from rlhfflow.plan.auto.planner import choose_plan, load_profile
+from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost, _cuda_count
+from rlhfflow.runtime.executor import Executor, RunResult
+from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
+from rlhfflow.runtime.runstate import (
+    Resume,
+    RunStateError,
+    identity_digest,
+    pipeline_identity,
+    prepare_output,
+)
+from rlhfflow.runtime.telemetry import StartupClock
+
+
+def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
+                 overwrite: bool = False, resume: Resume = "auto", force: bool = False,
+                 stop: threading.Event | None = None) -> RunResult:
+    """Run ``pipeline`` on its cluster (``cluster.address``, or an embedded cluster) or,
+    with ``inline=True``, in this process without Dask.
+
+    An output directory holding a run of the same pipeline is resumed from its last
+    checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
+    run to finish the iteration in flight, save a checkpoint and return.
+    """
+    clock = StartupClock()
+    clock.mark("load")  # since the process started: imports, reading and checking FILE
+    try:
+        out, start = prepare_output(pipeline, overwrite, resume, force)
+    except RunStateError as exc:
+        raise RunError(str(exc)) from None
+    digest = identity_digest(pipeline_identity(pipeline))
+    auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
+    choice = None
+    if auto and inline:  # one in-process worker: every strategy is the same plan
+        pipeline = derive(pipeline, {"placement.strategy": "colocated"})
+        auto = False
+    elif auto and pipeline.spec.cluster.address is None:
+        # the embedded cluster's workers and threads are the planner's to choose
+        gpus = 0 if pipeline.spec.cluster.device == "cpu" else _cuda_count()
+        workers = min(pipeline.spec.cluster.workers, gpus) if gpus else None
+        choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
+        pipeline = choice.pipeline
+        clock.mark("plan")
+    cluster = pipeline.spec.cluster
+    # the coordinator's own preparation (the prompts, the buffer) overlaps the embedded
+    # cluster's start (its workers are forks of a server importing torch and the model
+    # classes since the command began); an external cluster's plan depends on its
+    # workers, so there it comes after connecting
+    # (the digest is of the file as written: what a resume compares)
+    early = None if inline or cluster.address else Executor(
+        pipeline, None, out, progress, start, stop, digest=digest, choice=choice, clock=clock)
+    with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
+        prepared = pool.submit(early.prepare) if early is not None else None
+        try:
+            backend = _connect(cluster, inline)
+        except BaseException:
+            if prepared is not None:
+                prepared.cancel()
+                wait([prepared])
+            raise
+        try:
+            # the workers import torch and the stages while this process prepares
+            warming = backend.warm() if early is not None else []
+            if prepared is not None:
+                prepared.result()
+            backend.wait(warming)
+        except BaseException as exc:
+            backend.close()
+            if isinstance(exc, Exception) and is_disk_full(exc):
+                raise RunError(disk_full(exc, "the coordinator")) from None
+            raise
+    clock.mark("cluster" if early is None else "cluster + prompts")
+    try:
+        if auto and choice is None:  # a given cluster: plan for the workers it has
+            choice = choose_plan(pipeline, load_profile(pipeline),
+                                 n_workers=len(backend.workers))
+            pipeline = choice.pipeline
+        executor = early or Executor(pipeline, None, out, progress, start, stop,
+                                     digest=digest, choice=choice, clock=clock)
+        executor.attach(backend)
+        return executor.run()
+    except WorkerLost as exc:  # past the recoveries, or in the final save
+        raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
+    except RunError:
+        raise
+    except Exception as exc:  # the coordinator's own writes: metrics, buffer metadata, ...
+        if is_disk_full(exc):
+            raise RunError(disk_full(exc, "the coordinator")) from None
+        raise
+    finally:
+        backend.close()
+
+
+def _connect(cluster, inline: bool):
+    """The backend: in process, a running scheduler, or an embedded cluster."""
+    if inline:
+        return InlineBackend()
+    try:
+        return DaskBackend.connect(
+            cluster.address, cluster.workers, host=cluster.host,
+            dashboard_address=cluster.dashboard_address,
+            memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
+            device=cluster.device)
+    except OSError as exc:  # TimeoutError too: workers that did not start in time
+        if cluster.address:
+            raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
+                           ) from None
+        raise RunError(f"the embedded cluster did not start: "
+                       f"{str(exc) or type(exc).__name__}") from None
+    except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
+        raise RunError(str(exc)) from None
