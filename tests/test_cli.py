@@ -181,3 +181,16 @@ def test_real_process(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert proc.stdout == "[]\n"
+
+
+def test_plan_explains_why_each_task_waits_and_names_an_unknown_stage():
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", str(CONFIGS / "ppo-tiny.yaml"), "--explain",
+                                  "train_critic"])
+    assert result.exit_code == 0, result.output
+    assert "train_critic: 1 task(s) in iteration 1" in result.output
+    assert "    updated: train_critic (iteration 0): they train critic in the previous " \
+           "iteration and it uses the updated weights" in result.output
+    bad = runner.invoke(main, ["plan", str(CONFIGS / "ppo-tiny.yaml"), "--explain", "critc"])
+    assert bad.exit_code == 2
+    assert bad.output.count("\n") == 1 and "no stage 'critc'" in bad.output

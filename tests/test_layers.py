@@ -147,3 +147,27 @@ def test_function_level_imports_count(tmp_path):
     path.write_text("def f():\n    from rlhfflow.cli import main\n")
     assert imports_of("rlhfflow.ops.m", path, {"rlhfflow.cli", "rlhfflow.cli.main"}) \
         == {"rlhfflow.cli.main"}
+
+
+def test_every_error_of_the_package_is_one_family():
+    """Each exception class rlhfflow defines derives from ``rlhfflow.errors``'s base, so
+    the command line maps them in one place (exit 2 for a user's mistake, 1 for a run)."""
+    import importlib
+    import inspect
+
+    import click
+
+    from rlhfflow.errors import RlhfflowError, RunError, UserError
+
+    strays = []
+    for name in modules():
+        if name.startswith("rlhfflow.launch") or name.endswith("__main__"):
+            continue  # the launcher imports the standard library only
+        module = importlib.import_module(name)
+        for cls_name, cls in vars(module).items():
+            if inspect.isclass(cls) and issubclass(cls, BaseException) \
+                    and cls.__module__ == name and not issubclass(cls, RlhfflowError) \
+                    and not issubclass(cls, click.ClickException):  # how the CLI says them
+                strays.append(f"{name}.{cls_name}")
+    assert strays == []
+    assert UserError.exit_code == 2 and RunError.exit_code == 1
