@@ -95,7 +95,7 @@ class InlineBackend:
             import torch
 
             torch.set_num_threads(torch_threads)
-        set_local_host(WorkerHost(run, device=worker_device(run.settings.get("device"))))
+        set_local_host(WorkerHost(run, device=worker_device(run.settings.device)))
 
     def submit(self, fn: Callable, *args: Any, key: str,
                worker: str | Sequence[str] | None = None, retries: int = 0,

@@ -80,7 +80,7 @@ from rlhfflow.runtime.worker.host import (
     save_model_task,
     update_model_configs,
 )
-from rlhfflow.stages import ModelConfig
+from rlhfflow.stages import ModelConfig, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
 
 
@@ -267,12 +267,12 @@ class Executor:
                                  self.stored)
         self.checkpointer = Checkpointer(self.pipeline, self.out, self.dataflow,
                                          self._wait_for, self.digest)
+        settings = RunSettings(temperature=self.pipeline.rollout_temperature,
+                               base_dir=str(self.pipeline.base_dir),
+                               buffer=str(self.out / "buffer.zarr"),
+                               device=spec.cluster.device, rows_topic=self._rows_topic())
         run = RunDef(stages=self._stage_defs(), models=self.models, algorithm=spec.algorithm,
-                     seed=spec.seed, settings={"temperature": self.pipeline.rollout_temperature,
-                                               "base_dir": str(self.pipeline.base_dir),
-                                               "buffer": str(self.out / "buffer.zarr"),
-                                               "device": spec.cluster.device,
-                                               "rows_topic": self._rows_topic()})
+                     seed=spec.seed, settings=settings)
         self.backend.start(run, spec.cluster.torch_threads)
         self._join_gangs()
 

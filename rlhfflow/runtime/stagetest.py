@@ -19,7 +19,7 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.config.spec import SpecError, did_you_mean
 from rlhfflow.data.source import PromptSource
 from rlhfflow.runtime.models import model_configs
-from rlhfflow.stages import Batch, ModelStore, StageContext, create_stage
+from rlhfflow.stages import Batch, ModelStore, RunSettings, StageContext, create_stage
 
 
 @dataclass
@@ -46,8 +46,8 @@ def run_stage_alone(pipeline: Pipeline, stage: str, iteration: int, work_dir: Pa
     node = graph.nodes[stage]
     ctx = StageContext(iteration=-1 if node.once else iteration, seed=spec.seed,
                        models=store, algorithm=spec.algorithm,
-                       settings={"temperature": pipeline.rollout_temperature,
-                                 "base_dir": str(pipeline.base_dir), "device": "cpu"})
+                       settings=RunSettings(temperature=pipeline.rollout_temperature,
+                                            base_dir=str(pipeline.base_dir), device="cpu"))
     batch: Batch = {}
     if not node.once and spec.data is not None:
         model = graph.nodes[graph.generators()[0]].model if graph.generators() else None

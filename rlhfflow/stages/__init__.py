@@ -25,6 +25,7 @@ from rlhfflow.stages.base import (
     SOURCE_COLUMNS,
     STAGE_TYPES,
     Column,
+    RunSettings,
     Stage,
     StageContext,
     StageParams,
@@ -40,7 +41,7 @@ from rlhfflow.stages.base import (
 
 __all__ = [
     "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "SOURCE_COLUMNS", "STAGE_TYPES",
-    "Batch", "Column", "ModelConfig", "ModelStore", "ResidentModel", "Stage", "StageContext",
+    "Batch", "Column", "ModelConfig", "ModelStore", "ResidentModel", "RunSettings", "Stage", "StageContext",
     "StageParams", "StageTypeError", "concat_batches", "create_stage", "get_stage_type",
     "known_stage_types", "load_plugins", "register_stage", "resolve_stage_type",
     "slice_batch", "stage_type_path",

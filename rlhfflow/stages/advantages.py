@@ -177,7 +177,7 @@ class RemaxBaselineStage(Stage):
                        batch["prompt_mask"][first], unused, params, tok.eos_token_id, pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
         responses = tok.batch_decode(real.tolist(), skip_special_tokens=True)
-        fn = load_function(self.params.function, ctx.settings.get("base_dir"))
+        fn = load_function(self.params.function, ctx.settings.base_dir)
         texts = [batch["prompt_text"][i] for i in first.tolist()]
         scores = torch.as_tensor(fn(texts, responses, **self.params.kwargs),
                                  dtype=torch.float32).flatten()

@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from rlhfflow.engine.batch import Batch
+from rlhfflow.engine.parallel import Gang
+from rlhfflow.engine.resident import ModelStore
 from rlhfflow.errors import UserError
 
 
@@ -65,6 +67,37 @@ SOURCE_COLUMNS: dict[str, Column] = {
 }
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What the pipeline resolves for its stages, the same on every worker.
+
+    Attributes:
+        temperature: the rollout temperature; log-probs and training score responses at
+            the temperature they were sampled with.
+        base_dir: the pipeline file's directory: relative paths in params (a reward
+            function's file, a data set) are resolved against it.
+        buffer: the run's experience buffer (a stage may read earlier iterations), or
+            None outside a run.
+        device: ``cluster.device``: ``auto``, ``cpu`` or ``cuda``.
+        rows_topic: the event topic of sample reallocation between the workers of a
+            generating stage (``rlhfflow.runtime.worker.rebalance``), or None.
+    """
+
+    temperature: float = 1.0
+    base_dir: str = "."
+    buffer: str | None = None
+    device: str = "auto"
+    rows_topic: str | None = None
+
+    @classmethod
+    def of(cls, settings: RunSettings | Mapping[str, Any] | None) -> RunSettings:
+        """``settings`` as ``RunSettings`` (a mapping of its fields is accepted, as a
+        stage's own tests write it)."""
+        if isinstance(settings, RunSettings):
+            return settings
+        return cls(**dict(settings or {}))
+
+
 @dataclass
 class StageContext:
     """What a running stage may know about its surroundings.
@@ -72,9 +105,11 @@ class StageContext:
     Attributes:
         iteration: the RLHF iteration (0-based); -1 for setup stages run once.
         seed: the pipeline seed; stages derive their randomness from it.
-        models: where the stage finds resident models by name.
+        models: where the stage finds resident models by name
+            (``rlhfflow.engine.resident.ModelStore``).
         algorithm: the pipeline's algorithm settings (``AlgorithmSpec``), or None.
-        settings: extra values the pipeline resolves for stages (e.g. rollout temperature).
+        settings: what the pipeline resolves for stages (``RunSettings``; a mapping of
+            its fields is turned into one).
         gang: the data-parallel gang (``rlhfflow.engine.parallel.Gang``) a training stage
             runs in, or None when it trains alone.
         peers: for a generating stage that runs on several workers, the other workers
@@ -84,11 +119,14 @@ class StageContext:
 
     iteration: int
     seed: int
-    models: Any = None
+    models: ModelStore | None = None
     algorithm: Any = None
-    settings: Mapping[str, Any] = field(default_factory=dict)
-    gang: Any = None
+    settings: RunSettings = field(default_factory=RunSettings)
+    gang: Gang | None = None
     peers: Any = None
+
+    def __post_init__(self) -> None:
+        self.settings = RunSettings.of(self.settings)
 
 
 class Stage:

@@ -102,7 +102,7 @@ class EvaluateStage(Stage):
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         if ctx.iteration % self.params.every:
             return {}
-        base_dir = Path(ctx.settings.get("base_dir", "."))
+        base_dir = Path(ctx.settings.base_dir)
         path = Path(self.params.prompts)
         records = read_jsonl(path if path.is_absolute() else base_dir / path, ("prompt",))
         responses, lengths = self._responses(ctx, [r["prompt"] for r in records])
@@ -138,7 +138,7 @@ class EvaluateStage(Stage):
                  responses: list[str]) -> dict[str, Any]:
         prompts = [r["prompt"] for r in records]
         fields = [json.dumps({k: v for k, v in r.items() if k != "prompt"}) for r in records]
-        base_dir = ctx.settings.get("base_dir")
+        base_dir = ctx.settings.base_dir
         total = torch.zeros(len(responses))
         out: dict[str, Any] = {}
         entries = self.params.reward_functions()

@@ -274,7 +274,7 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
                           batch["sample_index"], params.max_new_tokens, bool(uses))
     groups = batch["prompt_index"].tolist()
     if "ngram" in uses and params.ngram_history and params.ngram_buffer:
-        fill_history_from_buffer(history, groups, params, ctx.settings.get("buffer"))
+        fill_history_from_buffer(history, groups, params, ctx.settings.buffer)
     width = len(groups) * (params.draft_k + 1)
 
     def make_drafters(first: torch.Tensor, seqs: list[list[int]]) -> dict:

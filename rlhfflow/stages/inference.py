@@ -55,7 +55,7 @@ class LogprobStage(Stage):
     @torch.no_grad()
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
-        temperature = float(ctx.settings.get("temperature", 1.0))
+        temperature = ctx.settings.temperature
         return {self.params.output: response_logprobs(resident.module, batch, temperature)}
 
 
@@ -359,7 +359,7 @@ class ScoreStage(Stage):
         one sample at a time (each up to ``retries`` more times, counted in ``retried``),
         so only the samples it keeps raising on are lost: their error lines go into
         ``errors`` and their scores are NaN."""
-        fn = load_function(entry.function, ctx.settings.get("base_dir"))
+        fn = load_function(entry.function, ctx.settings.base_dir)
         # the prompt records' other fields (a reference answer, tests) the function takes
         columns = record_columns(fn, entry.kwargs, fields)
         try:

@@ -200,6 +200,6 @@ class TrainDPOOnlineStage(_Trainer):
         return torch.ones(len(batch["chosen_ids"]), 1)  # the loss is a mean over pairs
 
     def loss(self, resident, batch, ctx, counts=None):
-        temperature = float(ctx.settings.get("temperature", 1.0))
+        temperature = ctx.settings.temperature
         return dpo_pair_loss(resident.module, batch, self.params, temperature,
                              counts["tokens"] if counts else None)

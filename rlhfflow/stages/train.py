@@ -262,7 +262,7 @@ class TrainActorStage(_Trainer):
         algo = self.algorithm
         agg, divisor = algo.loss_agg, self._divisor(counts)
         mask = _loss_mask(batch)
-        temperature = float(ctx.settings.get("temperature", 1.0))
+        temperature = ctx.settings.temperature
         logits = response_logits(resident.module, batch, temperature)
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
@@ -312,7 +312,7 @@ class DistillDraftStage(_Trainer):
 
     def loss(self, resident, batch, ctx, counts=None):
         mask = batch["response_mask"].float()
-        temperature = float(ctx.settings.get("temperature", 1.0))
+        temperature = ctx.settings.temperature
         logits = response_logits(resident.module, batch, temperature)
         logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
         divisor = counts["tokens"] if counts else None
@@ -409,7 +409,7 @@ class _OnceTrainer(Stage):
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
-        examples = self.examples(resident, Path(ctx.settings.get("base_dir", ".")), ctx)
+        examples = self.examples(resident, Path(ctx.settings.base_dir), ctx)
         count = len(next(iter(examples.values()))) if isinstance(examples, dict) \
             else len(examples)
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, self.name))

@@ -26,6 +26,7 @@ from rlhfflow.stages import (
     Batch,
     ModelConfig,
     ModelStore,
+    RunSettings,
     Stage,
     StageContext,
     concat_batches,
@@ -59,7 +60,10 @@ class RunDef:
     models: Mapping[str, ModelConfig]
     algorithm: Any
     seed: int
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    settings: RunSettings = field(default_factory=RunSettings)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", RunSettings.of(self.settings))
 
 
 class WorkerHost:
@@ -103,7 +107,7 @@ class WorkerHost:
         running (so the busy time of a window that ends mid-task is not lost)."""
         start = time.time()
         thread = threading.get_ident()
-        topic = self.run.settings.get("rows_topic")
+        topic = self.run.settings.rows_topic
         if topic:  # sample reallocation: peers may stop handing rows to this worker
             announce(topic, False, self.store.loaded())
         with self._lock:
@@ -147,7 +151,7 @@ class RLHFWorkerPlugin(WorkerPlugin):
         """Size torch's thread pool to this worker's share of the cores; create the host."""
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.get("device")),
+        self.host = WorkerHost(self.run, device=worker_device(self.run.settings.device),
                                torch_threads=self.torch_threads)
 
     def teardown(self, worker) -> None:

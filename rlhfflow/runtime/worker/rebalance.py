@@ -4,7 +4,7 @@ When one iteration's ``generate`` runs as several tasks on several workers, the 
 whose rows run longest decides when the stage ends while the others idle. Here rows
 still decoding move to an idle worker mid-way:
 
-* **Who is idle.** With ``settings["rows_topic"]`` set (the executor sets it when a
+* **Who is idle.** With ``RunSettings.rows_topic`` set (the executor sets it when a
   generating stage with ``params.migrate`` has two or more workers), every worker
   announces on that event topic (``Worker.log_event``, through the scheduler) when it
   starts a task after having been idle (``busy``) and when it ends a task with nothing
@@ -167,7 +167,7 @@ def exchange_for(host, names: tuple[str, ...], iteration: int,
     """The hook for a task running ``names`` (fused stages), or None: only the first
     stage of a task may hand rows over, when it generates and the run has a topic.
     ``continue_task`` is the worker's task that finishes handed-over rows on a peer."""
-    topic = host.run.settings.get("rows_topic")
+    topic = host.run.settings.rows_topic
     if not topic:
         return None
     stage = host.stage(names[0])
