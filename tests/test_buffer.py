@@ -11,12 +11,12 @@ import pytest
 import torch
 import zarr
 
+from rlhfflow.cli.buffer import format_summary
 from rlhfflow.storage import (
     ColumnSpec,
     ExperienceBuffer,
     IterationNotFoundError,
     MetricsLog,
-    format_summary,
     split_rows,
     to_jsonable,
 )
@@ -413,3 +413,16 @@ def test_begun_arrays_carry_the_metadata_zarr_itself_writes(tmp_path, compress):
                           .read_text())
         theirs = json.loads((tmp_path / "ref.zarr" / name / "zarr.json").read_text())
         assert ours == theirs, name
+
+
+def test_a_zarr_whose_internals_are_unknown_is_refused_in_one_line():
+    """The buffer writes zarr's documents and chunks itself (storage.zarrv3): a zarr
+    release it was not written against is refused, not trusted to match."""
+    from rlhfflow.storage.zarrv3 import SUPPORTED, check_version
+
+    check_version(zarr.__version__)  # the installed one is known
+    major, minor = SUPPORTED[-1]
+    with pytest.raises(ImportError, match=rf"knows zarr .*found zarr {major}\.{minor + 1}\.0;"):
+        check_version(f"{major}.{minor + 1}.0")
+    with pytest.raises(ImportError, match="found zarr 2.18.3"):
+        check_version("2.18.3")

@@ -9,7 +9,6 @@ from rlhfflow.storage.buffer import (
     ColumnSpec,
     ExperienceBuffer,
     IterationNotFoundError,
-    format_summary,
     group_name,
     split_rows,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "ExperienceBuffer",
     "IterationNotFoundError",
     "MetricsLog",
-    "format_summary",
     "group_name",
     "split_rows",
     "to_jsonable",

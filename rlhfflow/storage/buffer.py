@@ -29,8 +29,6 @@ the CLI can inspect a buffer without paying for those imports.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import math
 import os
@@ -43,14 +41,20 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BytesCodec, ZstdCodec
-from zarr.core.array import AsyncArray
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.metadata.v3 import ArrayV3Metadata
-from zarr.core.sync import sync
-from zarr.storage import LocalStore, MemoryStore, StorePath
+from zarr.codecs import ZstdCodec
+from zarr.storage import LocalStore
 
 from rlhfflow.errors import RlhfflowError
+from rlhfflow.storage.zarrv3 import (
+    array_document,
+    array_of,
+    atomic_write,
+    chunk_keys,
+    group_document,
+    metadata_of,
+    open_array,
+    write_all,
+)
 
 COMMIT_KEY = "complete"
 # Keys the buffer itself keeps in an iteration's attributes; user attrs may not shadow them.
@@ -325,9 +329,10 @@ class ExperienceBuffer:
         # the coordinator's critical path; these writes cost well under 1 ms each.
         folder = self.path / name
         folder.mkdir()
-        (folder / "zarr.json").write_bytes(_group_document(meta))
+        (folder / "zarr.json").write_bytes(group_document(meta))
         for col, spec in columns.items():
-            document = _array_document(spec, int(rows), int(chunk_rows), compressors)
+            document = array_document(spec.dtype, spec.shape, int(rows), int(chunk_rows),
+                                      compressors)
             (folder / col).mkdir()
             (folder / col / "zarr.json").write_bytes(document)
         if texts:
@@ -356,8 +361,8 @@ class ExperienceBuffer:
             for entry in os.scandir(folder):
                 if not entry.is_dir() or entry.name == "text":
                     continue
-                metadata = _metadata(Path(entry.path, "zarr.json").read_bytes())
-                keys = _chunk_keys(metadata)
+                metadata = metadata_of(Path(entry.path, "zarr.json").read_bytes())
+                keys = chunk_keys(metadata)
                 done = sum(os.path.exists(os.path.join(entry.path, k)) for k in keys)
                 if done != len(keys):
                     missing[entry.name] = f"{done}/{len(keys)} chunks"
@@ -365,7 +370,7 @@ class ExperienceBuffer:
                 raise ValueError(f"cannot commit iteration {iteration}: unwritten {missing}")
         document["attributes"] = {**document.get("attributes", {}), **user_attrs,
                                   COMMIT_KEY: True}
-        _atomic_write(folder / "zarr.json", json.dumps(document, indent=2).encode())
+        atomic_write(folder / "zarr.json", json.dumps(document, indent=2).encode())
 
     def discard(self, iteration: int) -> None:
         """Delete the group of ``iteration``, committed or not; a missing one is a no-op."""
@@ -543,41 +548,6 @@ class ExperienceBuffer:
         del self._root[name]  # rmtree of the directory; needs no readable metadata
 
 
-def _array_document(spec: ColumnSpec, rows: int, chunk_rows: int, compressors) -> bytes:
-    """The ``zarr.json`` of an array of ``rows`` rows of column ``spec``: zarr's own
-    document for the column's dtype, trailing shape and codecs (made once, cached), with
-    the shape and chunk shape filled in. Chunk keys use ``.`` as separator (``c.0.0``):
-    chunks are files of the array's folder, with no ``c/0/`` folders to create."""
-    key = (spec.dtype, spec.shape, None if compressors is None else
-           repr(compressors.to_dict()))
-    if key not in _TEMPLATES:
-        dtype = np.dtype(spec.dtype)
-        array = zarr.create_array(MemoryStore(), shape=(1, *spec.shape),
-                                  chunks=(1, *spec.shape), dtype=dtype,
-                                  fill_value=dtype.type(0), compressors=compressors,
-                                  chunk_key_encoding={"name": "default", "separator": "."})
-        documents = array.metadata.to_buffer_dict(default_buffer_prototype())
-        _TEMPLATES[key] = json.loads(documents["zarr.json"].to_bytes())
-    document = dict(_TEMPLATES[key])
-    document["shape"] = [int(rows), *spec.shape]
-    document["chunk_grid"] = {"name": "regular",
-                              "configuration": {"chunk_shape": [int(chunk_rows), *spec.shape]}}
-    return json.dumps(document, indent=2).encode()
-
-
-_TEMPLATES: dict[tuple, dict] = {}
-
-
-def _group_document(attributes: Mapping[str, Any]) -> bytes:
-    """The ``zarr.json`` of a group with ``attributes``, as zarr writes it."""
-    if "group" not in _TEMPLATES:
-        group = zarr.create_group(MemoryStore())
-        documents = group.metadata.to_buffer_dict(default_buffer_prototype())
-        _TEMPLATES["group"] = json.loads(documents["zarr.json"].to_bytes())
-    return json.dumps({**_TEMPLATES["group"], "attributes": dict(attributes)},
-                      indent=2).encode()
-
-
 def _read_group(folder: Path) -> dict[str, Any]:
     """The ``zarr.json`` document of the group at ``folder`` (``OSError`` or
     ``ValueError`` when it cannot be read)."""
@@ -587,100 +557,6 @@ def _read_group(folder: Path) -> dict[str, Any]:
 def _committed(document: Mapping[str, Any]) -> bool:
     """Whether a group document carries the commit marker."""
     return document.get("attributes", {}).get(COMMIT_KEY) is True
-
-
-def _metadata(document: bytes) -> ArrayV3Metadata:
-    """zarr's metadata object of an array document (cached: documents repeat)."""
-    found = _METADATA.get(document)
-    if found is None:
-        if len(_METADATA) > 4096:
-            _METADATA.clear()
-        found = _METADATA[document] = ArrayV3Metadata.from_dict(json.loads(document))
-    return found
-
-
-_METADATA: dict[bytes, ArrayV3Metadata] = {}
-
-
-def _chunk_keys(metadata: ArrayV3Metadata) -> list[str]:
-    """The key of every chunk of an array (relative to its folder)."""
-    grid = [range(math.ceil(n / c)) for n, c in
-            zip(metadata.shape, metadata.chunk_grid.chunk_shape, strict=True)]
-    return [metadata.encode_chunk_key(coords) for coords in itertools.product(*grid)]
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` at once (temp file plus rename), as ``LocalStore``
-    does, so a reader never sees half a document."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _open_array(folder: Path, store: LocalStore, path: str) -> AsyncArray:
-    """The array at ``folder`` (``path`` in ``store``) from its document, read as a file
-    (zarr's open reads it through the store and validates every parent: ~1 ms each)."""
-    try:
-        document = (folder / "zarr.json").read_bytes()
-    except FileNotFoundError:
-        raise KeyError(path) from None
-    return _array(document, store, path)
-
-
-def _array(document: bytes, store: LocalStore, path: str) -> AsyncArray:
-    """The array ``path`` of ``store`` whose ``zarr.json`` is ``document``."""
-    return AsyncArray(metadata=_metadata(document), store_path=StorePath(store, path))
-
-
-def _write_all(writes: Sequence[tuple[Path, AsyncArray, int, np.ndarray]]) -> None:
-    """Write rows ``[start, start + len(data))`` of each array (its folder, the array,
-    start, data): uncompressed chunks as files here, others through zarr's codecs."""
-    through_zarr = []
-    for folder, array, start, data in writes:
-        if _plain(array.metadata):
-            _write_plain(folder, array.metadata, start, data)
-        else:
-            through_zarr.append((array, slice(start, start + len(data)), data))
-    if through_zarr:
-        sync(_set_all(through_zarr))
-
-
-def _plain(metadata: ArrayV3Metadata) -> bool:
-    """Whether an array's chunks are its values' bytes (no compressor) and span its
-    trailing dimensions whole: the buffer's arrays unless ``compress`` is on."""
-    codecs = metadata.codecs
-    return (len(codecs) == 1 and isinstance(codecs[0], BytesCodec)
-            and tuple(metadata.chunk_grid.chunk_shape[1:]) == tuple(metadata.shape[1:]))
-
-
-def _write_plain(folder: Path, metadata: ArrayV3Metadata, start: int, data: np.ndarray
-                 ) -> None:
-    """The chunks holding rows ``[start, start + len(data))`` of a plain array (see
-    :func:`_plain`; ``start`` chunk-aligned), each written as zarr writes it: the
-    chunk's values in C order, little-endian, an edge chunk padded with the fill value
-    to the full chunk shape. Through zarr (codec pipeline, event loop, a thread per
-    file) one chunk cost ~1 ms of CPU, ~20 ms for a micro-batch's columns on the tiny
-    demos; written here, a file's creation is most of what is left."""
-    rows = metadata.chunk_grid.chunk_shape[0]
-    dtype = data.dtype.newbyteorder("<") if data.dtype.itemsize > 1 else data.dtype
-    fill = metadata.fill_value
-    for a in range(0, len(data), rows):
-        block = np.ascontiguousarray(data[a:a + rows], dtype=dtype)
-        if len(block) < rows:
-            padded = np.full((rows, *block.shape[1:]), fill, dtype=dtype)
-            padded[:len(block)] = block
-            block = padded
-        key = metadata.encode_chunk_key(((start + a) // rows,) + (0,) * (data.ndim - 1))
-        if "/" in key:  # an array made before chunk keys were c.0.0 (a resumed run)
-            (folder / key).parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / key, block.tobytes())
-
-
-async def _set_all(writes: Sequence[tuple[AsyncArray, slice, np.ndarray]]) -> None:
-    # zarr skips chunks equal to the fill value by default; write them anyway so
-    # commit(check_complete=True) can tell "written zeros" from "never written"
-    await asyncio.gather(*(array.with_config({"write_empty_chunks": True}).setitem(rows, data)
-                           for array, rows, data in writes))
 
 
 def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, name: str
@@ -697,7 +573,7 @@ def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, n
     texts = folder / "text"
     if not texts.is_dir():
         texts.mkdir()
-        (texts / "zarr.json").write_bytes(_group_document({}))
+        (texts / "zarr.json").write_bytes(group_document({}))
     store = LocalStore(folder.parent)
     writes = []
     for col, values in columns.items():
@@ -709,15 +585,15 @@ def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, n
         if column.exists():
             shutil.rmtree(column)
         column.mkdir()
-        (column / "zarr.json").write_bytes(_group_document({}))
+        (column / "zarr.json").write_bytes(group_document({}))
         for key, data in (("bytes", flat), ("offsets", offsets)):
-            document = _array_document(ColumnSpec(data.dtype.name), len(data),
+            document = array_document(data.dtype.name, (), len(data),
                                        max(1, len(data)), None)
             (column / key).mkdir()
             (column / key / "zarr.json").write_bytes(document)
-            writes.append((column / key, _array(document, store, f"{name}/text/{col}/{key}"),
+            writes.append((column / key, array_of(document, store, f"{name}/text/{col}/{key}"),
                            0, data))
-    _write_all(writes)
+    write_all(writes)
 
 
 def _write_rows(path, name: str, where: str, iteration: int, start: int,
@@ -737,7 +613,7 @@ def _write_rows(path, name: str, where: str, iteration: int, start: int,
     for col, value in columns.items():
         col_where = f"{where} column {col!r}"
         try:
-            array = _open_array(folder / col, store, f"{name}/{col}")
+            array = open_array(folder / col, store, f"{name}/{col}")
         except KeyError:
             raise ValueError(f"{col_where}: no such column in iteration {iteration}") from None
         data = _to_numpy(value)
@@ -748,54 +624,7 @@ def _write_rows(path, name: str, where: str, iteration: int, start: int,
         n_rows = len(data)
         _check_alignment(col_where, start, n_rows, array.shape[0], array.chunks[0])
         prepared.append((folder / col, array, start, data))
-    _write_all(prepared)
-
-
-def _fmt_number(value: float | None) -> str:
-    """Compact fixed-width-friendly number: '-' for missing, 4 significant digits."""
-    if value is None:
-        return "-"
-    return f"{value:.4g}"
-
-
-def format_summary(summary: list[dict], uncommitted: list[int] | None = None) -> str:
-    """Human-readable table of :meth:`ExperienceBuffer.summary` for ``rlhfflow buffer inspect``.
-
-    One block per committed iteration with a line per column (name, shape, dtype,
-    mean/std/min/max), then one line per uncommitted group, flagged
-    ``incomplete (ignored)`` because readers never see it.
-    """
-    lines: list[str] = []
-    header = ("column", "shape", "dtype", "mean", "std", "min", "max")
-    for item in summary:
-        extra = {k: v for k, v in item.get("attrs", {}).items() if k not in RESERVED_ATTRS}
-        title = f"iteration {item['iteration']}  rows={item['rows']}"
-        lines.append(title + (f"  attrs={extra}" if extra else ""))
-        rows = [header] + [
-            (
-                name,
-                "x".join(str(d) for d in col["shape"]),
-                col["dtype"],
-                *(_fmt_number(col[k]) for k in ("mean", "std", "min", "max")),
-            )
-            for name, col in item["columns"].items()
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:
-            cells = [
-                cell.ljust(w) if i < 3 else cell.rjust(w)  # text left, numbers right
-                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ]
-            lines.append("  " + "  ".join(cells).rstrip())
-        lines.append("")
-    if not summary:
-        lines.append("no committed iterations")
-    for it in uncommitted or []:
-        lines.append(f"{group_name(it)}: incomplete (ignored)")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-# -- read-side helpers for stages ---------------------------------------------------------
+    write_all(prepared)
 
 
 def prompt_history(
