@@ -47,9 +47,10 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 	@touch $@
 
 # The logging: targets' optional extras, for their tests only: MLflow alone brings pandas,
-# scikit-learn and SQLAlchemy, which the demo does not need.
+# scikit-learn and SQLAlchemy, which the demo does not need. docs: MkDocs, so the tests
+# build the documentation site (tests/test_docs.py).
 $(TEST_STAMP): $(STAMP)
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow,docs]"
 	@touch $@
 
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/

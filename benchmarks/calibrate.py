@@ -25,7 +25,6 @@ describe the machines the defaults are for.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -34,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.shared import emit_result  # noqa: E402
 
 FITTED = ("flops_per_s", "step_s", "layer_s", "row_step_s", "task_s",
           "train_step_s", "train_factor", "thread_efficiency", "contention")
@@ -196,7 +197,7 @@ def main() -> int:
           f"{summary['fitted']['worst_error']:.0%}")
     summary["constants"] = {k: float(f"{fitted[k]:.3g}") for k in FITTED}
     summary["configs"] = [c.stem for c, _ in profiles]
-    print(json.dumps(summary))
+    emit_result(summary, __file__)
     return 0
 
 

@@ -23,12 +23,12 @@ Prints a table, then one JSON object with the figures as its last line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+from shared import emit_result
 
 from rlhfflow.engine.models import import_gguf, load_model, save_model, smollm2_gguf
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
@@ -204,7 +204,7 @@ def main() -> None:
         "greedy_identical": {n: g["identical"] for n, g in greedy.items()},
         "greedy_speedup_batch4": {n: g["speedup"] for n, g in greedy.items()},
     }
-    print(json.dumps(figures))
+    emit_result(figures, __file__)
 
 
 if __name__ == "__main__":

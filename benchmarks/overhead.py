@@ -16,12 +16,13 @@ Prints a table, then one JSON object with the figures as its last line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from shared import emit_result
 
 from rlhfflow.config import load_pipeline
 from rlhfflow.plan.layout import default_torch_threads
@@ -94,7 +95,7 @@ def main() -> None:
         print(f"overhead ratio at {t} thread(s) (executor / in-process): {ratios[t]:.3f}")
     headline = ratios.get(default, ratios[counts[0]])
     at_default = [r for r in rows if r["threads"] == (default if default in ratios else counts[0])]
-    print(json.dumps({"overhead_ratio": round(headline, 4),
+    emit_result({"overhead_ratio": round(headline, 4),
                       "threads": default if default in ratios else counts[0],
                       "overhead_ratio_by_threads": {str(t): round(v, 4)
                                                     for t, v in ratios.items()},
@@ -102,7 +103,7 @@ def main() -> None:
                       "executor_iteration_s": round(at_default[1]["iteration_s"], 4),
                       "executor_startup_s": round(at_default[1]["startup_s"], 3),
                       "iterations": args.iterations, "rounds": args.rounds,
-                      "identical_results": all(r["identical"] for r in rows)}))
+                      "identical_results": all(r["identical"] for r in rows)}, __file__)
 
 
 if __name__ == "__main__":

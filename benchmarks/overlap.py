@@ -36,12 +36,11 @@ every worker busy at least 85% of the time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from shared import check_gangs, print_stage_table, shared_cluster
+from shared import check_gangs, emit_result, print_stage_table, shared_cluster
 
 from rlhfflow.config import load_pipeline
 from rlhfflow.runtime.run import run_pipeline
@@ -142,7 +141,7 @@ def main() -> None:
           f"({'met' if ratio['async'] <= GOAL_RATIO else 'not met'}); every worker busy >= "
           f"{GOAL_BUSY}: {async_min_busy:.3f} "
           f"({'met' if async_min_busy >= GOAL_BUSY else 'not met'})")
-    print(json.dumps({
+    emit_result({
         **{f"{m}_s": round(rows[m]["iteration_s"], 4) for m in MODES},
         "streaming_vs_sequential": round(ratio["streaming"], 4),
         "async_vs_sequential": round(ratio["async"], 4),
@@ -156,7 +155,7 @@ def main() -> None:
         "async_reward_first": round(asyn["reward_first"], 4),
         "async_reward_last": round(asyn["reward_last"], 4),
         "max_new_tokens": args.max_new_tokens, "workers": args.workers,
-        "torch_threads": threads, "iterations": args.iterations, "rounds": args.rounds}))
+        "torch_threads": threads, "iterations": args.iterations, "rounds": args.rounds}, __file__)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ Prints a table, then one JSON object with the figures as its last line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from shared import check_gangs, print_stage_table, shared_cluster
+from shared import check_gangs, emit_result, print_stage_table, shared_cluster
 
 from rlhfflow.config import load_pipeline
 from rlhfflow.runtime.run import run_pipeline
@@ -89,7 +88,7 @@ def main() -> None:
               f"{row['realloc_bytes']:>14} {row['realloc_s']:>10.4f} "
               f"{str(row['identical']):>13}")
     print_stage_table(rows, 15)
-    print(json.dumps({
+    emit_result({
         **{f"{s}_s": round(rows[s]["iteration_s"], 4) for s in STRATEGIES},
         **{f"{s}_vs_colocated": round(rows[s]["iteration_s"] / base, 4)
            for s in STRATEGIES[1:]},
@@ -99,7 +98,7 @@ def main() -> None:
                     for s in STRATEGIES},
         "identical_rewards": all(row["identical"] for row in rows.values()),
         "workers": args.workers, "torch_threads": threads,
-        "iterations": args.iterations, "rounds": args.rounds}))
+        "iterations": args.iterations, "rounds": args.rounds}, __file__)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ Prints a table per pipeline, then one JSON object with the figures as its last l
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from shared import emit_result
 
 from rlhfflow.config import load_pipeline
 from rlhfflow.plan.auto.planner import load_profile, plan_for_cli
@@ -127,7 +128,7 @@ def main() -> None:
             results[path.stem] = bench(path, args.iterations, args.rounds,
                                        args.profile_iterations, Path(scratch))
             print_table(path.stem, results[path.stem])
-    print(json.dumps(results))
+    emit_result(results, __file__)
 
 
 if __name__ == "__main__":

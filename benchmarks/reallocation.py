@@ -30,7 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.shared import shared_cluster  # noqa: E402
+from benchmarks.shared import emit_result, shared_cluster  # noqa: E402
 from rlhfflow.config import load_pipeline  # noqa: E402
 from rlhfflow.runtime.run import run_pipeline  # noqa: E402
 
@@ -134,7 +134,7 @@ def main() -> None:
     ratio = rows["off"]["generate_span_s"] / rows["on"]["generate_span_s"]
     print(f"speed-up of the generate span: {ratio:.2f}x; same tokens: {same_tokens}; "
           f"same rewards: {same_rewards}")
-    print(json.dumps({
+    emit_result({
         "workers": args.workers, "micro_batches": args.micro_batches,
         "span_off_s": round(rows["off"]["generate_span_s"], 4),
         "span_on_s": round(rows["on"]["generate_span_s"], 4),
@@ -142,7 +142,7 @@ def main() -> None:
         "iteration_off_s": round(rows["off"]["iteration_s"], 4),
         "iteration_on_s": round(rows["on"]["iteration_s"], 4),
         "rows_moved_per_iteration": round(rows["on"]["rows_moved"], 2),
-        "same_tokens": same_tokens, "same_rewards": same_rewards}))
+        "same_tokens": same_tokens, "same_rewards": same_rewards}, __file__)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared import emit_result
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "grpo-tiny.yaml",
            "small": ROOT / "configs" / "grpo-small.yaml"}
@@ -462,7 +464,7 @@ def main() -> None:
                 figures[name] = compare(name, iterations, threads, args.rounds,
                                        Path(tmp), args.recompute_logprobs)
         print_table(name, figures[name])
-    print(json.dumps(figures))
+    emit_result(figures, __file__)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ a finished run's report opened in headless Chromium (the system's ``chromium``, 
 Playwright), checking that the plots are drawn, not just that the HTML is there.
 
 ``RLHFFLOW_SCREENSHOTS=docs/images pytest tests/test_browser.py`` also refreshes the
-README's screenshots.
+screenshots in docs/images.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def coloured_pixels(png: bytes) -> int:
 def _save(png: bytes, name: str, tmp_path: Path) -> None:
     (tmp_path / name).write_bytes(png)
     target = os.environ.get("RLHFFLOW_SCREENSHOTS")
-    if target:  # for the README: 256 colours keep the files small
+    if target:  # for docs/images: 256 colours keep the files small
         import io
 
         from PIL import Image

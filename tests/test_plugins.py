@@ -24,7 +24,7 @@ from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.runtime.backend import local_cluster
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.stages import base
-from rlhfflow.stages.reference import describe_stage_types, render_markdown
+from rlhfflow.stages.reference import describe_stage_types
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import REPO, small_pipeline
 
@@ -213,15 +213,7 @@ def test_every_builtin_param_has_a_description():
     assert missing == []
 
 
-def test_the_readme_reference_is_generated_from_the_classes():
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("<!-- stage-reference:start -->\n") + len(
-        "<!-- stage-reference:start -->\n")
-    end = readme.index("<!-- stage-reference:end -->")
-    expected = render_markdown(describe_stage_types(AlgorithmSpec(), builtin_only=True))
-    assert readme[start:end] == expected, (
-        "README stage reference is stale: regenerate it with "
-        "`rlhfflow stages --format markdown --builtin-only`")
+# The generated page docs/reference/stages.md is checked in tests/test_docs.py.
 
 
 # --------------------------------------------------------------------------- end to end

@@ -1,5 +1,5 @@
 """Start-up: what the coordinator of a run imports before the first task, and what it
-leaves to the workers (README "Performance notes" -> "Start-up").
+leaves to the workers (docs/performance/index.md, "Other measurements").
 
 Each check runs in a fresh interpreter, since this test process has imported everything
 already. They assert which modules get imported, never how long anything took.

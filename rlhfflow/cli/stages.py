@@ -11,7 +11,7 @@ from rlhfflow.cli.common import first_line, load, pipeline_errors
 
 @click.command("stages")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown"]), default="text",
-              show_default=True, help="Plain text, or Markdown (the README's reference).")
+              show_default=True, help="Plain text, or Markdown (as in docs/reference/stages.md).")
 @click.option("--builtin-only", is_flag=True,
               help="Only rlhfflow's own types, not those of installed plugins.")
 def stages(fmt: str, builtin_only: bool) -> None:

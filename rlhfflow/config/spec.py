@@ -57,40 +57,75 @@ class OptimizerSpec(Strict):
     ``checkpoint``: keep the optimizer state in checkpoints (default: ``checkpoint.optimizer``).
     """
 
-    lr: PositiveFloat = 1e-5
-    betas: Annotated[list[float], Field(min_length=2, max_length=2)] = [0.9, 0.999]
-    weight_decay: NonNegFloat = 0.0
-    eps: PositiveFloat = 1e-8
-    grad_clip: PositiveFloat | None = 1.0
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: NonNegInt = 0
-    total_steps: PositiveInt | None = None
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
-    skip_nonfinite: NonNegInt = 0
-    checkpoint: bool | None = None
+    lr: PositiveFloat = Field(1e-5, description=(
+        "Learning rate (the peak, reached after `warmup_steps`)."))
+    betas: Annotated[list[float], Field(min_length=2, max_length=2)] = Field(
+        [0.9, 0.999], description="Adam betas.")
+    weight_decay: NonNegFloat = Field(0.0, description="Decoupled weight decay.")
+    eps: PositiveFloat = Field(1e-8, description="Adam epsilon.")
+    grad_clip: PositiveFloat | None = Field(1.0, description=(
+        "Maximum gradient norm; `null`: no clipping."))
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description=(
+        "Learning rate after warmup: kept (`constant`), or decayed to `min_lr_ratio * lr` at "
+        "`total_steps` (`linear`, `cosine`)."))
+    warmup_steps: NonNegInt = Field(0, description=(
+        "Optimizer steps of linear warmup (step i uses `lr * (i + 1) / warmup_steps`)."))
+    total_steps: PositiveInt | None = Field(None, description=(
+        "Where the decay ends. Default (`null`): `iterations` x the `epochs * minibatches` of "
+        "every loop stage training the model. Extending a run (`--iterations`) changes a derived "
+        "value: set it to keep the schedule of a run you mean to extend. Required for a decaying "
+        "schedule of a model only setup stages train."))
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description=(
+        "The decayed learning rate as a fraction of `lr`."))
+    skip_nonfinite: NonNegInt = Field(0, description=(
+        "Optimizer steps with a NaN/inf loss or gradient that may be skipped (counted as "
+        "`nonfinite_steps` in the training metrics) before the stage stops; `0`: stop at the "
+        "first."))
+    checkpoint: bool | None = Field(None, description=(
+        "Keep this model's optimizer moments in checkpoints; `null`: as `checkpoint.optimizer` "
+        "says."))
 
 
 class TinyModelSpec(Strict):
     """A tiny random model built locally (character tokenizer), for demos and tests."""
 
-    arch: Literal["llama", "gpt2"] = "llama"
-    layers: PositiveInt = 2
-    hidden: PositiveInt = 64
-    heads: PositiveInt = 4
-    max_positions: PositiveInt = 128
-    seed: int | None = None
+    arch: Literal["llama", "gpt2"] = Field("llama", description="Architecture.")
+    layers: PositiveInt = Field(2, description="Transformer blocks.")
+    hidden: PositiveInt = Field(64, description="Hidden size (Llama's MLP is 4x).")
+    heads: PositiveInt = Field(4, description="Attention heads.")
+    max_positions: PositiveInt = Field(128, description="Longest prompt + response, in tokens.")
+    seed: int | None = Field(None, description=(
+        "Seed of the weight initialisation; `null`: the pipeline's `seed`."))
 
 
 class ModelSpec(Strict):
     """A named model: where its initial weights come from, its head, whether it trains."""
 
-    path: str | None = None
-    from_: str | None = Field(default=None, alias="from")
-    tiny: TinyModelSpec | None = None
-    head: Literal["lm", "value"] = "lm"
-    trainable: bool = False
-    optimizer: OptimizerSpec = OptimizerSpec()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    path: str | None = Field(None, description=(
+        "A transformers checkpoint directory (`config.json`, weights and tokenizer files), "
+        "relative to the pipeline file; or, when no such directory exists, a Hugging Face Hub id "
+        "`org/name[@revision]` (branch, tag or commit; default `main`) found in the local "
+        "Hugging Face cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else "
+        "`~/.cache/huggingface/hub`), never downloaded."))
+    from_: str | None = Field(default=None, alias="from", description=(
+        "Another model's name: start from its initial (or setup-trained) weights. A `value` "
+        "model made from an `lm` model keeps the backbone and gets a zero-initialised value "
+        "head."))
+    tiny: TinyModelSpec | None = Field(None, description=(
+        "Build a tiny random model with a character tokenizer when the run starts (for demos and "
+        "tests; nothing is downloaded); `tiny: {}` takes all defaults."))
+    head: Literal["lm", "value"] = Field("lm", description=(
+        "`lm`: a causal LM (actors, references); `value`: one scalar per token (critics, reward "
+        "models)."))
+    trainable: bool = Field(False, description=(
+        "Give the model an optimizer; some stage must train it, and it is saved to "
+        "`OUTPUT/models/NAME/final` at the end."))
+    optimizer: OptimizerSpec = Field(OptimizerSpec(), description=(
+        "AdamW settings, used when `trainable`."))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "Compute dtype. A trainable `bfloat16` or `float16` model trains in mixed precision "
+        "(fp32 master weights; `float16` with loss scaling, not under `backend: deepspeed`); a "
+        "frozen one is loaded in that dtype."))
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -105,22 +140,41 @@ class ModelSpec(Strict):
 class DeepSpeedSpec(Strict):
     """DeepSpeed settings of a training stage (``backend: deepspeed``)."""
 
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    config: dict[str, Any] = {}
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description=(
+        "ZeRO stage (stage 2 is tested, stage 1 has run on CPU, 0 and 3 are untested)."))
+    config: dict[str, Any] = Field({}, description=(
+        "Extra DeepSpeed config; its top-level keys replace rlhfflow's "
+        "(`train_micro_batch_size_per_gpu: 1`, `gradient_accumulation_steps: 1`, "
+        "`zero_optimization`, `gradient_clipping` from the model's `grad_clip`, ...)."))
 
 
 class StageSpec(Strict):
     """A named stage: its type, its model, its upstream stages, its parameters."""
 
-    type: str
-    model: str | None = None
-    after: list[str] = []
-    params: dict[str, Any] = {}
-    retries: NonNegInt = 0
-    backend: Literal["torch", "deepspeed"] = "torch"
-    deepspeed: DeepSpeedSpec | None = None
-    micro_batches: PositiveInt | None = None
-    fuse: bool = True
+    type: str = Field(description=(
+        "A registered stage type (a built-in, or one an installed package declares in the "
+        "`rlhfflow.stages` entry-point group; `rlhfflow stages` lists them), or the import path "
+        "of a `Stage` subclass, `package.module:Class`."))
+    model: str | None = Field(None, description=(
+        "The model the stage uses; required unless the type takes none (`advantages`) or it is a "
+        "`score` stage with `params.function`; its `head` must match the stage type."))
+    after: list[str] = Field([], description="Stages this one waits for (and reads columns from).")
+    params: dict[str, Any] = Field({}, description=(
+        "The stage type's parameters (see the stage type reference); unknown params are errors."))
+    retries: NonNegInt = Field(0, description=(
+        "Times Dask retries a failed task of this stage (never the ranks of a data-parallel "
+        "gang; a fused task: the largest `retries` of its stages)."))
+    backend: Literal["torch", "deepspeed"] = Field("torch", description=(
+        "How a `train_actor` or `train_critic` stage trains its model; `deepspeed` only on those "
+        "two."))
+    deepspeed: DeepSpeedSpec | None = Field(None, description=(
+        "DeepSpeed settings; only with `backend: deepspeed`."))
+    micro_batches: PositiveInt | None = Field(None, description=(
+        "Micro-batches (tasks) the stage splits the iteration's rows into, at most one per row; "
+        "`null`: `data.micro_batches`. Only on micro-batch stages (`generate`, `score`, "
+        "`logprob`, `values`): on another stage type it is an error."))
+    fuse: bool = Field(True, description=(
+        "`false`: never fuse this stage with others into one task."))
 
 
 class DataSpec(Strict):
@@ -132,15 +186,32 @@ class DataSpec(Strict):
     the tokenizer's chat template, ``true`` renders every record (a plain prompt as one
     user turn) and needs a tokenizer with a template, ``false`` never renders."""
 
-    prompts: str
-    prompt_field: str = "prompt"
-    batch_size: PositiveInt = 16
-    samples_per_prompt: PositiveInt = 1
-    micro_batches: PositiveInt = 2
-    max_prompt_tokens: PositiveInt = 64
-    shuffle: bool = True
-    on_bad_prompt: Literal["error", "skip"] = "error"
-    chat_template: Literal["auto", True, False] = "auto"
+    prompts: str = Field(description=(
+        "The prompts, relative to the pipeline file: a JSONL file, a `.parquet` file (needs "
+        "`pyarrow`) or a directory saved with `datasets`' `save_to_disk` (needs `datasets`; a "
+        "`DatasetDict` uses `train`)."))
+    prompt_field: str = Field("prompt", description=(
+        "The field of each record that holds a plain-text prompt (a record may give `messages` "
+        "instead)."))
+    batch_size: PositiveInt = Field(16, description="Prompts per iteration.")
+    samples_per_prompt: PositiveInt = Field(1, description=(
+        "Responses per prompt (rows = `batch_size * samples_per_prompt`); use more than 1 for "
+        "GRPO and RLOO."))
+    micro_batches: PositiveInt = Field(2, description=(
+        "Micro-batches of the prompt source and of the buffer (one zarr chunk and one `store` "
+        "task each), and the default of each stage's `micro_batches`."))
+    max_prompt_tokens: PositiveInt = Field(64, description=(
+        "A longer prompt stops the run before iteration 0, naming it (or is skipped with "
+        "`on_bad_prompt: skip`)."))
+    shuffle: bool = Field(True, description=(
+        "A new seeded permutation of the prompts each epoch; `false`: file order."))
+    on_bad_prompt: Literal["error", "skip"] = Field("error", description=(
+        "A malformed line or an over-long prompt: stop the run (`error`), or leave it out, count "
+        "it and list it in `OUTPUT/skipped_prompts.txt` (`skip`)."))
+    chat_template: Literal["auto", True, False] = Field("auto", description=(
+        "Render prompts with the tokenizer's chat template: `auto` renders `messages` records "
+        "when the tokenizer has a template, `true` renders every record (a plain prompt as one "
+        "user turn) and needs a template, `false` never (then a `messages` record is an error)."))
 
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum",
@@ -170,25 +241,60 @@ class AlgorithmSpec(Strict):
     """The RL algorithm: a preset ``name`` whose parts (advantage estimator, policy loss,
     reward scaling) can each be overridden, plus KL penalty, clipping and aggregation."""
 
-    name: Literal["ppo", "grpo", "rloo", "dr_grpo"] = "ppo"
-    advantage_estimator: str | None = None
-    policy_loss: str = "ppo"
-    scale_rewards: Literal["group", "batch", "none"] | None = None
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
-    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
-    kl_coef: NonNegFloat = 0.05
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_in: Literal["reward", "loss"] = "reward"
-    clip_low: PositiveFloat = 0.2
-    clip_high: PositiveFloat = 0.2
-    dual_clip: Annotated[float, Field(gt=1)] | None = None
-    value_clip: PositiveFloat | None = 0.2
-    whiten_advantages: bool = True
-    loss_agg: LossAgg = "token-mean"
-    value_loss_agg: LossAgg = "token-mean"
-    loss_scale_factor: PositiveFloat | None = None
-    entropy_coef: NonNegFloat = 0.0
+    name: Literal["ppo", "grpo", "rloo", "dr_grpo"] = Field("ppo", description=(
+        "The preset: its advantage estimator (`ppo` -> `gae`, the others -> the estimator of the "
+        "same name)."))
+    advantage_estimator: str | None = Field(None, description=(
+        "A registered estimator (`gae`, `grpo`, `rloo`, `dr_grpo`, `reinforce_plus_plus`, "
+        "`reinforce_plus_plus_baseline`, `remax`) or your own as `package.module:function`; "
+        "`null`: the preset's. Whether the pipeline needs a critic follows the estimator."))
+    policy_loss: str = Field("ppo", description=(
+        "A registered policy loss or `package.module:function`; `ppo` is the clipped surrogate "
+        "(GSPO with `importance_sampling_level: sequence`)."))
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(None, description=(
+        "GRPO's std normalisation (TRL's `scale_rewards`): divide the centred score by the std "
+        "of its `group`, of the whole `batch`, or by nothing (`none`, Dr. GRPO). `null`: `group` "
+        "for `grpo`, `none` for `dr_grpo`. Only the `grpo` and `dr_grpo` estimators (and your "
+        "own, which get the config) read it."))
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description=(
+        "`sequence`: every token uses its sequence's ratio `exp(mean log(pi/pi_old))` (GSPO), "
+        "clipped as a whole; pair it with `loss_agg: seq-mean-token-mean` and a small clip range "
+        "for GSPO's objective."))
+    gamma: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description=(
+        "Discount (`gae`, `reinforce_plus_plus`)."))
+    lam: Annotated[float, Field(ge=0, le=1)] = Field(0.95, description="GAE lambda.")
+    kl_coef: NonNegFloat = Field(0.05, description=(
+        "Weight of the KL penalty to the reference; `0` turns it off."))
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description=(
+        "Per-token KL estimator: `k1 = log(pi/ref)`, `k2 = 0.5 log(pi/ref)^2`, `k3 = ref/pi - 1 "
+        "- log(ref/pi)`."))
+    kl_in: Literal["reward", "loss"] = Field("reward", description=(
+        "Where the penalty goes: into the rewards (`reward`: the `advantages` stage reads both "
+        "log-prob columns) or into the actor's loss (`loss`: `train_actor` reads "
+        "`ref_logprobs`), aggregated with `loss_agg`."))
+    clip_low: PositiveFloat = Field(0.2, description=(
+        "Lower PPO ratio clip: the ratio is clipped to `[1 - clip_low, 1 + clip_high]`."))
+    clip_high: PositiveFloat = Field(0.2, description=(
+        "Upper PPO ratio clip: the ratio is clipped to `[1 - clip_low, 1 + clip_high]`."))
+    dual_clip: Annotated[float, Field(gt=1)] | None = Field(None, description=(
+        "Dual-clip PPO bound for negative advantages (adds the `clip_frac_lower` metric); "
+        "`null`: off."))
+    value_clip: PositiveFloat | None = Field(0.2, description=(
+        "Critic value clip: the loss takes the larger of the errors of `v` and of `v` clamped to "
+        "`[old - value_clip, old + value_clip]`; `null`: unclipped."))
+    whiten_advantages: bool = Field(True, description=(
+        "Normalise `gae` advantages over the batch's response tokens (`reinforce_plus_plus*` "
+        "always whiten, as in veRL)."))
+    loss_agg: LossAgg = Field("token-mean", description=(
+        "How the actor's per-token losses become one number: the policy term and the KL and "
+        "entropy terms alike (veRL's `loss_agg_mode`)."))
+    value_loss_agg: LossAgg = Field("token-mean", description=(
+        "How the critic's per-token value losses become one number."))
+    loss_scale_factor: PositiveFloat | None = Field(None, description=(
+        "The constant divisor of `seq-mean-token-sum-norm`; `null`: the response length "
+        "(`max_new_tokens` of the generate stage)."))
+    entropy_coef: NonNegFloat = Field(0.0, description=(
+        "Weight of the entropy bonus in the actor loss."))
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -242,16 +348,34 @@ class AlgorithmSpec(Strict):
 class ClusterSpec(Strict):
     """The Dask cluster: an embedded LocalCluster (default) or an existing scheduler."""
 
-    workers: PositiveInt = 2
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    address: str | None = None
-    host: str = "127.0.0.1"
-    dashboard_address: str = "127.0.0.1:8787"
-    memory_limit: str = "auto"
-    torch_threads: PositiveInt | None = None
-    worker_timeout_s: PositiveFloat = 60.0
-    max_restarts: NonNegInt = 3
-    collective_timeout_s: PositiveFloat = 600.0
+    workers: PositiveInt = Field(2, description=(
+        "Workers of the embedded cluster (on GPUs: at most one per GPU)."))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "`auto`: each embedded worker gets its own GPU when there are GPUs, and models run on "
+        "the GPU a worker sees, else on CPU; `cuda`: the same, but a machine without a GPU is an "
+        "error; `cpu`: models stay on CPU even where GPUs are visible."))
+    address: str | None = Field(None, description=(
+        "A running Dask scheduler (`tcp://HOST:8786`) instead of the embedded cluster; "
+        "`--scheduler` sets it."))
+    host: str = Field("127.0.0.1", description=(
+        "Interface the embedded scheduler and workers listen on."))
+    dashboard_address: str = Field("127.0.0.1:8787", description=(
+        "Where the embedded scheduler serves the dashboard (a free port when this one is taken)."))
+    memory_limit: str = Field("auto", description=(
+        "Memory limit per embedded worker, as Dask takes it (`auto`, `16GiB`, ...); the "
+        "planner's plans must fit it."))
+    torch_threads: PositiveInt | None = Field(None, description=(
+        "Torch threads per worker; `null` on the embedded cluster: (CPU cores - 1) / workers, at "
+        "least 1, leaving one core to the coordinator and scheduler (`placement: auto` may "
+        "choose otherwise)."))
+    worker_timeout_s: PositiveFloat = Field(60.0, description=(
+        "After a worker holding models is lost: how long to wait for workers to come back before "
+        "stopping."))
+    max_restarts: NonNegInt = Field(3, description=(
+        "How many times a run recovers from lost workers before it stops."))
+    collective_timeout_s: PositiveFloat = Field(600.0, description=(
+        "How long a data-parallel gang's collectives (the process group's rendezvous, the "
+        "gradient all-reduce) wait for a peer before failing."))
 
 
 class CheckpointSpec(Strict):
@@ -259,9 +383,13 @@ class CheckpointSpec(Strict):
     ``optimizer: false`` leaves the optimizer moments out (a third of the size with
     AdamW); a resume then restarts the optimizer (the learning-rate schedule goes on)."""
 
-    every: NonNegInt = 5
-    keep: NonNegInt = 2
-    optimizer: bool = True
+    every: NonNegInt = Field(5, description=(
+        "Checkpoint after every N-th iteration; `0`: only at the end or when stopped."))
+    keep: NonNegInt = Field(2, description="How many checkpoints to keep; `0`: all.")
+    optimizer: bool = Field(True, description=(
+        "Save the optimizer moments; `false` saves only the learning-rate schedule's position, "
+        "and a resume restarts AdamW (fresh moments) from the saved weights. Per model: "
+        "`models.NAME.optimizer.checkpoint`."))
 
 
 WorkerRef = str | NonNegInt | Annotated[list[NonNegInt], Field(min_length=1)]
@@ -281,11 +409,29 @@ class PlacementSpec(Strict):
     strategy with a group name or indexes.
     """
 
-    strategy: Literal["auto", "colocated", "interleaved", "disaggregated"] = "auto"
-    profile: str | None = None
-    groups: dict[str, list[int] | float] = {}
-    models: dict[str, WorkerRef] = {}
-    stages: dict[str, WorkerRef] = {}
+    strategy: Literal["auto", "colocated", "interleaved", "disaggregated"] = Field(
+        "auto", description=(
+        "`auto`: the planner chooses the strategy, the micro-batch split, fusion and (embedded "
+        "cluster) workers x threads; `colocated`: every model on every worker, training as a "
+        "data-parallel gang over all; `interleaved`: each model on an exclusive group of "
+        "workers; `disaggregated`: generation on the `rollout` group with a shadow of the actor "
+        "synced after each update, everything else on `train` (needs at least 2 workers)."))
+    profile: str | None = Field(None, description=(
+        "The profile `auto` predicts from (written by `rlhfflow profile`), relative to the "
+        "pipeline file; `null`: `profiles/NAME.json` beside the pipeline file if it exists, else "
+        "the analytic cost model."))
+    groups: dict[str, list[int] | float] = Field({}, description=(
+        "Named worker sets: a list of worker indexes, or a fraction of the workers (fractions "
+        "are laid out one after another, in the order written). `interleaved` places models into "
+        "these groups instead of its own blocks; `disaggregated` uses `rollout` (default: the "
+        "first half of the workers, at least 1) and `train` (default: the rest)."))
+    models: dict[str, WorkerRef] = Field({}, description=(
+        "Where a model lives (and is trained): a group name, a worker index or a list of "
+        "indexes, overriding the strategy."))
+    stages: dict[str, WorkerRef] = Field({}, description=(
+        "Where a stage runs: a group name, a worker index or a list of indexes, overriding the "
+        "strategy. Outside its model's home it uses a replica (a shadow when the model is "
+        "trained); not allowed for training stages or stages without a model."))
 
     @field_validator("groups")
     @classmethod
@@ -313,9 +459,18 @@ class OverlapSpec(Strict):
     measured against.
     """
 
-    max_staleness: NonNegInt = 0
-    fuse: bool = True
-    sequential: bool = False
+    max_staleness: NonNegInt = Field(0, description=(
+        "How many updates behind the generating model's inference may run (`generate` and the "
+        "model's other micro-batch stages, such as `old_logprob`): with N, iteration k's run "
+        "with the actor after iteration k-N-1's update, submitted N iterations early; `0`: "
+        "strictly on-policy. No effect when the generating model is not trainable."))
+    fuse: bool = Field(True, description=(
+        "Run consecutive stages on the same workers as one task (micro-batch stages one task per "
+        "micro-batch, whole-batch stages such as `advantages + train_actor` one per iteration) "
+        "where no other stage waits longer for it; `false`: every stage its own tasks."))
+    sequential: bool = Field(False, description=(
+        "Each stage waits for the whole previous stage and each iteration for the previous one: "
+        "no streaming, fusion or overlap (the baseline). An error with `max_staleness` > 0."))
 
 
 class MlflowSpec(Strict):
@@ -323,9 +478,12 @@ class MlflowSpec(Strict):
     ``MLFLOW_TRACKING_URI`` or ``./mlruns``), the experiment (created if missing) and the
     run's name (default: the pipeline's name)."""
 
-    tracking_uri: str | None = None
-    experiment: str = "rlhfflow"
-    run_name: str | None = None
+    tracking_uri: str | None = Field(None, description=(
+        "Where MLflow stores runs (`http://HOST:5000`, `sqlite:///mlflow.db`, ...); `null`: "
+        "MLflow's default (`MLFLOW_TRACKING_URI` or `./mlruns`)."))
+    experiment: str = Field("rlhfflow", description="The MLflow experiment (created if missing).")
+    run_name: str | None = Field(None, description=(
+        "The MLflow run's name; `null`: the pipeline's name."))
 
     @model_validator(mode="after")
     def _installed(self) -> MlflowSpec:
@@ -339,8 +497,12 @@ class LoggingSpec(Strict):
     ``timing/STAGE``, ...). ``tensorboard``: a directory (relative to the pipeline file),
     or ``true`` for ``OUTPUT/tensorboard``."""
 
-    tensorboard: str | bool = False
-    mlflow: MlflowSpec | None = None
+    tensorboard: str | bool = Field(False, description=(
+        "Write each iteration's metrics as TensorBoard scalars: `true` into "
+        "`OUTPUT/tensorboard`, a string into that directory (relative to the pipeline file's "
+        "folder); needs the `tensorboard` extra."))
+    mlflow: MlflowSpec | None = Field(None, description=(
+        "Log each iteration's metrics to an MLflow run; needs the `mlflow` extra."))
 
     @field_validator("tensorboard")
     @classmethod
@@ -365,19 +527,34 @@ def _need_package(module: str, extra: str) -> None:
 class PipelineSpec(Strict):
     """The whole pipeline file."""
 
-    name: str | None = None
-    seed: int = 0
-    iterations: NonNegInt = 1
-    output: str | None = None
-    models: dict[str, ModelSpec] = {}
-    stages: dict[str, StageSpec]
-    data: DataSpec | None = None
-    algorithm: AlgorithmSpec = AlgorithmSpec()
-    cluster: ClusterSpec = ClusterSpec()
-    placement: PlacementSpec = PlacementSpec()
-    overlap: OverlapSpec = OverlapSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    logging: LoggingSpec = LoggingSpec()
+    name: str | None = Field(None, description=(
+        "The pipeline's name (the default output is `runs/NAME`); `null`: the file's stem "
+        "(`ppo-tiny` for `ppo-tiny.yaml`)."))
+    seed: int = Field(0, description=(
+        "Seeds tiny models, prompt shuffling, sampling and minibatch order."))
+    iterations: NonNegInt = Field(1, description="RL iterations; `0` runs only the setup stages.")
+    output: str | None = Field(None, description=(
+        "Output directory, relative to the current directory; `null`: `runs/NAME`."))
+    models: dict[str, ModelSpec] = Field({}, description=(
+        "The named models. Names are letters, digits and underscores, not starting with a digit."))
+    stages: dict[str, StageSpec] = Field(description=(
+        "The named stages, at least one. Names are lowercase letters and underscores only (the "
+        "Dask dashboard groups tasks by the leading letters of their keys); `data` is reserved."))
+    data: DataSpec | None = Field(None, description=(
+        "The prompts; required when there are loop stages and `iterations > 0`."))
+    algorithm: AlgorithmSpec = Field(AlgorithmSpec(), description=(
+        "Advantage estimator, policy loss, KL penalty, clipping and loss aggregation."))
+    cluster: ClusterSpec = Field(ClusterSpec(), description=(
+        "The Dask cluster: the embedded one (2 local workers by default) or a running scheduler."))
+    placement: PlacementSpec = Field(PlacementSpec(), description=(
+        "Which workers hold each model and run each stage."))
+    overlap: OverlapSpec = Field(OverlapSpec(), description=(
+        "How much the scheduler overlaps stages and iterations (default: streaming, fused, "
+        "on-policy)."))
+    checkpoint: CheckpointSpec = Field(CheckpointSpec(), description=(
+        "When to checkpoint the trainable models."))
+    logging: LoggingSpec = Field(LoggingSpec(), description=(
+        "Copies of the metrics in TensorBoard and MLflow."))
 
 
 # --------------------------------------------------------------------------- YAML

@@ -2,7 +2,7 @@
 group (gloo on CPU, NCCL on GPU), and the DeepSpeed engine built on it.
 
 A process joins at most one gang for its whole life (torch keeps one default group per
-process, and DESIGN.md measured that a group cannot be re-created after it is destroyed).
+process, and a group cannot be re-created after it is destroyed: docs/design/worker.md).
 Nothing here knows of Dask: the executor decides the members and calls ``join_gang``
 on each of them at once.
 """

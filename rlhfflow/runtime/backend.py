@@ -202,7 +202,7 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
         # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
         # becomes an mmap/munmap of fresh pages; we measured torch compute at 2x the time
-        # in such workers (benchmarks/overhead.py, README "Performance notes").
+        # in such workers (benchmarks/overhead.py, docs/performance/overhead.md).
         "distributed.nanny.pre-spawn-environ": {
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "OPENBLAS_NUM_THREADS": threads},

@@ -33,7 +33,7 @@ DRAFTERS = ("ngram", "layers", "model")
 
 
 class GenerateParams(StageParams):
-    """Sampling and decoding settings (README: "YAML reference", ``generate``). A
+    """Sampling and decoding settings (docs/reference/stages.md, ``generate``). A
     response ends at an EOS id (the tokenizer's and the model's ``generation_config``'s)
     or right after the first of the ``stop`` strings."""
 

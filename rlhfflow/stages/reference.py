@@ -1,9 +1,9 @@
 """The reference of stage types, built from the classes themselves: what each reads and
 writes, its capabilities, and its params with their ``Field(description=...)``.
 
-One source for ``rlhfflow stages``, the README's "Stage types" section (which a test
-keeps equal to ``render_markdown(builtin_only=True)``) and the validator, which checks the
-same pydantic models.
+One source for ``rlhfflow stages``, the page ``docs/reference/stages.md`` (which
+``tests/test_docs.py`` keeps equal to ``render_markdown(builtin_only=True)``) and the
+validator, which checks the same pydantic models.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def render_text(docs: list[TypeDoc]) -> str:
 
 
 def render_markdown(docs: list[TypeDoc]) -> str:
-    """The reference as a Markdown section (the README's "Stage types")."""
+    """The reference as Markdown (the body of ``docs/reference/stages.md``)."""
     lines: list[str] = []
     for d in docs:
         if d.error:

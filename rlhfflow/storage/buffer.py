@@ -9,7 +9,7 @@ Layout (``OUTPUT/buffer.zarr``, a zarr v3 ``LocalStore``)::
             text/prompt_text/   a text column: utf-8 ``bytes`` (uint8, flat) and ``offsets``
                                 (int64, rows + 1); row i is bytes[offsets[i]:offsets[i+1]]
 
-Protocol (see DESIGN.md, "zarr v3: rules for experience buffers"):
+Protocol (see docs/design/buffer.md):
 
 * ONE coordinator owns every piece of metadata: it creates an iteration's group and arrays
   with their final shape (:meth:`ExperienceBuffer.begin_iteration`), then marks it complete
@@ -62,7 +62,7 @@ RESERVED_ATTRS = frozenset({COMMIT_KEY, "rows", "chunk_rows"})
 _FORMAT_ATTR = "rlhfflow_buffer"
 _FORMAT_VERSION = 1
 _GROUP_RE = re.compile(r"iter_(\d{6,})")
-_ALLOWED_KINDS = "biuf"  # bool, signed/unsigned int, float: no object/vlen (DESIGN.md)
+_ALLOWED_KINDS = "biuf"  # bool, signed/unsigned int, float: no object/vlen (docs/design/buffer.md)
 # Rows per block when streaming statistics, so a summary never loads a whole large column.
 _STATS_BLOCK_BYTES = 64 * 2**20
 
@@ -392,8 +392,9 @@ class ExperienceBuffer:
         """Store text columns of a begun iteration, one string per row (coordinator).
 
         Text is ragged, so it is kept as a flat array of utf-8 bytes plus offsets (no
-        object or vlen dtypes, DESIGN.md) in the ``text/`` subgroup, written whole by the
-        one process that owns the iteration's metadata; call it before :meth:`commit`.
+        object or vlen dtypes: docs/design/buffer.md) in the ``text/`` subgroup, written
+        whole by the one process that owns the iteration's metadata; call it before
+        :meth:`commit`.
         """
         name = group_name(iteration)
         if not self._exists(name):

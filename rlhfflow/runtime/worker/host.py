@@ -2,7 +2,7 @@
 
 ``WorkerHost`` keeps the models (a ``ModelStore``), stage objects and task timings of
 one worker between tasks. On Dask it is owned by ``RLHFWorkerPlugin`` (a WorkerPlugin,
-not an Actor: DESIGN.md); in process it is a module global. Task functions find it with
+not an Actor: docs/design/worker.md); in process it is a module global. Task functions find it with
 ``current_host()`` and are plain functions of their inputs, so Dask can retry them.
 """
 
