@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rlhfflow import errors
 from rlhfflow.cli.common import first_line, load, pipeline_errors
 
 
@@ -69,7 +70,7 @@ def stage_test(file: str, stage_name: str, iteration: int) -> None:
         try:
             with pipeline_errors():
                 result = run_stage_alone(pipeline, stage_name, iteration, Path(tmp))
-        except click.ClickException:
+        except (click.ClickException, errors.UserError):  # a mistake: one line, exit 2
             raise
         except Exception as exc:  # the stage's own failure: its traceback is what helps
             traceback.print_exc()
