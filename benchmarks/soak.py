@@ -53,7 +53,7 @@ RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "
 def write_pipeline(directory: Path, iterations: int, every: int, workers: int = 2) -> Path:
     """A copy of ``configs/grpo-tiny.yaml`` sized for a soak (~0.3 s an iteration on 2
     cores) writing into ``directory/out``; returns its path."""
-    from rlhfflow.config.spec import apply_overrides
+    from rlhfflow.config.yamlfile import apply_overrides
 
     data = yaml.safe_load((ROOT / "configs" / "grpo-tiny.yaml").read_text())
     data = apply_overrides(data, {

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from rlhfflow.config.spec import apply_overrides  # noqa: E402
+from rlhfflow.config.yamlfile import apply_overrides  # noqa: E402
 from rlhfflow.data.records import encode_prompts  # noqa: E402
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
 from rlhfflow.stages import Batch, ModelConfig, ModelStore  # noqa: E402

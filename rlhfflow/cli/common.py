@@ -48,7 +48,7 @@ def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
         return {}
     import yaml
 
-    from rlhfflow.config.spec import _Loader
+    from rlhfflow.config.yamlfile import _Loader
 
     out: dict[str, Any] = {}
     for item in values:

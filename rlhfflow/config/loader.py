@@ -21,12 +21,10 @@ from rlhfflow.config.spec import (
     STAGE_NAME,
     PipelineSpec,
     SpecError,
-    apply_overrides,
-    did_you_mean,
     parse_params,
     parse_spec,
-    read_yaml,
 )
+from rlhfflow.config.yamlfile import apply_overrides, did_you_mean, read_yaml
 from rlhfflow.stages import (
     SOURCE_COLUMNS,
     Column,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from rlhfflow.config.spec import did_you_mean
+from rlhfflow.config.yamlfile import did_you_mean
 from rlhfflow.errors import UserError
 from rlhfflow.plan.compiler import TaskCompiler, batch_rows, by_id, compile_run
 from rlhfflow.plan.placement import ExecutionPlan

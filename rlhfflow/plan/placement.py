@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rlhfflow.config.loader import Pipeline
-from rlhfflow.config.spec import SpecError, did_you_mean
+from rlhfflow.config.yamlfile import did_you_mean
+from rlhfflow.errors import SpecError
 from rlhfflow.plan.shapes import model_shapes
 
 STRATEGIES = ("colocated", "interleaved", "disaggregated")

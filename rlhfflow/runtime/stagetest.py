@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from rlhfflow.config.loader import Pipeline
-from rlhfflow.config.spec import SpecError, did_you_mean
+from rlhfflow.config.yamlfile import did_you_mean
 from rlhfflow.data.source import PromptSource
+from rlhfflow.errors import SpecError
 from rlhfflow.runtime.models import model_configs
 from rlhfflow.stages import Batch, ModelStore, RunSettings, StageContext, create_stage
 
