@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from shared import emit_result
 
-from rlhfflow.engine.models import import_gguf, load_model, save_model, smollm2_gguf
+from rlhfflow.engine.gguf import import_gguf, smollm2_gguf
+from rlhfflow.engine.models import load_model, save_model
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,13 +19,13 @@ from click.testing import CliRunner
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
+from rlhfflow.engine.drafting import ForwardCost, shallow_view
 from rlhfflow.engine.models import (
     DEFAULT_ALPHABET,
     build_char_tokenizer,
     build_tiny_model,
     save_model,
 )
-from rlhfflow.engine.speculative import CostModel, shallow_view
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from tests.conftest import make_prompt_batch, small_pipeline
 
@@ -315,9 +315,9 @@ def test_the_layers_view_shares_the_actors_weights(gen_store):
 
 
 def test_the_cost_model_interpolates_its_measured_points():
-    cost = CostModel([(1, 1.0), (4, 1.0), (16, 4.0)])
+    cost = ForwardCost([(1, 1.0), (4, 1.0), (16, 4.0)])
     assert cost(2) == 1.0 and cost(10) == 2.5 and cost(28) == 7.0
-    assert CostModel.linear(0.5, 0.25)(4) == 1.5
+    assert ForwardCost.linear(0.5, 0.25)(4) == 1.5
 
 
 # --------------------------------------------------------------------------- bad input
@@ -382,10 +382,10 @@ def test_a_draft_model_with_the_actors_tokenizer_validates(tmp_path):
 
 
 def test_adaptive_drops_a_drafter_whose_steps_take_longer_than_predicted():
-    from rlhfflow.engine.speculative import Acceptance, AdaptivePolicy, NgramDrafter
+    from rlhfflow.engine.drafting import Acceptance, AdaptivePolicy, NgramDrafter
 
     drafters = {"ngram": NgramDrafter([[5, 6, 5, 6]], [0], {}, 2, 1)}
-    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4, timed=True)
+    policy = AdaptivePolicy(ForwardCost.linear(1.0, 0.0), k_max=4, timed=True)
     policy.stats["ngram"] = Acceptance(accepted=5, evaluated=10)
     assert policy.choose(1, drafters)[0] == "ngram"  # a fixed cost per forward: it pays
     for _ in range(10):  # but its steps measure 3 s where 1 s was predicted
@@ -402,17 +402,17 @@ class _CostlyDrafter:
 
 
 def test_adaptive_probes_an_unknown_drafter_on_a_few_cheap_steps_only():
-    from rlhfflow.engine.speculative import Acceptance, AdaptivePolicy
+    from rlhfflow.engine.drafting import Acceptance, AdaptivePolicy
 
     drafters = {"layers": _CostlyDrafter()}
     # a forward costs the same for 1 or 2 tokens (small batch): a k=1 probe costs 1.2x
-    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4)
+    policy = AdaptivePolicy(ForwardCost.linear(1.0, 0.0), k_max=4)
     choices = [policy.choose(1, drafters) for _ in range(6)]
     assert choices == [("layers", 1)] * 2 + [(None, 0)] * 4  # the prior alone: no
     # a drafter measured to pay is chosen without probing
-    policy = AdaptivePolicy(CostModel.linear(1.0, 0.0), k_max=4,
+    policy = AdaptivePolicy(ForwardCost.linear(1.0, 0.0), k_max=4,
                             stats={"layers": Acceptance(accepted=40, evaluated=50)})
     assert policy.choose(1, drafters)[0] == "layers"
     # every token costs the same (large batch on a CPU): a probe would double a step
-    policy = AdaptivePolicy(CostModel.linear(0.0, 1.0), k_max=4)
+    policy = AdaptivePolicy(ForwardCost.linear(0.0, 1.0), k_max=4)
     assert [policy.choose(64, drafters) for _ in range(3)] == [(None, 0)] * 3

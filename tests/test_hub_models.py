@@ -17,14 +17,8 @@ from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
-from rlhfflow.engine.models import (
-    build_tiny_model,
-    hub_cache_dir,
-    hub_snapshot,
-    is_hub_id,
-    load_model,
-    save_model,
-)
+from rlhfflow.engine.hub import hub_cache_dir, hub_snapshot, is_hub_id
+from rlhfflow.engine.models import build_tiny_model, load_model, save_model
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage.metrics import MetricsLog
 from tests.conftest import small_pipeline

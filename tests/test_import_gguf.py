@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from rlhfflow.engine.models import import_gguf, load_model, smollm2_gguf
+from rlhfflow.engine.gguf import import_gguf, smollm2_gguf
+from rlhfflow.engine.models import load_model
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")

@@ -9,9 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from rlhfflow.engine import lean
+from rlhfflow.engine.drafting import shallow_view
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_tiny_model
-from rlhfflow.engine.speculative import shallow_view
 from rlhfflow.stages import ModelConfig, ModelStore
 
 

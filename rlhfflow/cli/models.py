@@ -40,7 +40,7 @@ def models_import_gguf(out_dir: str, gguf_file: str | None, smollm2: bool,
       rlhfflow models import-gguf --smollm2 models/smollm2-135m
       rlhfflow models import-gguf --gguf my-model.Q8_0.gguf models/my-model
     """
-    from rlhfflow.engine.models import import_gguf, smollm2_gguf
+    from rlhfflow.engine.gguf import import_gguf, smollm2_gguf
 
     if (gguf_file is None) == (not smollm2):
         raise UserError("give exactly one of --gguf FILE and --smollm2")

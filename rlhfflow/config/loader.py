@@ -65,7 +65,7 @@ class Pipeline:
         """A model's ``path:`` on this machine: a directory relative to the file, or else,
         for a Hub id (``org/name[@revision]``), its snapshot in the local Hugging Face
         cache (``ModelNotCachedError`` when it is not there)."""
-        from rlhfflow.engine.models import hub_snapshot, is_hub_id  # torch: not at import
+        from rlhfflow.engine.hub import hub_snapshot, is_hub_id
 
         local = self.resolve(path)
         return local if local.exists() or not is_hub_id(path) else hub_snapshot(path)
@@ -74,7 +74,7 @@ class Pipeline:
         """What workers load for a model's ``path:``: the absolute directory, or the Hub
         id itself, which each worker finds in its own cache (a cluster's machines may keep
         theirs in other places)."""
-        from rlhfflow.engine.models import is_hub_id
+        from rlhfflow.engine.hub import is_hub_id
 
         local = self.resolve(path)
         return str(local) if local.exists() or not is_hub_id(path) else path

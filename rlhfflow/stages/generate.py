@@ -265,7 +265,7 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
     """Run ``speculative.decode`` on a batch with the drafters ``params`` ask for, and
     remember the responses for the n-gram drafter's history. ``acceptance`` (drafter ->
     ``Acceptance``) carries measured acceptance from call to call, halved each call."""
-    from rlhfflow.engine import speculative as spec
+    from rlhfflow.engine import drafting
     from rlhfflow.engine.decoding import row_streams
 
     tok, module = resident.tokenizer, resident.module
@@ -281,7 +281,7 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
         drafters = {}
         if "ngram" in uses:
             past = {g: list(history.get(g, ())) for g in set(groups)}
-            drafters["ngram"] = spec.NgramDrafter(seqs, list(groups), past, params.ngram_max,
+            drafters["ngram"] = drafting.NgramDrafter(seqs, list(groups), past, params.ngram_max,
                                                   params.ngram_min)
         for name in ("layers", "model"):
             if name not in uses:
@@ -292,30 +292,30 @@ def decode_batch(resident, batch: Batch, ctx: StageContext, params: GeneratePara
                 draft = ctx.models.get(params.draft_model)
                 check_same_vocabulary(tok, draft.tokenizer, params.draft_model)
                 draft_module = draft.module
-            drafters[name] = spec.ModelDrafter(name, draft_module, batch["prompt_ids"],
+            drafters[name] = drafting.ModelDrafter(name, draft_module, batch["prompt_ids"],
                                                batch["prompt_mask"], first,
                                                drafter_cost(draft_module))
         return drafters
 
-    def drafter_cost(draft_module: torch.nn.Module) -> spec.CostModel:
+    def drafter_cost(draft_module: torch.nn.Module) -> drafting.ForwardCost:
         if params.drafter != "adaptive":
-            return spec.CostModel.linear(0.0, 0.0)  # a fixed policy never asks
+            return drafting.ForwardCost.linear(0.0, 0.0)  # a fixed policy never asks
         if params.verify_cost is None:
-            return spec.measure_cost(draft_module, len(groups))
+            return drafting.measure_cost(draft_module, len(groups))
         # a fixed cost model: scale the actor's by the parameters that draft
         ratio = (sum(p.numel() for p in draft_module.parameters())
                  / sum(p.numel() for p in module.parameters()))
-        return spec.CostModel.linear(*(c * ratio for c in params.verify_cost))
+        return drafting.ForwardCost.linear(*(c * ratio for c in params.verify_cost))
 
     if params.drafter == "adaptive":
-        verify_cost = (spec.CostModel.linear(*params.verify_cost) if params.verify_cost
-                       else spec.measure_cost(module, width))
+        verify_cost = (drafting.ForwardCost.linear(*params.verify_cost) if params.verify_cost
+                       else drafting.measure_cost(module, width))
         for known in acceptance.values():
             known.decay(0.5)  # earlier calls count, the latest most
-        policy = spec.AdaptivePolicy(verify_cost, params.draft_k, acceptance,
+        policy = drafting.AdaptivePolicy(verify_cost, params.draft_k, acceptance,
                                      timed=params.verify_cost is None)
     else:
-        policy = spec.FixedPolicy(None if params.drafter == "none" else params.drafter,
+        policy = drafting.FixedPolicy(None if params.drafter == "none" else params.drafter,
                                   0 if params.drafter == "none" else params.draft_k)
     out, stats = decode(module, batch["prompt_ids"], batch["prompt_mask"], streams, params,
                         eos if eos is not None else tok.eos_token_id, tok.pad_token_id or 0,
@@ -357,7 +357,7 @@ _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _layers_view(module: torch.nn.Module, layers: int) -> torch.nn.Module:
     """The actor's first-layers drafter, built once per module (it shares the weights)."""
-    from rlhfflow.engine.speculative import shallow_view
+    from rlhfflow.engine.drafting import shallow_view
 
     views = _VIEWS.setdefault(module, {})
     if layers not in views:
