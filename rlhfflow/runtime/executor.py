@@ -17,16 +17,13 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from rlhfflow.config.graph import SOURCE
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.data.source import PromptSource
-from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.monitor import RunMonitor
 from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
 from rlhfflow.plan.compiler import (
@@ -38,10 +35,8 @@ from rlhfflow.plan.compiler import (
     batch_rows,
     schedule,
 )
-from rlhfflow.plan.layout import default_torch_threads
-from rlhfflow.plan.placement import ExecutionPlan, PlanError, model_sizes
+from rlhfflow.plan.placement import ExecutionPlan, model_sizes
 from rlhfflow.runtime.backend import (
-    DaskBackend,
     TaskFailed,
     WorkerLost,
 )
@@ -55,7 +50,7 @@ from rlhfflow.runtime.checkpointing import (
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
 from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
-from rlhfflow.runtime.models import model_configs, tiny_models
+from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
 from rlhfflow.runtime.runstate import (
     StartPoint,
     identity_digest,
@@ -73,12 +68,17 @@ from rlhfflow.runtime.worker.host import (
     STORED,
     TIMINGS,
     RunDef,
-    StageDef,
     StageFailed,
-    gang_port,
-    join_gang_task,
     save_model_task,
     update_model_configs,
+)
+from rlhfflow.runtime.workers import (
+    build_tiny_models,
+    check_gang_batches,
+    join_gangs,
+    layout,
+    rows_topic,
+    stage_defs,
 )
 from rlhfflow.stages import ModelConfig, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
@@ -162,7 +162,7 @@ class Executor:
             self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
         self.initial_models = self._model_configs()
         if checkpoint is not None:
-            self.initial_models = self._after_setup(self.initial_models)
+            self.initial_models = after_setup(self.pipeline, self.out, self.initial_models)
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
         self.prepared = True
 
@@ -178,7 +178,8 @@ class Executor:
         # after the workers' state: it sets each worker's torch threads, which a torch op
         # run before would fix at the forked default (all cores) for the task thread,
         # 2 spinning OpenMP threads per worker on 2 cores, iterations 10x slower
-        self._build_tiny_models()
+        build_tiny_models(self.backend, self.tiny)
+        self.tiny = {}
         self.clock.mark("models")  # the resident state installed, tiny models built
         result = RunResult(self.out, dashboard=self.backend.dashboard_link)
         first = self.start.next_iteration
@@ -260,7 +261,7 @@ class Executor:
         spec = self.pipeline.spec
         self.addresses = list(self.backend.workers)
         self.plan = resolve_plan(self.pipeline, len(self.addresses), self.model_bytes)
-        self._check_gang_batches()
+        check_gang_batches(self.pipeline, self.plan)
         self.compiler = TaskCompiler(self.pipeline, self.plan,
                                      {m: c.version for m, c in self.models.items()})
         self.dataflow = Dataflow(self.backend, self.addresses, str(self.out / "buffer.zarr"),
@@ -270,71 +271,18 @@ class Executor:
         settings = RunSettings(temperature=self.pipeline.rollout_temperature,
                                base_dir=str(self.pipeline.base_dir),
                                buffer=str(self.out / "buffer.zarr"),
-                               device=spec.cluster.device, rows_topic=self._rows_topic())
-        run = RunDef(stages=self._stage_defs(), models=self.models, algorithm=spec.algorithm,
-                     seed=spec.seed, settings=settings)
+                               device=spec.cluster.device,
+                               rows_topic=rows_topic(self.pipeline, self.plan, self.backend,
+                                                     self._layout()["threads"] or 1,
+                                                     self.choice))
+        run = RunDef(stages=stage_defs(self.pipeline), models=self.models,
+                     algorithm=spec.algorithm, seed=spec.seed, settings=settings)
         self.backend.start(run, spec.cluster.torch_threads)
-        self._join_gangs()
-
-    def _rows_topic(self) -> str | None:
-        """The event topic of sample reallocation (``rebalance``): set when a generating
-        stage with ``params.migrate`` runs as micro-batch tasks on several Dask workers
-        and, under ``placement: auto``, its tasks are predicted to take ``MIN_TASK_S``
-        or more."""
-        from rlhfflow.runtime.worker.rebalance import MIN_TASK_S
-
-        if not isinstance(self.backend, DaskBackend):
-            return None
-        spec = self.pipeline.spec
-        rows = spec.data.batch_size * spec.data.samples_per_prompt if spec.data else 0
-        threads = self._layout()["threads"] or 1
-        for name, sp in self.plan.stages.items():
-            if not (self.graph.nodes[name].generates and len(sp.workers) > 1 and
-                    sp.micro_batches and sp.micro_batches > 1 and not sp.gang and
-                    getattr(self.pipeline.params[name], "migrate", False)):
-                continue
-            # placement: auto knows what a task costs: too short a task cannot repay
-            # a handover, nor the announcements every task then makes
-            if self.choice is not None and self.choice.cost.stage_seconds(
-                    name, max(rows // sp.micro_batches, 1), threads) < MIN_TASK_S:
-                continue
-            return f"rlhfflow-rows-{uuid.uuid4().hex[:12]}"
-        return None
+        join_gangs(self.backend, self.plan, self.addresses,
+                   spec.cluster.collective_timeout_s)
 
     def _layout(self) -> dict[str, Any]:
-        """Torch threads per worker (None: unknown, on an external cluster) and the size of
-        each training gang: what the task intervals were measured under."""
-        cluster = self.pipeline.spec.cluster
-        threads = cluster.torch_threads
-        if threads is None and cluster.address is None:
-            threads = default_torch_threads(len(self.addresses))
-        return {"workers": len(self.addresses), "threads": threads,
-                "gangs": {n: len(sp.workers) for n, sp in self.plan.stages.items() if sp.gang}}
-
-    def _check_gang_batches(self) -> None:
-        """Every rank of a gang needs rows in every minibatch."""
-        spec = self.pipeline.spec
-        if spec.data is None:
-            return
-        rows = spec.data.batch_size * spec.data.samples_per_prompt
-        for name, sp in self.plan.stages.items():
-            minibatches = getattr(self.pipeline.params[name], "minibatches", 1)
-            if sp.gang and rows // minibatches < len(sp.workers):
-                raise PlanError(self.pipeline.source, f"stages.{name}.params.minibatches",
-                                f"{rows} rows in {minibatches} minibatches leave fewer rows "
-                                f"per minibatch than the {len(sp.workers)} workers training "
-                                f"it; use fewer minibatches or a larger batch")
-
-    def _join_gangs(self) -> None:
-        """Create each gang's process group on all its members at once (out of band)."""
-        timeout = self.pipeline.spec.cluster.collective_timeout_s
-        for workers in self.plan.gangs:
-            members = [self.addresses[i] for i in workers]
-            host = _host_of(members[0])
-            port = self.backend.run_on_workers(gang_port, host, workers=members[:1])
-            port = next(iter(port.values()))
-            self.backend.run_on_workers(join_gang_task, members, host, port, timeout,
-                                        workers=members)
+        return layout(self.pipeline, self.plan, len(self.addresses))
 
     def _home(self, model: str) -> str:
         """The worker holding the master copy of ``model`` (rank 0 of its gang)."""
@@ -345,55 +293,7 @@ class Executor:
         self.tiny = tiny_models(self.pipeline, self.out)
         return model_configs(self.pipeline, self.out, build=False)
 
-    def _build_tiny_models(self) -> None:
-        """Build the ``tiny:`` models not built yet, as tasks on the workers: their
-        processes imported transformers' model classes already, and the coordinator
-        never needs them (~2.5 s of CPU at start-up on 2 cores)."""
-        if not self.tiny:
-            return
-        workers = self.backend.workers
-        names = {f"build-{_token()}": name for name in self.tiny}
-        handles = [self.backend.submit(partial(save_tiny_model, **self.tiny[name]), key=key,
-                                       worker=workers[i % len(workers)])
-                   for i, (key, name) in enumerate(names.items())]
-        try:
-            self.backend.wait(handles, pinned=list(workers))
-        except TaskFailed as exc:
-            name = names[exc.key]
-            if is_disk_full(exc.cause):
-                raise RunError(disk_full(exc.cause, f"building model {name!r}")) from None
-            raise RunError(f"building the tiny model {name!r}: {type(exc.cause).__name__}: "
-                           f"{exc.cause}") from exc.cause
-        self.tiny = {}
-
-    def _stage_defs(self) -> dict[str, StageDef]:
-        defs = {}
-        for name, node in self.graph.nodes.items():
-            stage = self.pipeline.spec.stages[name]
-            ds = stage.deepspeed.model_dump() if stage.deepspeed else None
-            # by import path, so a plugin type needs no registration on the workers
-            defs[name] = StageDef(node.impl or node.type, self.pipeline.params[name],
-                                  node.model, node.reads,
-                                  backend=stage.backend, deepspeed=ds)
-        return defs
-
     # ----------------------------------------------------------------- setup stages
-    def _setup_trained(self) -> dict[str, str]:
-        """Model -> the setup stage that trains it."""
-        return {self.graph.nodes[n].model: n for n in self.graph.setup_stages}
-
-    def _after_setup(self, models: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
-        """Configs pointing every model trained by a setup stage, and every model copied
-        ``from:`` one, at the weights the setup stage saved (OUTPUT/models/NAME/setup)."""
-        trained = self._setup_trained()
-        out = dict(models)
-        for name in models:
-            root = name if name in trained else self.pipeline.model_root(name)
-            if root in trained:
-                out[name] = replace(models[name],
-                                    init_path=str(self.out / "models" / root / "setup"))
-        return out
-
     def _from_checkpoint(self, models: dict[str, ModelConfig], checkpoint: Checkpoint | None
                          ) -> dict[str, ModelConfig]:
         """Configs of the models trained in the loop, taken from ``checkpoint``."""
@@ -414,9 +314,9 @@ class Executor:
                                                                  / "setup"),
                                      [handles[stage]], key=f"save-{_token()}",
                                      worker=self.addresses[self.plan.stages[stage].workers[0]])
-                 for model, stage in self._setup_trained().items()]
+                 for model, stage in setup_trained(self.pipeline).items()]
         self.backend.wait(saves)
-        self.initial_models = self._after_setup(self.initial_models)
+        self.initial_models = after_setup(self.pipeline, self.out, self.initial_models)
         self.models = dict(self.initial_models)
         self.backend.run_on_workers(update_model_configs, self.models)
         MetricsLog(self.out / "setup.jsonl").append({"setup": metrics})
@@ -639,12 +539,6 @@ class Executor:
     def _say(self, line: str) -> None:
         if self.progress:
             print(line, file=sys.stderr, flush=True)
-
-
-def _host_of(address: str) -> str:
-    """The host of a worker address (``tcp://10.0.0.5:4321`` -> ``10.0.0.5``)."""
-
-    return urlsplit(address).hostname or "127.0.0.1"
 
 
 def _token() -> str:

@@ -3,6 +3,7 @@ models still to build, and where the setup stages and checkpoints move their wei
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,23 @@ def model_configs(pipeline: Pipeline, out: Path, build: bool = True
                               trainable=model.trainable,
                               optimizer=model.optimizer.model_dump(), dtype=model.dtype)
             for name, model in spec.models.items()}
+
+
+def setup_trained(pipeline: Pipeline) -> dict[str, str]:
+    """Model -> the setup stage that trains it."""
+    graph = pipeline.graph
+    return {graph.nodes[n].model: n for n in graph.setup_stages}
+
+
+def after_setup(pipeline: Pipeline, out: Path, models: dict[str, ModelConfig]
+                ) -> dict[str, ModelConfig]:
+    """Configs pointing every model trained by a setup stage, and every model copied
+    ``from:`` one, at the weights the setup stage saved (OUTPUT/models/NAME/setup)."""
+    trained = setup_trained(pipeline)
+    updated = dict(models)
+    for name in models:
+        root = name if name in trained else pipeline.model_root(name)
+        if root in trained:
+            updated[name] = replace(models[name],
+                                    init_path=str(out / "models" / root / "setup"))
+    return updated
