@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from rlhfflow.cli.common import configure_logging  # noqa: E402
 from rlhfflow.config.yamlfile import apply_overrides  # noqa: E402
 from rlhfflow.data.records import encode_prompts  # noqa: E402
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
@@ -54,6 +55,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     start_fork_server()
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging():
+    """Progress lines reach stderr as the ``rlhfflow`` command prints them, at the normal
+    level in every test (a test of ``--quiet`` must not silence the next one)."""
+    configure_logging("normal")
+    yield
 
 
 @pytest.fixture(scope="session")

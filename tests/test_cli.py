@@ -194,3 +194,20 @@ def test_plan_explains_why_each_task_waits_and_names_an_unknown_stage():
     bad = runner.invoke(main, ["plan", str(CONFIGS / "ppo-tiny.yaml"), "--explain", "critc"])
     assert bad.exit_code == 2
     assert bad.output.count("\n") == 1 and "no stage 'critc'" in bad.output
+
+
+def test_quiet_and_verbose_set_how_much_the_run_prints(tmp_path):
+    """Progress is logged under the rlhfflow logger; the command prints it at INFO,
+    --quiet leaves warnings and results, --verbose adds each submitted task."""
+    from tests.conftest import small_pipeline
+
+    path = small_pipeline(tmp_path, "grpo", iterations=1)
+    runner = CliRunner()
+    quiet = runner.invoke(main, ["-q", "run", str(path), "--overwrite"])
+    assert quiet.exit_code == 0, quiet.output
+    assert "1/1  reward" not in quiet.output and "output:" in quiet.output
+    verbose = runner.invoke(main, ["-v", "run", str(path), "--overwrite"])
+    assert verbose.exit_code == 0, verbose.output
+    assert "1/1  reward" in verbose.output and "rlhfflow: submit generate" in verbose.output
+    both = runner.invoke(main, ["-q", "-v", "validate", str(path)])
+    assert both.exit_code == 2 and "--quiet and --verbose both given" in both.output

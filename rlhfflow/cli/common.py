@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -89,3 +91,35 @@ def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)
                                ).rstrip() for row in rows]
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes each record to whatever ``sys.stderr`` is when it is emitted: click's test
+    runner and the warm server's fork replace it after the handler exists."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+#: how loud the command line is: --quiet shows warnings only, --verbose every debug line
+LEVELS = {"quiet": logging.WARNING, "normal": logging.INFO, "verbose": logging.DEBUG}
+
+
+def configure_logging(loudness: str = "normal") -> None:
+    """Print the ``rlhfflow`` logger's records on stderr as bare lines, at ``loudness``
+    (one handler, however often this is called)."""
+    logger = logging.getLogger("rlhfflow")
+    handler = next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(LEVELS[loudness])

@@ -29,8 +29,11 @@ from rlhfflow.cli import (
     validate,
     warm,
 )
-from rlhfflow.cli.common import first_line
+from rlhfflow.cli.common import UserError, configure_logging, first_line
 from rlhfflow.errors import RlhfflowError
+
+#: the group's own flags, which may stand before the command
+GROUP_FLAGS = ("-q", "--quiet", "-v", "--verbose")
 
 
 class _Commands(click.Group):
@@ -59,7 +62,8 @@ def _run_warm(argv: list[str]) -> None:
     """``rlhfflow run ...`` as a fork of the warm server (started first if none is up),
     exiting as it exits. Returns (the run goes on in this process) when the warm server
     is off or cannot start."""
-    if argv[:1] != ["run"] or any(a in ("-h", "--help", "--supervise") for a in argv):
+    command = [a for a in argv if a not in GROUP_FLAGS][:1]
+    if command != ["run"] or any(a in ("-h", "--help", "--supervise") for a in argv):
         return
     from rlhfflow.launch import warm
 
@@ -90,7 +94,11 @@ def _run_warm(argv: list[str]) -> None:
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="rlhfflow")
-def main() -> None:
+@click.option("-q", "--quiet", is_flag=True,
+              help="Print warnings and results only, no progress lines.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Print debug lines too (every task submitted, with its workers).")
+def main(quiet: bool, verbose: bool) -> None:
     """RLHF pipelines written in YAML, run as dataflow on Dask.
 
     \b
@@ -100,6 +108,9 @@ def main() -> None:
       rlhfflow graph demo/pipeline.yaml --format mermaid
       rlhfflow run demo/pipeline.yaml --iterations 5
     """
+    if quiet and verbose:
+        raise UserError("--quiet and --verbose both given; keep one")
+    configure_logging("quiet" if quiet else "verbose" if verbose else "normal")
 
 
 for command in (validate.validate, graph.graph, plan.plan, profile.profile, init.init,

@@ -10,6 +10,7 @@ on each of them at once.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,6 @@ def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -
     than ``max_age_s``. torch waits for such a lock to vanish, forever: a build killed
     mid-way (Ctrl-C during the first DeepSpeed run) would otherwise hang every later run.
     Returns the locks removed (each also reported on stderr)."""
-    import sys
     import time
 
     removed = []
@@ -124,8 +126,8 @@ def clear_stale_build_locks(root: Path, max_age_s: float = STALE_BUILD_LOCK_S) -
             if time.time() - lock.stat().st_mtime > max_age_s:
                 lock.unlink()
                 removed.append(lock)
-                print(f"rlhfflow: removed {lock}, left by an interrupted build of a torch "
-                      f"extension", file=sys.stderr)
+                logger.warning("rlhfflow: removed %s, left by an interrupted build of a torch "
+                               "extension", lock)
         except FileNotFoundError:  # another process removed it first
             continue
     return removed

@@ -7,6 +7,7 @@ dependency; ``rlhfflow.plan.compiler`` does. Every backend key maps back to its 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from functools import singledispatchmethod
@@ -32,6 +33,8 @@ from rlhfflow.runtime.worker.host import (
     store_task,
 )
 from rlhfflow.stages import Batch, slice_batch
+
+logger = logging.getLogger(__name__)
 
 
 class Dataflow:
@@ -132,6 +135,8 @@ class Dataflow:
     def _task(self, spec: Task, fn, *args: Any) -> Any:
         key = f"{spec.id}-{uuid.uuid4().hex[:8]}"
         self._tasks[key] = spec
+        logger.debug("rlhfflow: submit %s (priority %d) on %s", key, spec.priority,
+                     ", ".join(self._where(spec) or ["any worker"]))
         return self.backend.submit(fn, *args, key=key, worker=self._where(spec),
                                    retries=spec.retries, priority=spec.priority)
 

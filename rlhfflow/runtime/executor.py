@@ -13,7 +13,7 @@ weights exist.
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 import uuid
@@ -82,6 +82,8 @@ from rlhfflow.runtime.workers import (
 )
 from rlhfflow.stages import ModelConfig, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -538,7 +540,7 @@ class Executor:
 
     def _say(self, line: str) -> None:
         if self.progress:
-            print(line, file=sys.stderr, flush=True)
+            logger.info(line)
 
 
 def _token() -> str:
