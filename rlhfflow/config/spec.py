@@ -536,8 +536,9 @@ class PipelineSpec(Strict):
     models: dict[str, ModelSpec] = Field({}, description=(
         "The named models. Names are letters, digits and underscores, not starting with a digit."))
     stages: dict[str, StageSpec] = Field(description=(
-        "The named stages, at least one. Names are lowercase letters and underscores only (the "
-        "Dask dashboard groups tasks by the leading letters of their keys); `data` is reserved."))
+        "The named stages, at least one. Names are lowercase letters, digits and underscores, "
+        "starting with a letter (the Dask dashboard groups tasks by a key's first word, the "
+        "stage's name); `data` is reserved."))
     data: DataSpec | None = Field(None, description=(
         "The prompts; required when there are loop stages and `iterations > 0`."))
     algorithm: AlgorithmSpec = Field(AlgorithmSpec(), description=(
