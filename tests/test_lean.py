@@ -176,3 +176,51 @@ def test_a_model_converted_after_loading_or_run_under_autocast_uses_transformers
         a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 for m in (model, fast))
     assert torch.equal(a, b)
+
+
+def test_the_lean_forward_stays_on_the_devices_it_was_checked_on(monkeypatch):
+    model, fast = _pair()
+    monkeypatch.setattr(lean, "DEVICES", frozenset())  # as a CUDA model sees it today
+    assert lean.unsupported(build_tiny_model(build_char_tokenizer())) == \
+        "parameters on cpu (the lean forward is checked on no device only)"
+    assert not lean.enable(build_tiny_model(build_char_tokenizer()))
+
+    def not_lean(*args, **kwargs):
+        raise AssertionError("the lean arithmetic ran on a device it is not checked on")
+
+    monkeypatch.setattr(lean, "_attention", not_lean)
+    ids, mask, pos = _batch()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():  # an already lean model falls back, its KV cache included
+        out = fast(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                   use_cache=True)
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(out.logits, a)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
+    """transformers before 5.24 named the cache ``past_key_values``, in the forward and in
+    its output (the GPU machine has 5.17): an older forward would swallow ``cache=`` in its
+    ``**kwargs`` and run without it."""
+    from dataclasses import dataclass
+
+    def old_forward(self, input_ids=None, past_key_values=None, **kwargs):
+        """transformers 5.17's signature, in short."""
+
+    def new_forward(self, input_ids=None, cache=None, **kwargs):
+        """transformers 5.24's."""
+
+    @dataclass
+    class OldOutput:
+        logits: object = None
+        past_key_values: object = None
+
+    assert lean.cache_keyword(old_forward) == "past_key_values"
+    assert lean.cache_keyword(new_forward) == "cache"
+    assert lean.output_cache_field(OldOutput) == "past_key_values"
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    installed = lean.output_cache_field(CausalLMOutputWithPast)
+    assert lean.cache_keyword(LlamaForCausalLM.forward) == installed
