@@ -49,6 +49,7 @@ from rlhfflow.engine.models import (
     save_model,
     smollm2_gguf,
 )
+from rlhfflow.engine.speculative import wait_for
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,11 +195,6 @@ def greedy_runs(store: ModelStore, tokenizer, cfgs: dict, tokens: int) -> dict:
             for name, r in runs.items()}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def verify_cost(module: torch.nn.Module, rows: int, ks: list[int], context: int = 48,
                 repeats: int = 5) -> dict[int, float]:
@@ -216,10 +212,10 @@ def verify_cost(module: torch.nn.Module, rows: int, ks: list[int], context: int 
         times = []
         for _ in range(repeats):
             state = KVState(module, ids[:, :context], mask)
-            _sync(device)
+            wait_for(device)
             start = time.perf_counter()
             state.forward(ids[:, context:context + width])
-            _sync(device)
+            wait_for(device)
             times.append(time.perf_counter() - start)
         return min(times)
 
