@@ -267,7 +267,7 @@ def _install_files(files: list[str], target: Path, tags: list[str]) -> None:
                 shutil.rmtree(data)
         return
     pip("install", "--no-index", "--no-deps", "--quiet", "--disable-pip-version-check",
-        *tags, "--target", str(target), *files)
+        "--no-compile", *tags, "--target", str(target), *files)
 
 
 def main() -> None:
