@@ -303,6 +303,8 @@ RUNNERS = {"environment": part_environment, "pytest": part_pytest,
 
 def child(name: str, ctx: Context, result: Path) -> None:
     """Run part ``name`` in this process; write its status and figures to ``result``."""
+    for folder in (ctx.out, ctx.scratch):
+        folder.mkdir(parents=True, exist_ok=True)
     try:
         record = {"status": "ok", "figures": RUNNERS[name](ctx)}
     except Skip as skip:
