@@ -21,7 +21,7 @@ It writes ``$OUT`` (default ``gpu-out/``): ``gpu-check.json`` (rewritten after e
 part, so a run cut short keeps what it had), ``gpu-check.log`` (everything printed),
 ``pytest-gpu.xml`` and each run's ``metrics.jsonl``. Large outputs (models, checkpoints)
 stay in a scratch folder, since ``$OUT`` travels back. The whole stays within
-``--budget-s`` (default 520 s); each part gets at most its own limit and what is left.
+``--budget-s`` (default 480 s); each part gets at most its own limit and what is left.
 
 ``--dry-run`` (``make gpu-check GPU=0``) proves all of this on a CPU with tiny sizes: it
 installs the dry run's few pure-Python wheels of the kit (``.gpu-kit-dry/``, downloaded
@@ -67,7 +67,7 @@ class Part:
 
 #: In order: what matters most first, since the budget may run out.
 PARTS = (Part("environment", 60, 30), Part("pytest", 180, 60), Part("grpo-tiny", 60, 40),
-         Part("generation", 100, 30), Part("grpo-large", 120, 40), Part("trl", 170, 40))
+         Part("generation", 90, 30), Part("grpo-large", 110, 40), Part("trl", 150, 40))
 #: Modules whose origin the environment part reports (kit, machine, and the dry run's).
 MODULES = ("torch", "transformers", "accelerate", "numpy", "pyarrow", "yaml", "dask",
            "distributed", "zarr", "numcodecs", "pydantic", "deepspeed", "trl", "datasets",
@@ -292,7 +292,7 @@ def part_trl(ctx: Context) -> dict:
     if ctx.dry_run:
         args = ["--configs", "tiny", "--iterations", "2", "--threads", "1"]
     else:
-        args = ["--configs", "gpu/grpo-large.yaml", "--iterations", "4", "--threads", "4"]
+        args = ["--configs", "gpu/grpo-large.yaml", "--iterations", "3", "--threads", "4"]
     return benchmark(ctx, "vs_trl", [*args, "--device", ctx.device, "--workdir", str(work)])
 
 
@@ -360,7 +360,7 @@ def main() -> None:
                         help="where the JSON, the log and small files go (default: $OUT, "
                              "else gpu-out)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for everything (default 520; dry run 240)")
+                        help="seconds for everything (default 480; dry run 240)")
     parser.add_argument("--dry-run", action="store_true",
                         help="prove the check on a CPU with tiny sizes (make gpu-check GPU=0)")
     parser.add_argument("--only", nargs="+", choices=list(RUNNERS), help="run only these parts")
@@ -374,7 +374,7 @@ def main() -> None:
         child(args.part, Context(out, args.scratch, args.dry_run), args.result)
         return
     started = time.perf_counter()
-    budget = args.budget_s or (240.0 if args.dry_run else 520.0)
+    budget = args.budget_s or (240.0 if args.dry_run else 480.0)
     out.mkdir(parents=True, exist_ok=True)
     scratch = (args.scratch or Path(tempfile.mkdtemp(prefix="rlhfflow-gpu-check-"))).resolve()
     ctx = Context(out, scratch, args.dry_run)
