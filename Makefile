@@ -19,10 +19,10 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint bench bench-trl clean
+.PHONY: help install run test lint bench bench-trl gpu-kit gpu-check clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 11
 
 install: $(STAMP)  ## create .venv and install rlhfflow into it (editable, with test tools)
 
@@ -59,11 +59,11 @@ run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 # Two pytest processes (pytest-xdist), a test file each at a time, so a module's shared
 # cluster and fixtures stay in one process.
 test: $(TEST_STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
-	$(BIN)/ruff check rlhfflow tests benchmarks examples
+	$(BIN)/ruff check rlhfflow tests benchmarks examples gpu
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)  ## ruff only
-	$(BIN)/ruff check rlhfflow tests benchmarks examples
+	$(BIN)/ruff check rlhfflow tests benchmarks examples gpu
 
 bench: $(STAMP)  ## benchmarks: Dask overhead, placement strategies, overlap, the planner, the soak
 	$(BIN)/python benchmarks/overhead.py
@@ -76,6 +76,18 @@ bench-trl: $(STAMP)  ## rlhfflow vs TRL's GRPOTrainer on the same work (installs
 	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[bench]"
 	$(BIN)/python benchmarks/vs_trl.py --threads 1,2 --rounds 2
 
+# The GPU check (docs/gpu.md). `make gpu-kit` here gathers the wheels a lent GPU machine
+# lacks into .gpu-kit/; `make gpu-check` there (or `python3 gpu/check.py`) installs them
+# into a fresh folder and runs the checks; `make gpu-check GPU=0` is the CPU dry run.
+GPU ?= 1
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-kit:  ## gather the wheels a GPU machine lacks into .gpu-kit/ (needs PyPI)
+	$(GPU_PYTHON) gpu/kit.py build
+
+gpu-check:  ## on a GPU machine: install .gpu-kit/ and run the GPU checks (GPU=0: CPU dry run)
+	$(GPU_PYTHON) gpu/check.py $(if $(filter 0,$(GPU)),--dry-run)
+
 clean:  ## remove .venv, runs/ and caches
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) runs gpu-out .gpu-kit-dry .pytest_cache .ruff_cache build dist *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -19,11 +19,17 @@ process to the end of the first iteration (imports and model loading included).
 TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
-    python benchmarks/vs_trl.py [--configs tiny,small] [--iterations N] [--rounds R]
+    python benchmarks/vs_trl.py [--configs tiny,small,FILE.yaml] [--iterations N] [--rounds R]
                                 [--threads T[,T]] [--workdir DIR] [--recompute-logprobs]
+                                [--device cpu|cuda]
 
-``--iterations`` defaults to 30 for tiny (both systems speed up over the first ~10) and
-8 for small; ``--rounds`` (runs of each
+``--configs`` takes the names above or paths of other GRPO files (``gpu/grpo-large.yaml``).
+``--device cuda`` runs both on the GPU: rlhfflow with ``cluster.device: cuda``, TRL without
+``use_cpu``; an actor of ``dtype: bfloat16`` (or ``float16``), which rlhfflow trains with
+fp32 master weights under autocast, is TRL's ``bf16`` (``fp16``) mixed precision, the
+same arithmetic. There each run's peak GPU memory is recorded too (``nvidia-smi``,
+sampled from outside, the same for both). ``--iterations`` defaults to 30 for tiny (both
+systems speed up over the first ~10) and 8 for small and files; ``--rounds`` (runs of each
 system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
 machine's cores, and ``--threads 1,2`` runs TRL at each, its fastest counting (on a busy
 machine 2 OpenMP threads on 2 cores are many times slower than 1); ``--workdir`` keeps the
@@ -54,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "grpo-tiny.yaml",
            "small": ROOT / "configs" / "grpo-small.yaml"}
 DEFAULT_ITERATIONS = {"tiny": 30, "small": 8}
+FILE_ITERATIONS = 8
 BENCH_PACKAGES = ("trl", "datasets", "accelerate")
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[bench]"'
 
@@ -64,7 +71,13 @@ def _stage(graph, type_name: str) -> str:
     return next(name for name in graph.order if graph.nodes[name].type == type_name)
 
 
-def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, Any]:
+def config_path(name: str) -> Path:
+    """A config named on the command line: one of ``CONFIGS``, or a file."""
+    return CONFIGS[name] if name in CONFIGS else Path(name).resolve()
+
+
+def describe_work(config: Path, iterations: int, init_path: Path, device: str = "cpu"
+                  ) -> dict[str, Any]:
     """What one run of ``config`` does, in plain data both children read: the prompts of
     every iteration in rlhfflow's order, and the settings TRL needs (``trl_settings``)."""
     from rlhfflow.config import load_pipeline
@@ -81,8 +94,11 @@ def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, A
     score = pipeline.params[_stage(graph, "score")]
     train = pipeline.params[_stage(graph, "train_actor")]
     actor = spec.models[generate.model]
-    if score.function is None or actor.dtype != "float32":
-        raise SystemExit(f"{config}: vs_trl needs a reward function and a float32 actor")
+    if score.function is None:
+        raise SystemExit(f"{config}: vs_trl needs a reward function")
+    if actor.dtype != "float32" and device == "cpu":
+        raise SystemExit(f"{config}: on CPU vs_trl compares float32 actors (TRL's bf16 "
+                         f"and fp16 are for GPUs); the file has {actor.dtype}")
     source = PromptSource.from_pipeline(pipeline, generate.model)
     rows = spec.data.batch_size * spec.data.samples_per_prompt
     if rows % train.minibatches:
@@ -99,18 +115,19 @@ def describe_work(config: Path, iterations: int, init_path: Path) -> dict[str, A
         "samples_per_prompt": spec.data.samples_per_prompt,
         "max_new_tokens": pipeline.params[generate.name].max_new_tokens,
         "steps_per_iteration": train.epochs * train.minibatches,
-        "trl": trl_settings(pipeline, train, rows),
+        "device": device,
+        "trl": trl_settings(pipeline, train, rows, device),
     }
 
 
-def trl_settings(pipeline, train, rows: int) -> dict[str, Any]:
+def trl_settings(pipeline, train, rows: int, device: str = "cpu") -> dict[str, Any]:
     """``GRPOConfig`` arguments that make TRL do what ``pipeline`` does; each line says
     which part of the pipeline it copies."""
     spec = pipeline.spec
     algo, data = spec.algorithm, spec.data
     generate = pipeline.params[_stage(pipeline.graph, "generate")]
-    opt = spec.models[pipeline.graph.nodes[_stage(pipeline.graph, "train_actor")].model
-                      ].optimizer
+    actor = spec.models[pipeline.graph.nodes[_stage(pipeline.graph, "train_actor")].model]
+    opt = actor.optimizer
     return {
         # one generation = batch_size prompts x samples_per_prompt rows, trained on for
         # `epochs` passes of `minibatches` optimizer steps (no gradient accumulation)
@@ -144,12 +161,14 @@ def trl_settings(pipeline, train, rows: int) -> dict[str, Any]:
         # the prompts arrive in rlhfflow's order: no reshuffling
         "shuffle_dataset": False,
         "seed": spec.seed,
-        # rlhfflow trains in fp32 without activation checkpointing (TRL defaults to both
-        # bf16 and gradient checkpointing); its tiny models have no dropout
-        "bf16": False,
+        # rlhfflow trains without activation checkpointing, in fp32 or, for a bfloat16 or
+        # float16 actor, mixed precision with fp32 master weights: TRL's bf16 / fp16
+        # (TRL defaults to bf16 and gradient checkpointing); its tiny models have no dropout
+        "bf16": actor.dtype == "bfloat16",
+        "fp16": actor.dtype == "float16",
         "gradient_checkpointing": False,
         "disable_dropout": True,
-        "use_cpu": True,
+        "use_cpu": device == "cpu",
         "use_vllm": False,
     }
 
@@ -199,7 +218,8 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
 
     watcher = threading.Thread(target=watch_first_iteration, daemon=True)
     watcher.start()
-    overrides = {"iterations": job["iterations"], "output": str(out)}
+    overrides = {"iterations": job["iterations"], "output": str(out),
+                 "cluster.device": job.get("device", "cpu")}
     if job.get("recompute_logprobs"):
         overrides["stages"] = recompute_logprob_stages(Path(job["config"]))
     pipeline = load_pipeline(job["config"], overrides)
@@ -280,7 +300,10 @@ def child(system: str, job_file: Path, result_file: Path) -> None:
 
 # ------------------------------------------------------------------ the parent
 def spawn(system: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Run ``system`` in a fresh Python process; its result, or exit with its log's tail."""
+    """Run ``system`` in a fresh Python process; its result, or exit with its log's tail.
+    On a GPU the result has the peak GPU memory in use while it ran (``gpu_peak_mib``)."""
+    from gpumem import GpuMemory
+
     import rlhfflow
 
     work.mkdir(parents=True, exist_ok=True)
@@ -291,14 +314,17 @@ def spawn(system: str, job: dict[str, Any], work: Path) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [
         str(Path(rlhfflow.__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     job_file.write_text(json.dumps({**job, "launched": time.time()}))
-    with log.open("w") as out:
+    with log.open("w") as out, GpuMemory() as memory:
         done = subprocess.run([sys.executable, __file__, "--child", system, str(job_file),
                                str(result_file)], stdout=out, stderr=subprocess.STDOUT,
                               env=env, cwd=ROOT)
     if done.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise SystemExit(f"{tail}\nvs_trl: the {system} run failed (exit {done.returncode})")
-    return json.loads(result_file.read_text())
+    result = json.loads(result_file.read_text())
+    if job.get("device") == "cuda":
+        result["gpu_peak_mib"] = memory.peak_mib
+    return result
 
 
 def steady(times: list[float]) -> float:
@@ -307,7 +333,7 @@ def steady(times: list[float]) -> float:
 
 
 def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path,
-            recompute_logprobs: bool = False) -> dict[str, Any]:
+            recompute_logprobs: bool = False, device: str = "cpu") -> dict[str, Any]:
     """rlhfflow, then TRL at each of ``threads``, on config ``name``, ``rounds`` times,
     alternating so that drift of the machine hits all alike; the figures of the
     comparison, TRL's being those of its fastest thread count."""
@@ -319,7 +345,8 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     for r in range(rounds):
         out = work / f"rlhfflow-{r}"
-        base = describe_work(CONFIGS[name], iterations, out / "models" / "actor" / "init")
+        base = describe_work(config_path(name), iterations,
+                             out / "models" / "actor" / "init", device)
         ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
         if recompute_logprobs:
             recomputed.append(spawn("rlhfflow", {**base, "recompute_logprobs": True,
@@ -331,8 +358,8 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     rows = base["rows"]
     by_threads = {t: summarize(runs, rows) for t, runs in theirs.items()}
     best = min(by_threads, key=lambda t: by_threads[t]["s"])
-    fig = {"config": CONFIGS[name].name, "iterations": iterations, "rounds": rounds,
-           "rows": rows,
+    fig = {"config": config_path(name).name, "iterations": iterations, "rounds": rounds,
+           "rows": rows, "device": device,
            "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
                    f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps"}
     fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
@@ -352,6 +379,10 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
         "trl_threads": best, "trl_version": theirs[best][0]["version"],
         "trl_by_threads": {str(t): f for t, f in by_threads.items()},
         "load_1min": round(load, 2), "cpus": os.cpu_count()})
+    if device == "cuda":
+        for system, runs in (("rlhfflow", ours), ("trl", theirs[best])):
+            peaks = [run["gpu_peak_mib"] for run in runs if run.get("gpu_peak_mib")]
+            fig[f"{system}_gpu_peak_mib"] = max(peaks, default=None)
     return fig
 
 
@@ -412,7 +443,9 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="tiny,small",
-                        help=f"comma-separated, of {', '.join(CONFIGS)}")
+                        help=f"comma-separated, of {', '.join(CONFIGS)} or GRPO files")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both systems run (cuda: the first GPU)")
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per run (default: 30 for tiny, 8 for small)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -434,9 +467,10 @@ def main() -> None:
         child(system, Path(job_file), Path(result_file))
         return
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and not Path(n).is_file()]
     if unknown or not names:
-        parser.error(f"--configs: expected names from {', '.join(CONFIGS)}, got {args.configs!r}")
+        parser.error(f"--configs: expected names from {', '.join(CONFIGS)} or GRPO files, "
+                     f"got {args.configs!r}")
     try:
         threads = sorted({int(t) for t in args.threads.split(",") if t.strip()})
     except ValueError:
@@ -453,17 +487,18 @@ def main() -> None:
 
     figures = {}
     for name in names:
-        iterations = args.iterations or DEFAULT_ITERATIONS[name]
+        iterations = args.iterations or DEFAULT_ITERATIONS.get(name, FILE_ITERATIONS)
+        label = name if name in CONFIGS else Path(name).stem
         if args.workdir is not None:
-            work = args.workdir / name
+            work = args.workdir / label
             work.mkdir(parents=True, exist_ok=True)
-            figures[name] = compare(name, iterations, threads, args.rounds, work,
-                                    args.recompute_logprobs)
+            figures[label] = compare(name, iterations, threads, args.rounds, work,
+                                     args.recompute_logprobs, args.device)
         else:
-            with tempfile.TemporaryDirectory(prefix=f"vs-trl-{name}-") as tmp:
-                figures[name] = compare(name, iterations, threads, args.rounds,
-                                       Path(tmp), args.recompute_logprobs)
-        print_table(name, figures[name])
+            with tempfile.TemporaryDirectory(prefix=f"vs-trl-{label}-") as tmp:
+                figures[label] = compare(name, iterations, threads, args.rounds,
+                                         Path(tmp), args.recompute_logprobs, args.device)
+        print_table(label, figures[label])
     emit_result(figures, __file__)
 
 

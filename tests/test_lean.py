@@ -6,13 +6,18 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlhfflow.engine import lean
 from rlhfflow.engine.drafting import shallow_view
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_tiny_model
 from rlhfflow.stages import ModelConfig, ModelStore
+
+# the KV cache's names in the installed transformers (``cache`` from 5.24 on)
+CACHE = lean.cache_keyword(LlamaForCausalLM.forward)
+OUTPUT_CACHE = lean.output_cache_field(CausalLMOutputWithPast)
 
 
 def _pair(**config):
@@ -55,7 +60,7 @@ def test_lean_decoding_with_cache_and_holes_equals_transformers():
     caches = [DynamicCache(config=model.config) for _ in range(2)]
     with torch.no_grad():
         first = [m(input_ids=ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10],
-                   cache=c, use_cache=True, logits_to_keep=1).logits
+                   use_cache=True, logits_to_keep=1, **{CACHE: c}).logits
                  for m, c in zip((model, fast), caches, strict=True)]
         assert first[1].shape[1] == 1 and torch.equal(first[0], first[1])
         for start in (10, 13, 16, 19):
@@ -63,10 +68,10 @@ def test_lean_decoding_with_cache_and_holes_equals_transformers():
             step_mask[1, start] = 0  # a rejected draft token: a hole in row 1
             width = step_mask.shape[1] - start
             outs = [m(input_ids=ids[:, start:start + width], attention_mask=step_mask,
-                      position_ids=pos[:, start:start + width], cache=c, use_cache=True)
+                      position_ids=pos[:, start:start + width], use_cache=True, **{CACHE: c})
                     for m, c in zip((model, fast), caches, strict=True)]
             assert torch.equal(outs[0].logits, outs[1].logits)
-            assert outs[1]["cache"] is caches[1]
+            assert outs[1][OUTPUT_CACHE] is caches[1]
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
@@ -76,8 +81,6 @@ def test_lean_keeps_grouped_query_attention_and_tied_embeddings_exact():
     config = copy.deepcopy(model.config)
     config.num_key_value_heads = 2
     config.tie_word_embeddings = True
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     fast = copy.deepcopy(model)
@@ -176,3 +179,48 @@ def test_a_model_converted_after_loading_or_run_under_autocast_uses_transformers
         a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 for m in (model, fast))
     assert torch.equal(a, b)
+
+
+def test_the_lean_forward_stays_on_the_devices_it_was_checked_on(monkeypatch):
+    model, fast = _pair()
+    monkeypatch.setattr(lean, "DEVICES", frozenset())  # as a CUDA model sees it today
+    assert lean.unsupported(build_tiny_model(build_char_tokenizer())) == \
+        "parameters on cpu (the lean forward is checked on no device only)"
+    assert not lean.enable(build_tiny_model(build_char_tokenizer()))
+
+    def not_lean(*args, **kwargs):
+        raise AssertionError("the lean arithmetic ran on a device it is not checked on")
+
+    monkeypatch.setattr(lean, "_attention", not_lean)
+    ids, mask, pos = _batch()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():  # an already lean model falls back, its KV cache included
+        out = fast(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                   **{CACHE: cache})
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(out.logits, a)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
+    """transformers before 5.24 named the cache ``past_key_values``, in the forward and in
+    its output (the GPU machine has 5.17): an older forward would swallow ``cache=`` in its
+    ``**kwargs`` and run without it."""
+    from dataclasses import dataclass
+
+    def old_forward(self, input_ids=None, past_key_values=None, **kwargs):
+        """transformers 5.17's signature, in short."""
+
+    def new_forward(self, input_ids=None, cache=None, **kwargs):
+        """transformers 5.24's."""
+
+    @dataclass
+    class OldOutput:
+        logits: object = None
+        past_key_values: object = None
+
+    assert lean.cache_keyword(old_forward) == "past_key_values"
+    assert lean.cache_keyword(new_forward) == "cache"
+    assert lean.output_cache_field(OldOutput) == "past_key_values"
+    installed = lean.output_cache_field(CausalLMOutputWithPast)
+    assert lean.cache_keyword(LlamaForCausalLM.forward) == installed

@@ -62,6 +62,13 @@ class ForwardCost:
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def wait_for(device: torch.device) -> None:
+    """Wait until ``device`` has run what was queued on it: a CUDA call returns before its
+    kernels ran, so a clock read after it alone measures the launch, not the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def measure_cost(module: torch.nn.Module, max_tokens: int, context: int = 48) -> ForwardCost:
     """Time forwards of ``n = 1, 2, 4 .. max_tokens`` new tokens after a ``context``-token
@@ -81,8 +88,10 @@ def measure_cost(module: torch.nn.Module, max_tokens: int, context: int = 48) ->
         for _ in range(2):
             mask = torch.ones(rows, context, dtype=torch.long, device=device)
             state = KVState(module, ids[:, :context], mask)
+            wait_for(device)
             start = time.perf_counter()
             state.forward(ids[:, context:])
+            wait_for(device)
             best = min(best, time.perf_counter() - start)
         points.append((rows * width, best))
         if n >= max_tokens:

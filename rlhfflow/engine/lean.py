@@ -32,12 +32,16 @@ writes the same ``architectures``, and ``copy.copy`` views such as the ``layers`
 keep it). Models it does not cover (other architectures, RoPE types that change with the
 sequence length, attention or MLP biases, parameters other than float32 or not on the
 CPU) keep transformers' forward: ``unsupported(module)`` says why. GPUs are left out
-until it is checked on one (SDPA and ``rms_norm`` take other kernels there).
-``RLHFFLOW_LEAN_FORWARD=0`` turns it off for a process tree.
+until it is checked on one (SDPA and ``rms_norm`` take other kernels there):
+``DEVICES`` names the device types it is switched on for, and ``tests/test_gpu.py`` adds
+``cuda`` to compare it with transformers on a GPU. ``RLHFFLOW_LEAN_FORWARD=0`` turns it off
+for a process tree.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import torch
@@ -50,6 +54,9 @@ ENV = "RLHFFLOW_LEAN_FORWARD"
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 #: Keyword arguments transformers' forward takes that this one handles (others fall back).
 _HANDLED = frozenset({"return_dict"})
+#: Device types whose models get the lean forward: where it was checked against
+#: transformers (bitwise on CPU). Elsewhere a model keeps transformers' forward.
+DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
 def unsupported(module: torch.nn.Module) -> str | None:
@@ -72,8 +79,10 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return f"rope_type {module.model.rotary_emb.rope_type!r}"
     if any(p.dtype != torch.float32 for p in module.parameters()):
         return "parameters are not float32"
-    if any(p.device.type != "cpu" for p in module.parameters()):
-        return "parameters are not on the CPU (the lean forward is checked on CPU only)"
+    elsewhere = {p.device.type for p in module.parameters()} - DEVICES
+    if elsewhere:
+        return (f"parameters on {', '.join(sorted(elsewhere))} (the lean forward is checked "
+                f"on {', '.join(sorted(DEVICES)) or 'no device'} only)")
     return None
 
 
@@ -122,7 +131,7 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
             or not isinstance(logits_to_keep, int)
             or (cache is not None and type(cache) is not DynamicCache)
             or self.lm_head.weight.dtype != torch.float32  # converted after loading
-            or self.lm_head.weight.device.type != "cpu"
+            or self.lm_head.weight.device.type not in DEVICES
             # ZeRO-3 partitions the parameters and gathers them in module hooks
             or hasattr(self.lm_head.weight, "ds_id")
             or torch.is_autocast_enabled(self.lm_head.weight.device.type)
@@ -132,7 +141,8 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
             self, input_ids=input_ids, attention_mask=attention_mask,
             position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
             use_cache=use_cache, logits_to_keep=logits_to_keep,
-            **({"cache": cache} if cache is not None else {}), **kwargs)
+            **({cache_keyword(self._lean_base.forward): cache} if cache is not None else {}),
+            **kwargs)
     if cache is None and (use_cache if use_cache is not None else self.config.use_cache):
         cache = DynamicCache(config=self.config)
     rows, length = input_ids.shape
@@ -150,10 +160,23 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
     logits = F.linear(hidden, self.lm_head.weight)
-    return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: cache})
+    return CausalLMOutputWithPast(logits=logits, **{output_cache_field(CausalLMOutputWithPast):
+                                                    cache})
 
 
-_CACHE_FIELD = "cache"  # transformers 5.24's name; checked in tests against the output
+@functools.cache
+def cache_keyword(forward) -> str:
+    """The keyword ``forward`` takes a KV cache by: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (an older forward swallows an unknown ``cache`` in its
+    ``**kwargs`` and runs without the cache)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+@functools.cache
+def output_cache_field(output_class: type) -> str:
+    """The field of ``output_class`` (``CausalLMOutputWithPast``) that holds the KV cache:
+    ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
