@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from generation import prompt_batch
 
-from rlhfflow.engine.models import import_gguf, smollm2_gguf
+from rlhfflow.engine.gguf import import_gguf, smollm2_gguf
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -421,17 +421,17 @@ def test_adaptive_probes_an_unknown_drafter_on_a_few_cheap_steps_only():
 def test_the_cost_model_times_the_work_not_its_launch(gen_store, monkeypatch):
     """On a GPU a forward returns once its kernels are queued: each timed forward is
     fenced by waiting for the device, which a CPU does not need."""
-    from rlhfflow.engine import speculative
+    from rlhfflow.engine import drafting
 
     fences = []
-    monkeypatch.setattr(speculative, "wait_for", fences.append)
+    monkeypatch.setattr(drafting, "wait_for", fences.append)
     module = build_tiny_model(build_char_tokenizer(), "lm", seed=5)
-    cost = speculative.measure_cost(module, 4)
+    cost = drafting.measure_cost(module, 4)
     assert [n for n, _ in cost.points] == [1, 2, 4]
     assert fences == [torch.device("cpu")] * (2 * 2 * 3)  # before and after, 2 tries, 3 sizes
     monkeypatch.undo()
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
-    speculative.wait_for(torch.device("cpu"))
-    speculative.wait_for(torch.device("cuda", 0))
+    drafting.wait_for(torch.device("cpu"))
+    drafting.wait_for(torch.device("cuda", 0))
     assert synced == [torch.device("cuda", 0)]

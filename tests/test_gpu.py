@@ -251,7 +251,7 @@ def test_a_grpo_iteration_trains_in_bf16_through_the_stages_on_cuda(tmp_path):
     """The train stage path: generate, score, advantages and train_actor on the GPU with
     a bf16 mixed-precision actor (one in-process worker)."""
     from rlhfflow.config.loader import load_pipeline
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
 
     path = small_pipeline(tmp_path, "grpo", iterations=2, overrides={
         "cluster.device": DEVICE, "models.actor.dtype": "bfloat16"})
@@ -279,7 +279,7 @@ def test_a_checkpoint_saved_on_cuda_resumes_exactly(tmp_path):
     deterministic by default (atomics): deterministic algorithms are asked for, so a
     difference is the resume's, not the GPU's."""
     from rlhfflow.config.loader import load_pipeline
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
     from rlhfflow.storage import MetricsLog
 
     keys = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "policy_loss",
@@ -354,7 +354,7 @@ def test_deepspeed_zero_trains_the_actor_on_one_gpu_like_the_torch_backend(tmp_p
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the GPU kit has it)")
     from rlhfflow.config.loader import load_pipeline
     from rlhfflow.engine.models import load_model
-    from rlhfflow.runtime.executor import run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
 
     runs = {}
     for backend in ("torch", "deepspeed"):
