@@ -19,8 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-"""Where each benchmark appends its figures: ``results/SCRIPT.jsonl``, one line a run."""
+RESULTS = Path(os.environ.get("RLHFFLOW_BENCH_RESULTS")
+               or Path(__file__).resolve().parent / "results")
+"""Where each benchmark appends its figures: ``results/SCRIPT.jsonl``, one line a run
+(``RLHFFLOW_BENCH_RESULTS`` elsewhere: the GPU check keeps its own with its output)."""
 
 
 def machine() -> dict[str, Any]:

@@ -261,8 +261,10 @@ def benchmark(ctx: Context, name: str, args: list[str]) -> dict:
     """``python benchmarks/NAME.py ARGS``, its printed figures (also ``$OUT/NAME.txt``)."""
     printed = ctx.out / f"{name}.txt"
     with printed.open("w") as sink, GpuMemory() as memory:
+        # its result line goes with the check's output, not into the repository's history
+        env = {**os.environ, "RLHFFLOW_BENCH_RESULTS": str(ctx.out / "results")}
         done = subprocess.run([sys.executable, f"benchmarks/{name}.py", *args], cwd=ROOT,
-                              stdout=sink, stderr=subprocess.STDOUT)
+                              stdout=sink, stderr=subprocess.STDOUT, env=env)
     sys.stdout.write(printed.read_text())
     if done.returncode != 0:
         raise Failed(f"benchmarks/{name}.py exited {done.returncode}")
