@@ -101,6 +101,8 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     pipeline = load(file, overrides)
+    from rlhfflow.runtime.runstate import OutputInUse, output_lock
+
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run
 
@@ -112,8 +114,14 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         options += ["--force"] * force + ["--quiet"] * quiet
         # a restart resumes whatever the first attempt left; never wipes it again
         first = [*options, f"--resume={resume}", *["--overwrite"] * overwrite]
-        code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
-                             max_restarts, lambda line: click.echo(line, err=True))
+        try:
+            # held between attempts too (no other run slips in); each child shares it
+            with output_lock(pipeline.output_dir) as lock:
+                code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
+                                     max_restarts, lambda line: click.echo(line, err=True),
+                                     lock)
+        except OutputInUse as exc:
+            raise UserError(str(exc)) from None
         raise SystemExit(code)
     from rlhfflow.runtime.executor import RunError, run_pipeline
 
@@ -123,6 +131,8 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         with pipeline_errors():
             result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite,
                                   resume=resume, force=force, stop=stop)
+    except OutputInUse as exc:
+        raise UserError(str(exc)) from None
     except RunError as exc:
         raise click.ClickException(first_line(exc)) from None
     except KeyboardInterrupt:

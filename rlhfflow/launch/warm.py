@@ -55,6 +55,9 @@ READY_TIMEOUT_S = 300.0
 """How long a client waits for a starting server's imports (a loaded machine: minutes)."""
 STARTED_AT_VAR = "RLHFFLOW_COMMAND_STARTED"
 """Set by the client for its fork: when the command started (the run's start-up clock)."""
+LOCK_FD_VAR = "RLHFFLOW_OUTPUT_LOCK_FD"
+"""The descriptor of the output directory's lock that a run inherits from the process
+holding it for it (``rlhfflow run --supervise``): a client hands it on to its fork."""
 
 # environment variables read when a library is imported (so a server that imported with
 # other values would run differently): part of the server's key, not passed to the fork
@@ -385,9 +388,11 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
     life_r, life_w = os.pipe()  # the fork's lifeline: only this process holds life_w
     env = dict(os.environ)
     env[STARTED_AT_VAR] = repr(_process_start())
+    lock = _inherited_lock()
     process = multiprocessing.get_context("forkserver").Process(
         target=coordinator, name="rlhfflow-run",
-        args=(argv, env, str(sock), _Fd(0), _Fd(1), _Fd(2), _Fd(life_r)))
+        args=(argv, env, str(sock), _Fd(0), _Fd(1), _Fd(2), _Fd(life_r),
+              None if lock is None else _Fd(lock)))
     process.daemon = False
     forward = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     previous = {}
@@ -418,6 +423,16 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
     return process.exitcode
 
 
+def _inherited_lock() -> int | None:
+    """The output directory's lock this process inherited (``LOCK_FD_VAR``), or None."""
+    try:
+        fd = int(os.environ[LOCK_FD_VAR])
+        os.fstat(fd)
+    except (KeyError, ValueError, OSError):
+        return None
+    return fd
+
+
 class _Fd:
     """A file descriptor passed to the fork (it arrives as the fork's own descriptor)."""
 
@@ -435,11 +450,14 @@ def _received(dup: Any) -> int:
 
 
 def coordinator(argv: list[str], env: dict[str, str], sock: str, stdin: int, stdout: int,
-                stderr: int, lifeline: int) -> None:
+                stderr: int, lifeline: int, lock: int | None = None) -> None:
     """The fork's side of ``run_in_server``: become the client's ``rlhfflow ARGV``."""
     import io
     from multiprocessing import forkserver
 
+    env.pop(LOCK_FD_VAR, None)  # the client's number: here the lock has another, or none
+    if lock is not None:
+        env[LOCK_FD_VAR] = str(lock)
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)

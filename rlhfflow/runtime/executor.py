@@ -55,6 +55,7 @@ from rlhfflow.runtime.runstate import (
     RunStateError,
     StartPoint,
     identity_digest,
+    output_lock,
     pipeline_identity,
     prepare_output,
 )
@@ -98,8 +99,15 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
 
     An output directory holding a run of the same pipeline is resumed from its last
     checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
-    run to finish the iteration in flight, save a checkpoint and return.
+    run to finish the iteration in flight, save a checkpoint and return. The run holds
+    its output directory for its whole life: ``OutputInUse`` if another run does.
     """
+    with output_lock(pipeline.output_dir):
+        return _run_pipeline(pipeline, progress, inline, overwrite, resume, force, stop)
+
+
+def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: bool,
+                  resume: Resume, force: bool, stop: threading.Event | None) -> RunResult:
     clock = StartupClock()
     clock.mark("load")  # since the process started: imports, reading and checking FILE
     try:

@@ -5,19 +5,26 @@ A run directory holds ``run.json`` (which pipeline made it), ``metrics.jsonl``,
 afresh (nothing there, or ``--overwrite``) or resumes from the last complete checkpoint:
 everything after that checkpoint (buffer iterations, metrics lines, later checkpoints) is
 cut away, so the continued run has every iteration exactly once.
+
+One run at a time: a run holds ``.rlhfflow.lock`` in the directory (``output_lock``)
+before it reads or writes anything else there, for its whole life.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rlhfflow.config.loader import Pipeline
+from rlhfflow.launch.warm import LOCK_FD_VAR
 from rlhfflow.runtime.checkpointing import cut_back
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
@@ -32,8 +39,65 @@ RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint", "logging")
 Resume = Literal["auto", "yes", "no"]
 
 
+LOCK_FILE = ".rlhfflow.lock"
+
+
 class RunStateError(RuntimeError):
     """The run directory cannot be used as asked; one line saying why and what to do."""
+
+
+class OutputInUse(RunStateError):
+    """Another live run holds the output directory."""
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[int]:
+    """Hold ``out`` for one run, for as long as the block runs; yields the descriptor of
+    the lock. The lock is an ``flock`` on ``OUT/.rlhfflow.lock``, which holds the
+    holder's pid: the kernel drops it when the holder dies, however it dies, so a killed
+    run never leaves a directory locked. ``OutputInUse`` (one line naming the directory
+    and the holder's pid) when another run holds it; nothing is written then.
+
+    A process started by the holder to do its run (``rlhfflow run --supervise``'s child)
+    inherits the holder's descriptor, named by ``LOCK_FD_VAR``: it shares the lock
+    instead of being locked out by its own parent."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    inherited = _inherited_lock(path)
+    if inherited is not None:
+        yield inherited  # the holder's: never unlocked here (that would free it for all)
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise OutputInUse(f"{out} is in use by another run (pid {holder}); wait for it to "
+                          f"end, or pass --out DIR for a new run") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)  # the last descriptor of the lock: released
+
+
+def _inherited_lock(path: Path) -> int | None:
+    """The descriptor of ``path``'s lock that this process inherited from its holder
+    (``LOCK_FD_VAR``), or None."""
+    try:
+        fd = int(os.environ[LOCK_FD_VAR])
+        held, here = os.fstat(fd), path.stat()
+    except (KeyError, ValueError, OSError):
+        return None
+    if (held.st_dev, held.st_ino) != (here.st_dev, here.st_ino):
+        return None  # a stale variable: the descriptor is something else now
+    try:  # the holder's lock is this descriptor's: taking it again succeeds at once
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None
+    return fd
 
 
 @dataclass(frozen=True)
