@@ -32,6 +32,9 @@ from rlhfflow.runtime.worker.host import (
     worker_device,
 )
 
+WORKER_PRELOAD = "rlhfflow.runtime.worker.process"
+"""What an embedded cluster's worker process runs as it starts (a Dask preload)."""
+
 
 def _first_key(handles: Sequence[Any], status: str) -> str:
     return next((h.key for h in handles if h.status == status), "task")
@@ -197,6 +200,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # the rlhfflow page of the dashboard (rlhfflow.monitor.dashboard)
         "distributed.scheduler.preload": [*dask.config.get("distributed.scheduler.preload", []),
                                           "rlhfflow.monitor.dashboard"],
+        # the caller's limits in a worker forked from a warm server
+        "distributed.worker.preload": [*dask.config.get("distributed.worker.preload", []),
+                                       WORKER_PRELOAD],
         # set before the worker process starts (OpenMP and glibc read them at start-up).
         # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
         # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
