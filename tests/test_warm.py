@@ -25,6 +25,7 @@ import pytest
 
 from rlhfflow.launch import warm
 from tests.conftest import REPO, small_pipeline
+from tests.test_worker_output import check_said_and_kept, noisy_pipeline
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not warm.supported(), reason="no fork server here")]
@@ -312,3 +313,16 @@ def test_one_server_per_cgroup_and_none_in_a_batch_job_or_a_container(monkeypatc
     base = warm.server_key()
     monkeypatch.setattr(warm, "_cgroup", lambda: "0::/system.slice/job-7.scope\n")
     assert warm.server_key() != base
+
+
+def test_user_code_in_forked_workers_is_heard_and_kept(tmp_path, runtime):
+    env = _env(runtime)
+    file = noisy_pipeline(tmp_path)
+    first = _rlhfflow(env, "run", str(file), "--quiet", "--out", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stderr
+    assert "starting a warm server" in first.stderr
+    # the second is surely a fork: its workers are the server's, far from the terminal
+    done = _rlhfflow(env, "run", str(file), "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "warm server" not in done.stderr
+    check_said_and_kept(done.stderr, tmp_path / "out")

@@ -30,6 +30,7 @@ from rlhfflow.config.loader import Pipeline, derive
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.monitor import RunMonitor
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import PlanChoice, choose_plan, load_profile, resolve_plan
 from rlhfflow.plan.compiler import IterationTasks, TaskCompiler, loop_steps
 from rlhfflow.plan.layout import default_torch_threads
@@ -137,7 +138,7 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
     with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
         prepared = pool.submit(early.prepare) if early is not None else None
         try:
-            backend = _connect(cluster, inline)
+            backend = _connect(cluster, inline, out / LOG_DIRECTORY)
         except BaseException:
             if prepared is not None:
                 prepared.cancel()
@@ -197,13 +198,14 @@ def _dashboard_moved(wanted: str, link: str) -> str:
     return f" (port {port} is in use, another run?)"
 
 
-def _connect(cluster, inline: bool):
-    """The backend: in process, a running scheduler, or an embedded cluster."""
+def _connect(cluster, inline: bool, log_dir: Path):
+    """The backend: in process, a running scheduler, or an embedded cluster (whose
+    workers' output goes to their logs in ``log_dir``, and on to this terminal)."""
     if inline:
         return InlineBackend()
     try:
         return DaskBackend.connect(
-            cluster.address, cluster.workers, host=cluster.host,
+            cluster.address, cluster.workers, log_dir=log_dir, host=cluster.host,
             dashboard_address=cluster.dashboard_address,
             memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
             device=cluster.device)

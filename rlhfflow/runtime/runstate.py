@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.launch.warm import LOCK_FD_VAR
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.runtime.checkpointing import cut_back
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
@@ -32,7 +33,7 @@ from rlhfflow.storage.errors import DIRECTORY as ERRORS_DIRECTORY
 
 RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
-             TASKS_FILE, ERRORS_DIRECTORY, RUN_FILE)
+             TASKS_FILE, ERRORS_DIRECTORY, LOG_DIRECTORY, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
 RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint", "logging")
 
