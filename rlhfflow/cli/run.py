@@ -144,6 +144,10 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if result.already_done is not None:
+        click.echo(f"nothing to do: {result.output_dir} already has {result.already_done} "
+                   f"iterations")
+        return
     if result.metrics:  # the scalars of the last iteration; the rest is in the output
         last = result.metrics[-1]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -55,6 +55,7 @@ from rlhfflow.runtime.runstate import (
     Resume,
     RunStateError,
     StartPoint,
+    already_done,
     identity_digest,
     output_lock,
     pipeline_identity,
@@ -90,6 +91,7 @@ class RunResult:
     dashboard: str | None = None
     stopped: bool = False
     summary: dict[str, Any] = field(default_factory=dict)
+    already_done: int | None = None  # a finished run had this many iterations: none run
 
 
 def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False,
@@ -115,6 +117,9 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
         out, start = prepare_output(pipeline, overwrite, resume, force)
     except RunStateError as exc:
         raise RunError(str(exc)) from None
+    done = already_done(pipeline, start)
+    if done is not None:  # a finished run asked for no more iterations: start nothing
+        return RunResult(out, already_done=done)
     digest = identity_digest(pipeline_identity(pipeline))
     auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
     choice = None

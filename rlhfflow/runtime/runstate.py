@@ -114,6 +114,19 @@ class StartPoint:
         return self.checkpoint.iteration + 1 if self.checkpoint else 0
 
 
+def already_done(pipeline: Pipeline, start: StartPoint) -> int | None:
+    """The iterations a resumed run holds when it has nothing left to do (``iterations``
+    no more than it has, its final models saved), else None."""
+    done = start.next_iteration
+    if not (start.resumed and pipeline.graph.loop_stages and done >= pipeline.spec.iterations):
+        return None
+    out = pipeline.output_dir
+    trained = [m for m, model in pipeline.spec.models.items() if model.trainable]
+    if not all((out / "models" / m / "final").is_dir() for m in trained):
+        return None  # stopped early: the run still saves the final models
+    return done
+
+
 def pipeline_identity(pipeline: Pipeline) -> dict[str, Any]:
     """The parts of the pipeline that decide its results (not how long or where it runs)."""
     dump = pipeline.spec.model_dump(mode="json", by_alias=True)

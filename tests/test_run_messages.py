@@ -1,0 +1,32 @@
+"""The one-line messages of ``rlhfflow run`` about where a run stands: nothing to do, how
+to continue a stopped run, a resume that cannot be exact, a resume from the start, and a
+cluster that did not start."""
+
+from __future__ import annotations
+
+import shutil
+
+from click.testing import CliRunner
+
+from rlhfflow.cli.main import main
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.storage import MetricsLog
+from tests.conftest import small_pipeline
+
+
+def test_a_finished_run_asked_for_no_more_iterations_has_nothing_to_do(tmp_path):
+    path = small_pipeline(tmp_path, iterations=2)
+    out = tmp_path / "out"
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    for iterations in ("2", "1"):
+        # nothing starts: no cluster (it would take seconds), no iteration, no save
+        result = CliRunner().invoke(main, ["run", str(path), "--iterations", iterations])
+        assert (result.exit_code, result.stderr) == (0, ""), result.output
+        assert result.stdout == f"nothing to do: {out} already has 2 iterations\n"
+    assert [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()] == [0, 1]
+    # a run stopped early has not saved its final models yet: that is still to do
+    shutil.rmtree(out / "models" / "actor" / "final")
+    again = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert again.already_done is None and again.metrics == []
+    assert (out / "models" / "actor" / "final" / "config.json").is_file()
