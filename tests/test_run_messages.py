@@ -10,9 +10,10 @@ from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
-from rlhfflow.runtime.executor import run_pipeline
+from rlhfflow.runtime import executor
+from rlhfflow.runtime.executor import RunResult, run_pipeline
 from rlhfflow.storage import MetricsLog
-from tests.conftest import small_pipeline
+from tests.conftest import DATA, small_pipeline
 
 
 def test_a_finished_run_asked_for_no_more_iterations_has_nothing_to_do(tmp_path):
@@ -30,3 +31,24 @@ def test_a_finished_run_asked_for_no_more_iterations_has_nothing_to_do(tmp_path)
     again = run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert again.already_done is None and again.metrics == []
     assert (out / "models" / "actor" / "final" / "config.json").is_file()
+
+
+def test_the_continue_hint_repeats_every_option_the_run_was_started_with(tmp_path,
+                                                                          monkeypatch):
+    path = small_pipeline(tmp_path, iterations=2)
+    prompts = tmp_path / "my prompts.jsonl"  # a space: quoted in the hint
+    shutil.copyfile(DATA / "prompts.jsonl", prompts)
+
+    def stopped(pipeline, **kwargs):
+        return RunResult(pipeline.output_dir, stopped=True)
+
+    monkeypatch.setattr(executor, "run_pipeline", stopped)
+    result = CliRunner().invoke(main, [
+        "run", str(path), "--set", "overlap.max_staleness=1", "--iterations", "7",
+        "--set", f"data.prompts={prompts}", "--workers", "1", "--out",
+        str(tmp_path / "o"), "--force"])
+    assert result.exit_code == 130
+    assert result.stderr.splitlines()[-1] == (
+        f"stopped early; checkpoint saved; continue with: rlhfflow run {path} --set "
+        f"overlap.max_staleness=1 --set 'data.prompts={prompts}' --iterations 7 "
+        f"--workers 1 --out {tmp_path / 'o'} --force")

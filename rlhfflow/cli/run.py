@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -155,9 +156,24 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         click.echo(f"last iteration: {shown}")
     click.echo(f"output: {result.output_dir}")
     if result.stopped:
-        click.echo(f"stopped early; checkpoint saved; continue with: rlhfflow run {file}"
-                   + (f" --out {out}" if out else ""), err=True)
+        again = continue_command(file, sets, {"--iterations": iterations, "--workers": workers,
+                                              "--out": out, "--scheduler": scheduler}, force)
+        click.echo(f"stopped early; checkpoint saved; continue with: {again}", err=True)
         raise SystemExit(130)
+
+
+def continue_command(file: str, sets: tuple[str, ...], options: dict[str, Any],
+                     force: bool) -> str:
+    """The command that continues a stopped run: the same file and options (not
+    ``--overwrite``, which would start it again), quoted for a shell."""
+    words = ["rlhfflow", "run", file]
+    for item in sets:
+        words += ["--set", item]
+    for flag, value in options.items():
+        if value is not None:
+            words += [flag, str(value)]
+    words += ["--force"] * force
+    return shlex.join(words)
 
 
 def _install_stop_handlers(stop: threading.Event, quiet: bool) -> dict[int, Any]:
