@@ -52,3 +52,20 @@ def test_the_continue_hint_repeats_every_option_the_run_was_started_with(tmp_pat
         f"stopped early; checkpoint saved; continue with: rlhfflow run {path} --set "
         f"overlap.max_staleness=1 --set 'data.prompts={prompts}' --iterations 7 "
         f"--workers 1 --out {tmp_path / 'o'} --force")
+
+
+def test_a_resume_without_optimizer_state_says_it_is_not_exact(tmp_path, capsys):
+    path = small_pipeline(tmp_path, iterations=2, overrides={"checkpoint.optimizer": False})
+    run_pipeline(load_pipeline(path), progress=True, inline=True)
+    assert "not an exact resume" not in capsys.readouterr().err  # a start, not a resume
+    run_pipeline(load_pipeline(path, {"iterations": 3}), progress=True, inline=True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "exact" in line]
+    assert said == ["rlhfflow: not an exact resume: the checkpoint holds no optimizer state "
+                    "of 'actor', 'critic' (checkpoint.optimizer: false), whose optimizer "
+                    "starts afresh"]
+    # with the optimizer state kept, nothing to say
+    kept = small_pipeline(tmp_path, iterations=2, file_name="kept.yaml",
+                          overrides={"output": str(tmp_path / "kept")})
+    run_pipeline(load_pipeline(kept), progress=True, inline=True)
+    run_pipeline(load_pipeline(kept, {"iterations": 3}), progress=True, inline=True)
+    assert "exact" not in capsys.readouterr().err

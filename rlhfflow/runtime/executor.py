@@ -57,6 +57,7 @@ from rlhfflow.runtime.runstate import (
     StartPoint,
     already_done,
     identity_digest,
+    inexact_resume,
     output_lock,
     pipeline_identity,
     prepare_output,
@@ -325,6 +326,8 @@ class Executor:
         self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
+        if checkpoint is not None and first < spec.iterations and inexact_resume(self.pipeline):
+            self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         if self.backend.dashboard_link:
             moved = _dashboard_moved(spec.cluster.dashboard_address,
                                      self.backend.dashboard_link) \
@@ -666,6 +669,8 @@ class Executor:
         self._start_workers()
         self._say(f"rlhfflow: resuming after iteration {keep} on "
                   f"{len(self.backend.workers)} worker(s)")
+        if checkpoint is not None and inexact_resume(self.pipeline):
+            self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         return keep + 1
 
     def _await_workers(self, exc: Exception) -> None:

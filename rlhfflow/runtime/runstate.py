@@ -127,6 +127,18 @@ def already_done(pipeline: Pipeline, start: StartPoint) -> int | None:
     return done
 
 
+def inexact_resume(pipeline: Pipeline) -> str | None:
+    """Why resuming from a checkpoint does not continue the run exactly (checkpoints
+    without optimizer state), or None."""
+    models = pipeline.spec.models
+    restarted = [m for m in pipeline.graph.loop_trained() if not models[m].optimizer.checkpoint]
+    if not restarted:
+        return None
+    return (f"not an exact resume: the checkpoint holds no optimizer state of "
+            f"{', '.join(map(repr, restarted))} (checkpoint.optimizer: false), whose "
+            f"optimizer starts afresh")
+
+
 def pipeline_identity(pipeline: Pipeline) -> dict[str, Any]:
     """The parts of the pipeline that decide its results (not how long or where it runs)."""
     dump = pipeline.spec.model_dump(mode="json", by_alias=True)
