@@ -5,15 +5,23 @@ cluster that did not start."""
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
+import pytest
 from click.testing import CliRunner
 
+from rlhfflow.cli import supervise
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.runtime import executor
+from rlhfflow.runtime.backend import embedded_worker_processes
 from rlhfflow.runtime.executor import RunResult, run_pipeline
 from rlhfflow.storage import MetricsLog
-from tests.conftest import DATA, small_pipeline
+from tests.conftest import DATA, REPO, small_pipeline
 
 
 def test_a_finished_run_asked_for_no_more_iterations_has_nothing_to_do(tmp_path):
@@ -69,3 +77,36 @@ def test_a_resume_without_optimizer_state_says_it_is_not_exact(tmp_path, capsys)
     run_pipeline(load_pipeline(kept), progress=True, inline=True)
     run_pipeline(load_pipeline(kept, {"iterations": 3}), progress=True, inline=True)
     assert "exact" not in capsys.readouterr().err
+
+
+def test_a_supervisor_restart_before_the_first_iteration_says_from_the_start(
+        tmp_path, monkeypatch):
+    codes = iter([-signal.SIGKILL, 0])
+    monkeypatch.setattr(supervise, "_run_child", lambda args, lock=None: next(codes))
+    said: list[str] = []
+    assert supervise.supervise(["f"], ["f"], tmp_path, 3, said.append) == 0
+    assert said == ["rlhfflow: supervisor: the run died from SIGKILL before its first "
+                    "iteration; restarting it (1/3), from the start"]
+
+
+@pytest.mark.slow
+def test_a_worker_lost_before_any_checkpoint_resumes_from_the_start(tmp_path):
+    path = small_pipeline(tmp_path, iterations=4, overrides={
+        "cluster.workers": 2, "checkpoint.every": 0})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", str(path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 180
+    while not (out / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    workers = embedded_worker_processes(psutil.Process(proc.pid))
+    assert len(workers) == 2
+    workers[0].kill()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "recovering from the last checkpoint" in stderr
+    assert "rlhfflow: resuming from the start on 2 worker(s)" in stderr, stderr
+    assert "iteration -1" not in stderr
+    assert [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()] == [0, 1, 2, 3]

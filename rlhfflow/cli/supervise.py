@@ -72,9 +72,11 @@ def supervise(child_args: Sequence[str], restart_args: Sequence[str], output_dir
                 f"again to resume from the last checkpoint")
             return code if code > 0 else 1
         restarts += 1
-        say(f"rlhfflow: supervisor: the run {describe_exit(code)} after iteration "
-            f"{last_iteration(output_dir)}; restarting it ({restarts}/{max_restarts}), "
-            f"resuming from its last checkpoint")
+        last = last_iteration(output_dir)
+        when, how = (f"after iteration {last}", "resuming from its last checkpoint") \
+            if last >= 0 else ("before its first iteration", "from the start")
+        say(f"rlhfflow: supervisor: the run {describe_exit(code)} {when}; restarting it "
+            f"({restarts}/{max_restarts}), {how}")
         args = list(restart_args)
 
 

@@ -667,8 +667,8 @@ class Executor:
         self.last_checkpoint = keep
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
         self._start_workers()
-        self._say(f"rlhfflow: resuming after iteration {keep} on "
-                  f"{len(self.backend.workers)} worker(s)")
+        where = f"after iteration {keep}" if checkpoint else "from the start"
+        self._say(f"rlhfflow: resuming {where} on {len(self.backend.workers)} worker(s)")
         if checkpoint is not None and inexact_resume(self.pipeline):
             self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         return keep + 1
