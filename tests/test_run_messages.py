@@ -4,6 +4,7 @@ cluster that did not start."""
 
 from __future__ import annotations
 
+import errno
 import shutil
 import signal
 import subprocess
@@ -17,8 +18,9 @@ from click.testing import CliRunner
 from rlhfflow.cli import supervise
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
+from rlhfflow.launch import warm
 from rlhfflow.runtime import executor
-from rlhfflow.runtime.backend import embedded_worker_processes
+from rlhfflow.runtime.backend import DaskBackend, embedded_worker_processes
 from rlhfflow.runtime.executor import RunResult, run_pipeline
 from rlhfflow.storage import MetricsLog
 from tests.conftest import DATA, REPO, small_pipeline
@@ -87,6 +89,35 @@ def test_a_supervisor_restart_before_the_first_iteration_says_from_the_start(
     assert supervise.supervise(["f"], ["f"], tmp_path, 3, said.append) == 0
     assert said == ["rlhfflow: supervisor: the run died from SIGKILL before its first "
                     "iteration; restarting it (1/3), from the start"]
+
+
+@pytest.mark.parametrize(("server", "expected"), [
+    (None, "[Errno 2] No such file or directory: '/data/x.lock'"),
+    ("/run/user/0/rlhfflow/warm-ab.sock",
+     "[Errno 2] No such file or directory: '/data/x.lock'; the workers come from a warm "
+     "server: RLHFFLOW_WARM=0 runs without it"),
+])
+def test_a_cluster_that_did_not_start_names_the_file(monkeypatch, server, expected):
+    monkeypatch.setattr(warm, "workers_server", lambda: server)
+    exc = FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/x.lock")
+    assert executor.cluster_failure(exc) == f"the embedded cluster did not start: {expected}"
+
+
+def test_a_cluster_whose_warm_server_went_away_is_one_line_with_the_way_out(tmp_path,
+                                                                           monkeypatch):
+    sock = "/run/user/0/rlhfflow/warm-ab.sock"
+
+    def gone(*args, **kwargs):  # what connecting to a removed socket raises: no file name
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    monkeypatch.setattr(warm, "workers_server", lambda: sock)
+    monkeypatch.setattr(DaskBackend, "connect", gone)
+    path = small_pipeline(tmp_path, "grpo", iterations=1)
+    result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"Error: the embedded cluster did not start: [Errno 2] No such file or directory: "
+        f"{sock}; the workers come from a warm server: RLHFFLOW_WARM=0 runs without it\n")
 
 
 @pytest.mark.slow

@@ -408,6 +408,16 @@ def _unadopt() -> None:
             server._forkserver_alive_fd = None
 
 
+def workers_server() -> str | None:
+    """The socket of the warm server this process's workers are forks of (None: they
+    are not; "" while its address is not known yet)."""
+    from multiprocessing import forkserver
+
+    if not adopted():
+        return None
+    return str(forkserver._forkserver._forkserver_address or "")
+
+
 def adopted() -> bool:
     """Whether this process's fork server is a warm server (``adopt_for_workers``, or a
     coordinator forked from one)."""

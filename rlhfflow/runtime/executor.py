@@ -219,10 +219,25 @@ def _connect(cluster, inline: bool, log_dir: Path):
         if cluster.address:
             raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
                            ) from None
-        raise RunError(f"the embedded cluster did not start: "
-                       f"{str(exc) or type(exc).__name__}") from None
+        raise RunError(cluster_failure(exc)) from None
     except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
         raise RunError(str(exc)) from None
+
+
+def cluster_failure(exc: OSError) -> str:
+    """Why the embedded cluster did not start, in one line: the error, the file it is
+    about, and, when the workers were to be forks of a warm server, how to do without."""
+    from rlhfflow.launch import warm
+
+    text = str(exc) or type(exc).__name__
+    server = warm.workers_server()
+    # a socket's errors name no file: the one the workers come from, if it is a server's
+    filename = getattr(exc, "filename", None) or (server if exc.errno else None)
+    if filename and str(filename) not in text:
+        text += f": {filename}"
+    if server is not None:
+        text += f"; the workers come from a warm server: {warm.ENV_VAR}=0 runs without it"
+    return f"the embedded cluster did not start: {text}"
 
 
 TEXT_COLUMNS = ("prompt_text", "prompt_fields")
