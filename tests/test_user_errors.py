@@ -123,7 +123,7 @@ def test_a_run_that_fails_is_one_line_and_exit_1_in_a_real_process(tmp_path, fai
 
 
 @pytest.mark.slow
-def test_a_non_finite_loss_and_a_spent_error_budget_in_a_real_process(tmp_path):
+def test_a_non_finite_loss_in_a_real_process(tmp_path):
     path = small_pipeline(tmp_path, "grpo", overrides={
         "cluster.workers": 1, "models.actor.optimizer.lr": 1e30,
         "models.actor.optimizer.grad_clip": None})
@@ -132,14 +132,17 @@ def test_a_non_finite_loss_and_a_spent_error_budget_in_a_real_process(tmp_path):
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("Error: stage 'train_actor' failed in iteration ")
     assert "NonFiniteError: model 'actor': " in done.stderr
+
+
+@pytest.mark.slow
+def test_a_spent_error_budget_in_a_real_process(tmp_path):
     (tmp_path / "sometimes.py").write_text(
         "def score(prompts, responses):\n"
         "    return [1 / (sum(map(ord, r)) % 4) for r in responses]\n")
     path = small_pipeline(tmp_path, iterations=2, overrides={
         "cluster.workers": 1, "stages.reward.params.function": "sometimes.py:score",
-        "stages.reward.params.on_error": "skip", "stages.reward.params.max_errors": 0},
-        file_name="budget.yaml")
-    done = _process(["run", str(path), "--quiet", "--out", str(tmp_path / "budget")])
+        "stages.reward.params.on_error": "skip", "stages.reward.params.max_errors": 0})
+    done = _process(["run", str(path), "--quiet"])
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
     assert "more than stages.reward.params.max_errors=0" in done.stderr
