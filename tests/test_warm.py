@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import pytest
 
 from rlhfflow.launch import warm
 from tests.conftest import REPO, small_pipeline
+from tests.test_worker_output import check_said_and_kept, noisy_pipeline
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not warm.supported(), reason="no fork server here")]
@@ -174,3 +176,153 @@ def test_off_switch_and_a_directory_others_can_enter(runtime, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     with pytest.raises(OSError, match="not a private directory"):
         warm.server_dir()
+
+
+# a reward that, at its first call, says so and waits for the test to open a gate: the
+# run's processes are then all there for the test to look at; the scores are vowel_ratio's
+GATED = """import time
+from pathlib import Path
+
+from rlhfflow.stages.rewards import vowel_ratio
+
+
+def score(prompts, responses):
+    Path({ready!r}).touch()
+    while not Path({gate!r}).exists():
+        time.sleep(0.05)
+    return vowel_ratio(prompts, responses)
+"""
+
+
+def _gated(tmp_path: Path, **overrides) -> tuple[Path, Path, Path]:
+    ready, gate = tmp_path / "ready", tmp_path / "gate"
+    (tmp_path / "gated.py").write_text(GATED.format(ready=str(ready), gate=str(gate)))
+    file = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4,
+                          overrides={"stages.reward.params.function":
+                                     str(tmp_path / "gated.py") + ":score", **overrides},
+                          file_name="gated.yaml")
+    return file, ready, gate
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+def _attributes(pid: int) -> dict:
+    """What process ``pid`` may use: each of its threads' nice values and CPU sets, its
+    limits and its umask (read from /proc, as another process sees them)."""
+    nice, cpus = set(), set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            nice.add(int(stat.rsplit(")", 1)[1].split()[16]))
+            cpus.add(frozenset(os.sched_getaffinity(int(tid))))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended
+            continue
+    umask = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                 .splitlines() if line.startswith("Umask:"))
+    limits = {name: resource.prlimit(pid, getattr(resource, name))
+              for name in dir(resource) if name.startswith("RLIMIT_")}
+    return {"nice": nice, "cpus": cpus, "limits": limits, "umask": umask}
+
+
+def test_a_forked_run_and_its_workers_take_the_callers_nice_affinity_limits_and_umask(
+        tmp_path, runtime):
+    env = _env(runtime)
+    plain = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4)
+    started = _rlhfflow(env, "run", str(plain), "--out", str(tmp_path / "plain"))
+    assert started.returncode == 0, started.stderr  # the server: started without limits
+    server = psutil.Process(_server(runtime)["pid"])
+    served = _attributes(server.pid)
+    file, ready, gate = _gated(tmp_path, **{"cluster.workers": 2})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nofile = (min(256, soft), min(512, hard))
+    expected = {"nice": {min(19, os.nice(0) + 15)}, "cpus": {frozenset({0})},
+                "limits": {name: resource.getrlimit(getattr(resource, name))
+                           for name in dir(resource) if name.startswith("RLIMIT_")},
+                "umask": "0027"}
+    expected["limits"].update({name: nofile for name in expected["limits"]  # and aliases
+                               if getattr(resource, name) == resource.RLIMIT_NOFILE})
+    assert served != {**served, **expected}  # else the test would prove nothing
+    # --supervise: the run's child is the warm client; it hands the directory's lock on
+    command = (f"umask 027 && exec nice -n 15 taskset -c 0 prlimit --nofile={nofile[0]}:"
+               f"{nofile[1]} {sys.executable} -m rlhfflow.cli.main run {file} --supervise "
+               f"--out {tmp_path / 'limited'}")
+    proc = subprocess.Popen(["sh", "-c", command], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for(ready, proc)
+        run = server.children(recursive=True)  # the coordinator fork and its workers
+        seen = {p.pid: _attributes(p.pid) for p in run}
+    finally:
+        gate.touch()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "running without a warm server" not in stderr
+    assert len(seen) >= 3, [p.cmdline() for p in run]  # a coordinator, two workers
+    for pid, attributes in seen.items():
+        assert attributes == expected, pid
+    assert _attributes(server.pid) == served  # the server itself is as it was
+
+
+def test_a_caller_that_may_use_more_than_the_server_runs_cold(tmp_path, runtime):
+    env = _env(runtime)
+    file = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4)
+    # the server starts at nice 5, unprivileged (root may lower a nice value: then a fork
+    # takes the caller's lower one, as it should; here it must not be able to)
+    unprivileged = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("runs as root, and no setpriv to drop CAP_SYS_NICE")
+        unprivileged = ["setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"]
+    niced = subprocess.run([*unprivileged, "nice", "-n", "5", sys.executable, "-m",
+                            "rlhfflow.cli.main", "run", str(file), "--out",
+                            str(tmp_path / "a")], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=400)
+    assert niced.returncode == 0, niced.stderr
+    server = psutil.Process(_server(runtime)["pid"])
+    assert server.nice() == os.nice(0) + 5
+    cold = _rlhfflow(env, "run", str(file), "--out", str(tmp_path / "b"))
+    assert cold.returncode == 0, cold.stderr
+    said = [line for line in cold.stderr.splitlines() if "warm server" in line]
+    assert said == [f"rlhfflow: running without a warm server: the warm server runs at "
+                    f"nice {os.nice(0) + 5}, and its forks cannot lower it to this "
+                    f"command's {os.nice(0)}"]
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+
+
+def test_one_server_per_cgroup_and_none_in_a_batch_job_or_a_container(monkeypatch,
+                                                                      tmp_path):
+    monkeypatch.setattr(warm, "CONTAINER_FILES", (str(tmp_path / "dockerenv"),))
+    for name in warm.BATCH_JOB_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("RLHFFLOW_WARM")
+    assert warm.enabled() and warm.confined() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert not warm.enabled() and warm.confined() == "a batch job (SLURM_JOB_ID is set)"
+    monkeypatch.setenv("RLHFFLOW_WARM", "600")  # asked for explicitly: on
+    assert warm.enabled()
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("RLHFFLOW_WARM")
+    (tmp_path / "dockerenv").touch()
+    assert not warm.enabled() and warm.confined() == f"a container ({tmp_path / 'dockerenv'})"
+
+    base = warm.server_key()
+    monkeypatch.setattr(warm, "_cgroup", lambda: "0::/system.slice/job-7.scope\n")
+    assert warm.server_key() != base
+
+
+def test_user_code_in_forked_workers_is_heard_and_kept(tmp_path, runtime):
+    env = _env(runtime)
+    file = noisy_pipeline(tmp_path)
+    first = _rlhfflow(env, "run", str(file), "--quiet", "--out", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stderr
+    assert "starting a warm server" in first.stderr
+    # the second is surely a fork: its workers are the server's, far from the terminal
+    done = _rlhfflow(env, "run", str(file), "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "warm server" not in done.stderr
+    check_said_and_kept(done.stderr, tmp_path / "out")

@@ -33,8 +33,9 @@ def _iteration_list(text: str | None) -> list[int] | None:
 def report(run_dir: str, out: str | None, iterations: str | None, samples: int) -> None:
     """Write a self-contained HTML report of the run in RUN (its output directory):
     reward/KL/length curves, time per stage, worker busy fractions, a per-worker
-    timeline of chosen iterations and sample responses. Works on a finished run and on
-    one still running.
+    timeline of chosen iterations, sample responses and the end of each worker's log
+    (RUN/logs: what the run's code printed there). Works on a finished run and on one
+    still running.
 
     \b
     Example:

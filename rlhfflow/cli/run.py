@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -101,6 +102,8 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     pipeline = load(file, overrides)
+    from rlhfflow.runtime.runstate import OutputInUse, output_lock
+
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run
 
@@ -112,8 +115,14 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         options += ["--force"] * force + ["--quiet"] * quiet
         # a restart resumes whatever the first attempt left; never wipes it again
         first = [*options, f"--resume={resume}", *["--overwrite"] * overwrite]
-        code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
-                             max_restarts, lambda line: click.echo(line, err=True))
+        try:
+            # held between attempts too (no other run slips in); each child shares it
+            with output_lock(pipeline.output_dir) as lock:
+                code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
+                                     max_restarts, lambda line: click.echo(line, err=True),
+                                     lock)
+        except OutputInUse as exc:
+            raise UserError(str(exc)) from None
         raise SystemExit(code)
     from rlhfflow.runtime.run import RunError, run_pipeline
 
@@ -123,6 +132,8 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         with pipeline_errors():
             result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite,
                                   resume=resume, force=force, stop=stop)
+    except OutputInUse as exc:
+        raise UserError(str(exc)) from None
     except RunError as exc:
         raise click.ClickException(first_line(exc)) from None
     except KeyboardInterrupt:
@@ -134,6 +145,10 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if result.already_done is not None:
+        click.echo(f"nothing to do: {result.output_dir} already has {result.already_done} "
+                   f"iterations")
+        return
     if result.metrics:  # the scalars of the last iteration; the rest is in the output
         last = result.metrics[-1]
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -141,9 +156,24 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         click.echo(f"last iteration: {shown}")
     click.echo(f"output: {result.output_dir}")
     if result.stopped:
-        click.echo(f"stopped early; checkpoint saved; continue with: rlhfflow run {file}"
-                   + (f" --out {out}" if out else ""), err=True)
+        again = continue_command(file, sets, {"--iterations": iterations, "--workers": workers,
+                                              "--out": out, "--scheduler": scheduler}, force)
+        click.echo(f"stopped early; checkpoint saved; continue with: {again}", err=True)
         raise SystemExit(130)
+
+
+def continue_command(file: str, sets: tuple[str, ...], options: dict[str, Any],
+                     force: bool) -> str:
+    """The command that continues a stopped run: the same file and options (not
+    ``--overwrite``, which would start it again), quoted for a shell."""
+    words = ["rlhfflow", "run", file]
+    for item in sets:
+        words += ["--set", item]
+    for flag, value in options.items():
+        if value is not None:
+            words += [flag, str(value)]
+    words += ["--force"] * force
+    return shlex.join(words)
 
 
 def _install_stop_handlers(stop: threading.Event, quiet: bool) -> dict[int, Any]:

@@ -15,6 +15,7 @@ raises, a full disk). A death by signal is always restarted, up to ``max_restart
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.launch.warm import LOCK_FD_VAR
 from rlhfflow.storage import MetricsLog
 
 USER_MISTAKE, STOPPED = 2, 130
@@ -45,16 +47,18 @@ def describe_exit(code: int) -> str:
 
 
 def supervise(child_args: Sequence[str], restart_args: Sequence[str], output_dir: Path,
-              max_restarts: int, say: Callable[[str], Any]) -> int:
+              max_restarts: int, say: Callable[[str], Any], lock: int | None = None) -> int:
     """Run ``rlhfflow run CHILD_ARGS`` until it ends for good; return its exit code.
 
     ``restart_args`` are the arguments of a restart (without ``--overwrite``, which must
     not wipe what the first attempt did). ``say`` prints the one line per restart.
+    ``lock``: the descriptor of the output directory's lock this process holds; each
+    child inherits it (``output_lock``), so that the run's own child is not locked out.
     """
     args, restarts = list(child_args), 0
     while True:
         before = last_iteration(output_dir)
-        code = _run_child(args)
+        code = _run_child(args, lock)
         if code in (0, USER_MISTAKE, STOPPED):
             return code
         progressed = last_iteration(output_dir) > before
@@ -68,17 +72,21 @@ def supervise(child_args: Sequence[str], restart_args: Sequence[str], output_dir
                 f"again to resume from the last checkpoint")
             return code if code > 0 else 1
         restarts += 1
-        say(f"rlhfflow: supervisor: the run {describe_exit(code)} after iteration "
-            f"{last_iteration(output_dir)}; restarting it ({restarts}/{max_restarts}), "
-            f"resuming from its last checkpoint")
+        last = last_iteration(output_dir)
+        when, how = (f"after iteration {last}", "resuming from its last checkpoint") \
+            if last >= 0 else ("before its first iteration", "from the start")
+        say(f"rlhfflow: supervisor: the run {describe_exit(code)} {when}; restarting it "
+            f"({restarts}/{max_restarts}), {how}")
         args = list(restart_args)
 
 
-def _run_child(args: Sequence[str]) -> int:
+def _run_child(args: Sequence[str], lock: int | None = None) -> int:
     """One attempt. The child gets its own process group so that a Ctrl-C at the terminal
     reaches it once, through us: two SIGINTs would mean "stop at once" to it."""
+    env = {**os.environ, LOCK_FD_VAR: str(lock)} if lock is not None else None
     child = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
-                             process_group=0)
+                             process_group=0, env=env,
+                             pass_fds=(lock,) if lock is not None else ())
 
     def forward(signum: int, frame: Any) -> None:
         if child.poll() is None:

@@ -31,7 +31,7 @@ def start_fork_server() -> bool:
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
-    from rlhfflow.launch import warm
+    from rlhfflow.launch import caller, warm
 
     if warm.adopted():  # this process's forks come from a warm server already
         return True
@@ -41,6 +41,9 @@ def start_fork_server() -> bool:
             # a warm server is up (or importing): the workers are its forks
             warm.adopt_for_workers(sock, READY_TIMEOUT_S)
             return True
+    # the workers are forks of a server of this process: they have its nice value,
+    # affinity, limits and umask already, not those another process handed down
+    os.environ.pop(caller.ENV_VAR, None)
     # the workers' logging config is the fork server's, read as it imports distributed:
     # keep their chatter off the user's terminal (as local_cluster does for spawned ones)
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")

@@ -24,6 +24,13 @@ run's workers are forks of the same server. ~0.3 s to import instead of ~4 + 6.
   holds), and workers die with their coordinator (Dask's nanny pipes).
 - **Safety**: the socket lives in a directory only this user can enter
   (``$XDG_RUNTIME_DIR/rlhfflow`` or ``/tmp/rlhfflow-UID``, mode 0700, checked).
+- **Never more than the caller may use**: a fork gets the client's nice value, CPU
+  affinity, resource limits and umask (``rlhfflow.launch.caller``), applied before
+  anything else, and so do the run's workers. Where the client may use more than the
+  server (a lower nice value, a higher hard limit), its run starts cold instead, said in
+  one line. The server's key includes the cgroup (one server per cgroup: a run never
+  joins another job's), and under a batch scheduler or in a container the server is off
+  unless ``RLHFFLOW_WARM`` is set.
 
 Deliberately light: this module imports the standard library only, so the client
 starts in a few tens of milliseconds.
@@ -47,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.launch import caller
+
 ENV_VAR = "RLHFFLOW_WARM"
 """Seconds an idle warm server stays; ``0`` turns the warm server off."""
 
@@ -55,6 +64,9 @@ READY_TIMEOUT_S = 300.0
 """How long a client waits for a starting server's imports (a loaded machine: minutes)."""
 STARTED_AT_VAR = "RLHFFLOW_COMMAND_STARTED"
 """Set by the client for its fork: when the command started (the run's start-up clock)."""
+LOCK_FD_VAR = "RLHFFLOW_OUTPUT_LOCK_FD"
+"""The descriptor of the output directory's lock that a run inherits from the process
+holding it for it (``rlhfflow run --supervise``): a client hands it on to its fork."""
 
 # environment variables read when a library is imported (so a server that imported with
 # other values would run differently): part of the server's key, not passed to the fork
@@ -84,6 +96,27 @@ def idle_seconds() -> float:
         return DEFAULT_IDLE_S
 
 
+BATCH_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+CONTAINER_FILES = ("/.dockerenv", "/run/.containerenv")
+
+
+def confined() -> str | None:
+    """Why the warm server is off unless ``RLHFFLOW_WARM`` is set: inside a batch job
+    (the scheduler accounts for, limits and cleans up the job's processes, and a server
+    outliving the job would escape that) or a container (often gone with its command).
+    None elsewhere."""
+    for name in BATCH_JOB_VARS:
+        if os.environ.get(name):
+            return f"a batch job ({name} is set)"
+    for path in CONTAINER_FILES:
+        if os.path.exists(path):
+            return f"a container ({path})"
+    return None
+
+
+_REFUSED: list[str] = []  # why this process's run could not be a fork (then: cold)
+
+
 def supported() -> bool:
     """A platform with fork servers and Unix sockets (Linux, macOS)."""
     import multiprocessing
@@ -93,6 +126,9 @@ def supported() -> bool:
 
 
 def enabled() -> bool:
+    """Whether runs of this process go through a warm server."""
+    if _REFUSED or (not os.environ.get(ENV_VAR, "").strip() and confined()):
+        return False
     return idle_seconds() > 0 and supported()
 
 
@@ -117,7 +153,18 @@ def server_key() -> str:
     for name in sorted(os.environ):
         if name.startswith(IMPORT_TIME_PREFIXES):
             digest.update(f"{name}={os.environ[name]}\n".encode())
+    # forks stay in the server's cgroup: one server per cgroup, so that a run is never
+    # accounted to (nor limited or killed with) another job's
+    digest.update(_cgroup().encode())
     return digest.hexdigest()[:16]
+
+
+def _cgroup() -> str:
+    """This process's cgroups (``/proc/self/cgroup``; "" where there are none)."""
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return ""
 
 
 def server_dir() -> Path:
@@ -329,6 +376,9 @@ def adopt_for_workers(sock: Path, timeout: float) -> None:
             touch(sock)
 
         server.ensure_running = wait_for_server  # replaces starting a server of its own
+    # forks of the server take this process's nice value, affinity, limits and umask as
+    # they start (the workers inherit this environment: rlhfflow.runtime.worker.process)
+    os.environ[caller.ENV_VAR] = json.dumps(caller.capture())
 
 
 def wait_ready(sock: Path, timeout: float) -> None:
@@ -348,6 +398,7 @@ def wait_ready(sock: Path, timeout: float) -> None:
 def _unadopt() -> None:
     from multiprocessing import forkserver
 
+    os.environ.pop(caller.ENV_VAR, None)
     server = forkserver._forkserver
     with server._lock:
         vars(server).pop("ensure_running", None)
@@ -355,6 +406,16 @@ def _unadopt() -> None:
         if server._forkserver_alive_fd is not None:
             os.close(server._forkserver_alive_fd)
             server._forkserver_alive_fd = None
+
+
+def workers_server() -> str | None:
+    """The socket of the warm server this process's workers are forks of (None: they
+    are not; "" while its address is not known yet)."""
+    from multiprocessing import forkserver
+
+    if not adopted():
+        return None
+    return str(forkserver._forkserver._forkserver_address or "")
 
 
 def adopted() -> bool:
@@ -373,21 +434,30 @@ def touch(sock: Path) -> None:
         pass
 
 
+class Refused(OSError):
+    """The server's fork cannot take what this process may use (``caller.CannotApply``):
+    nothing was run; this process runs cold (``enabled`` is False from now on)."""
+
+
 def run_in_server(sock: Path, argv: list[str]) -> int:
     """Run ``rlhfflow ARGV`` as a fork of the warm server at ``sock`` with this process's
-    terminal, directory and environment; relay signals to it and return its exit code
-    (-N for a death by signal N). ``OSError``: the server could not be reached, and
-    nothing was started."""
+    terminal, directory, environment, nice value, affinity, limits and umask; relay
+    signals to it and return its exit code (-N for a death by signal N). ``OSError``:
+    the server could not be reached, or its fork could not take this process's limits
+    (``Refused``), and nothing was run."""
     import multiprocessing
 
     touch(sock)  # first: the server's idle clock must not run out while we connect
     adopt_for_workers(sock, timeout=5.0)
     life_r, life_w = os.pipe()  # the fork's lifeline: only this process holds life_w
+    status_r, status_w = os.pipe()  # why the fork refused the run, if it did
     env = dict(os.environ)
     env[STARTED_AT_VAR] = repr(_process_start())
+    lock = _inherited_lock()
     process = multiprocessing.get_context("forkserver").Process(
         target=coordinator, name="rlhfflow-run",
-        args=(argv, env, str(sock), _Fd(0), _Fd(1), _Fd(2), _Fd(life_r)))
+        args=(argv, env, str(sock), _Fd(0), _Fd(1), _Fd(2), _Fd(life_r), _Fd(status_w),
+              None if lock is None else _Fd(lock)))
     process.daemon = False
     forward = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     previous = {}
@@ -403,9 +473,11 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
         process.start()
     except (OSError, EOFError) as exc:  # the server went before forking: nothing started
         _unadopt()
+        os.close(status_r)
         raise OSError(f"the warm server went away ({exc!r})") from exc
     finally:
         os.close(life_r)
+        os.close(status_w)
     for signum in forward:
         previous[signum] = signal.signal(signum, relay)
     try:
@@ -415,7 +487,28 @@ def run_in_server(sock: Path, argv: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    os.set_blocking(status_r, False)
+    try:
+        refused = os.read(status_r, 4096).decode(errors="replace")
+    except BlockingIOError:
+        refused = ""
+    finally:
+        os.close(status_r)
+    if refused:
+        _unadopt()
+        _REFUSED.append(refused)
+        raise Refused(refused)
     return process.exitcode
+
+
+def _inherited_lock() -> int | None:
+    """The output directory's lock this process inherited (``LOCK_FD_VAR``), or None."""
+    try:
+        fd = int(os.environ[LOCK_FD_VAR])
+        os.fstat(fd)
+    except (KeyError, ValueError, OSError):
+        return None
+    return fd
 
 
 class _Fd:
@@ -435,11 +528,20 @@ def _received(dup: Any) -> int:
 
 
 def coordinator(argv: list[str], env: dict[str, str], sock: str, stdin: int, stdout: int,
-                stderr: int, lifeline: int) -> None:
+                stderr: int, lifeline: int, status: int, lock: int | None = None) -> None:
     """The fork's side of ``run_in_server``: become the client's ``rlhfflow ARGV``."""
     import io
     from multiprocessing import forkserver
 
+    try:  # before anything else: nothing of the run may use more than its caller
+        caller.apply(json.loads(env[caller.ENV_VAR]))
+    except caller.CannotApply as exc:
+        os.write(status, str(exc).encode())
+        os._exit(1)
+    os.close(status)
+    env.pop(LOCK_FD_VAR, None)  # the client's number: here the lock has another, or none
+    if lock is not None:
+        env[LOCK_FD_VAR] = str(lock)
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)

@@ -1,8 +1,9 @@
 """``rlhfflow report RUN``: one self-contained HTML file about a run, from what the run
 left in its output directory: ``metrics.jsonl`` (curves, busy fractions, stage times),
-``tasks.jsonl`` (a per-worker timeline of chosen iterations) and ``buffer.zarr`` (sample
-responses). Plots are PNGs drawn with matplotlib's Agg backend, embedded as data URIs, so
-the file can be mailed or attached to an issue as it is.
+``tasks.jsonl`` (a per-worker timeline of chosen iterations), ``buffer.zarr`` (sample
+responses) and ``logs/`` (the end of each worker's log). Plots are PNGs drawn with
+matplotlib's Agg backend, embedded as data URIs, so the file can be mailed or attached to
+an issue as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfflow.errors import UserError
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY, log_tails
 from rlhfflow.storage import MetricsLog
 
 TASKS_FILE = "tasks.jsonl"
@@ -264,7 +266,21 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
                        for p, r, s in rows)
         parts.append(f"<h3>iteration {k}</h3><table class='samples'><tr><th>prompt</th>"
                      f"<th>response</th><th>score</th></tr>{body}</table>")
+    parts.append(_worker_logs(run_dir))
     return _PAGE.format(title=html.escape(f"rlhfflow report: {name}"), body="\n".join(parts))
+
+
+def _worker_logs(run_dir: Path, lines: int = 20) -> str:
+    """The end of each worker's log (what user code printed, logged or warned there)."""
+    tails = log_tails(run_dir, lines)
+    if not tails:
+        return f"<h2>Worker logs</h2><p>No worker logs in {LOG_DIRECTORY}/.</p>"
+    parts = [f"<h2>Worker logs</h2><p>The last {lines} lines of each, in "
+             f"{html.escape(str(run_dir / LOG_DIRECTORY))}.</p>"]
+    for name, tail in tails.items():
+        shown = html.escape("\n".join(tail)) if tail else "(empty)"
+        parts.append(f"<h3>{html.escape(name)}</h3><pre class='log'>{shown}</pre>")
+    return "\n".join(parts)
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None,
@@ -300,6 +316,7 @@ table {{ border-collapse: collapse; margin-bottom: 1em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left;
           vertical-align: top; }}
 pre {{ margin: 0; white-space: pre-wrap; max-width: 50em; }}
+pre.log {{ background: #f6f6f6; padding: 0.5em; max-width: none; font-size: 85%; }}
 .path {{ color: #666; font-family: monospace; }}
 </style></head>
 <body>

@@ -17,12 +17,14 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import dask
 
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.launch.forkserver import sigint_ignored, start_fork_server, wait_fork_server
+from rlhfflow.monitor.workerlogs import WorkerOutput, worker_log
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.runtime.worker.host import (
     PLUGIN_NAME,
@@ -32,6 +34,10 @@ from rlhfflow.runtime.worker.host import (
     set_local_host,
     worker_device,
 )
+from rlhfflow.runtime.worker.process import WORKER_LOG_VAR
+
+WORKER_PRELOAD = "rlhfflow.runtime.worker.process"
+"""What an embedded cluster's worker process runs as it starts (a Dask preload)."""
 
 
 def _first_key(handles: Sequence[Any], status: str) -> str:
@@ -160,10 +166,11 @@ class InlineBackend:
 
 def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str = ":8787",
                   memory_limit: str = "auto", torch_threads: int | None = None,
-                  device: str = "auto"):
+                  device: str = "auto", log_dir: Path | None = None):
     """An embedded cluster: one worker process per device, one thread each, resources
     ``{"device": 1}``. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
-    on CPU each worker's torch gets its share of the cores."""
+    on CPU each worker's torch gets its share of the cores. With ``log_dir``, worker i
+    writes its output to ``log_dir/worker-i.log`` (``rlhfflow.monitor.workerlogs``)."""
     from distributed import Nanny, Scheduler, SpecCluster
 
     gpus = _cuda_count() if device in ("auto", "cuda") else 0
@@ -181,6 +188,8 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # forked workers start with the fork server's environment: give them this
         # process's as it is now (HF_HUB_CACHE and the like, read when used)
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {})}
+        if log_dir is not None:
+            env[WORKER_LOG_VAR] = str(worker_log(log_dir, i))
         specs[f"device-{i}"] = {"cls": Nanny, "options": {
             "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
             "memory_limit": memory_limit, "name": f"device-{i}",
@@ -198,6 +207,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # the rlhfflow page of the dashboard (rlhfflow.monitor.dashboard)
         "distributed.scheduler.preload": [*dask.config.get("distributed.scheduler.preload", []),
                                           "rlhfflow.monitor.dashboard"],
+        # the caller's limits in a worker forked from a warm server; its output to its log
+        "distributed.worker.preload": [*dask.config.get("distributed.worker.preload", []),
+                                       WORKER_PRELOAD],
         # set before the worker process starts (OpenMP and glibc read them at start-up).
         # Deliberately without Dask's default MALLOC_TRIM_THRESHOLD_: setting any malloc
         # threshold turns off glibc's dynamic mmap threshold, so every tensor over 128 KiB
@@ -309,9 +321,10 @@ class DaskBackend:
 
     pipelined = True
 
-    def __init__(self, client, cluster=None) -> None:
+    def __init__(self, client, cluster=None, output: WorkerOutput | None = None) -> None:
         self.client = client
         self.cluster = cluster
+        self.output = output
         info = client.scheduler_info()["workers"]
         if not info:
             raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
@@ -329,17 +342,27 @@ class DaskBackend:
         return sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
 
     @classmethod
-    def connect(cls, address: str | None, workers: int, **cluster_options: Any) -> DaskBackend:
-        """Connect to ``address``, or start an embedded cluster of ``workers`` devices."""
+    def connect(cls, address: str | None, workers: int, log_dir: Path | None = None,
+                **cluster_options: Any) -> DaskBackend:
+        """Connect to ``address``, or start an embedded cluster of ``workers`` devices
+        whose output goes to their logs in ``log_dir`` and, from there, to this
+        process's standard error."""
         from distributed import Client
 
         if address:
             client = Client(address, timeout="20s")
             return cls(client)
-        cluster = local_cluster(workers, **cluster_options)
-        client = Client(cluster)
-        client.wait_for_workers(len(cluster.workers), timeout=120)
-        return cls(client, cluster)
+        # following before the workers start: what a worker that fails to start says too
+        output = WorkerOutput(log_dir) if log_dir is not None else None
+        try:
+            cluster = local_cluster(workers, log_dir=log_dir, **cluster_options)
+            client = Client(cluster)
+            client.wait_for_workers(len(cluster.workers), timeout=120)
+        except BaseException:
+            if output is not None:
+                output.close()
+            raise
+        return cls(client, cluster, output)
 
     def warm(self) -> list:
         """Start importing what the stages need on every worker (tasks; wait for them
@@ -520,3 +543,5 @@ class DaskBackend:
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+        if self.output is not None:  # after the workers: their last words too
+            self.output.close()

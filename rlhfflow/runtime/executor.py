@@ -54,6 +54,7 @@ from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, t
 from rlhfflow.runtime.runstate import (
     StartPoint,
     identity_digest,
+    inexact_resume,
     pipeline_identity,
 )
 from rlhfflow.runtime.telemetry import (
@@ -96,6 +97,7 @@ class RunResult:
     dashboard: str | None = None
     stopped: bool = False
     summary: dict[str, Any] = field(default_factory=dict)
+    already_done: int | None = None  # a finished run had this many iterations: none run
 
 
 TEXT_COLUMNS = ("prompt_text", "prompt_fields")
@@ -190,6 +192,8 @@ class Executor:
         self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
+        if checkpoint is not None and first < spec.iterations and inexact_resume(self.pipeline):
+            self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         if self.backend.dashboard_link:
             moved = dashboard_moved(spec.cluster.dashboard_address,
                                      self.backend.dashboard_link) \
@@ -427,8 +431,10 @@ class Executor:
         self.last_checkpoint = keep
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
         self._start_workers()
-        self._say(f"rlhfflow: resuming after iteration {keep} on "
-                  f"{len(self.backend.workers)} worker(s)")
+        where = f"after iteration {keep}" if checkpoint else "from the start"
+        self._say(f"rlhfflow: resuming {where} on {len(self.backend.workers)} worker(s)")
+        if checkpoint is not None and inexact_resume(self.pipeline):
+            self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         return keep + 1
 
     def _await_workers(self, exc: Exception) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 from rlhfflow.config.loader import Pipeline, derive
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import choose_plan, load_profile
 from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost, _cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
@@ -17,7 +19,9 @@ from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
 from rlhfflow.runtime.runstate import (
     Resume,
     RunStateError,
+    already_done,
     identity_digest,
+    output_lock,
     pipeline_identity,
     prepare_output,
 )
@@ -32,14 +36,24 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
 
     An output directory holding a run of the same pipeline is resumed from its last
     checkpoint (``resume="auto"``); ``overwrite`` starts afresh. Setting ``stop`` asks the
-    run to finish the iteration in flight, save a checkpoint and return.
+    run to finish the iteration in flight, save a checkpoint and return. The run holds
+    its output directory for its whole life: ``OutputInUse`` if another run does.
     """
+    with output_lock(pipeline.output_dir):
+        return _run_pipeline(pipeline, progress, inline, overwrite, resume, force, stop)
+
+
+def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: bool,
+                  resume: Resume, force: bool, stop: threading.Event | None) -> RunResult:
     clock = StartupClock()
     clock.mark("load")  # since the process started: imports, reading and checking FILE
     try:
         out, start = prepare_output(pipeline, overwrite, resume, force)
     except RunStateError as exc:
         raise RunError(str(exc)) from None
+    done = already_done(pipeline, start)
+    if done is not None:  # a finished run asked for no more iterations: start nothing
+        return RunResult(out, already_done=done)
     digest = identity_digest(pipeline_identity(pipeline))
     auto = pipeline.spec.placement.strategy == "auto" and pipeline.spec.data is not None
     choice = None
@@ -64,7 +78,7 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
     with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
         prepared = pool.submit(early.prepare) if early is not None else None
         try:
-            backend = _connect(cluster, inline)
+            backend = _connect(cluster, inline, out / LOG_DIRECTORY)
         except BaseException:
             if prepared is not None:
                 prepared.cancel()
@@ -103,13 +117,14 @@ def run_pipeline(pipeline: Pipeline, progress: bool = True, inline: bool = False
         backend.close()
 
 
-def _connect(cluster, inline: bool):
-    """The backend: in process, a running scheduler, or an embedded cluster."""
+def _connect(cluster, inline: bool, log_dir: Path):
+    """The backend: in process, a running scheduler, or an embedded cluster (whose
+    workers' output goes to their logs in ``log_dir``, and on to this terminal)."""
     if inline:
         return InlineBackend()
     try:
         return DaskBackend.connect(
-            cluster.address, cluster.workers, host=cluster.host,
+            cluster.address, cluster.workers, log_dir=log_dir, host=cluster.host,
             dashboard_address=cluster.dashboard_address,
             memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
             device=cluster.device)
@@ -117,7 +132,22 @@ def _connect(cluster, inline: bool):
         if cluster.address:
             raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"
                            ) from None
-        raise RunError(f"the embedded cluster did not start: "
-                       f"{str(exc) or type(exc).__name__}") from None
+        raise RunError(cluster_failure(exc)) from None
     except RuntimeError as exc:  # e.g. cluster.device: cuda on a machine without one
         raise RunError(str(exc)) from None
+
+
+def cluster_failure(exc: OSError) -> str:
+    """Why the embedded cluster did not start, in one line: the error, the file it is
+    about, and, when the workers were to be forks of a warm server, how to do without."""
+    from rlhfflow.launch import warm
+
+    text = str(exc) or type(exc).__name__
+    server = warm.workers_server()
+    # a socket's errors name no file: the one the workers come from, if it is a server's
+    filename = getattr(exc, "filename", None) or (server if exc.errno else None)
+    if filename and str(filename) not in text:
+        text += f": {filename}"
+    if server is not None:
+        text += f"; the workers come from a warm server: {warm.ENV_VAR}=0 runs without it"
+    return f"the embedded cluster did not start: {text}"

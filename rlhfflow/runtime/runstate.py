@@ -5,20 +5,28 @@ A run directory holds ``run.json`` (which pipeline made it), ``metrics.jsonl``,
 afresh (nothing there, or ``--overwrite``) or resumes from the last complete checkpoint:
 everything after that checkpoint (buffer iterations, metrics lines, later checkpoints) is
 cut away, so the continued run has every iteration exactly once.
+
+One run at a time: a run holds ``.rlhfflow.lock`` in the directory (``output_lock``)
+before it reads or writes anything else there, for its whole life.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rlhfflow.config.loader import Pipeline
-from rlhfflow.errors import RunError
+from rlhfflow.errors import RunError, UserError
+from rlhfflow.launch.warm import LOCK_FD_VAR
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.runtime.checkpointing import cut_back
 from rlhfflow.runtime.telemetry import TASKS_FILE
 from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
@@ -26,15 +34,73 @@ from rlhfflow.storage.errors import DIRECTORY as ERRORS_DIRECTORY
 
 RUN_FILE = "run.json"
 ARTEFACTS = ("metrics.jsonl", "buffer.zarr", "models", "setup.jsonl", "checkpoints",
-             TASKS_FILE, ERRORS_DIRECTORY, RUN_FILE)
+             TASKS_FILE, ERRORS_DIRECTORY, LOG_DIRECTORY, RUN_FILE)
 # keys that may change between a run and its resumption without changing its results
 RESUMABLE_CHANGES = ("iterations", "output", "cluster", "checkpoint", "logging")
 
 Resume = Literal["auto", "yes", "no"]
 
 
+LOCK_FILE = ".rlhfflow.lock"
+
+
 class RunStateError(RunError):
     """The run directory cannot be used as asked; one line saying why and what to do."""
+
+
+class OutputInUse(UserError):
+    """Another live run holds the output directory (the user's to wait for or avoid:
+    exit 2)."""
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[int]:
+    """Hold ``out`` for one run, for as long as the block runs; yields the descriptor of
+    the lock. The lock is an ``flock`` on ``OUT/.rlhfflow.lock``, which holds the
+    holder's pid: the kernel drops it when the holder dies, however it dies, so a killed
+    run never leaves a directory locked. ``OutputInUse`` (one line naming the directory
+    and the holder's pid) when another run holds it; nothing is written then.
+
+    A process started by the holder to do its run (``rlhfflow run --supervise``'s child)
+    inherits the holder's descriptor, named by ``LOCK_FD_VAR``: it shares the lock
+    instead of being locked out by its own parent."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    inherited = _inherited_lock(path)
+    if inherited is not None:
+        yield inherited  # the holder's: never unlocked here (that would free it for all)
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise OutputInUse(f"{out} is in use by another run (pid {holder}); wait for it to "
+                          f"end, or pass --out DIR for a new run") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield fd
+    finally:
+        os.close(fd)  # the last descriptor of the lock: released
+
+
+def _inherited_lock(path: Path) -> int | None:
+    """The descriptor of ``path``'s lock that this process inherited from its holder
+    (``LOCK_FD_VAR``), or None."""
+    try:
+        fd = int(os.environ[LOCK_FD_VAR])
+        held, here = os.fstat(fd), path.stat()
+    except (KeyError, ValueError, OSError):
+        return None
+    if (held.st_dev, held.st_ino) != (here.st_dev, here.st_ino):
+        return None  # a stale variable: the descriptor is something else now
+    try:  # the holder's lock is this descriptor's: taking it again succeeds at once
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None
+    return fd
 
 
 @dataclass(frozen=True)
@@ -48,6 +114,31 @@ class StartPoint:
     def next_iteration(self) -> int:
         """The first iteration this run computes."""
         return self.checkpoint.iteration + 1 if self.checkpoint else 0
+
+
+def already_done(pipeline: Pipeline, start: StartPoint) -> int | None:
+    """The iterations a resumed run holds when it has nothing left to do (``iterations``
+    no more than it has, its final models saved), else None."""
+    done = start.next_iteration
+    if not (start.resumed and pipeline.graph.loop_stages and done >= pipeline.spec.iterations):
+        return None
+    out = pipeline.output_dir
+    trained = [m for m, model in pipeline.spec.models.items() if model.trainable]
+    if not all((out / "models" / m / "final").is_dir() for m in trained):
+        return None  # stopped early: the run still saves the final models
+    return done
+
+
+def inexact_resume(pipeline: Pipeline) -> str | None:
+    """Why resuming from a checkpoint does not continue the run exactly (checkpoints
+    without optimizer state), or None."""
+    models = pipeline.spec.models
+    restarted = [m for m in pipeline.graph.loop_trained() if not models[m].optimizer.checkpoint]
+    if not restarted:
+        return None
+    return (f"not an exact resume: the checkpoint holds no optimizer state of "
+            f"{', '.join(map(repr, restarted))} (checkpoint.optimizer: false), whose "
+            f"optimizer starts afresh")
 
 
 def pipeline_identity(pipeline: Pipeline) -> dict[str, Any]:
