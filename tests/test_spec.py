@@ -633,3 +633,23 @@ def test_optimizer_total_steps_and_checkpoint_are_resolved(tmp_path: Path) -> No
     assert critic.total_steps == 7
     assert (actor.checkpoint, critic.checkpoint) == (False, True)
     assert pipeline.spec.models["ref"].optimizer.checkpoint is None  # not trainable
+
+
+@pytest.mark.parametrize(("algorithm", "estimator"), [
+    ({"name": "grpo"}, "grpo"), ({"name": "rloo"}, "rloo"), ({"name": "dr_grpo"}, "dr_grpo"),
+    ({"name": "grpo", "advantage_estimator": "reinforce_plus_plus_baseline"},
+     "reinforce_plus_plus_baseline")])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused(
+        tmp_path: Path, algorithm: dict, estimator: str) -> None:
+    spec = yaml.safe_load((ROOT / "configs" / "grpo-tiny.yaml").read_text())
+    spec["data"].update(prompts=str(PROMPTS), samples_per_prompt=1)
+    spec["algorithm"] = {**spec["algorithm"], **algorithm}
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"Error: {path}: data.samples_per_prompt: the {estimator!r} estimator compares the "
+        f"responses to one prompt: with 1 per prompt every advantage is 0 and nothing is "
+        f"learned (stage 'advantages'); set samples_per_prompt to 2 or more (e.g. 8)\n")
+    spec["data"]["samples_per_prompt"] = 2
+    assert validate(write_spec(tmp_path, spec)).exit_code == 0

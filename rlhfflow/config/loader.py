@@ -373,6 +373,13 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
         if trainers and not model.trainable:
             raise SpecError(file, f"stages.{trainers[0]}.model", f"stage trains {name!r}, which "
                             f"is not trainable; set models.{name}.trainable: true")
+    readers = [n for n in graph.loop_stages if "group_ids" in graph.nodes[n].reads]
+    if readers and spec.data is not None and spec.data.samples_per_prompt == 1 \
+            and spec.algorithm.grouped:
+        raise SpecError(file, "data.samples_per_prompt", f"the {spec.algorithm.estimator!r} "
+                        f"estimator compares the responses to one prompt: with 1 per prompt "
+                        f"every advantage is 0 and nothing is learned (stage {readers[0]!r}); "
+                        f"set samples_per_prompt to 2 or more (e.g. 8)")
     if graph.loop_stages and spec.data is None and spec.iterations > 0:
         raise SpecError(file, "data", "the pipeline has stages that run every iteration, "
                                       "so it needs a 'data' section with a prompts file")
