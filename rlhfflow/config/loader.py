@@ -7,7 +7,9 @@ writes, trainable models nobody trains, files that do not exist.
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -392,9 +394,11 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
         try:
             path = pipeline.model_dir(model.path)
         except FileNotFoundError as err:  # a Hub id the cache lacks
-            raise SpecError(file, f"models.{name}.path", str(err)) from None
+            raise SpecError(file, f"models.{name}.path",
+                            _missing_model(pipeline, model.path) or str(err)) from None
         if not path.is_dir():
-            raise SpecError(file, f"models.{name}.path", f"directory not found: {path}")
+            raise SpecError(file, f"models.{name}.path", _missing_model(pipeline, model.path)
+                            or f"directory not found: {path}")
         if not (path / "config.json").is_file():
             raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
                             f"directory (no config.json): {path}")
@@ -402,6 +406,48 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
     if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
         raise SpecError(file, "data.prompts", f"file not found: {prompts}")
     _check_context(file, pipeline)
+
+
+def _missing_model(pipeline: Pipeline, path: str) -> str | None:
+    """What to say of a model ``path:`` that is no directory, when more can be said than
+    "not found": a close spelling of a directory that exists (``models/tiny_lm`` for
+    ``models/tiny-lm``: a typo, not a Hub id), or the command that makes SmolLM2."""
+    local = pipeline.resolve(path)
+    if local.exists():
+        return None
+    close = _close_directory(Path(path).expanduser(), pipeline.base_dir)
+    if close is not None:
+        return f"directory not found: {local}; did you mean {close!r}?"
+    if "smollm2" in local.name.lower():
+        shown = os.path.relpath(local)
+        shown = shown if not shown.startswith("..") else str(local)
+        return (f"directory not found: {local}; make it with `rlhfflow models import-gguf "
+                f"--smollm2 {shown}`")
+    return None
+
+
+def _close_directory(path: Path, base: Path) -> str | None:
+    """``path`` (relative to ``base`` unless absolute) with each part that names nothing
+    replaced by the closest name of a directory there, when all of that exists: the
+    path the user meant, spelled as they wrote it; None if no part was misspelled."""
+    here = Path(path.anchor) if path.anchor else base
+    parts, fixed = path.parts[1:] if path.anchor else path.parts, []
+    for part in parts:
+        if part in ("..", ".") or (here / part).exists():
+            fixed.append(part)
+        else:
+            try:
+                names = [p.name for p in here.iterdir() if p.is_dir()]
+            except OSError:
+                return None
+            match = difflib.get_close_matches(part, names, n=1, cutoff=0.75)
+            if not match:
+                return None
+            fixed.append(match[0])
+        here = here / fixed[-1]
+    if fixed == list(parts) or not here.is_dir():
+        return None
+    return str(Path(path.anchor, *fixed)) if path.anchor else str(Path(*fixed))
 
 
 def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
