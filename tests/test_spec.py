@@ -653,3 +653,18 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(
         f"learned (stage 'advantages'); set samples_per_prompt to 2 or more (e.g. 8)\n")
     spec["data"]["samples_per_prompt"] = 2
     assert validate(write_spec(tmp_path, spec)).exit_code == 0
+
+
+@pytest.mark.parametrize(("device", "warned"), [("cpu", True), ("cuda", False)])
+def test_float16_on_a_cpu_is_one_warning_line(tmp_path: Path, device: str,
+                                              warned: bool) -> None:
+    spec = base_spec()
+    put(spec, "models.actor.dtype", "float16")
+    put(spec, "cluster.device", device)
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    assert result.exit_code == 0
+    assert result.stderr == (
+        f"warning: {path}: models.actor.dtype: float16 on a CPU (cluster.device cpu) runs "
+        f"~15x slower than float32 (no fp16 matmul kernels there); use float32\n"
+        if warned else "")

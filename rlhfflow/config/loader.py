@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -127,7 +128,27 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     _check_model_shapes(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     _check_prompts(file, pipeline)
+    _warn_slow_dtypes(file, pipeline)
     return pipeline
+
+
+def _warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
+    """Warn (not refuse: it runs) of float16 models on a CPU: torch has no fast fp16
+    matmul kernels there, and a float16 step took ~15x as long as a float32 one."""
+    cluster = pipeline.spec.cluster
+    if cluster.device == "cuda" or (cluster.device == "auto" and cluster.address):
+        return  # remote workers: their devices are not known here
+    if cluster.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    where = "cluster.device cpu" if cluster.device == "cpu" else "no GPU on this machine"
+    for name, model in pipeline.spec.models.items():
+        if model.dtype == "float16":
+            logging.getLogger(__name__).warning(
+                "warning: %s: models.%s.dtype: float16 on a CPU (%s) runs ~15x slower than "
+                "float32 (no fp16 matmul kernels there); use float32", file, name, where)
 
 
 def _check_models(file: Path, spec: PipelineSpec) -> None:
