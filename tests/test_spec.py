@@ -353,6 +353,18 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("warmup-over-total", lambda s: put(s, "models.actor.optimizer",
                                         {"warmup_steps": 10, "total_steps": 5}),
      "models.actor.optimizer.warmup_steps: 10 warmup steps exceed total_steps=5"),
+    # blocks dedented one level too far
+    ("param-at-stage-level", lambda s: put(s, "stages.generate.max_new_tokens",
+                                           s["stages"]["generate"].pop("params")
+                                           ["max_new_tokens"]),
+     "stages.generate.max_new_tokens: max_new_tokens is a param of stage type 'generate'; "
+     "indent it under params:"),
+    ("params-dedented", lambda s: s["stages"].update(
+        params={"function": s["stages"]["reward"].pop("params")["function"]}),
+     "stages.params: reads as a stage named 'params'; the params of stage 'train_critic'? "
+     "indent them under it"),
+    ("stage-at-top-level", lambda s: s.update(extra=s["stages"].pop("train_critic")),
+     "extra: unknown key; a stage of type 'train_critic'? indent it under stages:"),
     ("schedule-value", lambda s: put(s, "models.actor.optimizer.schedule", "step"),
      "models.actor.optimizer.schedule: expected one of 'constant', 'linear' or 'cosine', "
      "got 'step'"),

@@ -24,6 +24,7 @@ from rlhfflow.config.spec import (
     STAGE_NAME,
     PipelineSpec,
     SpecError,
+    StageSpec,
     parse_params,
     parse_spec,
 )
@@ -116,6 +117,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     data = read_yaml(file)
     if overrides:
         data = apply_overrides(data, {k: v for k, v in overrides.items() if v is not None})
+    _check_misplaced_keys(file, data)
     spec = parse_spec(file, data)
     _check_models(file, spec)
     params, classes = _check_stages(file, spec)
@@ -130,6 +132,43 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     _check_prompts(file, pipeline)
     _warn_slow_dtypes(file, pipeline)
     return pipeline
+
+
+def _keys(model: type[Any]) -> set[str]:
+    return {field.alias or name for name, field in model.model_fields.items()}
+
+
+def _stage_class(block: Any) -> type[Stage] | None:
+    """The stage class a raw mapping's ``type:`` names, or None (not a stage, or a type
+    that does not resolve: the schema and ``_check_stages`` say so)."""
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        return None
+    try:
+        return resolve_stage_type(block["type"])
+    except StageTypeError:
+        return None
+
+
+def _check_misplaced_keys(file: Path, data: Mapping[str, Any]) -> None:
+    """Blocks dedented one level too far, said as such before the schema calls them
+    unknown keys: a stage's params at stage level (or a ``params:`` block read as a stage
+    named ``params``), a stage at the top level."""
+    stages = data.get("stages")
+    if isinstance(stages, Mapping):
+        names = list(stages)
+        for i, (name, block) in enumerate(stages.items()):
+            if name == "params" and isinstance(block, Mapping) and "type" not in block and i:
+                raise SpecError(file, "stages.params", f"reads as a stage named 'params'; the "
+                                f"params of stage {names[i - 1]!r}? indent them under it")
+            cls = _stage_class(block)
+            for key in block if cls is not None else ():
+                if key not in _keys(StageSpec) and key in _keys(cls.Params):
+                    raise SpecError(file, f"stages.{name}.{key}", f"{key} is a param of stage "
+                                    f"type {block['type']!r}; indent it under params:")
+    for key, block in data.items():
+        if key not in _keys(PipelineSpec) and _stage_class(block) is not None:
+            raise SpecError(file, key, f"unknown key; a stage of type {block['type']!r}? "
+                                       f"indent it under stages:")
 
 
 def _warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
