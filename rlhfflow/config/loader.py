@@ -611,7 +611,7 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
     """Read the prompts file as the run will (records, chat template, token counts), and
     check that every record has the fields the reward functions ask for."""
     from rlhfflow.data.source import PromptSource
-    from rlhfflow.stages.inference import load_function, reward_fields
+    from rlhfflow.stages.inference import load_function, reward_fields, trial_call
 
     generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
@@ -633,6 +633,23 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
                                     f"takes {field!r}, which record {pipeline.prompts_path}:"
                                     f"{line} does not have (give it a default, or add the "
                                     f"field)")
+            if getattr(params, "check", False) and source.texts:
+                _try_reward(file, f"stages.{name}.{key}", trial_call(
+                    entry, pipeline.base_dir, source.texts[0], source.fields[0]))
+
+
+def _try_reward(file: Path, where: str, outcome: tuple[bool, str] | None) -> None:
+    """A reward function's trial call (``trial_call``): a mistake in its code is an
+    error; another exception a warning, since a real response may not raise it."""
+    if outcome is None:
+        return
+    fatal, line = outcome
+    if fatal:
+        raise SpecError(file, where, f"a trial call on the first prompt record failed: "
+                        f"{line}; fix it (or set params.check: false to skip the trial)")
+    logging.getLogger(__name__).warning(
+        "warning: %s: %s: a trial call on the first prompt record and a made-up response "
+        "failed: %s; if real responses do not, set params.check: false", file, where, line)
 
 
 def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
