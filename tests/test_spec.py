@@ -667,9 +667,13 @@ def test_a_group_estimator_with_one_sample_per_prompt_is_refused(
     assert validate(write_spec(tmp_path, spec)).exit_code == 0
 
 
-@pytest.mark.parametrize(("device", "warned"), [("cpu", True), ("cuda", False)])
-def test_float16_on_a_cpu_is_one_warning_line(tmp_path: Path, device: str,
-                                              warned: bool) -> None:
+@pytest.mark.parametrize(("device", "warned"), [
+    ("cpu", "cluster.device cpu"), ("auto", "no GPU on this machine"), ("cuda", None)])
+def test_float16_on_a_cpu_is_one_warning_line(tmp_path: Path, monkeypatch, device: str,
+                                              warned: str | None) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     spec = base_spec()
     put(spec, "models.actor.dtype", "float16")
     put(spec, "cluster.device", device)
@@ -677,6 +681,6 @@ def test_float16_on_a_cpu_is_one_warning_line(tmp_path: Path, device: str,
     result = validate(path)
     assert result.exit_code == 0
     assert result.stderr == (
-        f"warning: {path}: models.actor.dtype: float16 on a CPU (cluster.device cpu) runs "
+        f"warning: {path}: models.actor.dtype: float16 on a CPU ({warned}) runs "
         f"~15x slower than float32 (no fp16 matmul kernels there); use float32\n"
         if warned else "")
