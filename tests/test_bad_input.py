@@ -355,3 +355,67 @@ def test_a_non_finite_loss_stops_the_run_naming_stage_iteration_and_model(tmp_pa
                                        r"is (nan|inf)") as err:
         run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("return [undefined_scale * len(r) for r in responses]",
+     "reward function score() raised at {file}:2: NameError: name 'undefined_scale' is not "
+     "defined"),
+    ("import not_a_module_anywhere\n    return [0.0] * len(responses)",
+     "reward function score() raised at {file}:2: ModuleNotFoundError: No module named "
+     "'not_a_module_anywhere'"),
+    ("import math\n    return [math.sqr(len(r)) for r in responses]",
+     "reward function score() raised at {file}:3: AttributeError: module 'math' has no "
+     "attribute 'sqr'"),
+    ("return 'good'", "reward function score() returned str for 1 response; expected one "
+                      "float per response"),
+    ("return [1.0, 0.0]", "reward function score() returned 2 numbers for 1 response; "
+                          "expected one float per response"),
+    ("return None", "reward function score() returned NoneType for 1 response; expected one "
+                    "float per response"),
+])
+def test_a_reward_function_is_tried_once_at_validation(tmp_path, body, expected):
+    (tmp_path / "bad_reward.py").write_text(f"def score(prompts, responses):\n    {body}\n")
+    path = small_pipeline(tmp_path, overrides={
+        "stages.reward.params.function": "bad_reward.py:score"})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"Error: {path}: stages.reward.params.function: a trial call on the first prompt "
+        f"record failed: {expected.format(file=tmp_path / 'bad_reward.py')}; fix it (or set "
+        f"params.check: false to skip the trial)\n")
+    result = CliRunner().invoke(main, ["validate", str(path),
+                                       "stages.reward.params.check=false"])
+    assert (result.exit_code, result.stderr) == (0, "")
+
+
+def test_a_reward_that_may_need_a_real_response_is_only_a_warning(tmp_path):
+    # re.search(...).group() on a made-up response: a real one may well have the answer
+    (tmp_path / "judge.py").write_text(
+        "import re\n"
+        "def score(prompts, responses):\n"
+        "    return [float(re.search(r'#### (\\w+)', r).group(1) == 'x') for r in responses]\n")
+    path = small_pipeline(tmp_path, overrides={"stages.reward.params.function": "judge.py:score"})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0
+    assert result.stderr == (
+        f"warning: {path}: stages.reward.params.function: a trial call on the first prompt "
+        f"record and a made-up response failed: reward function score() raised at "
+        f"{tmp_path / 'judge.py'}:3: AttributeError: 'NoneType' object has no attribute "
+        f"'group'; if real responses do not, set params.check: false\n")
+
+
+def test_the_trial_call_gets_the_first_record_and_its_fields(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "seen.py").write_text(
+        "import json, pathlib\n"
+        "def score(prompts, responses, answer):\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(\n"
+        "        json.dumps([prompts, responses, answer]))\n"
+        "    return [1.0] * len(responses)\n")
+    path = small_pipeline(tmp_path, batch_size=2, overrides={
+        "data.prompts": str(prompts), "stages.reward.params.function": "seen.py:score"})
+    load_pipeline(path)
+    assert json.loads((tmp_path / "seen.json").read_text()) == [
+        ["2+2="], ["The answer is 42."], ["4"]]

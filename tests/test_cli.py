@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +212,50 @@ def test_quiet_and_verbose_set_how_much_the_run_prints(tmp_path):
     assert "1/1  reward" in verbose.output and "rlhfflow: submit generate" in verbose.output
     both = runner.invoke(main, ["-q", "-v", "validate", str(path)])
     assert both.exit_code == 2 and "--quiet and --verbose both given" in both.output
+
+
+@pytest.mark.parametrize("command", ["validate", "plan", "run", "profile"])
+def test_key_value_arguments_after_the_file_override_like_set(command: str) -> None:
+    # as veRL and Hydra take them; a bad value is the same one line as in the file
+    file = str(CONFIGS / "grpo-tiny.yaml")
+    extra = ["--scheduler", "tcp://127.0.0.1:1"] if command == "run" else []
+    result = invoke(command, file, "algorithm.kl_coef=-1", *extra)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == f"Error: {file}: algorithm.kl_coef: expected a number >= 0, got -1\n"
+
+
+def test_a_key_value_argument_is_applied() -> None:
+    result = invoke("validate", str(CONFIGS / "grpo-tiny.yaml"), "iterations=3",
+                    "--set", "data.batch_size=4")
+    assert result.exit_code == 0
+    assert "iterations: 3" in result.stdout.splitlines()
+    assert "4 prompts x 4 samples per prompt = 16 rows per iteration" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "iterations", "5"], "--set expects KEY=VALUE; got 'iterations' (did you mean "
+                                   "--set iterations=5?)"),
+    (["--set=iterations", "5"], "--set expects KEY=VALUE; got 'iterations' (did you mean "
+                                "--set iterations=5?)"),
+    (["--set", "iterations"], "--set expects KEY=VALUE; got 'iterations'"),
+    (["iterations"], "expected FILE and then KEY=VALUE overrides (e.g. algorithm.kl_coef=0.1); "
+                     "got 'iterations'"),
+    (["iterations=3", "--set", "iterations=4"], "--set iterations: given twice; keep one"),
+])
+@pytest.mark.parametrize("command", ["validate", "plan", "run", "profile"])
+def test_an_override_without_an_equals_sign_is_one_line(command: str, args: list[str],
+                                                       message: str) -> None:
+    # --scheduler: no embedded cluster, whose fork server run starts before it reads --set
+    extra = ["--scheduler", "tcp://127.0.0.1:1"] if command == "run" else []
+    result = invoke(command, str(CONFIGS / "grpo-tiny.yaml"), *extra, *args)
+    assert (result.exit_code, result.stderr, result.stdout) == (2, f"Error: {message}\n", "")
+
+
+def test_set_with_a_space_is_one_line_from_a_real_process() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhfflow.cli.main", "run", str(CONFIGS / "grpo-tiny.yaml"),
+         "--set", "iterations", "5"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "RLHFFLOW_WARM": "0"})
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("Error: --set expects KEY=VALUE; got 'iterations' (did you mean "
+                             "--set iterations=5?)\n")

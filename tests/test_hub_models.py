@@ -101,3 +101,28 @@ def test_a_local_directory_wins_over_an_id(hub_cache: Path, tmp_path: Path,
     pipeline = load_pipeline(spec_file)
     assert pipeline.model_dir("tiny-org/tiny-lm") == tmp_path / "tiny-org" / "tiny-lm"
     assert pipeline.model_source("tiny-org/tiny-lm") == str(tmp_path / "tiny-org" / "tiny-lm")
+
+
+@pytest.mark.parametrize("typo", ["models/tiny_lm", "model/tiny-lm", "./models/tiny-lnm"])
+def test_a_misspelt_local_directory_is_not_taken_for_a_hub_id(
+        hub_cache: Path, tmp_path: Path, typo: str) -> None:
+    (tmp_path / "models" / "tiny-lm").mkdir(parents=True)
+    spec_file = small_pipeline(tmp_path, "grpo", overrides={
+        "models.actor": {"path": typo, "trainable": True}})
+    result = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"Error: {spec_file}: models.actor.path: directory not found: "
+        f"{(tmp_path / typo).resolve()}; did you mean 'models/tiny-lm'?\n")
+
+
+def test_a_missing_smollm2_directory_says_how_to_make_it(hub_cache: Path,
+                                                         tmp_path: Path) -> None:
+    spec_file = small_pipeline(tmp_path, "grpo", overrides={
+        "models.actor": {"path": "models/smollm2-135m", "trainable": True}})
+    result = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    missing = tmp_path / "models" / "smollm2-135m"
+    assert result.stderr == (
+        f"Error: {spec_file}: models.actor.path: directory not found: {missing}; make it "
+        f"with `rlhfflow models import-gguf --smollm2 {missing}`\n")

@@ -353,6 +353,18 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("warmup-over-total", lambda s: put(s, "models.actor.optimizer",
                                         {"warmup_steps": 10, "total_steps": 5}),
      "models.actor.optimizer.warmup_steps: 10 warmup steps exceed total_steps=5"),
+    # blocks dedented one level too far
+    ("param-at-stage-level", lambda s: put(s, "stages.generate.max_new_tokens",
+                                           s["stages"]["generate"].pop("params")
+                                           ["max_new_tokens"]),
+     "stages.generate.max_new_tokens: max_new_tokens is a param of stage type 'generate'; "
+     "indent it under params:"),
+    ("params-dedented", lambda s: s["stages"].update(
+        params={"function": s["stages"]["reward"].pop("params")["function"]}),
+     "stages.params: reads as a stage named 'params'; the params of stage 'train_critic'? "
+     "indent them under it"),
+    ("stage-at-top-level", lambda s: s.update(extra=s["stages"].pop("train_critic")),
+     "extra: unknown key; a stage of type 'train_critic'? indent it under stages:"),
     ("schedule-value", lambda s: put(s, "models.actor.optimizer.schedule", "step"),
      "models.actor.optimizer.schedule: expected one of 'constant', 'linear' or 'cosine', "
      "got 'step'"),
@@ -633,3 +645,42 @@ def test_optimizer_total_steps_and_checkpoint_are_resolved(tmp_path: Path) -> No
     assert critic.total_steps == 7
     assert (actor.checkpoint, critic.checkpoint) == (False, True)
     assert pipeline.spec.models["ref"].optimizer.checkpoint is None  # not trainable
+
+
+@pytest.mark.parametrize(("algorithm", "estimator"), [
+    ({"name": "grpo"}, "grpo"), ({"name": "rloo"}, "rloo"), ({"name": "dr_grpo"}, "dr_grpo"),
+    ({"name": "grpo", "advantage_estimator": "reinforce_plus_plus_baseline"},
+     "reinforce_plus_plus_baseline")])
+def test_a_group_estimator_with_one_sample_per_prompt_is_refused(
+        tmp_path: Path, algorithm: dict, estimator: str) -> None:
+    spec = yaml.safe_load((ROOT / "configs" / "grpo-tiny.yaml").read_text())
+    spec["data"].update(prompts=str(PROMPTS), samples_per_prompt=1)
+    spec["algorithm"] = {**spec["algorithm"], **algorithm}
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"Error: {path}: data.samples_per_prompt: the {estimator!r} estimator compares the "
+        f"responses to one prompt: with 1 per prompt every advantage is 0 and nothing is "
+        f"learned (stage 'advantages'); set samples_per_prompt to 2 or more (e.g. 8)\n")
+    spec["data"]["samples_per_prompt"] = 2
+    assert validate(write_spec(tmp_path, spec)).exit_code == 0
+
+
+@pytest.mark.parametrize(("device", "warned"), [
+    ("cpu", "cluster.device cpu"), ("auto", "no GPU on this machine"), ("cuda", None)])
+def test_float16_on_a_cpu_is_one_warning_line(tmp_path: Path, monkeypatch, device: str,
+                                              warned: str | None) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = base_spec()
+    put(spec, "models.actor.dtype", "float16")
+    put(spec, "cluster.device", device)
+    path = write_spec(tmp_path, spec)
+    result = validate(path)
+    assert result.exit_code == 0
+    assert result.stderr == (
+        f"warning: {path}: models.actor.dtype: float16 on a CPU ({warned}) runs "
+        f"~15x slower than float32 (no fp16 matmul kernels there); use float32\n"
+        if warned else "")

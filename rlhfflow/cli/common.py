@@ -44,20 +44,24 @@ def load(file: str, overrides: dict[str, Any] | None = None) -> Pipeline:
         return load_pipeline(file, overrides)
 
 
-def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
-    """``--set KEY=VALUE`` options as overrides (VALUE read as YAML: 1, 0.5, true, [0, 1])."""
-    if not values:  # the spec's loader imports the stages (torch): only when needed
+def parse_sets(values: tuple[str, ...], positional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options and ``KEY=VALUE`` arguments after FILE (as veRL and
+    Hydra take them) as overrides (VALUE read as YAML: 1, 0.5, true, [0, 1])."""
+    if not values and not positional:  # the spec's loader imports the stages (torch)
         return {}
     import yaml
 
     from rlhfflow.config.yamlfile import _Loader
 
     out: dict[str, Any] = {}
-    for item in values:
+    for item, as_option in [*((v, True) for v in values), *((v, False) for v in positional)]:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise click.BadParameter(f"expected KEY=VALUE (e.g. overlap.max_staleness=1), "
-                                     f"got {item!r}", param_hint="--set")
+            if as_option:
+                raise UserError(f"--set expects KEY=VALUE (e.g. overlap.max_staleness=1); "
+                                f"got {item!r}")
+            raise UserError(f"expected FILE and then KEY=VALUE overrides (e.g. "
+                            f"algorithm.kl_coef=0.1); got {item!r}")
         key = key.strip()
         if key in out:  # the last one would win silently, like a duplicate key in the file
             raise UserError(f"--set {key}: given twice; keep one")
@@ -72,6 +76,28 @@ def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def check_set_spacing(args: list[str]) -> None:
+    """``--set iterations 5`` (a space for the ``=``, as argparse users write options):
+    one line with the fix, before click reads ``5`` as an argument. ``args``: the
+    command's own arguments, as typed."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        if arg == "--set":
+            value, rest = (args[i + 1] if i + 1 < len(args) else None), args[i + 2:]
+        elif arg.startswith("--set="):
+            value, rest = arg[len("--set="):], args[i + 1:]
+        else:
+            continue
+        if value is None or "=" in value:
+            continue
+        after = rest[0] if rest else ""
+        looks_like_value = after and not after.startswith("-") and "=" not in after \
+            and not after.endswith((".yaml", ".yml"))
+        hint = f" (did you mean --set {value}={after}?)" if looks_like_value else ""
+        raise UserError(f"--set expects KEY=VALUE; got {value!r}{hint}")
+
+
 def merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """``--set`` overrides plus the dedicated options (``--iterations``...); one key given
     both ways is a mistake, not a silent choice of one of them."""
@@ -81,10 +107,14 @@ def merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, An
     return {**sets, **{k: v for k, (_, v) in options.items() if v is not None}}
 
 
+#: ``KEY=VALUE`` overrides after FILE, as veRL and Hydra users write them: the same as --set
+OVERRIDES_ARGUMENT = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+
 SET_OPTION = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
     help="Override any key of the file, as a dotted path and a YAML value; repeatable. "
-         "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated")
+         "E.g. --set overlap.max_staleness=1 --set placement.strategy=disaggregated, or "
+         "the same as arguments after FILE: overlap.max_staleness=1")
 
 
 def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:

@@ -29,7 +29,7 @@ from rlhfflow.cli import (
     validate,
     warm,
 )
-from rlhfflow.cli.common import UserError, configure_logging, first_line
+from rlhfflow.cli.common import UserError, check_set_spacing, configure_logging, first_line
 from rlhfflow.errors import RlhfflowError
 
 #: the group's own flags, which may stand before the command
@@ -49,6 +49,12 @@ class _Commands(click.Group):
             error = click.ClickException(first_line(exc))
             error.exit_code = exc.exit_code
             raise error from None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and any(p.name == "sets" for p in command.params):
+            check_set_spacing(rest)  # before the command's parser misreads the value
+        return name, command, rest
 
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         if args is None:  # the command line (an explicit list: a test, or the warm fork)

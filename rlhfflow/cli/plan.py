@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from rlhfflow.cli.common import (
+    OVERRIDES_ARGUMENT,
     SET_OPTION,
     load,
     merge_options,
@@ -17,6 +18,7 @@ from rlhfflow.cli.common import (
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
+@OVERRIDES_ARGUMENT
 @click.option("--workers", type=click.IntRange(min=1), metavar="N",
               help="Plan for N device workers (any number: with a profile measured on "
                    "their kind of device, a cluster larger than this machine) instead of "
@@ -34,8 +36,8 @@ from rlhfflow.cli.common import (
               help="Instead of the plan, say why each task of STAGE waits, for what: every "
                    "wait with the rule that made it (iteration 1, as every later one).")
 @SET_OPTION
-def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
-         profile_path: str | None, explain_stage: str | None, sets: tuple[str, ...]) -> None:
+def plan(file: str, overrides: tuple[str, ...], workers: int | None, strategy: str | None,
+         candidates: int, profile_path: str | None, explain_stage: str | None, sets: tuple[str, ...]) -> None:
     """Print the execution plan of a pipeline FILE without running it.
 
     For every stage: the workers it runs on and how its batch is split among
@@ -55,12 +57,12 @@ def plan(file: str, workers: int | None, strategy: str | None, candidates: int,
           --set overlap.max_staleness=1
       rlhfflow plan configs/ppo-tiny.yaml --explain train_critic
     """
-    overrides = merge_options(parse_sets(sets), {
+    settings = merge_options(parse_sets(sets, overrides), {
         "cluster.workers": ("--workers", workers),
         "placement.strategy": ("--strategy", strategy),
         "placement.profile": ("--profile", str(Path(profile_path).resolve())
                               if profile_path is not None else None)})
-    pipeline = load(file, overrides)
+    pipeline = load(file, settings)
     from rlhfflow.plan.auto.planner import describe_choice, load_profile, plan_for_cli
 
     with pipeline_errors():

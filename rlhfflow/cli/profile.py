@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from rlhfflow.cli.common import (
+    OVERRIDES_ARGUMENT,
     SET_OPTION,
     UserError,
     load,
@@ -17,6 +18,7 @@ from rlhfflow.cli.common import (
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
+@OVERRIDES_ARGUMENT
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), metavar="FILE",
               help="Where to write the profile (default: 'placement.profile', else "
                    "profiles/NAME.json beside the pipeline file).")
@@ -27,7 +29,7 @@ from rlhfflow.cli.common import (
               metavar="DIR", help="Add the task intervals a finished run recorded "
                                   "(DIR/tasks.jsonl) instead of profiling anew; repeatable.")
 @SET_OPTION
-def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str, ...],
+def profile(file: str, overrides: tuple[str, ...], output: str | None, iterations: int, from_runs: tuple[str, ...],
             sets: tuple[str, ...]) -> None:
     """Measure the stages of the pipeline in FILE on this machine, for the planner.
 
@@ -45,7 +47,7 @@ def profile(file: str, output: str | None, iterations: int, from_runs: tuple[str
       rlhfflow plan configs/grpo-small.yaml --candidates 5
       rlhfflow profile configs/grpo-small.yaml --from-run runs/grpo-small
     """
-    pipeline = load(file, parse_sets(sets))
+    pipeline = load(file, parse_sets(sets, overrides))
     from rlhfflow.plan.auto.costmodel import Profile, machine_info, model_shapes
     from rlhfflow.plan.auto.planner import default_profile_path
     from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline

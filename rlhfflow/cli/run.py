@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from rlhfflow.cli.common import (
+    OVERRIDES_ARGUMENT,
     SET_OPTION,
     UserError,
     first_line,
@@ -37,6 +38,7 @@ def _embedded_cluster(file: str, scheduler: str | None) -> bool:
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
+@OVERRIDES_ARGUMENT
 @click.option("--iterations", type=click.IntRange(min=0), metavar="N",
               help="Run N iterations instead of the file's 'iterations'.")
 @click.option("--workers", type=click.IntRange(min=1), metavar="N",
@@ -63,8 +65,8 @@ def _embedded_cluster(file: str, scheduler: str | None) -> bool:
               metavar="N", help="With --supervise: restarts of a dead coordinator before "
                                 "giving up.")
 @SET_OPTION
-def run(file: str, iterations: int | None, workers: int | None, out: str | None,
-        scheduler: str | None, overwrite: bool, resume: str, force: bool,
+def run(file: str, overrides: tuple[str, ...], iterations: int | None, workers: int | None,
+        out: str | None, scheduler: str | None, overwrite: bool, resume: str, force: bool,
         quiet: bool, supervise: bool, max_restarts: int, sets: tuple[str, ...]) -> None:
     """Run the pipeline in FILE on Dask.
 
@@ -98,16 +100,16 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         from rlhfflow.launch.forkserver import start_fork_server
 
         start_fork_server()
-    overrides = merge_options(parse_sets(sets), {
+    settings = merge_options(parse_sets(sets, overrides), {
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
-    pipeline = load(file, overrides)
+    pipeline = load(file, settings)
     from rlhfflow.runtime.runstate import OutputInUse, output_lock
 
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run
 
-        options = [file, *(f"--set={item}" for item in sets)]
+        options = [file, *(f"--set={item}" for item in (*sets, *overrides))]
         for flag, value in (("--iterations", iterations), ("--workers", workers),
                             ("--out", out), ("--scheduler", scheduler)):
             if value is not None:
@@ -156,8 +158,9 @@ def run(file: str, iterations: int | None, workers: int | None, out: str | None,
         click.echo(f"last iteration: {shown}")
     click.echo(f"output: {result.output_dir}")
     if result.stopped:
-        again = continue_command(file, sets, {"--iterations": iterations, "--workers": workers,
-                                              "--out": out, "--scheduler": scheduler}, force)
+        given = {"--iterations": iterations, "--workers": workers, "--out": out,
+                 "--scheduler": scheduler}
+        again = continue_command(file, (*sets, *overrides), given, force)
         click.echo(f"stopped early; checkpoint saved; continue with: {again}", err=True)
         raise SystemExit(130)
 

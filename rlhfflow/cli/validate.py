@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from rlhfflow.cli.common import load, table
+from rlhfflow.cli.common import OVERRIDES_ARGUMENT, SET_OPTION, load, parse_sets, table
 
 if TYPE_CHECKING:
     from rlhfflow.config.loader import Pipeline
@@ -49,14 +49,18 @@ def summary(pipeline: Pipeline) -> str:
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-def validate(file: str) -> None:
+@OVERRIDES_ARGUMENT
+@SET_OPTION
+def validate(file: str, overrides: tuple[str, ...], sets: tuple[str, ...]) -> None:
     """Check a pipeline FILE and print a summary of it.
 
     Exits 0 when the file is valid. Otherwise prints one line naming the file,
-    the key and what was expected, and exits 2.
+    the key and what was expected, and exits 2. KEY=VALUE arguments after FILE
+    override keys of the file, like --set.
 
     \b
     Example:
       rlhfflow validate configs/ppo-tiny.yaml
+      rlhfflow validate configs/grpo-tiny.yaml algorithm.kl_coef=0.1
     """
-    click.echo(summary(load(file)))
+    click.echo(summary(load(file, parse_sets(sets, overrides))))

@@ -7,7 +7,10 @@ writes, trainable models nobody trains, files that do not exist.
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +24,7 @@ from rlhfflow.config.spec import (
     STAGE_NAME,
     PipelineSpec,
     SpecError,
+    StageSpec,
     parse_params,
     parse_spec,
 )
@@ -113,6 +117,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     data = read_yaml(file)
     if overrides:
         data = apply_overrides(data, {k: v for k, v in overrides.items() if v is not None})
+    _check_misplaced_keys(file, data)
     spec = parse_spec(file, data)
     _check_models(file, spec)
     params, classes = _check_stages(file, spec)
@@ -125,7 +130,64 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     _check_model_shapes(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     _check_prompts(file, pipeline)
+    _warn_slow_dtypes(file, pipeline)
     return pipeline
+
+
+def _keys(model: type[Any]) -> set[str]:
+    return {field.alias or name for name, field in model.model_fields.items()}
+
+
+def _stage_class(block: Any) -> type[Stage] | None:
+    """The stage class a raw mapping's ``type:`` names, or None (not a stage, or a type
+    that does not resolve: the schema and ``_check_stages`` say so)."""
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        return None
+    try:
+        return resolve_stage_type(block["type"])
+    except StageTypeError:
+        return None
+
+
+def _check_misplaced_keys(file: Path, data: Mapping[str, Any]) -> None:
+    """Blocks dedented one level too far, said as such before the schema calls them
+    unknown keys: a stage's params at stage level (or a ``params:`` block read as a stage
+    named ``params``), a stage at the top level."""
+    stages = data.get("stages")
+    if isinstance(stages, Mapping):
+        names = list(stages)
+        for i, (name, block) in enumerate(stages.items()):
+            if name == "params" and isinstance(block, Mapping) and "type" not in block and i:
+                raise SpecError(file, "stages.params", f"reads as a stage named 'params'; the "
+                                f"params of stage {names[i - 1]!r}? indent them under it")
+            cls = _stage_class(block)
+            for key in block if cls is not None else ():
+                if key not in _keys(StageSpec) and key in _keys(cls.Params):
+                    raise SpecError(file, f"stages.{name}.{key}", f"{key} is a param of stage "
+                                    f"type {block['type']!r}; indent it under params:")
+    for key, block in data.items():
+        if key not in _keys(PipelineSpec) and _stage_class(block) is not None:
+            raise SpecError(file, key, f"unknown key; a stage of type {block['type']!r}? "
+                                       f"indent it under stages:")
+
+
+def _warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
+    """Warn (not refuse: it runs) of float16 models on a CPU: torch has no fast fp16
+    matmul kernels there, and a float16 step took ~15x as long as a float32 one."""
+    cluster = pipeline.spec.cluster
+    if cluster.device == "cuda" or (cluster.device == "auto" and cluster.address):
+        return  # remote workers: their devices are not known here
+    if cluster.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    where = "cluster.device cpu" if cluster.device == "cpu" else "no GPU on this machine"
+    for name, model in pipeline.spec.models.items():
+        if model.dtype == "float16":
+            logging.getLogger(__name__).warning(
+                "warning: %s: models.%s.dtype: float16 on a CPU (%s) runs ~15x slower than "
+                "float32 (no fp16 matmul kernels there); use float32", file, name, where)
 
 
 def _check_models(file: Path, spec: PipelineSpec) -> None:
@@ -373,6 +435,13 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
         if trainers and not model.trainable:
             raise SpecError(file, f"stages.{trainers[0]}.model", f"stage trains {name!r}, which "
                             f"is not trainable; set models.{name}.trainable: true")
+    readers = [n for n in graph.loop_stages if "group_ids" in graph.nodes[n].reads]
+    if readers and spec.data is not None and spec.data.samples_per_prompt == 1 \
+            and spec.algorithm.grouped:
+        raise SpecError(file, "data.samples_per_prompt", f"the {spec.algorithm.estimator!r} "
+                        f"estimator compares the responses to one prompt: with 1 per prompt "
+                        f"every advantage is 0 and nothing is learned (stage {readers[0]!r}); "
+                        f"set samples_per_prompt to 2 or more (e.g. 8)")
     if graph.loop_stages and spec.data is None and spec.iterations > 0:
         raise SpecError(file, "data", "the pipeline has stages that run every iteration, "
                                       "so it needs a 'data' section with a prompts file")
@@ -385,9 +454,11 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
         try:
             path = pipeline.model_dir(model.path)
         except FileNotFoundError as err:  # a Hub id the cache lacks
-            raise SpecError(file, f"models.{name}.path", str(err)) from None
+            raise SpecError(file, f"models.{name}.path",
+                            _missing_model(pipeline, model.path) or str(err)) from None
         if not path.is_dir():
-            raise SpecError(file, f"models.{name}.path", f"directory not found: {path}")
+            raise SpecError(file, f"models.{name}.path", _missing_model(pipeline, model.path)
+                            or f"directory not found: {path}")
         if not (path / "config.json").is_file():
             raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
                             f"directory (no config.json): {path}")
@@ -395,6 +466,48 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
     if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
         raise SpecError(file, "data.prompts", f"file not found: {prompts}")
     _check_context(file, pipeline)
+
+
+def _missing_model(pipeline: Pipeline, path: str) -> str | None:
+    """What to say of a model ``path:`` that is no directory, when more can be said than
+    "not found": a close spelling of a directory that exists (``models/tiny_lm`` for
+    ``models/tiny-lm``: a typo, not a Hub id), or the command that makes SmolLM2."""
+    local = pipeline.resolve(path)
+    if local.exists():
+        return None
+    close = _close_directory(Path(path).expanduser(), pipeline.base_dir)
+    if close is not None:
+        return f"directory not found: {local}; did you mean {close!r}?"
+    if "smollm2" in local.name.lower():
+        shown = os.path.relpath(local)
+        shown = shown if not shown.startswith("..") else str(local)
+        return (f"directory not found: {local}; make it with `rlhfflow models import-gguf "
+                f"--smollm2 {shown}`")
+    return None
+
+
+def _close_directory(path: Path, base: Path) -> str | None:
+    """``path`` (relative to ``base`` unless absolute) with each part that names nothing
+    replaced by the closest name of a directory there, when all of that exists: the
+    path the user meant, spelled as they wrote it; None if no part was misspelled."""
+    here = Path(path.anchor) if path.anchor else base
+    parts, fixed = path.parts[1:] if path.anchor else path.parts, []
+    for part in parts:
+        if part in ("..", ".") or (here / part).exists():
+            fixed.append(part)
+        else:
+            try:
+                names = [p.name for p in here.iterdir() if p.is_dir()]
+            except OSError:
+                return None
+            match = difflib.get_close_matches(part, names, n=1, cutoff=0.75)
+            if not match:
+                return None
+            fixed.append(match[0])
+        here = here / fixed[-1]
+    if fixed == list(parts) or not here.is_dir():
+        return None
+    return str(Path(path.anchor, *fixed)) if path.anchor else str(Path(*fixed))
 
 
 def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
@@ -498,7 +611,7 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
     """Read the prompts file as the run will (records, chat template, token counts), and
     check that every record has the fields the reward functions ask for."""
     from rlhfflow.data.source import PromptSource
-    from rlhfflow.stages.inference import load_function, reward_fields
+    from rlhfflow.stages.inference import load_function, reward_fields, trial_call
 
     generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
@@ -520,6 +633,23 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
                                     f"takes {field!r}, which record {pipeline.prompts_path}:"
                                     f"{line} does not have (give it a default, or add the "
                                     f"field)")
+            if getattr(params, "check", False) and source.texts:
+                _try_reward(file, f"stages.{name}.{key}", trial_call(
+                    entry, pipeline.base_dir, source.texts[0], source.fields[0]))
+
+
+def _try_reward(file: Path, where: str, outcome: tuple[bool, str] | None) -> None:
+    """A reward function's trial call (``trial_call``): a mistake in its code is an
+    error; another exception a warning, since a real response may not raise it."""
+    if outcome is None:
+        return
+    fatal, line = outcome
+    if fatal:
+        raise SpecError(file, where, f"a trial call on the first prompt record failed: "
+                        f"{line}; fix it (or set params.check: false to skip the trial)")
+    logging.getLogger(__name__).warning(
+        "warning: %s: %s: a trial call on the first prompt record and a made-up response "
+        "failed: %s; if real responses do not, set params.check: false", file, where, line)
 
 
 def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:

@@ -337,6 +337,12 @@ class AlgorithmSpec(Strict):
         return ops.estimator_needs(ops.resolve_advantage_estimator(self.estimator))
 
     @property
+    def grouped(self) -> bool:
+        """Whether the estimator compares the responses to one prompt (GRPO, RLOO,
+        Dr. GRPO, REINFORCE++ with a group baseline): it needs several per prompt."""
+        return ops.estimator_grouped(ops.resolve_advantage_estimator(self.estimator))
+
+    @property
     def uses_critic(self) -> bool:
         """Whether the estimator reads a critic's values (GAE does; the group-relative
         estimators, REINFORCE++ and ReMax do not)."""

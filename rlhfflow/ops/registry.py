@@ -68,13 +68,15 @@ def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str,
 
 
 def register_advantage_estimator(
-    name: str, needs: tuple[str, ...] = ()
+    name: str, needs: tuple[str, ...] = (), grouped: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator that registers an advantage estimator under ``name``.
 
     ``needs`` lists the optional inputs the estimator reads (``"values"``: it needs a
     critic; ``"baseline_scores"``: a baseline's scores); the ``advantages`` stage then
     reads those columns, and the pipeline checks that an upstream stage writes them.
+    ``grouped``: the estimator compares the responses to one prompt with each other, so
+    with one response per prompt every advantage is 0 (the pipeline refuses that).
     """
     unknown = set(needs) - set(ESTIMATOR_NEEDS)
     if unknown:
@@ -83,6 +85,7 @@ def register_advantage_estimator(
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, fn)
         fn.needs = tuple(needs)
+        fn.grouped = grouped
         return fn
 
     return decorator
@@ -147,6 +150,12 @@ def estimator_needs(fn: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(getattr(fn, "needs", ()))
 
 
+def estimator_grouped(fn: Callable[..., Any]) -> bool:
+    """Whether an estimator declared itself group-relative (``grouped=True``); a plain
+    function found by import path is not known to be."""
+    return bool(getattr(fn, "grouped", False))
+
+
 def signature_problem(fn: Callable[..., Any], provided: tuple[str, ...]) -> str | None:
     """Why ``call(fn, ...)`` with the keyword arguments ``provided`` would fail, or None:
     a required parameter that is not provided, or one that cannot be passed by keyword."""
@@ -209,7 +218,7 @@ def _scale(config, default: str) -> str:
     return getattr(config, "scale_rewards", None) or default
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", grouped=True)
 def _grpo_estimator(scores, group_ids, mask, config=None):
     """``group_advantages(mode="grpo")``, scaled per ``config.scale_rewards`` (default
     ``group``), broadcast to the tokens."""
@@ -217,13 +226,13 @@ def _grpo_estimator(scores, group_ids, mask, config=None):
     return _broadcast(group_advantages(scores, group_ids, "grpo", scale=scale), mask), None
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", grouped=True)
 def _rloo_estimator(scores, group_ids, mask):
     """``group_advantages(mode="rloo")`` broadcast to the tokens."""
     return _broadcast(group_advantages(scores, group_ids, "rloo"), mask), None
 
 
-@register_advantage_estimator("dr_grpo")
+@register_advantage_estimator("dr_grpo", grouped=True)
 def _dr_grpo_estimator(scores, group_ids, mask, config=None):
     """``group_advantages(mode="dr_grpo")`` (GRPO without the std) broadcast to the
     tokens; ``config.scale_rewards`` may still ask for a ``group`` or ``batch`` std."""
@@ -238,7 +247,7 @@ def _reinforce_pp_estimator(token_rewards, mask, config):
     return reinforce_plus_plus(token_rewards, mask, config.gamma)
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", grouped=True)
 def _reinforce_pp_baseline_estimator(scores, group_ids, mask):
     """``reinforce_plus_plus_baseline``: group-mean baseline, whitened over the batch."""
     return reinforce_plus_plus_baseline(scores, group_ids, mask), None

@@ -137,6 +137,10 @@ class ScoreParams(StageParams):
                                                        "may have before the run stops")] = 8
     max_errors_total: Annotated[int, Field(ge=0, description="failed samples the whole "
                                                              "run may have")] = 64
+    check: bool = Field(True, description="call each reward function once at validation, "
+                        "on the first prompt record and a made-up response, so that a "
+                        "NameError, an import inside it or a bad call fails before start-up; "
+                        "false for a function too slow (or with side effects) to call then")
 
     def reward_functions(self) -> list[RewardFunctionSpec]:
         """The functions the stage calls: ``functions``, or ``function`` alone (weight 1)."""
@@ -248,6 +252,43 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
     except TypeError as exc:
         return ("function", f"{fn.__name__}() cannot be called as "
                             f"{fn.__name__}(prompts, responses, **kwargs): {exc}")
+    return None
+
+
+#: exceptions of a trial call that no real row would avoid: refused at validation
+_CODE_ERRORS = (ImportError, NameError)
+#: what the trial call gives for the response (a real one is the model's)
+TRIAL_RESPONSE = "The answer is 42."
+
+
+def trial_call(entry: RewardFunctionSpec, base_dir: str | Path | None, prompt: str,
+               fields: dict[str, Any]) -> tuple[bool, str] | None:
+    """Call one reward function on one made-up row (``prompt``, the record ``fields`` it
+    takes, ``TRIAL_RESPONSE``): None when it returns one number, else ``(fatal, line)``.
+
+    Fatal: a mistake in the code that every row meets (an ImportError or NameError, an
+    AttributeError of a module, a TypeError of the call itself, not one number back).
+    Not fatal, only worth a warning: any other exception, which the made-up response may
+    cause (a regex that finds no answer in it) and a real response would not."""
+    fn = load_function(entry.function, base_dir)
+    columns = record_columns(fn, entry.kwargs, [json.dumps(fields)])
+    try:
+        value = fn([prompt], [TRIAL_RESPONSE], **columns, **entry.kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's function, any error
+        in_call = isinstance(exc, TypeError) and exc.__traceback__ is not None \
+            and exc.__traceback__.tb_next is None  # raised binding the arguments
+        of_module = isinstance(exc, AttributeError) and inspect.ismodule(
+            getattr(exc, "obj", None))
+        fatal = isinstance(exc, _CODE_ERRORS) or in_call or of_module
+        return fatal, describe_error(exc, fn)
+    try:
+        count = torch.as_tensor(value, dtype=torch.float32).numel()
+    except (TypeError, ValueError, RuntimeError):
+        count = None
+    if count != 1:
+        got = f"{count} numbers" if count is not None else type(value).__name__
+        return True, (f"reward function {fn.__name__}() returned {got} for 1 response; "
+                      f"expected one float per response")
     return None
 
 
