@@ -534,11 +534,37 @@ class MlflowSpec(Strict):
         return self
 
 
+class WandbSpec(Strict):
+    """A Weights & Biases run of the per-iteration metrics (and completions tables). The
+    default ``mode: offline`` writes the run under ``dir`` and contacts nobody; ``wandb
+    sync DIR/wandb/offline-run-*`` uploads it later."""
+
+    project: str = Field("rlhfflow", description="The W&B project.")
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description=(
+        "`offline`: write the run locally only (upload later with `wandb sync`); `online`: "
+        "stream it to the W&B server (needs `wandb login`); `disabled`: log nothing."))
+    dir: str | None = Field(None, description=(
+        "Where the run's `wandb/` folder goes, relative to the pipeline file's folder; "
+        "`null`: the output directory."))
+    entity: str | None = Field(None, description=(
+        "The W&B user or team; `null`: your default."))
+    run_name: str | None = Field(None, description=(
+        "The W&B run's name; `null`: the pipeline's name."))
+    tags: list[str] = Field([], description="Tags of the W&B run.")
+
+    @model_validator(mode="after")
+    def _installed(self) -> WandbSpec:
+        _need_package("wandb", "wandb")
+        return self
+
+
 class LoggingSpec(Strict):
     """Where per-iteration metrics go besides ``OUTPUT/metrics.jsonl``, under the names
     TRL and veRL users know (``reward``, ``kl``, ``completions/mean_length``,
     ``timing/STAGE``, ...). ``tensorboard``: a directory (relative to the pipeline file),
-    or ``true`` for ``OUTPUT/tensorboard``."""
+    or ``true`` for ``OUTPUT/tensorboard``. ``completions_every: N``: every N-th
+    iteration's samples (prompt, response, rewards, advantage) go to
+    ``OUTPUT/completions.jsonl`` and as a table to the trackers that take tables."""
 
     tensorboard: str | bool = Field(False, description=(
         "Write each iteration's metrics as TensorBoard scalars: `true` into "
@@ -546,6 +572,13 @@ class LoggingSpec(Strict):
         "folder); needs the `tensorboard` extra."))
     mlflow: MlflowSpec | None = Field(None, description=(
         "Log each iteration's metrics to an MLflow run; needs the `mlflow` extra."))
+    wandb: WandbSpec | None = Field(None, description=(
+        "Log each iteration's metrics (and completions tables) to a Weights & Biases run, "
+        "offline by default; needs the `wandb` extra."))
+    completions_every: NonNegInt = Field(0, description=(
+        "Every N-th iteration (0, N, 2N, ...), write its samples (prompt, response, reward "
+        "and each reward function's score, mean advantage) to `OUTPUT/completions.jsonl`, "
+        "and as a table to W&B (`completions`) and TensorBoard (text); `0`: never."))
 
     @field_validator("tensorboard")
     @classmethod
@@ -598,7 +631,7 @@ class PipelineSpec(Strict):
     checkpoint: CheckpointSpec = Field(CheckpointSpec(), description=(
         "When to checkpoint the trainable models."))
     logging: LoggingSpec = Field(LoggingSpec(), description=(
-        "Copies of the metrics in TensorBoard and MLflow."))
+        "Copies of the metrics in TensorBoard, MLflow and W&B; completions tables."))
 
 
 def parse_params(file: Path, stage: str, params_cls: type[StageParams],
