@@ -107,3 +107,12 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkey
         load_pipeline(path)
     assert str(caught.value) == (f"{path}: logging.wandb: needs the 'wandb' package, which is "
                                  f"not installed: pip install 'rlhfflow[wandb]'")
+
+
+def test_a_resumed_run_redoes_completions_rows_instead_of_doubling_them(tmp_path) -> None:
+    from rlhfflow.monitor.completions import append_rows
+
+    path = tmp_path / "completions.jsonl"
+    for k in (0, 2, 4, 2, 4):  # a run that stopped after 4 resumes from 2
+        append_rows(path, k, [{"iteration": k, "response": f"r{k}"}])
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [0, 2, 4]

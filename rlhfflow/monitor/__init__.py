@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.monitor.completions import append_jsonl, completion_rows, reward_columns
+from rlhfflow.monitor.completions import append_rows, completion_rows, reward_columns
 from rlhfflow.storage import ExperienceBuffer
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class RunMonitor:
         try:
             buffer = ExperienceBuffer(self.output_dir / "buffer.zarr", create=False)
             rows = completion_rows(buffer, iteration, self.rewards)
-            append_jsonl(self.output_dir / "completions.jsonl", rows)
+            append_rows(self.output_dir / "completions.jsonl", iteration, rows)
         except Exception as exc:  # noqa: BLE001 - a view of the run, never its end
             logger.warning("rlhfflow: no completions table of iteration %d: %s", iteration, exc)
             return []

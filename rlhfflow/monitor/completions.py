@@ -55,8 +55,15 @@ def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str
     return out
 
 
-def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Append ``rows`` to a JSONL file, one object a line."""
+def append_rows(path: Path, iteration: int, rows: list[dict[str, Any]]) -> None:
+    """Append ``iteration``'s ``rows`` to a JSONL file, one object a line, first cutting
+    the rows of ``iteration`` and later that a resumed run is redoing, so each iteration
+    appears once (as in metrics.jsonl)."""
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if lines and json.loads(lines[-1]).get("iteration", -1) >= iteration:
+            kept = [line for line in lines if json.loads(line).get("iteration", -1) < iteration]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     with open(path, "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
