@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.data.hub import HubDataError, locate
@@ -122,6 +124,9 @@ def test_what_the_cache_lacks_is_one_line_naming_the_key(hub_data, tmp_path, arg
 def test_a_pipeline_validates_and_runs_from_a_hub_id(hub_data: Path, tmp_path: Path) -> None:
     path = _pipeline(tmp_path, {"prompts": "acme/math", "subset": "main",
                                 "prompt_field": "question"})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "data: acme/math, 4 prompts x 4 samples per prompt" in result.output
     pipeline = load_pipeline(path)
     source = PromptSource.from_pipeline(pipeline, "actor")
     assert sorted(source.texts) == sorted(QUESTIONS["train"])
