@@ -56,8 +56,9 @@ def test_every_field_of_every_spec_model_has_a_description():
 def test_the_pipeline_reference_has_a_section_for_every_nested_model():
     sections = dict(docs.spec_sections())
     assert {"", "models.NAME", "models.NAME.tiny", "models.NAME.optimizer", "stages.NAME",
-            "stages.NAME.deepspeed", "data", "algorithm", "cluster", "placement", "overlap",
-            "checkpoint", "logging", "logging.mlflow"} == set(sections)
+            "stages.NAME.deepspeed", "data", "data.sources[i]", "algorithm", "cluster", "placement", "overlap",
+            "checkpoint", "logging", "logging.mlflow",
+            "logging.wandb"} == set(sections)
     page = docs.pipeline_reference()
     for model in sections.values():
         for name, info in model.model_fields.items():

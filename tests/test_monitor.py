@@ -129,8 +129,11 @@ def test_a_logging_target_that_fails_to_start_is_one_warning_and_the_run_goes_on
 
 
 def test_logging_section_is_checked_at_the_edge(tmp_path):
+    path = small_pipeline(tmp_path, "grpo", overrides={"logging.neptune": True})
+    with pytest.raises(SpecError, match=r"logging\.neptune: unknown key"):
+        load_pipeline(path)
     path = small_pipeline(tmp_path, "grpo", overrides={"logging.wandb": True})
-    with pytest.raises(SpecError, match=r"logging\.wandb: unknown key"):
+    with pytest.raises(SpecError, match=r"logging\.wandb: expected a mapping, got True"):
         load_pipeline(path)
     path = small_pipeline(tmp_path, "grpo", overrides={"logging.mlflow.experiment": 3})
     with pytest.raises(SpecError, match=r"logging\.mlflow\.experiment: expected a string"):

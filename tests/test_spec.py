@@ -189,7 +189,7 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
     ("stage-type-missing", lambda s: drop(s, "stages.reward.type"),
      "stages.reward.type: required key is missing"),
     ("prompts-missing", lambda s: drop(s, "data.prompts"),
-     "data.prompts: required key is missing"),
+     "data: expected exactly one of 'prompts' and 'sources'; got neither"),
     ("data-missing", lambda s: drop(s, "data"),
      "data: the pipeline has stages that run every iteration, so it needs a 'data' section "
      "with a prompts file"),

@@ -152,17 +152,21 @@ def _default_text(info: FieldInfo) -> str:
     return _yaml(value) if isinstance(value, BaseModel) else f"`{_yaml(value)}`"
 
 
-def _nested_models(annotation: Any) -> Iterator[tuple[type[BaseModel], bool]]:
-    """The spec models a field holds: (model, under a mapping of names)."""
+def _nested_models(annotation: Any) -> Iterator[tuple[type[BaseModel], str]]:
+    """The spec models a field holds: (model, what its key path gets: ``.NAME`` under a
+    mapping of names, ``[i]`` in a list, else nothing)."""
     origin = typing.get_origin(annotation)
     if origin is dict:
         for model, _ in _nested_models(typing.get_args(annotation)[1]):
-            yield model, True
+            yield model, ".NAME"
+    elif origin is list:
+        for model, _ in _nested_models(typing.get_args(annotation)[0]):
+            yield model, "[i]"
     elif origin in (typing.Union, types.UnionType, typing.Annotated):
         for arg in typing.get_args(annotation):
             yield from _nested_models(arg)
     elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        yield annotation, False
+        yield annotation, ""
 
 
 def spec_sections(root: type[BaseModel] | None = None) -> list[tuple[str, type[BaseModel]]]:
@@ -178,8 +182,8 @@ def spec_sections(root: type[BaseModel] | None = None) -> list[tuple[str, type[B
         out.append((path, model))
         for name, info in model.model_fields.items():
             key = info.alias or name
-            for child, named in _nested_models(info.annotation):
-                walk(child, ".".join(p for p in (path, key, "NAME" if named else "") if p))
+            for child, suffix in _nested_models(info.annotation):
+                walk(child, ".".join(p for p in (path, key) if p) + suffix)
 
     walk(root, "")
     return out

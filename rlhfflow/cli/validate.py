@@ -37,7 +37,11 @@ def summary(pipeline: Pipeline) -> str:
     lines.append(f"iterations: {spec.iterations}")
     if spec.data is not None:
         data = spec.data
-        lines.append(f"data: {pipeline.prompts_path}, {data.batch_size} prompts x "
+        local = pipeline.prompts_path
+        what = (str(local) if local is not None and local.exists() else data.prompts) \
+            if data.prompts else ", ".join(f"{s.prompts} (weight {s.weight:g})"
+                                           for s in data.sources)
+        lines.append(f"data: {what}, {data.batch_size} prompts x "
                      f"{data.samples_per_prompt} samples per prompt = "
                      f"{data.batch_size * data.samples_per_prompt} rows per iteration")
     cluster = spec.cluster

@@ -90,8 +90,10 @@ class Pipeline:
 
     @property
     def prompts_path(self) -> Path | None:
-        """The prompts file, if the pipeline has a data section."""
-        return self.resolve(self.spec.data.prompts) if self.spec.data else None
+        """The prompts file, if the pipeline has a data section naming one (a path that
+        does not exist where ``prompts`` is a Hub data set id)."""
+        data = self.spec.data
+        return self.resolve(data.prompts) if data and data.prompts else None
 
     def model_root(self, name: str) -> str:
         """The model whose initial weights ``name`` ends up copying through ``from:``."""
@@ -462,9 +464,16 @@ def _check_files(file: Path, pipeline: Pipeline) -> None:
         if not (path / "config.json").is_file():
             raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
                             f"directory (no config.json): {path}")
-    prompts = pipeline.prompts_path
-    if prompts is not None and pipeline.graph.loop_stages and not prompts.exists():
-        raise SpecError(file, "data.prompts", f"file not found: {prompts}")
+    if pipeline.spec.data is not None and pipeline.graph.loop_stages:
+        from rlhfflow.data.hub import HubDataError, locate
+        from rlhfflow.data.source import source_refs
+
+        for ref in source_refs(pipeline.spec.data):  # a Hub id: its files in the cache
+            try:
+                locate(ref.prompts, pipeline.base_dir, ref.split, ref.subset)
+            except HubDataError as exc:
+                where = ref.key if exc.key == "prompts" or exc.key in ref.own else "data"
+                raise SpecError(file, f"{where}.{exc.key}", str(exc)) from None
     _check_context(file, pipeline)
 
 
@@ -627,12 +636,11 @@ def _check_prompts(file: Path, pipeline: Pipeline) -> None:
             fn = load_function(entry.function, pipeline.base_dir)
             required, _, _ = reward_fields(fn, entry.kwargs)
             for field in required:
-                line = source.missing_field(field)
-                if line is not None:
+                where = source.missing_field(field)
+                if where is not None:
                     raise SpecError(file, f"stages.{name}.{key}", f"the reward function "
-                                    f"takes {field!r}, which record {pipeline.prompts_path}:"
-                                    f"{line} does not have (give it a default, or add the "
-                                    f"field)")
+                                    f"takes {field!r}, which record {where} does not have "
+                                    f"(give it a default, or add the field)")
             if getattr(params, "check", False) and source.texts:
                 _try_reward(file, f"stages.{name}.{key}", trial_call(
                     entry, pipeline.base_dir, source.texts[0], source.fields[0]))

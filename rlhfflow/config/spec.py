@@ -175,22 +175,67 @@ class StageSpec(Strict):
         "`false`: never fuse this stage with others into one task."))
 
 
+class SourceSpec(Strict):
+    """One of several prompt sources mixed by weight (``data.sources``)."""
+
+    prompts: str = Field(description=(
+        "A local file or directory, or a Hub data set id, as `data.prompts` takes it."))
+    weight: PositiveFloat = Field(1.0, description=(
+        "Share of each batch's prompts taken from this source, relative to the other sources' "
+        "weights (`0.7` and `0.3`: 7 of every 10 prompts)."))
+    split: str | None = Field(None, description=(
+        "The split of a Hub data set (or of a saved `DatasetDict`); `null`: `data.split`."))
+    subset: str | None = Field(None, description=(
+        "The subset (config name) of a Hub data set; `null`: `data.subset`."))
+    rename: dict[str, str] = Field({}, description=(
+        "Field renames of this source's records, applied after `data.rename` "
+        "(`{question: prompt}`)."))
+
+
 class DataSpec(Strict):
     """Where prompts come from and how many make one iteration.
 
     ``prompts``: a JSONL file, a Parquet file or a saved HF ``datasets`` directory of
-    records with ``prompt_field`` (text) or ``messages`` (chat turns); their other fields
-    reach reward functions. ``chat_template``: ``auto`` renders ``messages`` records with
-    the tokenizer's chat template, ``true`` renders every record (a plain prompt as one
-    user turn) and needs a tokenizer with a template, ``false`` never renders."""
+    records with ``prompt_field`` (text) or ``messages_field`` (chat turns); or, when no
+    such path exists, a Hub data set id (``openai/gsm8k``) read from the local Hugging Face
+    cache with its ``subset`` and ``split``. ``sources`` mixes several by weight instead.
+    ``rename`` renames record fields first. Other fields reach reward functions.
+    ``chat_template``: ``auto`` renders chat records with the tokenizer's chat template,
+    ``true`` renders every record (a plain prompt as one user turn) and needs a tokenizer
+    with a template, ``false`` never renders."""
 
-    prompts: str = Field(description=(
+    prompts: str | None = Field(None, description=(
         "The prompts, relative to the pipeline file: a JSONL file, a `.parquet` file (needs "
         "`pyarrow`) or a directory saved with `datasets`' `save_to_disk` (needs `datasets`; a "
-        "`DatasetDict` uses `train`)."))
+        "`DatasetDict` uses `split`). When no such path exists, a Hub data set id "
+        "`org/name[@revision]` (`openai/gsm8k`) found in the local Hugging Face cache "
+        "(`HF_HUB_CACHE`, else `HF_HOME/hub`), never downloaded: fetch it first with `hf "
+        "download --repo-type dataset org/name`. Exactly one of `prompts` and `sources`."))
+    sources: Annotated[list[SourceSpec], Field(min_length=1)] | None = Field(None, description=(
+        "Several prompt sources mixed by `weight`: every batch interleaves them in proportion, "
+        "in an order fixed by the position in the run (the same prompts on resume), each "
+        "source shuffled by `seed`. Exactly one of `prompts` and `sources`."))
+    split: str = Field("train", description=(
+        "The split of a Hub data set (or of a saved `DatasetDict`)."))
+    subset: str | None = Field(None, description=(
+        "The subset (config name) of a Hub data set (`main` of `openai/gsm8k`); `null`: its "
+        "only or default one."))
     prompt_field: str = Field("prompt", description=(
-        "The field of each record that holds a plain-text prompt (a record may give `messages` "
-        "instead)."))
+        "The field of each record that holds a plain-text prompt (a record may give "
+        "`messages_field` instead)."))
+    messages_field: str = Field("messages", description=(
+        "The field of each record that holds a chat (a list of `{role, content}` turns)."))
+    rename: dict[str, str] = Field({}, description=(
+        "Field renames applied to every record before anything reads it (`{question: prompt, "
+        "answer: solution}`); reward functions see the new names."))
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if (self.prompts is None) == (self.sources is None):
+            got = "both" if self.prompts is not None else "neither"
+            raise ValueError(f"expected exactly one of 'prompts' and 'sources'; got {got}")
+        return self
+
     batch_size: PositiveInt = Field(16, description="Prompts per iteration.")
     samples_per_prompt: PositiveInt = Field(1, description=(
         "Responses per prompt (rows = `batch_size * samples_per_prompt`); use more than 1 for "
@@ -495,11 +540,37 @@ class MlflowSpec(Strict):
         return self
 
 
+class WandbSpec(Strict):
+    """A Weights & Biases run of the per-iteration metrics (and completions tables). The
+    default ``mode: offline`` writes the run under ``dir`` and contacts nobody; ``wandb
+    sync DIR/wandb/offline-run-*`` uploads it later."""
+
+    project: str = Field("rlhfflow", description="The W&B project.")
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description=(
+        "`offline`: write the run locally only (upload later with `wandb sync`); `online`: "
+        "stream it to the W&B server (needs `wandb login`); `disabled`: log nothing."))
+    dir: str | None = Field(None, description=(
+        "Where the run's `wandb/` folder goes, relative to the pipeline file's folder; "
+        "`null`: the output directory."))
+    entity: str | None = Field(None, description=(
+        "The W&B user or team; `null`: your default."))
+    run_name: str | None = Field(None, description=(
+        "The W&B run's name; `null`: the pipeline's name."))
+    tags: list[str] = Field([], description="Tags of the W&B run.")
+
+    @model_validator(mode="after")
+    def _installed(self) -> WandbSpec:
+        _need_package("wandb", "wandb")
+        return self
+
+
 class LoggingSpec(Strict):
     """Where per-iteration metrics go besides ``OUTPUT/metrics.jsonl``, under the names
     TRL and veRL users know (``reward``, ``kl``, ``completions/mean_length``,
     ``timing/STAGE``, ...). ``tensorboard``: a directory (relative to the pipeline file),
-    or ``true`` for ``OUTPUT/tensorboard``."""
+    or ``true`` for ``OUTPUT/tensorboard``. ``completions_every: N``: every N-th
+    iteration's samples (prompt, response, rewards, advantage) go to
+    ``OUTPUT/completions.jsonl`` and as a table to the trackers that take tables."""
 
     tensorboard: str | bool = Field(False, description=(
         "Write each iteration's metrics as TensorBoard scalars: `true` into "
@@ -507,6 +578,13 @@ class LoggingSpec(Strict):
         "folder); needs the `tensorboard` extra."))
     mlflow: MlflowSpec | None = Field(None, description=(
         "Log each iteration's metrics to an MLflow run; needs the `mlflow` extra."))
+    wandb: WandbSpec | None = Field(None, description=(
+        "Log each iteration's metrics (and completions tables) to a Weights & Biases run, "
+        "offline by default; needs the `wandb` extra."))
+    completions_every: NonNegInt = Field(0, description=(
+        "Every N-th iteration (0, N, 2N, ...), write its samples (prompt, response, reward "
+        "and each reward function's score, mean advantage) to `OUTPUT/completions.jsonl`, "
+        "and as a table to W&B (`completions`) and TensorBoard (text); `0`: never."))
 
     @field_validator("tensorboard")
     @classmethod
@@ -559,7 +637,7 @@ class PipelineSpec(Strict):
     checkpoint: CheckpointSpec = Field(CheckpointSpec(), description=(
         "When to checkpoint the trainable models."))
     logging: LoggingSpec = Field(LoggingSpec(), description=(
-        "Copies of the metrics in TensorBoard and MLflow."))
+        "Copies of the metrics in TensorBoard, MLflow and W&B; completions tables."))
 
 
 def parse_params(file: Path, stage: str, params_cls: type[StageParams],

@@ -64,13 +64,15 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def read_records(path: str | Path, skipped: list[str] | None = None,
-                 line_numbers: list[int] | None = None) -> list[dict[str, Any]]:
+                 line_numbers: list[int] | None = None, split: str = "train"
+                 ) -> list[dict[str, Any]]:
     """Records of a data set: a JSONL file, a Parquet file (needs ``pyarrow``) or a
-    directory saved with ``datasets.Dataset.save_to_disk`` (needs ``datasets``). Errors
-    and ``line_numbers`` count lines of a JSONL file and rows (from 1) otherwise."""
+    directory saved with ``datasets.Dataset.save_to_disk`` (needs ``datasets``; of a
+    ``DatasetDict``, ``split``). Errors and ``line_numbers`` count lines of a JSONL file
+    and rows (from 1) otherwise."""
     path = Path(path)
     if path.is_dir():
-        rows = _hf_rows(path)
+        rows = _hf_rows(path, split)
     elif path.suffix == ".parquet":
         rows = _parquet_rows(path)
     else:
@@ -93,7 +95,7 @@ def _parquet_rows(path: Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: cannot read Parquet: {str(exc).splitlines()[0]}") from None
 
 
-def _hf_rows(path: Path) -> list[dict[str, Any]]:
+def _hf_rows(path: Path, split: str = "train") -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
@@ -105,10 +107,10 @@ def _hf_rows(path: Path) -> list[dict[str, Any]]:
         raise DataError(f"{path}: not a dataset saved with save_to_disk: "
                         f"{str(exc).splitlines()[0]}") from None
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split "
+        if split not in loaded:
+            raise DataError(f"{path}: a DatasetDict without a {split!r} split "
                             f"(has {', '.join(loaded)})")
-        loaded = loaded["train"]
+        loaded = loaded[split]
     return [dict(row) for row in loaded]
 
 

@@ -13,11 +13,14 @@ score stage gives reward functions the fields they ask for.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from rlhfflow.data.hub import HubDataError, locate
 from rlhfflow.data.records import (
     DataError,
     pad_prompts,
@@ -61,7 +64,8 @@ class PromptSource:
     def __init__(self, texts: list[str], tokenizer, batch_size: int, samples_per_prompt: int,
                  max_prompt_tokens: int, seed: int, shuffle: bool = True,
                  token_ids: Sequence[Sequence[int]] | None = None,
-                 fields: Sequence[dict] | None = None) -> None:
+                 fields: Sequence[dict] | None = None, groups: Sequence[int] | None = None,
+                 weights: Sequence[float] | None = None) -> None:
         self.texts = texts
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -74,76 +78,113 @@ class PromptSource:
         # default=str: Parquet and datasets rows may hold dates or bytes, kept as their text
         self._fields_json = [json.dumps(f, ensure_ascii=False, sort_keys=True, default=str)
                              for f in self.fields]
-        self._epochs: dict[int, list[int]] = {}
+        self._epochs: dict[tuple[int, int], list[int]] = {}
         self.skipped: list[str] = []
-        self.lines: list[int] = list(range(1, len(texts) + 1))
+        self.locations: list[str] = [f"prompt {i}" for i in range(len(texts))]
+        # mixed sources: the prompts of each, and which source each stream position takes
+        groups = list(groups) if groups is not None else [0] * len(texts)
+        self.members = [[i for i, g in enumerate(groups) if g == s]
+                        for s in range(max(groups, default=0) + 1)]
+        self.weights = list(weights) if weights is not None else None
+        self._picks: list[tuple[int, int]] = []  # position -> (source, its count so far)
+        self._taken = [0] * len(self.members)
 
     @classmethod
     def from_pipeline(cls, pipeline, model: str) -> PromptSource:
         """The source of ``pipeline``, rendering and tokenizing with ``model``'s tokenizer.
         A bad record is a ``DataError`` naming ``file:line`` (or is skipped and listed,
-        with ``data.on_bad_prompt: skip``)."""
+        with ``data.on_bad_prompt: skip``); a Hub data set the cache lacks, or records
+        without the prompt field, a ``SpecError`` naming the ``data`` key."""
         data = pipeline.spec.data
-        path = pipeline.prompts_path
         skipped: list[str] | None = [] if data.on_bad_prompt == "skip" else None
-        lines: list[int] = []
-        records = read_records(path, skipped, lines)
+        refs = source_refs(data)
+        read = [read_source(pipeline, ref, skipped) for ref in refs]
+        _check_renames(pipeline, refs, read)
         tokenizer = load_tokenizer(pipeline, model)
         if data.chat_template is True and not getattr(tokenizer, "chat_template", None):
             raise SpecError(pipeline.source, "data.chat_template", f"true, but the tokenizer "
                             f"of model {model!r} has no chat template; set it to auto or "
                             f"false, or give the model a tokenizer with one")
-        texts, ids, fields, kept_lines = [], [], [], []
-        for line, record in zip(lines, records, strict=True):
-            problem = prompt_problem(record, data.prompt_field)
-            if problem is None:
-                try:
-                    text, templated = render_prompt(tokenizer, record, data.chat_template,
-                                                    data.prompt_field)
-                except ValueError as exc:
-                    problem = f"{exc} (model {model!r})"
-            if problem is None:
-                tokens = prompt_token_ids(tokenizer, text, templated)
-                if len(tokens) > data.max_prompt_tokens:
-                    problem = (f"the prompt has {len(tokens)} tokens, more than "
-                               f"data.max_prompt_tokens={data.max_prompt_tokens}")
-            if problem is not None:
-                if skipped is None:
-                    raise DataError(f"{path}:{line}: {problem}")
-                skipped.append(f"{path}:{line}: {problem}")
-                continue
-            texts.append(text)
-            ids.append(tokens)
-            fields.append({k: v for k, v in record.items()
-                           if k not in (data.prompt_field, "messages")})
-            kept_lines.append(line)
-        if not texts:
-            raise DataError(f"{path}: no usable prompt")
+        texts, ids, fields, locations, groups = [], [], [], [], []
+        for group, (ref, records) in enumerate(zip(refs, read, strict=True)):
+            _check_prompt_field(pipeline, ref, records)
+            kept = len(texts)
+            for where, record in records:
+                problem = prompt_problem(record, data.prompt_field)
+                if problem is None:
+                    try:
+                        text, templated = render_prompt(tokenizer, record, data.chat_template,
+                                                        data.prompt_field)
+                    except ValueError as exc:
+                        problem = f"{exc} (model {model!r})"
+                if problem is None:
+                    tokens = prompt_token_ids(tokenizer, text, templated)
+                    if len(tokens) > data.max_prompt_tokens:
+                        problem = (f"the prompt has {len(tokens)} tokens, more than "
+                                   f"data.max_prompt_tokens={data.max_prompt_tokens}")
+                if problem is not None:
+                    if skipped is None:
+                        raise DataError(f"{where}: {problem}")
+                    skipped.append(f"{where}: {problem}")
+                    continue
+                texts.append(text)
+                ids.append(tokens)
+                fields.append({k: v for k, v in record.items()
+                               if k not in (data.prompt_field, "messages")})
+                locations.append(where)
+                groups.append(group)
+            if len(texts) == kept:
+                raise DataError(f"{ref.prompts}: no usable prompt")
+        weights = [ref.weight for ref in refs] if len(refs) > 1 else None
         source = cls(texts, tokenizer, data.batch_size, data.samples_per_prompt,
-                     data.max_prompt_tokens, pipeline.spec.seed, data.shuffle, ids, fields)
+                     data.max_prompt_tokens, pipeline.spec.seed, data.shuffle, ids, fields,
+                     groups=groups, weights=weights)
         source.skipped = skipped or []
-        source.lines = kept_lines
+        source.locations = locations
         return source
 
-    def missing_field(self, name: str) -> int | None:
-        """The line (or row) of the first prompt record without field ``name``, if any."""
-        return next((line for line, f in zip(self.lines, self.fields, strict=True)
+    def missing_field(self, name: str) -> str | None:
+        """Where (``file:line``) the first prompt record without field ``name`` is, if any."""
+        return next((where for where, f in zip(self.locations, self.fields, strict=True)
                      if name not in f), None)
 
-    def _epoch(self, epoch: int) -> list[int]:
-        if epoch not in self._epochs:
+    def _epoch(self, source: int, epoch: int) -> list[int]:
+        """A permutation of ``source``'s prompts, seeded by ``(seed, epoch)`` (and the
+        source, when there are several)."""
+        if (source, epoch) not in self._epochs:
+            n = len(self.members[source])
             if self.shuffle:
-                gen = torch.Generator().manual_seed(stage_seed(self.seed, "data", epoch))
-                self._epochs[epoch] = torch.randperm(len(self.texts), generator=gen).tolist()
+                key = "data" if self.weights is None else f"data{source}"
+                gen = torch.Generator().manual_seed(stage_seed(self.seed, key, epoch))
+                self._epochs[source, epoch] = torch.randperm(n, generator=gen).tolist()
             else:
-                self._epochs[epoch] = list(range(len(self.texts)))
-        return self._epochs[epoch]
+                self._epochs[source, epoch] = list(range(n))
+        return self._epochs[source, epoch]
+
+    def _pick(self, position: int) -> tuple[int, int]:
+        """``(source, count)`` of a stream position: smooth weighted round-robin, each
+        position going to the source furthest behind its share (ties: the first), so
+        every stretch of the stream mixes the sources in proportion to their weights."""
+        total = sum(self.weights)
+        while len(self._picks) <= position:
+            p = len(self._picks)
+            behind = [(p + 1) * w / total - t
+                      for w, t in zip(self.weights, self._taken, strict=True)]
+            source = max(range(len(behind)), key=lambda s: (behind[s], -s))
+            self._picks.append((source, self._taken[source]))
+            self._taken[source] += 1
+        return self._picks[position]
 
     def prompt_indices(self, iteration: int) -> list[int]:
-        """Indices (into the file) of the prompts of ``iteration``."""
-        n = len(self.texts)
+        """Indices (into the prompts) of the prompts of ``iteration``."""
         positions = range(iteration * self.batch_size, (iteration + 1) * self.batch_size)
-        return [self._epoch(p // n)[p % n] for p in positions]
+        picks = [(0, p) for p in positions] if self.weights is None else \
+            [self._pick(p) for p in positions]
+        out = []
+        for source, count in picks:
+            members = self.members[source]
+            out.append(members[self._epoch(source, count // len(members))[count % len(members)]])
+        return out
 
     def batch(self, iteration: int) -> Batch:
         """Source columns of ``iteration``: one row per (prompt, sample)."""
@@ -173,3 +214,99 @@ class PromptSource:
                 torch.tensor(sample_index), "group_ids": torch.tensor(group_ids),
                 "prompt_text": texts,
                 "prompt_fields": [self._fields_json[i] for i in prompt_index]}
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """One prompt source of ``data``: ``data.prompts``, or an entry of ``data.sources``
+    with ``data``'s defaults filled in. ``key``: where its keys are in the file."""
+
+    key: str
+    prompts: str
+    weight: float
+    split: str
+    subset: str | None
+    rename: dict[str, str]
+    own: tuple[str, ...] = ()  # the keys a data.sources entry sets itself
+
+
+def source_refs(data) -> list[SourceRef]:
+    """The prompt sources a ``data`` section names, in order."""
+    if data.sources is None:
+        return [SourceRef("data", data.prompts, 1.0, data.split, data.subset, dict(data.rename))]
+    return [SourceRef(f"data.sources[{i}]", s.prompts, s.weight, s.split or data.split,
+                      s.subset if s.subset is not None else data.subset,
+                      {**data.rename, **s.rename},
+                      tuple(k for k in ("split", "subset") if getattr(s, k) is not None))
+            for i, s in enumerate(data.sources)]
+
+
+def read_source(pipeline, ref: SourceRef, skipped: list[str] | None
+                ) -> list[tuple[str, dict]]:
+    """``(file:line, record)`` of one source, fields renamed (``rename``, then the chat
+    field to ``messages``). A Hub data set the cache lacks is a ``SpecError`` naming the
+    key (``data.prompts``, ``data.subset``, ...) and how to fetch it."""
+    try:
+        paths = locate(ref.prompts, pipeline.base_dir, ref.split, ref.subset)
+    except HubDataError as exc:
+        where = ref.key if exc.key == "prompts" or exc.key in ref.own else "data"
+        raise SpecError(pipeline.source, f"{where}.{exc.key}", str(exc)) from None
+    renames = dict(ref.rename)
+    chat = pipeline.spec.data.messages_field
+    if chat != "messages":
+        renames.setdefault(chat, "messages")
+    out = []
+    for path in paths:
+        lines: list[int] = []
+        records = read_records(path, skipped, lines, split=ref.split)
+        out += [(f"{path}:{line}", _renamed(record, renames))
+                for line, record in zip(lines, records, strict=True)]
+    return out
+
+
+def _renamed(record, renames: dict[str, str]):
+    if not renames or not isinstance(record, dict):
+        return record
+    return {renames.get(k, k): v for k, v in record.items()}
+
+
+#: Fields that usually hold the prompt in public data sets, in the order to suggest them.
+OBVIOUS_PROMPT_FIELDS = ("question", "instruction", "input", "problem", "query", "text")
+
+
+def _check_prompt_field(pipeline, ref: SourceRef, records: list[tuple[str, dict]]) -> None:
+    """No record with the prompt field nor a chat: the field is misnamed; say which one
+    to name when a record has an obvious one."""
+    data = pipeline.spec.data
+    dicts = [r for _, r in records if isinstance(r, dict)]
+    if not dicts or any(data.prompt_field in r or "messages" in r for r in dicts):
+        return
+    have = list(dicts[0])
+    obvious = next((f for f in OBVIOUS_PROMPT_FIELDS if f in have), None)
+    whose = "records" if ref.key == "data" else f"records of {ref.key} ({ref.prompts})"
+    if obvious is None:
+        fix = "set data.prompt_field (or rename a field to it with data.rename)"
+    elif ref.key == "data":
+        fix = f"set data.prompt_field: {obvious}"
+    else:
+        fix = f"set {ref.key}.rename: {{{obvious}: {data.prompt_field}}}"
+    raise SpecError(pipeline.source, "data.prompt_field", f"{whose} have no "
+                    f"{data.prompt_field!r}; they have {', '.join(map(repr, have))}: {fix}")
+
+
+def _check_renames(pipeline, refs: list[SourceRef], read: list[list[tuple[str, dict]]]) -> None:
+    """A rename of a field no record has is a typo."""
+    data = pipeline.spec.data
+    checks = [("data.rename", data.rename, [r for records in read for r in records])]
+    if data.sources is not None:
+        checks += [(f"{ref.key}.rename", s.rename, records)
+                   for ref, s, records in zip(refs, data.sources, read, strict=True)]
+    for key, rename, records in checks:
+        for old, new in rename.items():
+            if not any(isinstance(r, dict) and new in r for _, r in records):
+                have = next((list(r) for _, r in records if isinstance(r, dict)), [])
+                close = difflib.get_close_matches(old, have, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else \
+                    f" (they have {', '.join(map(repr, have))})"
+                raise SpecError(pipeline.source, f"{key}.{old}", f"no record has a field "
+                                f"{old!r}{hint}")

@@ -1,9 +1,10 @@
 """Watching a run: the rlhfflow page of the Dask dashboard (``dashboard``), the HTML
-report of a finished run (``report``), and copies of the metrics in TensorBoard and MLflow
-(``sinks``).
+report of a finished run (``report``), copies of the metrics in TensorBoard, MLflow and
+W&B (``sinks``), and completions tables (``completions``).
 
 ``RunMonitor`` is what the executor calls: once when the run starts, once per iteration
-with the record it wrote to ``metrics.jsonl``, once at the end.
+with the record it wrote to ``metrics.jsonl`` (the iteration is committed to the buffer
+by then, where the completions are read from), once at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rlhfflow.monitor.completions import append_rows, completion_rows, reward_columns
+from rlhfflow.storage import ExperienceBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ class RunMonitor:
         self.iterations = pipeline.spec.iterations
         self.client = getattr(backend, "client", None)
         self.run = uuid.uuid4().hex[:12]
+        self.output_dir = output_dir
+        self.completions_every = pipeline.spec.logging.completions_every
+        self.rewards = reward_columns(pipeline) if self.completions_every else []
         self.sinks = []
         for where, make in _sinks(pipeline, output_dir):
             try:
@@ -55,12 +62,29 @@ class RunMonitor:
             except Exception as exc:  # noqa: BLE001 - the page is a view, not the record
                 logger.warning("rlhfflow: cannot publish to the scheduler: %s", exc)
                 self.client = None
+        rows = self._completions(record["iteration"])
         for sink in list(self.sinks):
             try:
                 sink.log(record)
+                if rows and hasattr(sink, "completions"):
+                    sink.completions(record["iteration"], rows)
             except Exception as exc:  # noqa: BLE001 - metrics.jsonl has it all the same
                 logger.warning("rlhfflow: logging to %s stopped: %s", type(sink).__name__, exc)
                 self.sinks.remove(sink)
+
+    def _completions(self, iteration: int) -> list[dict[str, Any]]:
+        """Every ``completions_every``-th iteration's samples, appended to
+        ``OUTPUT/completions.jsonl``; [] for the other iterations."""
+        if not self.completions_every or iteration % self.completions_every:
+            return []
+        try:
+            buffer = ExperienceBuffer(self.output_dir / "buffer.zarr", create=False)
+            rows = completion_rows(buffer, iteration, self.rewards)
+            append_rows(self.output_dir / "completions.jsonl", iteration, rows)
+        except Exception as exc:  # noqa: BLE001 - a view of the run, never its end
+            logger.warning("rlhfflow: no completions table of iteration %d: %s", iteration, exc)
+            return []
+        return rows
 
     def close(self, failed: bool = False) -> None:
         """Close the sinks (an MLflow run is marked finished, or failed)."""
@@ -88,7 +112,7 @@ def page_line(client, dashboard_link: str) -> str:
 
 def _sinks(pipeline, output_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
     """The sinks the ``logging:`` section asks for: (key, constructor) pairs."""
-    from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink
+    from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink, WandbSink
 
     spec = pipeline.spec.logging
     sinks: list[tuple[str, Callable[[], Any]]] = []
@@ -102,4 +126,13 @@ def _sinks(pipeline, output_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
                   "iterations": pipeline.spec.iterations, "output": str(output_dir)}
         sinks.append(("logging.mlflow", lambda: MlflowSink(
             m.tracking_uri, m.experiment, m.run_name or pipeline.name, params)))
+    if spec.wandb is not None:
+        w = spec.wandb
+        config = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
+                  "iterations": pipeline.spec.iterations, "seed": pipeline.spec.seed,
+                  "output": str(output_dir)}
+        directory = pipeline.resolve(w.dir) if w.dir else output_dir
+        sinks.append(("logging.wandb", lambda: WandbSink(
+            w.project, w.mode, directory, w.run_name or pipeline.name, w.entity, w.tags,
+            config)))
     return sinks

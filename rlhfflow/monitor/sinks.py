@@ -1,8 +1,9 @@
-"""Per-iteration metrics to TensorBoard and MLflow (the ``logging:`` section), under the
-names TRL and veRL users know.
+"""Per-iteration metrics to TensorBoard, MLflow and W&B (the ``logging:`` section), under
+the names TRL and veRL users know.
 
 ``metrics.jsonl`` stays the record of a run; these are copies for the tools people
-already watch runs in. Each sink is a small class with ``log(record)`` and ``close()``.
+already watch runs in. Each sink is a small class with ``log(record)`` and ``close()``;
+one that shows tables also has ``completions(iteration, rows)`` (``completions.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class TensorBoardSink:
             self.writer.add_scalar(name, value, global_step=record["iteration"])
         self.writer.flush()
 
+    def completions(self, iteration: int, rows: list[dict[str, Any]]) -> None:
+        """The samples as a Markdown table under the TEXT tab (``completions``)."""
+        self.writer.add_text("completions", markdown_table(rows), global_step=iteration)
+        self.writer.flush()
+
     def close(self, failed: bool = False) -> None:
         """Close the event file."""
         self.writer.close()
@@ -100,3 +106,50 @@ class MlflowSink:
     def close(self, failed: bool = False) -> None:
         """Mark the MLflow run finished (or failed)."""
         self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+class WandbSink:
+    """One W&B run per rlhfflow run (``mode: offline`` by default: a local run directory
+    that ``wandb sync`` uploads later). ``reinit="create_new"`` keeps runs in one process
+    apart instead of reusing wandb's process-global run."""
+
+    def __init__(self, project: str, mode: str, directory: Path, run_name: str,
+                 entity: str | None, tags: list[str], config: dict[str, Any]) -> None:
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, mode=mode, dir=str(directory), name=run_name,
+                              entity=entity, tags=list(tags) or None, config=config,
+                              reinit="create_new",
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log one iteration's metrics, step = iteration."""
+        self.run.log(flat_metrics(record), step=record["iteration"])
+
+    def completions(self, iteration: int, rows: list[dict[str, Any]]) -> None:
+        """The samples as a ``wandb.Table`` named ``completions``."""
+        import wandb
+
+        columns = list(rows[0])
+        table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                   for row in rows])
+        self.run.log({"completions": table}, step=iteration)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish the run (exit code 1 when the rlhfflow run failed)."""
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rows as a Markdown table (TensorBoard renders it); cells on one line, ``|``
+    escaped, numbers to 4 decimals."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4f}"
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

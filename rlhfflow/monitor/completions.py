@@ -1,0 +1,69 @@
+"""Completions tables: an iteration's samples as rows (prompt, response, rewards,
+advantage), read back from the committed iteration in the experience buffer, so the
+coordinator carries nothing extra for them.
+
+``OUTPUT/completions.jsonl`` gets one JSON object per sample; trackers that take tables
+(W&B, TensorBoard as text) get the same rows through their sink's ``completions``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# score-stage columns that are bookkeeping, not rewards
+NOT_REWARDS = ("score_valid", "score_error", "score_retries")
+
+
+def reward_columns(pipeline) -> list[str]:
+    """The buffer columns that hold rewards: each score stage's ``scores`` and its
+    per-function columns, in stage order."""
+    graph = pipeline.graph
+    return [column for name in graph.scorers() for column in graph.nodes[name].writes
+            if column not in NOT_REWARDS]
+
+
+def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str, Any]]:
+    """One dict per sample of committed ``iteration``: ``iteration``, ``prompt``,
+    ``response``, each reward column present, and ``advantage`` (the mean over the
+    response's tokens) when the iteration has advantages."""
+    texts = buffer.text_columns(iteration)
+    prompts = buffer.read_text(iteration, "prompt_text") if "prompt_text" in texts else []
+    responses = buffer.read_text(iteration, "response_text") if "response_text" in texts \
+        else []
+    columns = buffer.columns(iteration)
+    numbers = {c: buffer.read(iteration, [c])[c] for c in rewards if c in columns}
+    if "advantages" in columns and "response_mask" in columns:
+        read = buffer.read(iteration, ["advantages", "response_mask"])
+        mask = np.asarray(read["response_mask"], dtype=np.float64)
+        total = (np.asarray(read["advantages"], dtype=np.float64) * mask).sum(axis=1)
+        numbers["advantage"] = total / np.maximum(mask.sum(axis=1), 1.0)
+    rows = max([len(prompts), len(responses), *(len(v) for v in numbers.values())])
+    out = []
+    for i in range(rows):
+        row: dict[str, Any] = {"iteration": iteration,
+                               "prompt": prompts[i] if i < len(prompts) else None,
+                               "response": responses[i] if i < len(responses) else None}
+        for name, values in numbers.items():
+            value = float(values[i])
+            row[name] = value if math.isfinite(value) else None
+        out.append(row)
+    return out
+
+
+def append_rows(path: Path, iteration: int, rows: list[dict[str, Any]]) -> None:
+    """Append ``iteration``'s ``rows`` to a JSONL file, one object a line, first cutting
+    the rows of ``iteration`` and later that a resumed run is redoing, so each iteration
+    appears once (as in metrics.jsonl)."""
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if lines and json.loads(lines[-1]).get("iteration", -1) >= iteration:
+            kept = [line for line in lines if json.loads(line).get("iteration", -1) < iteration]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    with open(path, "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

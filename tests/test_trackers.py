@@ -1,0 +1,118 @@
+"""Trackers beyond metrics.jsonl: an offline W&B run (read back from its ``.wandb`` file and
+its table files) and completions tables (``logging.completions_every``) read from the
+committed iterations of the buffer. Real inline runs of a tiny GRPO pipeline."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.monitor.sinks import markdown_table
+from rlhfflow.runtime.run import run_pipeline
+from rlhfflow.storage import ExperienceBuffer, MetricsLog
+from tests.conftest import small_pipeline
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The history rows of a ``.wandb`` file: a LevelDB-style log (a 7-byte ``:W&B``
+    header, 32 KiB blocks of records with a 7-byte ``crc, length, type`` header) of
+    ``wandb.proto`` ``Record`` messages. wandb ships no reader of its own any more."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        pytest.skip(f"{path.name}: not the .wandb log format this test reads")
+    pos, block, pending, rows = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # the padded end of a block
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL/FIRST start one
+        if kind in (1, 4):  # FULL/LAST end one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory) -> Path:
+    """A 3-iteration GRPO run, inline, logging to an offline W&B run in ``tmp/wb`` and a
+    completions table every 2nd iteration: its output directory."""
+    pytest.importorskip("wandb")
+    tmp = tmp_path_factory.mktemp("tracked")
+    path = small_pipeline(tmp, "grpo", iterations=3, batch_size=4, overrides={
+        "logging": {"wandb": {"project": "rlhfflow-test", "dir": str(tmp / "wb")},
+                    "completions_every": 2}})
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    return tmp
+
+
+def test_completions_every_n_iterations_come_from_the_buffer(tracked_run: Path) -> None:
+    out = tracked_run / "out"
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0] * 16 + [2] * 16  # 4 prompts x 4 samples
+    assert set(rows[0]) == {"iteration", "prompt", "response", "scores", "advantage"}
+    buffer = ExperienceBuffer(out / "buffer.zarr", create=False)
+    assert [r["response"] for r in rows[16:]] == buffer.read_text(2, "response_text")
+    assert [r["prompt"] for r in rows[:16]] == buffer.read_text(0, "prompt_text")
+    assert [r["scores"] for r in rows[:16]] == pytest.approx(
+        buffer.read(0, ["scores"])["scores"].tolist())
+    group = [r["advantage"] for r in rows[:4]]  # one prompt's samples: GRPO centres them
+    assert sum(group) == pytest.approx(0.0, abs=1e-4)
+
+
+def test_an_offline_wandb_run_holds_the_metrics_and_the_tables(tracked_run: Path) -> None:
+    (run_dir,) = (tracked_run / "wb" / "wandb").glob("offline-run-*")
+    history = wandb_history(next(run_dir.glob("run-*.wandb")))
+    metrics = MetricsLog(tracked_run / "out" / "metrics.jsonl").read()
+    by_step: dict[int, dict] = {}
+    for row in history:
+        by_step.setdefault(row["_step"], {}).update(row)
+    assert sorted(by_step) == [0, 1, 2]
+    for record in metrics:
+        assert by_step[record["iteration"]]["reward"] == pytest.approx(record["reward_mean"])
+    assert [s for s, row in sorted(by_step.items()) if "completions/path" in row] == [0, 2]
+    table = json.loads((run_dir / "files" / by_step[2]["completions/path"]).read_text())
+    assert table["columns"] == ["iteration", "prompt", "response", "scores", "advantage"]
+    assert len(table["data"]) == 16 and {row[0] for row in table["data"]} == {2}
+
+
+def test_markdown_tables_keep_a_cell_on_one_line() -> None:
+    text = markdown_table([{"prompt": "a|b", "response": "x\ny", "scores": 0.123456}])
+    assert text.splitlines() == ["| prompt | response | scores |", "|---|---|---|",
+                                 "| a\\|b | x y | 0.1235 |"]
+
+
+def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch) -> None:
+    import importlib.util
+
+    from rlhfflow.config.spec import SpecError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    path = small_pipeline(tmp_path, "grpo", overrides={"logging.wandb": {}})
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(path)
+    assert str(caught.value) == (f"{path}: logging.wandb: needs the 'wandb' package, which is "
+                                 f"not installed: pip install 'rlhfflow[wandb]'")
+
+
+def test_a_resumed_run_redoes_completions_rows_instead_of_doubling_them(tmp_path) -> None:
+    from rlhfflow.monitor.completions import append_rows
+
+    path = tmp_path / "completions.jsonl"
+    for k in (0, 2, 4, 2, 4):  # a run that stopped after 4 resumes from 2
+        append_rows(path, k, [{"iteration": k, "response": f"r{k}"}])
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [0, 2, 4]
