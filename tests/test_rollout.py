@@ -4,6 +4,7 @@ Python with real tiny models (fixed seeds), and its checks through the loader.""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -330,3 +331,20 @@ def test_a_bad_environment_or_tool_is_one_line_naming_the_file_and_key(tmp_path,
     text = str(info.value)
     assert "\n" not in text and str(path) in text
     assert f"stages.rollout.{key.replace(chr(92), '')}" in text and message in text, text
+
+
+@pytest.mark.slow
+def test_the_example_pipeline_trains_on_episodes(tmp_path):
+    from rlhfflow.runtime.run import run_pipeline
+
+    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data.update(iterations=2, output=str(tmp_path / "out"))
+    data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
+    data["stages"]["rollout"]["params"]["env"] = GUESS
+    path = tmp_path / "guess.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert len(result.metrics) == 2
+    last = result.metrics[-1]
+    assert last["samples"] == 16 and last["samples_skipped"] == 0
+    assert math.isfinite(last["policy_loss"]) and -0.3 <= last["reward_mean"] <= 1
