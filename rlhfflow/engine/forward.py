@@ -3,7 +3,9 @@
 Layout: ``prompt_ids [N, Lp]`` left-padded (``prompt_mask``), ``response_ids [N, Lr]``
 right-padded (``response_mask``). The model sees ``cat(prompt, response)`` with positions
 counted over real tokens only, so padding never shifts a sample's positions; the logits
-at position ``Lp + t - 1`` predict response token ``t``.
+at position ``Lp + t - 1`` predict response token ``t``. The model attends to every
+response token up to a row's last masked one (``response_attention``): a mask with holes
+(a multi-turn episode's environment tokens) marks context the losses skip.
 """
 
 from __future__ import annotations
@@ -22,12 +24,22 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def response_attention(response_mask: torch.Tensor) -> torch.Tensor:
+    """The response tokens a model attends to, ``[N, Lr]`` (long): every token up to a
+    row's last one that ``response_mask`` marks. A mask with holes marks tokens that are
+    context but not the model's own (the environment's turns of a multi-turn episode,
+    ``rlhfflow.stages.rollout``): the model must see them as the sampler did, while the
+    losses, which multiply by ``response_mask``, skip them. A prefix mask is unchanged."""
+    return response_mask.long().flip(-1).cummax(-1).values.flip(-1)
+
+
 def sequence_inputs(batch: Batch, device: str | torch.device = "cpu"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``(input_ids [N, Lp+Lr], attention_mask, position_ids, Lp)`` for a batch."""
     prompt_ids, response_ids = batch["prompt_ids"], batch["response_ids"]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1).to(device)
-    mask = torch.cat([batch["prompt_mask"].long(), batch["response_mask"].long()], dim=1)
+    mask = torch.cat([batch["prompt_mask"].long(), response_attention(batch["response_mask"])],
+                     dim=1)
     mask = mask.to(device)
     return input_ids, mask, position_ids(mask), prompt_ids.shape[1]
 
@@ -239,8 +251,8 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
         logits = first_logits[prompts][:, None]
         if length > 1:
             cache = _cache_rows(prompt_cache, prompts)
-            mask = torch.cat([prompt_mask[index], batch["response_mask"][index, :length - 1]
-                              .long()], dim=1).to(device)
+            mask = torch.cat([prompt_mask[index], response_attention(
+                batch["response_mask"][index])[:, :length - 1]], dim=1).to(device)
             step = module(input_ids=batch["response_ids"][index, :length - 1].to(device),
                           attention_mask=mask,
                           position_ids=position_ids(mask)[:, prompt_mask.shape[1]:],

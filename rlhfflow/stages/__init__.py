@@ -3,7 +3,8 @@
 Importing this package registers the built-in stage types:
 ``generate``, ``logprob``, ``values``, ``score``, ``advantages``, ``train_actor``,
 ``train_critic``, ``distill_draft``, ``sft``, ``reward_model``, ``remax_baseline``,
-``select``, ``train_sft``, ``train_dpo``, ``train_dpo_online``, ``evaluate``. Installed
+``select``, ``train_sft``, ``train_dpo``, ``train_dpo_online``, ``evaluate``,
+``rollout``. Installed
 packages add types through the ``rlhfflow.stages`` entry-point group (``load_plugins``),
 and a pipeline may name any ``Stage`` subclass by import path (``resolve_stage_type``).
 """
@@ -16,6 +17,7 @@ from rlhfflow.stages import (  # noqa: F401  (registers)
     generate,
     inference,
     preference,
+    rollout,
     train,
 )
 from rlhfflow.stages.base import (

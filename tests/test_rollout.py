@@ -1,0 +1,350 @@
+"""The ``rollout`` stage: multi-turn episodes with an environment or tools, run alone from
+Python with real tiny models (fixed seeds), and its checks through the loader."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.spec import AlgorithmSpec, SpecError
+from rlhfflow.data.records import pad_prompts, prompt_token_ids
+from rlhfflow.engine.forward import response_logprobs
+from rlhfflow.engine.models import (
+    DEFAULT_ALPHABET,
+    build_char_tokenizer,
+    build_tiny_model,
+    save_model,
+)
+from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
+from rlhfflow.stages.inference import load_function
+from rlhfflow.stages.rollout import ToolEnvironment
+from tests.conftest import CHAT_TEMPLATE, make_prompt_batch
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "multiturn"
+GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
+TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
+
+
+def _ctx(store, iteration=0, seed=0) -> StageContext:
+    return StageContext(iteration=iteration, seed=seed, models=store,
+                        settings={"base_dir": str(EXAMPLE)})
+
+
+def _chat_batch(tok, texts, samples=2, secrets=None) -> dict:
+    """Source columns of chat prompts, rendered with the template as the data source does."""
+    rows = [(i, s) for i in range(len(texts)) for s in range(samples)]
+    rendered = [tok.apply_chat_template([{"role": "user", "content": texts[i]}],
+                                        add_generation_prompt=True, tokenize=False)
+                for i, _ in rows]
+    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in rendered],
+                            tok.pad_token_id)
+    secrets = secrets or [3] * len(texts)
+    return {"prompt_ids": ids, "prompt_mask": mask,
+            "prompt_index": torch.tensor([i for i, _ in rows]),
+            "sample_index": torch.tensor([s for _, s in rows]),
+            "group_ids": torch.tensor([i for i, _ in rows]), "prompt_text": rendered,
+            "prompt_fields": [json.dumps({"secret": secrets[i]}) for i, _ in rows]}
+
+
+def _chat_store(chat_lm_dir) -> ModelStore:
+    return ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
+                                            optimizer={"lr": 1e-3})})
+
+
+def _rollout(store, batch, **params):
+    stage = create_stage("rollout", params=params, model="actor")
+    return stage.run(batch, _ctx(store))
+
+
+def _check_logprobs_match_a_fresh_forward(store, batch, out) -> None:
+    """The sampler's log-probs of the model's tokens are those of one forward over the
+    whole episode (the environment's tokens attended, not scored)."""
+    episode = {**batch, **out}
+    fresh = response_logprobs(store.get("actor").module, episode)
+    assert (fresh[out["response_mask"] == 0] == 0).all()
+    torch.testing.assert_close(fresh, out["sample_logprobs"], atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------- one turn
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_one_turn_without_an_environment_gives_generate_s_samples(store, tokenizer, compact):
+    batch = make_prompt_batch(tokenizer, TEXTS, samples=3)
+    expected = create_stage("generate", params={"max_new_tokens": 10, "compact": compact},
+                            model="actor").run(batch, _ctx(store))
+    got = _rollout(store, batch, max_turns=1, max_new_tokens=10, max_tokens=10)
+    assert torch.equal(got["response_ids"], expected["response_ids"])
+    assert torch.equal(got["response_mask"], expected["response_mask"])
+    torch.testing.assert_close(got["sample_logprobs"], expected["sample_logprobs"],
+                               atol=1e-5, rtol=0)
+    assert got["response_text"] == expected["response_text"]
+    assert got["turns"].tolist() == [1] * 9
+    assert got["env_reward"].tolist() == [0.0] * 9
+
+
+# --------------------------------------------------------------------------- environments
+
+
+def test_guessing_episodes_mask_the_environment_and_keep_the_sampler_s_logprobs(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS, samples=2)
+    out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=120)
+
+    mask = out["response_mask"]
+    length = (out["response_ids"] != tok.pad_token_id).long().sum(-1)
+    assert out["turns"].tolist() == [3] * 6  # a random model never says "3"
+    # the environment's turns are in the response, rendered by the template as tool turns
+    # (holes in the mask between the model's turns), and never masked in
+    for row, text in enumerate(out["response_text"]):
+        assert text.count("tool: ") == 2, text
+        assert any(word in text for word in ("say a number", "higher", "lower"))
+        env_ids = out["response_ids"][row, :length[row]][mask[row, :length[row]] == 0]
+        assert "tool" in tok.decode(env_ids.tolist())
+    assert ((mask[:, 1:] - mask[:, :-1]) == 1).any()  # a model turn after an env turn
+    torch.testing.assert_close(out["env_reward"], torch.full((6,), -0.3))
+    assert (out["sample_logprobs"][mask == 0] == 0).all()
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+    # the next turn starts with the template's assistant header after the tool's answer
+    assert "<|im_start|>assistant: " in tok.decode(out["response_ids"][0].tolist())
+
+
+def test_an_episode_ends_when_the_environment_says_done(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS[:1], samples=4)
+    first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
+    # make each row's secret the first number its model said (none: 0, never guessed)
+    said = [re.search(r"\d+", t) for t in first["response_text"]]
+    assert any(said), first["response_text"]
+    rows = [r for r in range(4) if said[r]]
+    batch["prompt_fields"] = [json.dumps({"secret": int(s.group()) if s else 0})
+                              for s in said]
+    out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=64)
+    for row in rows:
+        assert out["turns"][row] == 1 and out["env_reward"][row] == 1.0
+        assert torch.equal(out["response_ids"][row], first["response_ids"][row])
+
+
+def test_episodes_stop_at_max_tokens(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS, samples=1)
+    out = _rollout(store, batch, env=GUESS, max_turns=8, max_new_tokens=6, max_tokens=20)
+    assert out["response_ids"].shape == (3, 20)
+    assert ((out["response_ids"] != tok.pad_token_id).sum(-1) <= 20).all()
+    assert (out["turns"] < 8).all()
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def _slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "late"
+
+
+def _fails() -> str:
+    raise KeyError("nope")
+
+
+def test_tool_calls_and_their_mistakes_are_answered_in_the_tool_message():
+    add = load_function("tools.py:add", EXAMPLE)
+    calculate = load_function("tools.py:calculate", EXAMPLE)
+    env = ToolEnvironment({"add": add, "calculate": calculate, "slow": _slow,
+                           "fails": _fails}, timeout_s=0.2)
+    assert env.reset({"prompt": "x"}) == []
+    turn = ('first <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> '
+            'then <tool_call>{"name": "calculate", "arguments": {"expression": "(1+2)*4"}}'
+            '</tool_call>')
+    messages, reward, done, info = env.step(turn)
+    assert [m["content"] for m in messages] == ["5", "12"]
+    assert (reward, done, info["calls"]) == (0.0, False, 2)
+
+    def answer(body: str) -> str:
+        return env.step(f"<tool_call>{body}</tool_call>")[0][0]["content"]
+
+    assert answer("{oops").startswith("error: the tool call is not JSON")
+    assert answer('{"name": "mul", "arguments": {}}') == \
+        "error: unknown tool 'mul' (known: add, calculate, fails, slow)"
+    assert answer('{"name": "fails"}') == "error: KeyError: 'nope'"
+    assert answer('{"name": "add", "arguments": [1, 2]}') == \
+        "error: 'arguments' must be a JSON object"
+    assert answer('{"name": "calculate", "arguments": {"expression": "__import__(1)"}}') \
+        .startswith("error: ValueError: not arithmetic")
+    started = time.perf_counter()
+    assert answer('{"name": "slow", "arguments": {"seconds": 5}}') == \
+        "error: tool 'slow' took more than 0.2 s"
+    assert time.perf_counter() - started < 2
+    assert env.step("<tool_call>{\"name\": \"add\"")[0][0]["content"] == \
+        "error: a <tool_call> without </tool_call>"
+    assert env.step("no call: the answer is 5") == ([], 0.0, True, {"calls": 0})
+
+
+TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_lm_dir(tmp_path_factory) -> Path:
+    """A tiny Llama taught (a few hundred steps on one sequence) to answer a chat prompt
+    with ``TOOL_CALL``: a real model that calls a tool, so an episode has tool turns."""
+    tok = build_char_tokenizer(DEFAULT_ALPHABET + '{}"[]<>/_')
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    model = build_tiny_model(tok, "lm", seed=0)
+    model.generation_config.eos_token_id = [tok.eos_token_id,
+                                            tok.convert_tokens_to_ids("<|im_end|>")]
+    prompt = tok.apply_chat_template([{"role": "user", "content": TEXTS[0]}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([prompt_token_ids(tok, prompt + TOOL_CALL, templated=True)])
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    path = tmp_path_factory.mktemp("models") / "tool-lm"
+    save_model(model, tok, path)
+    return path
+
+
+def test_a_model_that_calls_a_tool_gets_its_answer_and_the_sampler_s_logprobs_hold(
+        tool_lm_dir):
+    store = _chat_store(tool_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS[:1], samples=2)
+    tools = [str(EXAMPLE / "tools.py") + ":add"]
+    out = _rollout(store, batch, tools=tools, greedy=True, max_turns=2,
+                   max_new_tokens=60, max_tokens=160)
+    for row in range(2):
+        text = tok.decode(out["response_ids"][row].tolist(), skip_special_tokens=True)
+        assert text.startswith(TOOL_CALL + "tool: 5assistant: "), text
+    assert out["turns"].tolist() == [2, 2]
+    # the tool's answer is not the model's: out of the mask, log-prob 0
+    first_turn = len(tok(TOOL_CALL, add_special_tokens=False)["input_ids"])
+    assert out["response_mask"][:, :first_turn].all()
+    assert (out["response_mask"][:, first_turn] == 0).all()
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_the_policy_loss_takes_nothing_from_the_environment_s_tokens(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    resident = store.get("actor")
+    tok = resident.tokenizer
+    batch = _chat_batch(tok, TEXTS, samples=2)
+    batch.update(_rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6,
+                          max_tokens=48))
+    gen = torch.Generator().manual_seed(0)
+    env = batch["response_mask"] == 0
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=gen)
+    stage = create_stage("train_actor", algorithm=AlgorithmSpec(name="grpo", kl_coef=0.0),
+                         model="actor")
+
+    def loss_and_grads(columns):
+        resident.module.zero_grad()
+        loss, _ = stage.loss(resident, columns, _ctx(store))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in resident.module.parameters()]
+
+    loss, grads = loss_and_grads(batch)
+    # whatever the per-token columns hold on the environment's tokens, and whatever
+    # follows the model's last token, the loss and its gradient are the same
+    altered = dict(batch)
+    altered["advantages"] = batch["advantages"].masked_fill(env, 1e3)
+    altered["sample_logprobs"] = batch["sample_logprobs"].masked_fill(env, -50.0)
+    ids = batch["response_ids"].clone()
+    last = (batch["response_mask"].long() * torch.arange(1, ids.shape[1] + 1)).argmax(-1)
+    after = torch.arange(ids.shape[1])[None, :] > last[:, None]
+    altered["response_ids"] = ids.masked_fill(after, 5)
+    assert after.any()
+    loss2, grads2 = loss_and_grads(altered)
+    torch.testing.assert_close(loss2, loss)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g)
+    # and the gradient reaches no environment token's log-prob
+    from rlhfflow import ops
+
+    logprobs = response_logprobs(resident.module, batch).detach().requires_grad_()
+    policy_loss, _ = ops.call(ops.resolve_policy_loss("ppo"), {
+        "logprobs": logprobs, "old_logprobs": batch["sample_logprobs"],
+        "advantages": batch["advantages"], "mask": batch["response_mask"].float(),
+        "agg": "token-mean", "count": None, "config": AlgorithmSpec(name="grpo")})
+    policy_loss.backward()
+    assert (logprobs.grad[env] == 0).all() and (logprobs.grad[~env] != 0).any()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _pipeline(tmp_path, **params) -> Path:
+    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
+    data["stages"]["rollout"]["params"] = {"max_tokens": 32, **params}
+    path = tmp_path / "dag.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    (tmp_path / "envs.py").write_text((EXAMPLE / "envs.py").read_text() + "\nVALUE = 3\n\n\ndef helper():\n    pass\n")
+    (tmp_path / "bad.py").write_text("def broken(:\n")
+    return path
+
+
+def test_the_example_pipeline_loads_and_its_stage_runs_alone(tmp_path):
+    from rlhfflow.runtime.stagetest import run_stage_alone
+
+    pipeline = load_pipeline(EXAMPLE / "guess.yaml")
+    result = run_stage_alone(pipeline, "rollout", 0, tmp_path)
+    out = result.columns
+    assert out["response_ids"].shape == (16, 32)
+    torch.testing.assert_close(out["scores"], out["env_reward"])
+
+
+@pytest.mark.parametrize("params, key, message", [
+    ({"env": "missing.py:Env"}, "params.env", "file not found"),
+    ({"env": "bad.py:X"}, "params.env", "cannot import 'bad.py:X': SyntaxError"),
+    ({"env": "envs.py:helper"}, "params.env", "not a class with reset(record) and step"),
+    ({"env": "envs.py:Nothing"}, "params.env", "has no callable 'Nothing'"),
+    ({"tools": ["envs.py:GuessNumber", "envs.py:VALUE"]}, r"params.tools\[1\]",
+     "has no callable 'VALUE'"),
+    ({"env": "envs.py:GuessNumber", "tools": ["envs.py:GuessNumber"]}, "params.tools",
+     "either params.env or params.tools"),
+])
+def test_a_bad_environment_or_tool_is_one_line_naming_the_file_and_key(tmp_path, params, key,
+                                                                     message):
+    path = _pipeline(tmp_path, **params)
+    with pytest.raises(SpecError) as info:
+        load_pipeline(path)
+    text = str(info.value)
+    assert "\n" not in text and str(path) in text
+    assert f"stages.rollout.{key.replace(chr(92), '')}" in text and message in text, text
+
+
+@pytest.mark.slow
+def test_the_example_pipeline_trains_on_episodes(tmp_path):
+    from rlhfflow.runtime.run import run_pipeline
+
+    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data.update(iterations=2, output=str(tmp_path / "out"))
+    data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
+    data["stages"]["rollout"]["params"]["env"] = GUESS
+    path = tmp_path / "guess.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    assert len(result.metrics) == 2
+    last = result.metrics[-1]
+    assert last["samples"] == 16 and last["samples_skipped"] == 0
+    assert math.isfinite(last["policy_loss"]) and -0.3 <= last["reward_mean"] <= 1
