@@ -7,18 +7,22 @@ writes, trainable models nobody trains, files that do not exist.
 
 from __future__ import annotations
 
-import difflib
-import json
-import logging
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rlhfflow.config.checks import (
+    check_auxiliary_models,
+    check_files,
+    check_model_shapes,
+    check_prompts,
+    warn_slow_dtypes,
+)
 from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
+from rlhfflow.config.pipeline import Pipeline
 from rlhfflow.config.spec import (
     MODEL_NAME,
     STAGE_NAME,
@@ -40,75 +44,6 @@ from rlhfflow.stages import (
 )
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """A validated pipeline: the spec, each stage's typed params, the graph, and paths
-    resolved against the pipeline file's folder."""
-
-    spec: PipelineSpec
-    source: Path
-    params: Mapping[str, StageParams]
-    graph: StageGraph
-
-    @property
-    def base_dir(self) -> Path:
-        """Relative model and data paths are relative to the pipeline file's folder."""
-        return self.source.parent
-
-    @property
-    def name(self) -> str:
-        """The pipeline's name: ``name:`` or the file's stem."""
-        return self.spec.name or self.source.stem
-
-    def resolve(self, path: str) -> Path:
-        """A path from the file, relative to the file's folder unless absolute."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else (self.base_dir / p).resolve()
-
-    def model_dir(self, path: str) -> Path:
-        """A model's ``path:`` on this machine: a directory relative to the file, or else,
-        for a Hub id (``org/name[@revision]``), its snapshot in the local Hugging Face
-        cache (``ModelNotCachedError`` when it is not there)."""
-        from rlhfflow.engine.hub import hub_snapshot, is_hub_id
-
-        local = self.resolve(path)
-        return local if local.exists() or not is_hub_id(path) else hub_snapshot(path)
-
-    def model_source(self, path: str) -> str:
-        """What workers load for a model's ``path:``: the absolute directory, or the Hub
-        id itself, which each worker finds in its own cache (a cluster's machines may keep
-        theirs in other places)."""
-        from rlhfflow.engine.hub import is_hub_id
-
-        local = self.resolve(path)
-        return str(local) if local.exists() or not is_hub_id(path) else path
-
-    @property
-    def output_dir(self) -> Path:
-        """``output:`` (relative to the current directory), default ``runs/NAME``."""
-        return Path(self.spec.output or f"runs/{self.name}").expanduser().resolve()
-
-    @property
-    def prompts_path(self) -> Path | None:
-        """The prompts file, if the pipeline has a data section naming one (a path that
-        does not exist where ``prompts`` is a Hub data set id)."""
-        data = self.spec.data
-        return self.resolve(data.prompts) if data and data.prompts else None
-
-    def model_root(self, name: str) -> str:
-        """The model whose initial weights ``name`` ends up copying through ``from:``."""
-        seen = [name]
-        while self.spec.models[seen[-1]].from_ is not None:
-            seen.append(self.spec.models[seen[-1]].from_)
-        return seen[-1]
-
-    @property
-    def rollout_temperature(self) -> float:
-        """The sampling temperature of the first generator (log-probs must match it)."""
-        generates = self.graph.generators()
-        return self.graph.nodes[generates[0]].temperature if generates else 1.0
-
-
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
     """Read and validate a pipeline file; raise ``SpecError`` (one line) on any mistake.
 
@@ -127,12 +62,12 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     graph = _build_graph(file, spec, params, classes)
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
-    _check_files(file, pipeline)
-    _check_auxiliary_models(file, pipeline)
-    _check_model_shapes(file, pipeline)
+    check_files(file, pipeline)
+    check_auxiliary_models(file, pipeline)
+    check_model_shapes(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
-    _check_prompts(file, pipeline)
-    _warn_slow_dtypes(file, pipeline)
+    check_prompts(file, pipeline)
+    warn_slow_dtypes(file, pipeline)
     return pipeline
 
 
@@ -171,25 +106,6 @@ def _check_misplaced_keys(file: Path, data: Mapping[str, Any]) -> None:
         if key not in _keys(PipelineSpec) and _stage_class(block) is not None:
             raise SpecError(file, key, f"unknown key; a stage of type {block['type']!r}? "
                                        f"indent it under stages:")
-
-
-def _warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
-    """Warn (not refuse: it runs) of float16 models on a CPU: torch has no fast fp16
-    matmul kernels there, and a float16 step took ~15x as long as a float32 one."""
-    cluster = pipeline.spec.cluster
-    if cluster.device == "cuda" or (cluster.device == "auto" and cluster.address):
-        return  # remote workers: their devices are not known here
-    if cluster.device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return
-    where = "cluster.device cpu" if cluster.device == "cpu" else "no GPU on this machine"
-    for name, model in pipeline.spec.models.items():
-        if model.dtype == "float16":
-            logging.getLogger(__name__).warning(
-                "warning: %s: models.%s.dtype: float16 on a CPU (%s) runs ~15x slower than "
-                "float32 (no fp16 matmul kernels there); use float32", file, name, where)
 
 
 def _check_models(file: Path, spec: PipelineSpec) -> None:
@@ -449,124 +365,6 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
                                       "so it needs a 'data' section with a prompts file")
 
 
-def _check_files(file: Path, pipeline: Pipeline) -> None:
-    for name, model in pipeline.spec.models.items():
-        if model.path is None:
-            continue
-        try:
-            path = pipeline.model_dir(model.path)
-        except FileNotFoundError as err:  # a Hub id the cache lacks
-            raise SpecError(file, f"models.{name}.path",
-                            _missing_model(pipeline, model.path) or str(err)) from None
-        if not path.is_dir():
-            raise SpecError(file, f"models.{name}.path", _missing_model(pipeline, model.path)
-                            or f"directory not found: {path}")
-        if not (path / "config.json").is_file():
-            raise SpecError(file, f"models.{name}.path", f"not a transformers-format model "
-                            f"directory (no config.json): {path}")
-    if pipeline.spec.data is not None and pipeline.graph.loop_stages:
-        from rlhfflow.data.hub import HubDataError, locate
-        from rlhfflow.data.source import source_refs
-
-        for ref in source_refs(pipeline.spec.data):  # a Hub id: its files in the cache
-            try:
-                locate(ref.prompts, pipeline.base_dir, ref.split, ref.subset)
-            except HubDataError as exc:
-                where = ref.key if exc.key == "prompts" or exc.key in ref.own else "data"
-                raise SpecError(file, f"{where}.{exc.key}", str(exc)) from None
-    _check_context(file, pipeline)
-
-
-def _missing_model(pipeline: Pipeline, path: str) -> str | None:
-    """What to say of a model ``path:`` that is no directory, when more can be said than
-    "not found": a close spelling of a directory that exists (``models/tiny_lm`` for
-    ``models/tiny-lm``: a typo, not a Hub id), or the command that makes SmolLM2."""
-    local = pipeline.resolve(path)
-    if local.exists():
-        return None
-    close = _close_directory(Path(path).expanduser(), pipeline.base_dir)
-    if close is not None:
-        return f"directory not found: {local}; did you mean {close!r}?"
-    if "smollm2" in local.name.lower():
-        shown = os.path.relpath(local)
-        shown = shown if not shown.startswith("..") else str(local)
-        return (f"directory not found: {local}; make it with `rlhfflow models import-gguf "
-                f"--smollm2 {shown}`")
-    return None
-
-
-def _close_directory(path: Path, base: Path) -> str | None:
-    """``path`` (relative to ``base`` unless absolute) with each part that names nothing
-    replaced by the closest name of a directory there, when all of that exists: the
-    path the user meant, spelled as they wrote it; None if no part was misspelled."""
-    here = Path(path.anchor) if path.anchor else base
-    parts, fixed = path.parts[1:] if path.anchor else path.parts, []
-    for part in parts:
-        if part in ("..", ".") or (here / part).exists():
-            fixed.append(part)
-        else:
-            try:
-                names = [p.name for p in here.iterdir() if p.is_dir()]
-            except OSError:
-                return None
-            match = difflib.get_close_matches(part, names, n=1, cutoff=0.75)
-            if not match:
-                return None
-            fixed.append(match[0])
-        here = here / fixed[-1]
-    if fixed == list(parts) or not here.is_dir():
-        return None
-    return str(Path(path.anchor, *fixed)) if path.anchor else str(Path(*fixed))
-
-
-def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
-    """What is known of ``model``'s shape (from ``tiny:`` or its config.json):
-    ``layers`` (decoder layers) and ``positions``; a key is missing where unknown."""
-    root = pipeline.spec.models[pipeline.model_root(model)]
-    if root.tiny is not None:
-        return {"layers": root.tiny.layers, "positions": root.tiny.max_positions}
-    try:
-        config = json.loads((pipeline.model_dir(root.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    shape = {}
-    for name, keys in (("layers", ("num_hidden_layers", "n_layer")),
-                       ("positions", ("max_position_embeddings", "n_positions",
-                                      "max_sequence_length"))):
-        found = next((config[k] for k in keys if isinstance(config.get(k), int)), None)
-        if found is not None:
-            shape[name] = found
-    return shape
-
-
-def _check_model_shapes(file: Path, pipeline: Pipeline) -> None:
-    """Each stage's own checks of its params against its model's shape."""
-    for name, stage in pipeline.spec.stages.items():
-        if stage.model is None or stage.model not in pipeline.spec.models:
-            continue
-        problem = resolve_stage_type(stage.type).check_model(
-            pipeline.params[name], model_shape(pipeline, stage.model))
-        if problem is not None:
-            key, message = problem
-            raise SpecError(file, f"stages.{name}.{key}", message)
-
-
-def _check_context(file: Path, pipeline: Pipeline) -> None:
-    """Prompt and response must fit the context of every model that reads them."""
-    data = pipeline.spec.data
-    if data is None or not pipeline.graph.generators():
-        return
-    new_tokens = pipeline.graph.response_tokens
-    needed = data.max_prompt_tokens + new_tokens
-    for name in pipeline.graph.loop_stages:
-        model = pipeline.graph.nodes[name].model
-        context = model_shape(pipeline, model).get("positions") if model else None
-        if context is not None and needed > context:
-            raise SpecError(file, "data.max_prompt_tokens", f"{data.max_prompt_tokens} prompt "
-                            f"+ {new_tokens} new tokens = {needed} exceed the {context} "
-                            f"positions of model {model!r} (stage {name!r})")
-
-
 def derive(pipeline: Pipeline, updates: Mapping[str, Any]) -> Pipeline:
     """``pipeline`` with dotted keys of its spec replaced (``{"cluster.workers": 1,
     "stages.values.micro_batches": 4}``), for settings that change where and how the
@@ -615,85 +413,3 @@ def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
             models[name] = model.model_copy(update={"optimizer": opt.model_copy(update=updates)})
     return spec.model_copy(update={"models": models})
 
-
-def _check_prompts(file: Path, pipeline: Pipeline) -> None:
-    """Read the prompts file as the run will (records, chat template, token counts), and
-    check that every record has the fields the reward functions ask for."""
-    from rlhfflow.data.source import PromptSource
-    from rlhfflow.stages.inference import load_function, reward_fields, trial_call
-
-    generates = pipeline.graph.generators()
-    if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
-        return
-    source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
-    for name in pipeline.graph.scorers():
-        params = pipeline.params[name]
-        listed = getattr(params, "reward_functions", None)
-        entries = listed() if callable(listed) else []
-        for i, entry in enumerate(entries):
-            key = "params.function" if len(entries) == 1 and \
-                getattr(params, "function", None) else f"params.functions[{i}].function"
-            fn = load_function(entry.function, pipeline.base_dir)
-            required, _, _ = reward_fields(fn, entry.kwargs)
-            for field in required:
-                where = source.missing_field(field)
-                if where is not None:
-                    raise SpecError(file, f"stages.{name}.{key}", f"the reward function "
-                                    f"takes {field!r}, which record {where} does not have "
-                                    f"(give it a default, or add the field)")
-            if getattr(params, "check", False) and source.texts:
-                _try_reward(file, f"stages.{name}.{key}", trial_call(
-                    entry, pipeline.base_dir, source.texts[0], source.fields[0]))
-
-
-def _try_reward(file: Path, where: str, outcome: tuple[bool, str] | None) -> None:
-    """A reward function's trial call (``trial_call``): a mistake in its code is an
-    error; another exception a warning, since a real response may not raise it."""
-    if outcome is None:
-        return
-    fatal, line = outcome
-    if fatal:
-        raise SpecError(file, where, f"a trial call on the first prompt record failed: "
-                        f"{line}; fix it (or set params.check: false to skip the trial)")
-    logging.getLogger(__name__).warning(
-        "warning: %s: %s: a trial call on the first prompt record and a made-up response "
-        "failed: %s; if real responses do not, set params.check: false", file, where, line)
-
-
-def _check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
-    """Models a stage uses besides its own (a draft model) must exist, be ``lm`` models
-    and share the stage model's tokenizer: their token ids are compared as they are."""
-    spec = pipeline.spec
-    for name, stage in spec.stages.items():
-        uses = resolve_stage_type(stage.type).auxiliary_models(pipeline.params[name])
-        for key, model in uses.items():
-            where = f"stages.{name}.{key}"
-            if model not in spec.models:
-                hint = did_you_mean(model, spec.models)
-                raise SpecError(file, where, f"unknown model {model!r}{hint}")
-            if spec.models[model].head != "lm":
-                raise SpecError(file, where, f"model {model!r} has head "
-                                f"{spec.models[model].head!r}; a draft model needs 'lm'")
-            if stage.model is None:
-                continue
-            mine, theirs = _vocabulary(pipeline, stage.model), _vocabulary(pipeline, model)
-            if mine != theirs:
-                raise SpecError(file, where, f"model {model!r} has another vocabulary than "
-                                f"{stage.model!r} ({len(theirs[1])} vs {len(mine[1])} "
-                                f"tokens, vocab_size {theirs[0]} vs {mine[0]}); a draft "
-                                "model must share the actor's tokenizer")
-
-
-def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
-    """``(vocab_size, token -> id)`` of a model, from its root's files or ``tiny:``."""
-    root = pipeline.spec.models[pipeline.model_root(model)]
-    if root.tiny is not None:
-        from rlhfflow.engine.models import build_char_tokenizer
-
-        tokenizer = build_char_tokenizer()
-        return len(tokenizer), tokenizer.get_vocab()
-    from transformers import AutoTokenizer
-
-    path = pipeline.model_dir(root.path)
-    size = json.loads((path / "config.json").read_text()).get("vocab_size", -1)
-    return size, AutoTokenizer.from_pretrained(path).get_vocab()

@@ -1,0 +1,80 @@
+"""``Pipeline``: a validated pipeline file, as every later phase sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhfflow.config.graph import StageGraph
+from rlhfflow.config.spec import PipelineSpec
+from rlhfflow.stages import StageParams
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A validated pipeline: the spec, each stage's typed params, the graph, and paths
+    resolved against the pipeline file's folder."""
+
+    spec: PipelineSpec
+    source: Path
+    params: Mapping[str, StageParams]
+    graph: StageGraph
+
+    @property
+    def base_dir(self) -> Path:
+        """Relative model and data paths are relative to the pipeline file's folder."""
+        return self.source.parent
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name: ``name:`` or the file's stem."""
+        return self.spec.name or self.source.stem
+
+    def resolve(self, path: str) -> Path:
+        """A path from the file, relative to the file's folder unless absolute."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.base_dir / p).resolve()
+
+    def model_dir(self, path: str) -> Path:
+        """A model's ``path:`` on this machine: a directory relative to the file, or else,
+        for a Hub id (``org/name[@revision]``), its snapshot in the local Hugging Face
+        cache (``ModelNotCachedError`` when it is not there)."""
+        from rlhfflow.engine.hub import hub_snapshot, is_hub_id
+
+        local = self.resolve(path)
+        return local if local.exists() or not is_hub_id(path) else hub_snapshot(path)
+
+    def model_source(self, path: str) -> str:
+        """What workers load for a model's ``path:``: the absolute directory, or the Hub
+        id itself, which each worker finds in its own cache (a cluster's machines may keep
+        theirs in other places)."""
+        from rlhfflow.engine.hub import is_hub_id
+
+        local = self.resolve(path)
+        return str(local) if local.exists() or not is_hub_id(path) else path
+
+    @property
+    def output_dir(self) -> Path:
+        """``output:`` (relative to the current directory), default ``runs/NAME``."""
+        return Path(self.spec.output or f"runs/{self.name}").expanduser().resolve()
+
+    @property
+    def prompts_path(self) -> Path | None:
+        """The prompts file, if the pipeline has a data section naming one (a path that
+        does not exist where ``prompts`` is a Hub data set id)."""
+        data = self.spec.data
+        return self.resolve(data.prompts) if data and data.prompts else None
+
+    def model_root(self, name: str) -> str:
+        """The model whose initial weights ``name`` ends up copying through ``from:``."""
+        seen = [name]
+        while self.spec.models[seen[-1]].from_ is not None:
+            seen.append(self.spec.models[seen[-1]].from_)
+        return seen[-1]
+
+    @property
+    def rollout_temperature(self) -> float:
+        """The sampling temperature of the first generator (log-probs must match it)."""
+        generates = self.graph.generators()
+        return self.graph.nodes[generates[0]].temperature if generates else 1.0
