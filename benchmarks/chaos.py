@@ -17,8 +17,8 @@ heartbeat timeout and SIGCONTs it. Each faulted run must:
     python benchmarks/chaos.py [--faults 8] [--seed 0] [--iterations 8]
         [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...] [--stop]
 
-Prints a table (fault, placement, outcome, time lost against the reference), then one
-JSON object with the counts, the median and worst time lost as its last line; exits 1 if
+Prints a table (fault, placement, outcome, time lost against the reference: the seconds
+from the first metrics record to the exit, faulted minus untouched), then one JSON object with the counts, the median and worst time lost as its last line; exits 1 if
 a faulted run failed a check.
 """
 
@@ -57,6 +57,11 @@ PLACEMENTS: dict[str, tuple[list[str], bool]] = {
 }
 
 
+#: with ``--stop``: the scheduler's worker-ttl for the run (a worker that sends no
+#: heartbeat for this long is removed); stop a worker for longer than this
+HEARTBEAT_TIMEOUT_S = 5
+
+
 @dataclass
 class Fault:
     """One fault: ``kind`` (kill or stop) of a worker ``delay_s`` after iteration
@@ -71,7 +76,8 @@ class Fault:
 
 @dataclass
 class Outcome:
-    """What one run did: its exit code, wall time, the checks and the tail of its log."""
+    """What one run did: its exit code, the seconds from its first metrics record to its
+    exit, the checks and the last line of its log."""
 
     config: str
     placement: str
@@ -139,21 +145,37 @@ def inject(run: psutil.Process, metrics: Path, fault: Fault, stopped_s: float,
     fault.done = True
 
 
+def first_line(metrics: Path, finished: threading.Event, seen: list[float]) -> None:
+    """Note when ``metrics`` gets its first record (the end of start-up)."""
+    while not finished.wait(0.02):
+        if metrics_lines(metrics):
+            seen.append(time.monotonic())
+            return
+
+
 def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
              fault: Fault | None, stopped_s: float, timeout: float) -> tuple[int, float, str]:
-    """One run, with ``fault`` if given; returns its exit code, wall time and log tail."""
+    """One run, with ``fault`` if given; returns its exit code, the seconds from its first
+    metrics record to its exit (start-up, which varies most with the machine's load, left
+    out) and its log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if fault is not None and fault.kind == "stop":
+        # the scheduler (in the run's process) drops a worker silent this long
+        env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = f"{HEARTBEAT_TIMEOUT_S}s"
     start = time.monotonic()
+    seen: list[float] = []
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(command(config, out, iterations, overrides), cwd=ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         finished = threading.Event()
-        watcher = None
+        watchers = [threading.Thread(target=first_line, daemon=True,
+                                     args=(out / "metrics.jsonl", finished, seen))]
         if fault is not None:
-            watcher = threading.Thread(target=inject, daemon=True, args=(
-                psutil.Process(proc.pid), out / "metrics.jsonl", fault, stopped_s, finished))
-            watcher.start()
+            watchers.append(threading.Thread(target=inject, daemon=True, args=(
+                psutil.Process(proc.pid), out / "metrics.jsonl", fault, stopped_s, finished)))
+        for w in watchers:
+            w.start()
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -161,14 +183,14 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
             code = proc.wait()
         finally:
             finished.set()
-            if watcher is not None:
-                watcher.join()
-        wall = time.monotonic() - start
+            for w in watchers:
+                w.join()
+        loop_s = time.monotonic() - (seen[0] if seen else start)
         log.seek(0)
         text = log.read()
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.log").write_text(text)
-    return code, wall, text
+    return code, loop_s, text
 
 
 def check(out: Path, reference: list[dict[str, Any]], iterations: int, stale: bool
@@ -190,8 +212,8 @@ def plan_faults(n: int, seed: int, iterations: int, kind: str, configs: list[str
                 placements: list[str], after: int | None = None
                 ) -> list[tuple[str, str, Fault]]:
     """``n`` faults, round-robin over configs and placements: after a random iteration
-    (0..N-3, so a fault has something left to recover into) a random delay of up to one
-    reference iteration (scaled later)."""
+    (0..N-3, so a fault has something left to recover into), a random fraction of up to
+    1.5 mean reference iterations (scaled once the reference ran)."""
     rng = random.Random(seed)
     combos = [(c, p) for c in configs for p in placements]
     return [(*combos[i % len(combos)],
@@ -224,8 +246,9 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
                                        f"exited with {code}:\n{log[-3000:]}")
                 references[config, placement] = (wall, metrics_lines(out / "metrics.jsonl"))
             ref_wall, reference = references[config, placement]
-            # the delay: up to one mean iteration of the reference
-            per_iteration = ref_wall / max(iterations, 1) * 0.5
+            # the delay: up to 1.5 mean iterations of the reference (any phase of the
+            # next iteration or the one after)
+            per_iteration = ref_wall / max(iterations, 1) * 1.5
             fault.delay_s = round(fault.delay_s * per_iteration, 3)
             out = base / f"run-{i}"
             code, wall, log = run_once(path, out, iterations, overrides, fault, stopped_s,
@@ -275,8 +298,8 @@ def main() -> None:
     parser.add_argument("--placements", default="interleaved",
                         help="comma-separated, of: " + ", ".join(PLACEMENTS))
     parser.add_argument("--stop", type=float, default=0.0, metavar="SECONDS",
-                        help="SIGSTOP the worker for SECONDS (past the heartbeat timeout), "
-                             "then SIGCONT it, instead of SIGKILL")
+                        help="SIGSTOP the worker for SECONDS, then SIGCONT it, instead of "
+                             f"SIGKILL; the runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
     parser.add_argument("--after", type=int, default=None, metavar="K",
                         help="every fault after iteration K (default: a random one)")
     parser.add_argument("--workdir", type=Path, default=None,
