@@ -74,3 +74,18 @@ def test_a_task_that_fails_with_every_worker_alive_is_the_stages_failure():
         failing = backend.submit(_fail, key="train-1", worker=backend.workers[0])
         with pytest.raises(TaskFailed, match="the stage failed"):
             backend.wait([failing], pinned=backend.workers)
+
+
+@pytest.mark.slow
+def test_workers_killed_at_random_moments_cost_time_not_results(tmp_path):
+    # the harness of benchmarks/chaos.py, short: an untouched run, then two runs each
+    # losing a worker at a seeded random moment; each must finish with every iteration
+    # once and the untouched run's results
+    from benchmarks.chaos import chaos
+
+    rows: list[str] = []
+    figures = chaos(["configs/ppo-tiny.yaml"], ["interleaved"], faults=2, seed=3,
+                    iterations=6, timeout=300, directory=tmp_path, say=rows.append)
+    report = "\n".join(rows)
+    assert figures["faults"] + figures["missed"] == 2, report
+    assert figures["recovered"] == figures["faults"], report
