@@ -457,6 +457,13 @@ class DaskBackend:
                 cause = f.exception()
                 if type(cause).__name__ == "KilledWorker":
                     raise WorkerLost(f"a worker died while running {f.key}")
+                # Dask keeps the lineage of every result: when a worker holding one dies,
+                # the scheduler runs the tasks that made it again, on the survivors, where
+                # an old stage task fails (StaleWeights: its models have moved on). That
+                # error can arrive before the 2 s check above notices the loss; the loss
+                # is the cause. The scheduler drops the worker before it reschedules, so
+                # no grace is needed.
+                self._check_alive(pinned)
                 raise TaskFailed(f.key, cause)
 
     def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None:

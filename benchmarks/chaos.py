@@ -1,0 +1,319 @@
+"""Chaos: a worker killed (or frozen) at a random moment of a random iteration costs the
+run time, never its results.
+
+Each config runs as a real ``rlhfflow run`` subprocess on its embedded cluster of 2
+workers (``--set iterations=N --set checkpoint.every=2 --set cluster.workers=2``), once
+untouched per placement (the reference), then once per fault: a watcher follows
+``OUT/metrics.jsonl`` and, a seeded uniform delay after the k-th line appeared (k random
+in 1..N-2), SIGKILLs one device worker process, or with ``--stop`` SIGSTOPs it past the
+heartbeat timeout and SIGCONTs it. Each faulted run must:
+
+- exit 0;
+- have every iteration 0..N-1 in ``metrics.jsonl`` exactly once, in order;
+- have the results (rewards, KL, losses, lengths) of the reference, exactly; except under
+  bounded staleness (``overlap.max_staleness`` > 0), where which weights generated a batch
+  depends on timing: there only completeness is checked.
+
+    python benchmarks/chaos.py [--faults 8] [--seed 0] [--iterations 8]
+        [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...] [--stop]
+
+Prints a table (fault, placement, outcome, time lost against the reference: the seconds
+from the first metrics record to the exit, faulted minus untouched), then one JSON object with the counts, the median and worst time lost as its last line; exits 1 if
+a faulted run failed a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.soak import RESULT_KEYS, device_workers  # noqa: E402
+
+#: placement name -> the overrides that make it; "stale" results may differ from the
+#: reference (the weights a batch is generated with depend on timing)
+PLACEMENTS: dict[str, tuple[list[str], bool]] = {
+    "colocated": (["placement.strategy=colocated"], False),
+    "interleaved": (["placement.strategy=interleaved"], False),
+    "disaggregated": (["placement.strategy=disaggregated"], False),
+    "disaggregated-stale1": (["placement.strategy=disaggregated",
+                              "overlap.max_staleness=1"], True),
+}
+
+
+#: with ``--stop``: the scheduler's worker-ttl for the run (a worker that sends no
+#: heartbeat for this long is removed); stop a worker for longer than this
+HEARTBEAT_TIMEOUT_S = 5
+
+
+@dataclass
+class Fault:
+    """One fault: ``kind`` (kill or stop) of a worker ``delay_s`` after iteration
+    ``after`` appeared in the metrics."""
+
+    kind: str
+    after: int
+    delay_s: float
+    done: bool = False
+    at_s: float | None = None
+
+
+@dataclass
+class Outcome:
+    """What one run did: its exit code, the seconds from its first metrics record to its
+    exit, the checks and the last line of its log."""
+
+    config: str
+    placement: str
+    fault: Fault | None
+    code: int
+    wall_s: float
+    checks: dict[str, bool] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and all(self.checks.values())
+
+
+def command(config: Path, out: Path, iterations: int, overrides: list[str]) -> list[str]:
+    """The ``rlhfflow run`` command line of one run."""
+    sets = [f"iterations={iterations}", "checkpoint.every=2", "cluster.workers=2",
+            "cluster.dashboard_address=127.0.0.1:0", *overrides]
+    return [sys.executable, "-m", "rlhfflow.cli.main", "run", str(config), "--out", str(out),
+            "--overwrite", *[a for s in sets for a in ("--set", s)]]
+
+
+def metrics_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics.jsonl being written."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line being written
+            break
+    return records
+
+
+def inject(run: psutil.Process, metrics: Path, fault: Fault, stopped_s: float,
+           finished: threading.Event) -> None:
+    """Wait for line ``fault.after + 1`` of ``metrics``, then ``fault.delay_s``, then do
+    the fault to one device worker (a random one, from the fault's delay)."""
+    start = time.monotonic()
+    while not finished.wait(0.02):
+        if len(metrics_lines(metrics)) > fault.after:
+            break
+    if finished.wait(fault.delay_s):
+        return
+    workers = device_workers(run)
+    if not workers:
+        return
+    victim = workers[int(fault.delay_s * 1000) % len(workers)]
+    try:
+        if fault.kind == "kill":
+            victim.send_signal(signal.SIGKILL)
+        else:
+            victim.send_signal(signal.SIGSTOP)
+            fault.at_s = round(time.monotonic() - start, 2)
+            fault.done = True
+            finished.wait(stopped_s)
+            victim.send_signal(signal.SIGCONT)
+            return
+    except psutil.NoSuchProcess:
+        return
+    fault.at_s = round(time.monotonic() - start, 2)
+    fault.done = True
+
+
+def first_line(metrics: Path, finished: threading.Event, seen: list[float]) -> None:
+    """Note when ``metrics`` gets its first record (the end of start-up)."""
+    while not finished.wait(0.02):
+        if metrics_lines(metrics):
+            seen.append(time.monotonic())
+            return
+
+
+def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
+             fault: Fault | None, stopped_s: float, timeout: float) -> tuple[int, float, str]:
+    """One run, with ``fault`` if given; returns its exit code, the seconds from its first
+    metrics record to its exit (start-up, which varies most with the machine's load, left
+    out) and its log."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if fault is not None and fault.kind == "stop":
+        # the scheduler (in the run's process) drops a worker silent this long
+        env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = f"{HEARTBEAT_TIMEOUT_S}s"
+    start = time.monotonic()
+    seen: list[float] = []
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command(config, out, iterations, overrides), cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        finished = threading.Event()
+        watchers = [threading.Thread(target=first_line, daemon=True,
+                                     args=(out / "metrics.jsonl", finished, seen))]
+        if fault is not None:
+            watchers.append(threading.Thread(target=inject, daemon=True, args=(
+                psutil.Process(proc.pid), out / "metrics.jsonl", fault, stopped_s, finished)))
+        for w in watchers:
+            w.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        finally:
+            finished.set()
+            for w in watchers:
+                w.join()
+        loop_s = time.monotonic() - (seen[0] if seen else start)
+        log.seek(0)
+        text = log.read()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.log").write_text(text)
+    return code, loop_s, text
+
+
+def check(out: Path, reference: list[dict[str, Any]], iterations: int, stale: bool
+          ) -> dict[str, bool]:
+    """Every iteration once, in order; the reference's results unless ``stale``."""
+    records = metrics_lines(out / "metrics.jsonl")
+    checks = {"each_iteration_once": [r.get("iteration") for r in records]
+              == list(range(iterations))}
+    if not stale:
+        keys = [k for k in RESULT_KEYS if reference and k in reference[0]] + \
+            [k for k in ("value_loss",) if reference and k in reference[0]]
+        checks["results_equal_reference"] = (
+            [{k: r.get(k) for k in keys} for r in records]
+            == [{k: r.get(k) for k in keys} for r in reference])
+    return checks
+
+
+def plan_faults(n: int, seed: int, iterations: int, kind: str, configs: list[str],
+                placements: list[str], after: int | None = None
+                ) -> list[tuple[str, str, Fault]]:
+    """``n`` faults, round-robin over configs and placements: after a random iteration
+    (0..N-3, so a fault has something left to recover into), a random fraction of up to
+    1.5 mean reference iterations (scaled once the reference ran)."""
+    rng = random.Random(seed)
+    combos = [(c, p) for c in configs for p in placements]
+    return [(*combos[i % len(combos)],
+             Fault(kind, rng.randrange(0, max(iterations - 2, 1)) if after is None else after,
+                   rng.random()))
+            for i in range(n)]
+
+
+def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
+          iterations: int, kind: str = "kill", stopped_s: float = 0.0,
+          timeout: float = 600, directory: Path | None = None,
+          say=print, after: int | None = None) -> dict[str, Any]:
+    """The references, then the faulted runs; returns the figures (see the module
+    docstring). ``say`` gets one table row per run."""
+    tmp = tempfile.TemporaryDirectory() if directory is None else None
+    base = Path(tmp.name) if tmp else directory
+    references: dict[tuple[str, str], tuple[float, list[dict[str, Any]]]] = {}
+    outcomes: list[Outcome] = []
+    plan = plan_faults(faults, seed, iterations, kind, configs, placements, after)
+    say(f"{'fault':<26}{'config':<14}{'placement':<22}{'outcome':<44}{'lost_s':>7}")
+    try:
+        for i, (config, placement, fault) in enumerate(plan):
+            overrides, stale = PLACEMENTS[placement]
+            path = ROOT / config
+            if (config, placement) not in references:
+                out = base / f"ref-{Path(config).stem}-{placement}"
+                code, wall, log = run_once(path, out, iterations, overrides, None, 0, timeout)
+                if code != 0:
+                    raise RuntimeError(f"the reference run of {config} ({placement}) "
+                                       f"exited with {code}:\n{log[-3000:]}")
+                references[config, placement] = (wall, metrics_lines(out / "metrics.jsonl"))
+            ref_wall, reference = references[config, placement]
+            # the delay: up to 1.5 mean iterations of the reference (any phase of the
+            # next iteration or the one after)
+            per_iteration = ref_wall / max(iterations, 1) * 1.5
+            fault.delay_s = round(fault.delay_s * per_iteration, 3)
+            out = base / f"run-{i}"
+            code, wall, log = run_once(path, out, iterations, overrides, fault, stopped_s,
+                                       timeout)
+            outcome = Outcome(config, placement, fault, code, wall)
+            if fault.done:
+                outcome.checks = check(out, reference, iterations, stale)
+            if code != 0:
+                lines = [ln for ln in log.splitlines() if ln.strip()]
+                outcome.error = lines[-1] if lines else f"exit {code}"
+            outcomes.append(outcome)
+            what = (f"{fault.kind}@{fault.after}+{fault.delay_s:.2f}s"
+                    if fault.done else f"{fault.kind}@{fault.after} (missed)")
+            result = "recovered" if outcome.ok else (
+                f"FAILED exit {code}" if code else "FAILED " + ",".join(
+                    k for k, v in outcome.checks.items() if not v))
+            say(f"{what:<26}{Path(config).stem:<14}{placement:<22}{result:<44}"
+                f"{wall - ref_wall:>7.1f}")
+            if not outcome.ok and outcome.error:
+                say(f"    {outcome.error[:300]}")
+    finally:
+        if tmp:
+            tmp.cleanup()
+    injected = [o for o in outcomes if o.fault and o.fault.done]
+    lost = sorted(o.wall_s - references[o.config, o.placement][0] for o in injected if o.ok)
+    return {
+        "faults": len(injected), "missed": len(outcomes) - len(injected),
+        "recovered": sum(o.ok for o in injected),
+        "failed_exit": sum(o.code != 0 for o in injected),
+        "failed_checks": sum(o.code == 0 and not o.ok for o in injected),
+        "recovered_pct": round(100 * sum(o.ok for o in injected) / len(injected), 1)
+        if injected else None,
+        "lost_median_s": round(statistics.median(lost), 2) if lost else None,
+        "lost_worst_s": round(lost[-1], 2) if lost else None,
+        "errors": sorted({o.error[:200] for o in injected if o.error}),
+        "kind": kind, "seed": seed, "iterations": iterations,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--configs", default="configs/ppo-tiny.yaml",
+                        help="comma-separated configs (relative to the repository)")
+    parser.add_argument("--placements", default="interleaved",
+                        help="comma-separated, of: " + ", ".join(PLACEMENTS))
+    parser.add_argument("--stop", type=float, default=0.0, metavar="SECONDS",
+                        help="SIGSTOP the worker for SECONDS, then SIGCONT it, instead of "
+                             f"SIGKILL; the runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
+    parser.add_argument("--after", type=int, default=None, metavar="K",
+                        help="every fault after iteration K (default: a random one)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the runs (and their run.log) here")
+    args = parser.parse_args()
+    figures = chaos(args.configs.split(","), args.placements.split(","), args.faults,
+                    args.seed, args.iterations, "stop" if args.stop else "kill", args.stop,
+                    directory=args.workdir, after=args.after)
+    from benchmarks.shared import emit_result
+
+    emit_result(figures, __file__)
+    if figures["recovered"] != figures["faults"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
