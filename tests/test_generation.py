@@ -282,7 +282,7 @@ def test_the_ngram_history_comes_from_the_buffer_on_a_worker_that_never_saw_the_
 
 
 def test_prompt_history_reads_the_last_committed_iterations_only(tmp_path):
-    from rlhfflow.storage.buffer import prompt_history
+    from rlhfflow.storage.history import prompt_history
 
     tok = build_char_tokenizer()
     batch = make_prompt_batch(tok, ["ab", "cd"], samples=2)

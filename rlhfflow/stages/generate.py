@@ -338,7 +338,7 @@ def fill_history_from_buffer(history: dict[int, deque], groups: list[int],
     fewer than ``ngram_history`` responses of (it never generated them, or restarted)
     with their responses in the run's experience buffer: older ones first, the worker's
     own after them. The in-stage history stays the fast path: full prompts read nothing."""
-    from rlhfflow.storage.buffer import prompt_history
+    from rlhfflow.storage.history import prompt_history
 
     short = [g for g in dict.fromkeys(groups)
              if len(history.get(g, ())) < params.ngram_history]

@@ -406,7 +406,7 @@ class ExperienceBuffer:
 
     def read_text(self, iteration: int, column: str) -> list[str]:
         """The strings of text column ``column`` of a committed iteration."""
-        group = self._committed_group(iteration)
+        group = self.committed_group(iteration)
         names = self.text_columns(iteration)
         if column not in names:
             raise KeyError(f"iteration {iteration} has no text column {column!r}; it has "
@@ -418,7 +418,7 @@ class ExperienceBuffer:
 
     def text_columns(self, iteration: int) -> list[str]:
         """Names of the text columns of a committed iteration."""
-        group = self._committed_group(iteration)
+        group = self.committed_group(iteration)
         return sorted(group["text"].group_keys()) if "text" in group else []
 
     # -- workers -------------------------------------------------------------------------
@@ -467,7 +467,7 @@ class ExperienceBuffer:
         stop: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Rows ``[start, stop)`` (all by default) of ``columns`` (all by default)."""
-        group = self._committed_group(iteration)
+        group = self.committed_group(iteration)
         available = sorted(group.array_keys())
         wanted = available if columns is None else list(columns)
         unknown = [c for c in wanted if c not in available]
@@ -477,7 +477,7 @@ class ExperienceBuffer:
 
     def columns(self, iteration: int) -> dict[str, ColumnSpec]:
         """Name -> :class:`ColumnSpec` of each column of a committed iteration."""
-        group = self._committed_group(iteration)
+        group = self.committed_group(iteration)
         return {
             col: ColumnSpec(dtype=str(arr.dtype), shape=tuple(arr.shape[1:]))
             for col, arr in sorted(group.arrays())
@@ -485,7 +485,7 @@ class ExperienceBuffer:
 
     def attrs(self, iteration: int) -> dict[str, Any]:
         """All attributes of a committed iteration, including ``complete``/``rows``/``chunk_rows``."""
-        return dict(self._committed_group(iteration).attrs)
+        return dict(self.committed_group(iteration).attrs)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per committed iteration: rows, attrs and per-column shape/dtype/mean/std/min/max.
@@ -496,7 +496,7 @@ class ExperienceBuffer:
         """
         out = []
         for it in self.iterations():
-            group = self._committed_group(it)
+            group = self.committed_group(it)
             cols = {col: _column_stats(arr) for col, arr in sorted(group.arrays())}
             attrs = dict(group.attrs)
             out.append(
@@ -530,7 +530,8 @@ class ExperienceBuffer:
         except (OSError, ValueError, AttributeError):
             return False
 
-    def _committed_group(self, iteration: int) -> zarr.Group:
+    def committed_group(self, iteration: int) -> zarr.Group:
+        """The zarr group of a committed iteration (``IterationNotFoundError`` otherwise)."""
         name = group_name(iteration)
         if not self._is_committed(name):
             state = "not committed (incomplete)" if self._exists(name) else "not in the buffer"
@@ -626,45 +627,3 @@ def _write_rows(path, name: str, where: str, iteration: int, start: int,
         _check_alignment(col_where, start, n_rows, array.shape[0], array.chunks[0])
         prepared.append((folder / col, array, start, data))
     write_all(prepared)
-
-
-def prompt_history(
-    path: str | os.PathLike,
-    prompt_indices: Sequence[int],
-    per_prompt: int,
-    last_iterations: int,
-) -> dict[int, list[list[int]]]:
-    """Earlier prompt+response token sequences of each of ``prompt_indices`` in the last
-    ``last_iterations`` committed iterations of the buffer at ``path``: at most
-    ``per_prompt`` each, oldest first (the generate stage's n-gram drafter looks for
-    repeats in them). Padding is dropped. A missing buffer, or iterations lacking the
-    token columns, give nothing."""
-    columns = ("prompt_index", "prompt_ids", "prompt_mask", "response_ids", "response_mask")
-    wanted = {int(p) for p in prompt_indices}
-    found: dict[int, list[list[int]]] = {p: [] for p in wanted}
-    if not wanted or per_prompt <= 0 or last_iterations <= 0:
-        return found
-    try:
-        buffer = ExperienceBuffer(path, create=False)
-    except FileNotFoundError:
-        return found
-    for iteration in reversed(buffer.iterations()[-last_iterations:]):
-        need = {p for p in wanted if len(found[p]) < per_prompt}
-        if not need:
-            break
-        group = buffer._committed_group(iteration)
-        if not set(columns) <= set(group.array_keys()):
-            continue
-        index = group["prompt_index"][:]
-        rows = np.flatnonzero(np.isin(index, list(need)))
-        if not len(rows):
-            continue
-        data = {c: group[c].get_orthogonal_selection((rows,)) for c in columns[1:]}
-        for j, row in enumerate(rows.tolist()):
-            p = int(index[row])
-            if len(found[p]) >= per_prompt:
-                continue
-            seq = data["prompt_ids"][j][data["prompt_mask"][j].astype(bool)].tolist()
-            seq += data["response_ids"][j][data["response_mask"][j].astype(bool)].tolist()
-            found[p].append(seq)
-    return {p: seqs[::-1] for p, seqs in found.items()}
