@@ -233,8 +233,10 @@ def reward(prompts, responses):
 
 def test_a_retried_stage_survives_a_failure(cluster, tmp_path):
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    # params.check false: a trial call at validation would use up the one failure
     pipeline = _load(tmp_path, "grpo", _on(cluster, **{
-        "stages.reward.params.function": "flaky.py:reward", "stages.reward.retries": 1}))
+        "stages.reward.params.function": "flaky.py:reward", "stages.reward.retries": 1,
+        "stages.reward.params.check": False}))
     result = run_pipeline(pipeline, progress=False)
     assert (tmp_path / "failed-once").exists()
     assert len(result.metrics) == 2
@@ -248,8 +250,10 @@ def test_a_retried_stage_survives_a_failure(cluster, tmp_path):
 
 def test_the_inline_backend_counts_its_retries_too(tmp_path):
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    # params.check false: a trial call at validation would use up the one failure
     pipeline = _load(tmp_path, "grpo", {
-        "stages.reward.params.function": "flaky.py:reward", "stages.reward.retries": 1})
+        "stages.reward.params.function": "flaky.py:reward", "stages.reward.retries": 1,
+        "stages.reward.params.check": False})
     result = run_pipeline(pipeline, progress=False, inline=True)
     assert [r["task_retries"] for r in result.metrics] == [1, 0]
 

@@ -127,7 +127,9 @@ def test_two_real_runs_on_one_directory_the_second_is_refused_the_first_unaffect
                                                     gate=str(gate)))
     path = small_pipeline(tmp_path, "grpo", iterations=3, batch_size=4, max_new_tokens=4,
                           overrides={"cluster.workers": 1, "stages.reward.params.function":
-                                     str(tmp_path / "gated.py") + ":score"})
+                                     str(tmp_path / "gated.py") + ":score",
+                                     # no trial call at validation: it would wait at the gate
+                                     "stages.reward.params.check": False})
     first = _run(str(path), "--quiet")
     deadline = time.monotonic() + 180
     while not (out / "metrics.jsonl").exists():

@@ -252,7 +252,7 @@ def test_supervise_does_not_restart_a_run_that_fails_where_it_started(tmp_path):
                                        "    raise RuntimeError('no judge configured')\n")
     path = small_pipeline(tmp_path, iterations=2, overrides={
         "cluster.workers": 1, "stages.reward.params.function": str(tmp_path / "judge.py")
-        + ":score"})
+        + ":score", "stages.reward.params.check": False})  # it fails in the run, not before
     proc = _cli(str(path), "--supervise", "--quiet")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr

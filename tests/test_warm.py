@@ -199,7 +199,9 @@ def _gated(tmp_path: Path, **overrides) -> tuple[Path, Path, Path]:
     (tmp_path / "gated.py").write_text(GATED.format(ready=str(ready), gate=str(gate)))
     file = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4,
                           overrides={"stages.reward.params.function":
-                                     str(tmp_path / "gated.py") + ":score", **overrides},
+                                     str(tmp_path / "gated.py") + ":score",
+                                     # no trial call at validation: it would wait at the gate
+                                     "stages.reward.params.check": False, **overrides},
                           file_name="gated.yaml")
     return file, ready, gate
 
