@@ -101,6 +101,26 @@ def store(tiny_lm_dir, tiny_value_dir) -> ModelStore:
     })
 
 
+def peaked_model(tokenizer, seed: int, scale: float = 40.0):
+    """A tiny Llama whose next-token distributions are peaked: greedy ties and near-ties,
+    which another kernel or a drafter's arithmetic could break another way, become rare."""
+    model = build_tiny_model(tokenizer, "lm", seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def padded_ids(rows: int = 5, length: int = 14, seed: int = 0):
+    """Random ids with left padding on some rows (the prompt layout): ids, mask and the
+    positions counted over real tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 30, (rows, length), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[-1, :2] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def make_prompt_batch(tokenizer: Any, texts: Sequence[str], samples: int = 1,
                       prompt_index: Sequence[int] | None = None,
                       max_prompt_tokens: int = 64) -> Batch:

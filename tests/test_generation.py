@@ -27,7 +27,7 @@ from rlhfflow.engine.models import (
     save_model,
 )
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from tests.conftest import make_prompt_batch, small_pipeline
+from tests.conftest import make_prompt_batch, peaked_model, small_pipeline
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
          "speak of the star:", "x y z"]
@@ -43,20 +43,13 @@ DRAFTERS = {
 }
 
 
-def _peaked_model(tokenizer, seed: int, scale: float):
-    model = build_tiny_model(tokenizer, "lm", seed=seed)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def gen_store(tmp_path_factory) -> ModelStore:
     """An actor, a draft model with the same tokenizer and a model with another one."""
     root = tmp_path_factory.mktemp("generation")
     tok = build_char_tokenizer()
-    save_model(_peaked_model(tok, 0, 40.0), tok, root / "actor")
-    save_model(_peaked_model(tok, 1, 40.0), tok, root / "draft")
+    save_model(peaked_model(tok, 0, 40.0), tok, root / "actor")
+    save_model(peaked_model(tok, 1, 40.0), tok, root / "draft")
     other = build_char_tokenizer("abc")
     save_model(build_tiny_model(other, "lm", seed=2), other, root / "other")
     return ModelStore({name: ModelConfig(name, "lm", str(root / name))

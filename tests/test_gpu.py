@@ -25,7 +25,7 @@ import torch
 from rlhfflow.engine import lean
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
-from tests.conftest import REPO, make_prompt_batch, small_pipeline
+from tests.conftest import REPO, make_prompt_batch, padded_ids, peaked_model, small_pipeline
 
 CUDA = torch.cuda.is_available()
 #: Where the tests run: ``cuda``; ``RLHFFLOW_GPU_TEST_DEVICE=cpu`` runs them on the CPU,
@@ -43,23 +43,13 @@ DRAFTERS = {
 }
 
 
-def _peaked(tokenizer, seed: int, scale: float = 40.0):
-    """A tiny Llama whose next-token distributions are peaked (as tests/test_generation.py
-    builds them): greedy ties and near-ties, which other kernels could break another
-    way, become rare."""
-    model = build_tiny_model(tokenizer, "lm", seed=seed)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def cuda_store(tmp_path_factory) -> ModelStore:
     """A peaked actor and draft model, and a plain tiny actor, resident on the GPU."""
     root = tmp_path_factory.mktemp("gpu")
     tok = build_char_tokenizer()
-    save_model(_peaked(tok, 0), tok, root / "actor")
-    save_model(_peaked(tok, 1), tok, root / "draft")
+    save_model(peaked_model(tok, 0), tok, root / "actor")
+    save_model(peaked_model(tok, 1), tok, root / "draft")
     save_model(build_tiny_model(tok, "lm", seed=0), tok, root / "plain")
     return ModelStore({name: ModelConfig(name, "lm", str(root / name))
                        for name in ("actor", "draft", "plain")}, device=DEVICE)
@@ -68,16 +58,6 @@ def cuda_store(tmp_path_factory) -> ModelStore:
 def _generate(store, batch, model="actor", seed=0, **params):
     stage = create_stage("generate", params={"max_new_tokens": 16, **params}, model=model)
     return stage.run(batch, StageContext(iteration=0, seed=seed, models=store))
-
-
-def _batch(rows=5, length=14, seed=0):
-    """Random ids with left padding on some rows (the prompt layout)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 30, (rows, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[-1, :2] = 0
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 # --------------------------------------------------------------------------- the lean forward
@@ -101,7 +81,7 @@ def test_the_lean_forward_on_cuda_matches_transformers_within_float_rounding(mon
     model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).to(DEVICE)
     fast = copy.deepcopy(model)
     assert lean.enable(fast)
-    ids, mask, pos = (t.to(DEVICE) for t in _batch(length=20))
+    ids, mask, pos = (t.to(DEVICE) for t in padded_ids(length=20))
     real = mask.bool()
     model.train()
     fast.train()

@@ -14,6 +14,7 @@ from rlhfflow.engine.drafting import shallow_view
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_tiny_model
 from rlhfflow.stages import ModelConfig, ModelStore
+from tests.conftest import padded_ids
 
 # the KV cache's names in the installed transformers (``cache`` from 5.24 on)
 CACHE = lean.cache_keyword(LlamaForCausalLM.forward)
@@ -29,19 +30,9 @@ def _pair(**config):
     return model, fast
 
 
-def _batch(rows=5, length=14, seed=0):
-    """Random ids with left padding on some rows (the prompt layout)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 30, (rows, length), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[-1, :2] = 0
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def test_lean_logits_and_gradients_equal_transformers_bitwise():
     model, fast = _pair()
-    ids, mask, pos = _batch()
+    ids, mask, pos = padded_ids()
     real = mask.bool()
     model.train()
     fast.train()
@@ -56,7 +47,7 @@ def test_lean_logits_and_gradients_equal_transformers_bitwise():
 
 def test_lean_decoding_with_cache_and_holes_equals_transformers():
     model, fast = _pair()
-    ids, mask, pos = _batch(length=20)
+    ids, mask, pos = padded_ids(length=20)
     caches = [DynamicCache(config=model.config) for _ in range(2)]
     with torch.no_grad():
         first = [m(input_ids=ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10],
@@ -85,7 +76,7 @@ def test_lean_keeps_grouped_query_attention_and_tied_embeddings_exact():
     model = LlamaForCausalLM(config).eval()
     fast = copy.deepcopy(model)
     assert lean.enable(fast)
-    ids, mask, pos = _batch()
+    ids, mask, pos = padded_ids()
     with torch.no_grad():
         a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 for m in (model, fast))
@@ -95,7 +86,7 @@ def test_lean_keeps_grouped_query_attention_and_tied_embeddings_exact():
 def test_response_logprobs_through_stage_helpers_are_unchanged():
     """The shared-prompt, length-grouped path (KV cache, response groups) too."""
     model, fast = _pair()
-    prompt_ids, prompt_mask, _ = _batch(rows=4, length=8)
+    prompt_ids, prompt_mask, _ = padded_ids(rows=4, length=8)
     prompt_ids[1], prompt_mask[1] = prompt_ids[0], prompt_mask[0]  # a repeated prompt
     gen = torch.Generator().manual_seed(1)
     response_ids = torch.randint(3, 30, (4, 6), generator=gen)
@@ -109,7 +100,7 @@ def test_response_logprobs_through_stage_helpers_are_unchanged():
 
 def test_lean_falls_back_to_transformers_for_what_it_does_not_cover():
     model, fast = _pair()
-    ids, mask, pos = _batch()
+    ids, mask, pos = padded_ids()
     with torch.no_grad():
         embeds = model.model.embed_tokens(ids)
         a = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
@@ -149,7 +140,7 @@ def test_lean_model_saves_as_plain_llama_and_layer_views_keep_it(tmp_path):
     view = shallow_view(module, 1)  # the `layers` drafter: first layer, same weights
     reference = copy.deepcopy(view)
     reference.__class__ = type(module)._lean_base
-    ids, mask, pos = _batch(rows=2, length=6)
+    ids, mask, pos = padded_ids(rows=2, length=6)
     with torch.no_grad():
         assert torch.equal(view(input_ids=ids, attention_mask=mask, position_ids=pos).logits,
                            reference(input_ids=ids, attention_mask=mask,
@@ -168,7 +159,7 @@ def test_mixed_precision_models_keep_the_autocast_forward(tmp_path, dtype):
 
 def test_a_model_converted_after_loading_or_run_under_autocast_uses_transformers():
     model, fast = _pair()
-    ids, mask, pos = _batch()
+    ids, mask, pos = padded_ids()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 for m in (model, fast))
@@ -192,7 +183,7 @@ def test_the_lean_forward_stays_on_the_devices_it_was_checked_on(monkeypatch):
         raise AssertionError("the lean arithmetic ran on a device it is not checked on")
 
     monkeypatch.setattr(lean, "_attention", not_lean)
-    ids, mask, pos = _batch()
+    ids, mask, pos = padded_ids()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():  # an already lean model falls back, its KV cache included
         out = fast(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
