@@ -25,6 +25,7 @@ from rlhfflow.stages.inference import (
     check_reward_function,
     load_function,
     record_columns,
+    reward_inputs,
 )
 
 
@@ -145,7 +146,8 @@ class EvaluateStage(Stage):
         for entry in entries:
             fn = load_function(entry.function, base_dir)
             columns = record_columns(fn, entry.kwargs, fields)
-            scores = torch.as_tensor(fn(prompts, responses, **columns, **entry.kwargs),
+            args, keywords = reward_inputs(fn, prompts, responses, fields)
+            scores = torch.as_tensor(fn(*args, **keywords, **columns, **entry.kwargs),
                                      dtype=torch.float32).flatten()
             if scores.shape[0] != len(responses):
                 raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
