@@ -863,3 +863,34 @@ def test_a_trl_style_reward_gets_strings_on_plain_records_and_the_old_convention
     chat = ['{"messages": [{"role": "user", "content": "hi"}], "answer": "4"}']
     assert reward_inputs(positional, ["p"], ["r"], chat) == ([["p"], ["r"]], {})
     assert record_columns(positional, {}, chat) == {"answer": ["4"]}
+
+
+def test_evaluate_renders_chat_records_with_the_chat_template(tmp_path, chat_lm_dir):
+    chat = [{"role": "user", "content": "2+2?"}]
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps({"messages": chat, "answer": "4"}) + "\n"
+        + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "seen.py").write_text(
+        "import json, pathlib\n"
+        "def score(prompts, responses, answer):\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(json.dumps(prompts))\n"
+        "    return [1.0] * len(responses)\n")
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir))})
+    stage = create_stage("evaluate", params={"prompts": "eval.jsonl",
+                                             "function": "seen.py:score"}, model="actor")
+    assert stage.check_params(stage.params, True, tmp_path) is None
+    out = stage.run({}, _ctx(store, base_dir=str(tmp_path)))
+    assert out["eval/prompts"] == 2 and out["eval/reward_mean"] == 1.0
+    # the chat record as generate renders it; the plain one as it is (chat_template: auto)
+    assert json.loads((tmp_path / "seen.json").read_text()) == [
+        "<bos><|im_start|>user: 2+2?<|im_end|><|im_start|>assistant: ", "1+1="]
+
+
+def test_evaluate_refuses_a_bad_chat_record_naming_its_line(tmp_path):
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "a"}\n{"messages": [{"role": "bot", '
+                                         '"content": "hi"}]}\n')
+    stage = create_stage("evaluate", params={"prompts": "eval.jsonl", "function":
+                                             "rlhfflow.stages.rewards:vowel_ratio"})
+    key, message = stage.check_params(stage.params, True, tmp_path)
+    assert key == "params.prompts"
+    assert message.startswith(f"{tmp_path / 'eval.jsonl'}:2: messages[0].role: unknown role")
