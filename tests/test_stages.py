@@ -15,7 +15,13 @@ from rlhfflow.engine.models import load_model, sequence_scores
 from rlhfflow.engine.sampling import filter_logits
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
 from rlhfflow.stages.generate import eos_ids
-from rlhfflow.stages.inference import RewardError, record_columns, reward_fields, reward_inputs
+from rlhfflow.stages.inference import (
+    RewardError,
+    check_signature,
+    record_columns,
+    reward_fields,
+    reward_inputs,
+)
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
 
@@ -857,7 +863,14 @@ def test_a_trl_style_reward_gets_strings_on_plain_records_and_the_old_convention
     def positional(prompts, responses, **kwargs):
         return kwargs
 
+    def needs_ids(prompts, completions, completion_ids):
+        return [0.0] * len(completions)
+
     assert reward_fields(only_completions, {}) == ([], ["scale"], False)
+    assert check_signature(only_completions, {"scale": 2.0}) is None
+    assert check_signature(needs_ids, {}) == (
+        "function", "needs_ids() takes completion_ids, which rlhfflow does not give reward "
+                    "functions; give it a default (None)")
     assert reward_inputs(only_completions, ["p"], ["r"], ["{}"]) == ([], {"completions": ["r"]})
     # the old convention: positional strings, and a chat record's messages are no field
     chat = ['{"messages": [{"role": "user", "content": "hi"}], "answer": "4"}']

@@ -252,6 +252,10 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
     # a required argument the kwargs do not give comes from the prompt records (the
     # loader checks that every record has it)
     fields = {name: None for name in required if name not in kwargs}
+    ids = next((p for p in parameters if p.name == "completion_ids"), None)
+    if takes_completions(fn) and ids is not None and ids.default is ids.empty:
+        return ("function", f"{fn.__name__}() takes completion_ids, which rlhfflow does "
+                            f"not give reward functions; give it a default (None)")
     args, keywords = reward_inputs(fn, ["prompt"], ["response"], None)
     try:
         signature.bind(*args, **keywords, **kwargs, **fields)
