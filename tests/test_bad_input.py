@@ -423,3 +423,32 @@ def test_the_trial_call_gets_the_first_record_and_its_fields(tmp_path):
     load_pipeline(path)
     assert json.loads((tmp_path / "seen.json").read_text()) == [
         ["2+2="], ["The answer is 42."], ["4"]]
+
+
+def test_the_trial_call_gives_a_trl_style_reward_the_chat_records_messages(
+        tmp_path, chat_lm_dir):
+    prompts = tmp_path / "chat.jsonl"
+    chat = [{"role": "user", "content": "2+2?"}]
+    prompts.write_text("".join(json.dumps({"messages": chat, "answer": a}) + "\n"
+                               for a in ("4", "2")))
+    (tmp_path / "trl.py").write_text(
+        "import json, pathlib\n"
+        "def correct(prompts, completions, answer, **kwargs):\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(\n"
+        "        json.dumps([prompts, completions, answer]))\n"
+        "    return [float(a in c[0]['content']) for c, a in zip(completions, answer)]\n")
+    path = small_pipeline(tmp_path, batch_size=2, overrides={
+        "data.prompts": str(prompts), "stages.reward.params.function": "trl.py:correct",
+        "models.actor": {"path": str(chat_lm_dir), "trainable": True}})
+    load_pipeline(path)
+    assert json.loads((tmp_path / "trl.json").read_text()) == [
+        [chat], [[{"role": "assistant", "content": "The answer is 42."}]], ["4"]]
+    # a mistake in its code is caught by the same trial call
+    (tmp_path / "typo.py").write_text(
+        "def correct(prompts, completions, **kwargs):\n"
+        "    return [float('4' in c[0]['contents']) for c in completions]\n")
+    path = small_pipeline(tmp_path, batch_size=2, overrides={
+        "data.prompts": str(prompts), "stages.reward.params.function": "typo.py:correct",
+        "models.actor": {"path": str(chat_lm_dir), "trainable": True}})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert "KeyError: 'contents'" in result.stderr

@@ -67,6 +67,90 @@ def test_report_command_writes_the_file_and_names_a_bad_run_dir(finished_run, tm
         assert len(result.output.strip().splitlines()) == 1
 
 
+def _made_run(tmp_path, rewards, kl=None, kl_coef=0.0, prompts=None, fields=None):
+    """A run directory made by hand: metrics.jsonl (a reward mean and std per iteration,
+    KL only if given), run.json with kl_coef and a buffer of iteration 0 whose scores
+    are 0 and 1."""
+    import json
+
+    import numpy as np
+
+    from rlhfflow.storage.buffer import ColumnSpec
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for k, mean in enumerate(rewards):
+        log.append({"iteration": k, "reward_mean": mean, "reward_std": 0.5,
+                    "kl_mean": None if kl is None else kl[k], "iteration_s": 1.0,
+                    "busy_frac": [0.5], "response_length_mean": 10.0 + k})
+    (tmp_path / "run.json").write_text(json.dumps(
+        {"identity": {"name": "made", "algorithm": {"kl_coef": kl_coef}}}))
+    prompts = prompts or ["a:", "b:"]
+    buffer = ExperienceBuffer(tmp_path / "buffer.zarr")
+    texts = {"prompt_text": prompts, "response_text": ["yes", "no"]}
+    if fields is not None:
+        texts["prompt_fields"] = fields
+    buffer.begin_iteration(0, 2, {"scores": ColumnSpec("float32")}, 2, texts=texts)
+    ExperienceBuffer.write_rows(buffer.path, 0, 0, {"scores": np.array([1.0, 0.0])})
+    buffer.commit(0)
+    return tmp_path
+
+
+def test_report_headline_is_a_trend_of_the_last_iterations_not_one_batch(tmp_path):
+    from rlhfflow.monitor.report import trend
+
+    rewards = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.0]  # the last batch dips
+    page = build_report(_made_run(tmp_path, rewards), samples=0)
+    metrics = MetricsLog(tmp_path / "metrics.jsonl").read()
+    assert trend(metrics, "reward_mean") == pytest.approx(0.6)  # 0.6, 0.7, 0.8, 0.9 and 0.0
+    assert trend(metrics, "reward_mean", first=True) == pytest.approx(0.3)
+    assert "<th>reward mean, last 5 iterations</th><td>0.6</td>" in page
+    assert "<th>reward mean, first 5 iterations</th><td>0.3</td>" in page
+
+
+def test_report_says_why_the_kl_panel_is_empty(tmp_path):
+    from rlhfflow.monitor.report import kl_absent
+
+    page = build_report(_made_run(tmp_path / "a", [0.5, 0.6], kl_coef=0.0), samples=0)
+    assert "<p class='note'>KL: no KL logged: kl_coef is 0 (no KL penalty).</p>" in page
+    page = build_report(_made_run(tmp_path / "b", [0.5, 0.6], kl=[0.01, 0.02],
+                                  kl_coef=0.05), samples=0)
+    assert "class='note'>KL" not in page
+    assert "the pipeline computes none" in kl_absent(None)
+
+
+def test_report_reward_band_stays_within_the_rewards_seen(tmp_path):
+    from rlhfflow.monitor.report import reward_band, reward_range
+
+    run = _made_run(tmp_path, [0.1, 0.9])
+    assert reward_range(run) == (0.0, 1.0)
+    low, high = reward_band([0.1, 0.9], [0.5, 0.5], reward_range(run))
+    assert low == pytest.approx([0.0, 0.4]) and high == pytest.approx([0.6, 1.0])
+    low, high = reward_band([0.1], [0.5], None)  # no buffer: not clipped
+    assert low == pytest.approx([-0.4]) and high == pytest.approx([0.6])
+
+
+def test_report_sample_prompts_show_the_users_last_turn(tmp_path):
+    import json
+
+    from rlhfflow.monitor.report import shown_prompt
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"}]
+    rendered = ("<bos><|im_start|>system: be brief<|im_end|><|im_start|>user: hi<|im_end|>"
+                "<|im_start|>assistant: hello<|im_end|><|im_start|>user: 2+2?<|im_end|>"
+                "<|im_start|>assistant: ")
+    run = _made_run(tmp_path, [0.5], prompts=[rendered, "plain <&> prompt:"],
+                    fields=[json.dumps({"messages": chat, "answer": "4"}), "{}"])
+    page = build_report(run, samples=2)
+    assert "<pre>2+2?</pre>" in page and "im_start" not in page
+    assert "<pre>plain &lt;&amp;&gt; prompt:</pre>" in page
+    # without the messages stored, cut from the rendered text at the last user marker
+    assert shown_prompt(rendered) == "2+2?"
+    assert shown_prompt("<|start_header_id|>user<|end_header_id|>\n\nwhy?<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n") == "why?"
+    assert shown_prompt("what is 2+2?") == "what is 2+2?"
+
+
 # --------------------------------------------------------------------------- sinks
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,13 @@ from rlhfflow.engine.models import load_model, sequence_scores
 from rlhfflow.engine.sampling import filter_logits
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
 from rlhfflow.stages.generate import eos_ids
-from rlhfflow.stages.inference import RewardError, record_columns, reward_fields
+from rlhfflow.stages.inference import (
+    RewardError,
+    check_signature,
+    record_columns,
+    reward_fields,
+    reward_inputs,
+)
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
 
@@ -806,3 +813,97 @@ def test_a_chat_pipeline_renders_its_prompts_and_scores_against_record_fields(
         content = records[index]["messages"][0]["content"]
         assert tok.decode(ids[mask == 1].tolist()) == (
             f"<bos><|im_start|>user: {content}<|im_end|><|im_start|>assistant: ")
+
+
+def _trl_reward_file(tmp_path):
+    """A reward function written for TRL's GRPOTrainer: keyword arguments, conversational
+    completions, dataset columns through **kwargs."""
+    (tmp_path / "trl_reward.py").write_text(
+        "import json, pathlib\n"
+        "def correct(prompts, completions, answer, **kwargs):\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(\n"
+        "        json.dumps({'prompts': prompts, 'completions': completions,\n"
+        "                    'kwargs': sorted(kwargs)}))\n"
+        "    return [float(a in c[0]['content']) if isinstance(c, list) else float(a in c)\n"
+        "            for c, a in zip(completions, answer)]\n")
+
+
+def test_a_trl_style_reward_gets_messages_and_assistant_completions_on_chat_records(
+        tmp_path, tokenizer):
+    _trl_reward_file(tmp_path)
+    chat = [{"role": "user", "content": "one plus one?"}]
+    batch = make_prompt_batch(tokenizer, ["one plus one:", "two plus two:"])
+    batch.update(response_text=["it is 2", "5"], prompt_fields=[
+        json.dumps({"messages": chat, "answer": "2", "id": 1}),
+        json.dumps({"messages": chat, "answer": "4", "id": 2})])
+    stage = create_stage("score", params={"function": "trl_reward.py:correct"})
+    assert stage.check_params(stage.params, False, tmp_path) is None
+    out = stage.run(batch, _ctx(None, base_dir=str(tmp_path)))
+    assert out["scores"].tolist() == [1.0, 0.0]
+    seen = json.loads((tmp_path / "trl_reward.json").read_text())
+    assert seen == {"prompts": [chat, chat], "kwargs": ["id"], "completions": [
+        [{"role": "assistant", "content": "it is 2"}], [{"role": "assistant", "content": "5"}]]}
+
+
+def test_a_trl_style_reward_gets_strings_on_plain_records_and_the_old_convention_stays(
+        tmp_path, tokenizer):
+    _trl_reward_file(tmp_path)
+    batch = make_prompt_batch(tokenizer, ["one plus one:", "two plus two:"])
+    batch.update(response_text=["it is 2", "5"],
+                 prompt_fields=['{"answer": "2"}', '{"answer": "4"}'])
+    stage = create_stage("score", params={"function": "trl_reward.py:correct"})
+    assert stage.run(batch, _ctx(None, base_dir=str(tmp_path)))["scores"].tolist() == [1, 0]
+    seen = json.loads((tmp_path / "trl_reward.json").read_text())
+    assert seen["prompts"] == ["one plus one:", "two plus two:"]
+    assert seen["completions"] == ["it is 2", "5"]
+
+    def only_completions(completions, scale=1.0):
+        return [scale * len(c) for c in completions]
+
+    def positional(prompts, responses, **kwargs):
+        return kwargs
+
+    def needs_ids(prompts, completions, completion_ids):
+        return [0.0] * len(completions)
+
+    assert reward_fields(only_completions, {}) == ([], ["scale"], False)
+    assert check_signature(only_completions, {"scale": 2.0}) is None
+    assert check_signature(needs_ids, {}) == (
+        "function", "needs_ids() takes completion_ids, which rlhfflow does not give reward "
+                    "functions; give it a default (None)")
+    assert reward_inputs(only_completions, ["p"], ["r"], ["{}"]) == ([], {"completions": ["r"]})
+    # the old convention: positional strings, and a chat record's messages are no field
+    chat = ['{"messages": [{"role": "user", "content": "hi"}], "answer": "4"}']
+    assert reward_inputs(positional, ["p"], ["r"], chat) == ([["p"], ["r"]], {})
+    assert record_columns(positional, {}, chat) == {"answer": ["4"]}
+
+
+def test_evaluate_renders_chat_records_with_the_chat_template(tmp_path, chat_lm_dir):
+    chat = [{"role": "user", "content": "2+2?"}]
+    (tmp_path / "eval.jsonl").write_text(
+        json.dumps({"messages": chat, "answer": "4"}) + "\n"
+        + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "seen.py").write_text(
+        "import json, pathlib\n"
+        "def score(prompts, responses, answer):\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(json.dumps(prompts))\n"
+        "    return [1.0] * len(responses)\n")
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir))})
+    stage = create_stage("evaluate", params={"prompts": "eval.jsonl",
+                                             "function": "seen.py:score"}, model="actor")
+    assert stage.check_params(stage.params, True, tmp_path) is None
+    out = stage.run({}, _ctx(store, base_dir=str(tmp_path)))
+    assert out["eval/prompts"] == 2 and out["eval/reward_mean"] == 1.0
+    # the chat record as generate renders it; the plain one as it is (chat_template: auto)
+    assert json.loads((tmp_path / "seen.json").read_text()) == [
+        "<bos><|im_start|>user: 2+2?<|im_end|><|im_start|>assistant: ", "1+1="]
+
+
+def test_evaluate_refuses_a_bad_chat_record_naming_its_line(tmp_path):
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "a"}\n{"messages": [{"role": "bot", '
+                                         '"content": "hi"}]}\n')
+    stage = create_stage("evaluate", params={"prompts": "eval.jsonl", "function":
+                                             "rlhfflow.stages.rewards:vowel_ratio"})
+    key, message = stage.check_params(stage.params, True, tmp_path)
+    assert key == "params.prompts"
+    assert message.startswith(f"{tmp_path / 'eval.jsonl'}:2: messages[0].role: unknown role")

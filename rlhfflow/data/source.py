@@ -8,7 +8,8 @@ loader does the same for ``rlhfflow validate``.
 
 Every field of a record other than the prompt itself (``answer``, ``tests``, ...) travels
 with its rows as the text column ``prompt_fields`` (a JSON object per row), from which the
-score stage gives reward functions the fields they ask for.
+score stage gives reward functions the fields they ask for; a chat record's ``messages``
+travel there too (the prompts of TRL-style reward functions, the report's sample prompts).
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ class PromptSource:
                     continue
                 texts.append(text)
                 ids.append(tokens)
-                fields.append({k: v for k, v in record.items()
-                               if k not in (data.prompt_field, "messages")})
+                # a chat record keeps its messages: TRL-style reward functions take them
+                fields.append({k: v for k, v in record.items() if k != data.prompt_field})
                 locations.append(where)
                 groups.append(group)
             if len(texts) == kept:

@@ -71,8 +71,15 @@ def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def curves_plot(metrics: list[dict[str, Any]]) -> str:
-    """Reward (mean, with +/- one std band), KL and response length per iteration."""
+#: iterations the headline averages: one batch's reward is noise, a few show the trend
+TREND_ITERATIONS = 5
+
+
+def curves_plot(metrics: list[dict[str, Any]], reward_range: tuple[float, float] | None = None,
+                kl_coef: float | None = None) -> str:
+    """Reward (mean, with a +/- one std band clipped to ``reward_range``, the rewards
+    seen), KL and response length per iteration. An empty KL panel says why: ``kl_coef``
+    is 0, or no KL was logged."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
@@ -84,12 +91,72 @@ def curves_plot(metrics: list[dict[str, Any]]) -> str:
         if key == "reward_mean":
             xs, std = _series(metrics, "reward_std")
             if xs == x and std:
-                ax.fill_between(x, [a - b for a, b in zip(y, std, strict=True)],
-                                [a + b for a, b in zip(y, std, strict=True)], alpha=0.2)
+                low, high = reward_band(y, std, reward_range)
+                ax.fill_between(x, low, high, alpha=0.2)
+        if key == "kl_mean" and not y:
+            ax.text(0.5, 0.5, kl_absent(kl_coef), ha="center", va="center", wrap=True,
+                    transform=ax.transAxes, color="#666")
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def reward_band(mean: list[float], std: list[float], seen: tuple[float, float] | None
+                ) -> tuple[list[float], list[float]]:
+    """``mean -/+ std`` per iteration, clipped to ``seen`` (the lowest and highest reward
+    observed): a 0/1 reward's band never reaches past 0 or 1."""
+    low = [m - s for m, s in zip(mean, std, strict=True)]
+    high = [m + s for m, s in zip(mean, std, strict=True)]
+    if seen is not None:
+        low = [min(max(v, seen[0]), seen[1]) for v in low]
+        high = [min(max(v, seen[0]), seen[1]) for v in high]
+    return low, high
+
+
+def kl_absent(kl_coef: float | None) -> str:
+    """Why the KL panel is empty."""
+    if kl_coef == 0:
+        return "no KL logged:\nkl_coef is 0 (no KL penalty)"
+    return "no KL logged in metrics.jsonl\n(the pipeline computes none)"
+
+
+def trend(metrics: list[dict[str, Any]], key: str, first: bool = False,
+          n: int = TREND_ITERATIONS) -> float | None:
+    """The mean of ``key`` over the last (``first``: the first) ``n`` iterations that
+    logged it, or None."""
+    _, values = _series(metrics, key)
+    values = values[:n] if first else values[-n:]
+    return sum(values) / len(values) if values else None
+
+
+def reward_range(run_dir: Path) -> tuple[float, float] | None:
+    """The lowest and highest valid score in the run's buffer (None without one)."""
+    from rlhfflow.storage.buffer import ExperienceBuffer
+
+    try:
+        buffer = ExperienceBuffer(run_dir / "buffer.zarr", create=False)
+    except FileNotFoundError:
+        return None
+    low, high = float("inf"), float("-inf")
+    for k in buffer.iterations():
+        columns = buffer.columns(k)
+        if "scores" not in columns:
+            continue
+        read = buffer.read(k, [c for c in ("scores", "score_valid") if c in columns])
+        scores = read["scores"][read["score_valid"] == 1] if "score_valid" in read \
+            else read["scores"]
+        if len(scores):
+            low, high = min(low, float(scores.min())), max(high, float(scores.max()))
+    return (low, high) if low <= high else None
+
+
+def _kl_coef(run_dir: Path) -> float | None:
+    try:
+        return float(json.loads((run_dir / "run.json").read_text())["identity"][
+            "algorithm"]["kl_coef"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def stage_time_plot(metrics: list[dict[str, Any]]) -> str:
@@ -190,8 +257,12 @@ def sample_responses(run_dir: Path, iterations: Sequence[int],
         if k not in committed or "response_text" not in buffer.text_columns(k):
             continue
         responses = buffer.read_text(k, "response_text")[:per_iteration]
+        text = buffer.text_columns(k)
         prompts = buffer.read_text(k, "prompt_text")[:per_iteration] \
-            if "prompt_text" in buffer.text_columns(k) else [""] * len(responses)
+            if "prompt_text" in text else [""] * len(responses)
+        fields = buffer.read_text(k, "prompt_fields")[:per_iteration] \
+            if "prompt_fields" in text else ["{}"] * len(prompts)
+        prompts = [shown_prompt(p, f) for p, f in zip(prompts, fields, strict=False)]
         try:
             scores = [float(s) for s in buffer.read(k, ["scores"], stop=len(responses))[
                 "scores"]]
@@ -199,6 +270,32 @@ def sample_responses(run_dir: Path, iterations: Sequence[int],
             scores = [None] * len(responses)
         out[k] = list(zip(prompts, responses, scores, strict=False))
     return out
+
+
+#: (start, end) of a user turn in common chat templates (ChatML, Llama 3, Gemma, Mistral)
+USER_TURN_MARKERS = (("<|im_start|>user", "<|im_end|>"),
+                     ("<|start_header_id|>user<|end_header_id|>", "<|eot_id|>"),
+                     ("<start_of_turn>user", "<end_of_turn>"), ("[INST]", "[/INST]"))
+
+
+def shown_prompt(prompt_text: str, fields_json: str = "{}") -> str:
+    """What a reader wants of a prompt: for a chat prompt the user's last turn (from the
+    record's ``messages`` kept in ``prompt_fields``, else cut from the rendered text at
+    the last user marker of a known template), for a plain one the text as it is."""
+    try:
+        messages = json.loads(fields_json).get("messages")
+    except (ValueError, AttributeError):
+        messages = None
+    if isinstance(messages, list):
+        users = [m.get("content") for m in messages if isinstance(m, dict)
+                 and m.get("role") == "user" and isinstance(m.get("content"), str)]
+        if users:
+            return users[-1]
+    for start, end in USER_TURN_MARKERS:
+        if start in prompt_text:
+            turn = prompt_text.rpartition(start)[2].partition(end)[0]
+            return turn.removeprefix(":").strip()
+    return prompt_text
 
 
 def _spread(values: list[int], n: int) -> list[int]:
@@ -209,15 +306,16 @@ def _spread(values: list[int], n: int) -> list[int]:
 
 
 def _summary_table(metrics: list[dict[str, Any]]) -> str:
-    last = metrics[-1]
-    rows = [("iterations recorded", len(metrics)),
-            ("last reward mean", last.get("reward_mean")),
-            ("last KL", last.get("kl_mean")),
-            ("last response length", last.get("response_length_mean")),
-            ("mean iteration time (s)",
-             sum(r.get("iteration_s", 0.0) for r in metrics) / len(metrics)),
-            ("max staleness", max((r["staleness_max"] for r in metrics
-                                   if r.get("staleness_max") is not None), default=None))]
+    n = TREND_ITERATIONS
+    rows = [("iterations recorded", len(metrics))]
+    for key, label in (("reward_mean", "reward mean"), ("kl_mean", "KL"),
+                       ("response_length_mean", "response length")):
+        rows += [(f"{label}, first {n} iterations", trend(metrics, key, first=True)),
+                 (f"{label}, last {n} iterations", trend(metrics, key))]
+    rows += [("mean iteration time (s)",
+              sum(r.get("iteration_s", 0.0) for r in metrics) / len(metrics)),
+             ("max staleness", max((r["staleness_max"] for r in metrics
+                                    if r.get("staleness_max") is not None), default=None))]
     cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows)
     return f"<table class='summary'>{cells}</table>"
 
@@ -245,10 +343,15 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
         raise ReportError(f"{run_dir}: iteration {unknown[0]} is not in metrics.jsonl "
                           f"(recorded: {recorded[0]}..{recorded[-1]})")
     name = _run_name(run_dir)
+    kl_coef = _kl_coef(run_dir)
     parts = [f"<h1>rlhfflow report: {html.escape(name)}</h1>",
              f"<p class='path'>{html.escape(str(run_dir.resolve()))}</p>",
              _summary_table(metrics),
-             "<h2>Reward, KL, response length</h2>", _img(curves_plot(metrics), "curves"),
+             "<h2>Reward, KL, response length</h2>",
+             _img(curves_plot(metrics, reward_range(run_dir), kl_coef), "curves"),
+             *([] if _series(metrics, "kl_mean")[1] else
+               [f"<p class='note'>KL: {html.escape(kl_absent(kl_coef).replace(chr(10), ' '))}"
+                f".</p>"]),
              "<h2>Time per stage</h2>", _img(stage_time_plot(metrics), "stage time"),
              "<h2>Worker busy fractions</h2>", _img(busy_plot(metrics), "busy fractions"),
              "<h2>Timeline</h2>"]
@@ -318,6 +421,7 @@ th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left;
 pre {{ margin: 0; white-space: pre-wrap; max-width: 50em; }}
 pre.log {{ background: #f6f6f6; padding: 0.5em; max-width: none; font-size: 85%; }}
 .path {{ color: #666; font-family: monospace; }}
+.note {{ color: #666; }}
 </style></head>
 <body>
 {body}

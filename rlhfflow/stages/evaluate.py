@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field
 
-from rlhfflow.data.records import DataError, encode_prompts, read_jsonl
+from rlhfflow.data.records import (
+    DataError,
+    pad_prompts,
+    prompt_problem,
+    prompt_token_ids,
+    read_jsonl,
+    render_prompt,
+)
 from rlhfflow.engine.forward import stage_seed
 from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.generate import GenerateParams, generate
@@ -25,6 +32,7 @@ from rlhfflow.stages.inference import (
     check_reward_function,
     load_function,
     record_columns,
+    reward_inputs,
 )
 
 
@@ -33,8 +41,12 @@ class EvaluateParams(StageParams):
     as a ``score`` stage's ``function`` / ``functions``)."""
 
     prompts: str | None = Field(None, description="JSONL file of evaluation prompt "
-                                "records ({\"prompt\": ...} and the fields the reward "
-                                "functions take), relative to the pipeline file")
+                                "records ({\"prompt\": ...} or chat {\"messages\": [...]}, "
+                                "and the fields the reward functions take), relative to the "
+                                "pipeline file")
+    chat_template: Literal["auto", True, False] = Field(
+        "auto", description="as data.chat_template: auto renders messages records with "
+        "the tokenizer's chat template, true every record, false none")
     every: Annotated[int, Field(gt=0, description="evaluate in iterations 0, K, 2K, "
                                                   "...")] = 1
     max_new_tokens: Annotated[int, Field(gt=0, description="most new tokens per "
@@ -82,7 +94,7 @@ class EvaluateStage(Stage):
         path = Path(params.prompts)
         path = path if path.is_absolute() else base_dir / path
         try:
-            read_jsonl(path, ("prompt",))
+            read_prompts(path)
         except DataError as exc:
             return ("params.prompts", str(exc))
         functions = params.reward_functions()
@@ -104,15 +116,31 @@ class EvaluateStage(Stage):
             return {}
         base_dir = Path(ctx.settings.base_dir)
         path = Path(self.params.prompts)
-        records = read_jsonl(path if path.is_absolute() else base_dir / path, ("prompt",))
-        responses, lengths = self._responses(ctx, [r["prompt"] for r in records])
-        return {**self._metrics(ctx, records, responses),
+        path = path if path.is_absolute() else base_dir / path
+        records = read_prompts(path)
+        tok = ctx.models.get(self.model).tokenizer
+        prompts, token_ids = [], []
+        for number, record in enumerate(records, start=1):
+            try:
+                text, templated = render_prompt(tok, record, self.params.chat_template)
+            except ValueError as exc:
+                raise DataError(f"{path}: record {number}: {exc}") from None
+            ids = prompt_token_ids(tok, text, templated)
+            if len(ids) > self.params.max_prompt_tokens:
+                raise DataError(f"{path}: record {number}: the prompt has {len(ids)} "
+                                f"tokens, more than max_prompt_tokens="
+                                f"{self.params.max_prompt_tokens}")
+            prompts.append(text)
+            token_ids.append(ids)
+        responses, lengths = self._responses(ctx, token_ids)
+        return {**self._metrics(ctx, records, prompts, responses),
                 "eval/response_length_mean": float(lengths.float().mean())}
 
     @torch.no_grad()
-    def _responses(self, ctx: StageContext, prompts: list[str]
+    def _responses(self, ctx: StageContext, token_ids: list[list[int]]
                    ) -> tuple[list[str], torch.Tensor]:
-        """The decoded responses and their lengths in tokens."""
+        """The decoded responses to the (rendered, tokenized) prompts and their lengths
+        in tokens."""
         resident = ctx.models.get(self.model)
         tok = resident.tokenizer
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -123,9 +151,9 @@ class EvaluateStage(Stage):
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         texts: list[str] = []
         lengths = []
-        for start in range(0, len(prompts), self.params.batch_size):
-            chunk = prompts[start:start + self.params.batch_size]
-            ids, mask = encode_prompts(tok, chunk, self.params.max_prompt_tokens)
+        for start in range(0, len(token_ids), self.params.batch_size):
+            chunk = token_ids[start:start + self.params.batch_size]
+            ids, mask = pad_prompts(chunk, tok.pad_token_id)
             uniforms = torch.rand(len(chunk), params.max_new_tokens, generator=gen)
             out = generate(resident.module, ids, mask, uniforms, params, tok.eos_token_id,
                            pad_id)
@@ -134,9 +162,8 @@ class EvaluateStage(Stage):
             lengths.append(out["response_mask"].sum(-1))
         return texts, torch.cat(lengths)
 
-    def _metrics(self, ctx: StageContext, records: list[dict[str, Any]],
+    def _metrics(self, ctx: StageContext, records: list[dict[str, Any]], prompts: list[str],
                  responses: list[str]) -> dict[str, Any]:
-        prompts = [r["prompt"] for r in records]
         fields = [json.dumps({k: v for k, v in r.items() if k != "prompt"}) for r in records]
         base_dir = ctx.settings.base_dir
         total = torch.zeros(len(responses))
@@ -145,7 +172,8 @@ class EvaluateStage(Stage):
         for entry in entries:
             fn = load_function(entry.function, base_dir)
             columns = record_columns(fn, entry.kwargs, fields)
-            scores = torch.as_tensor(fn(prompts, responses, **columns, **entry.kwargs),
+            args, keywords = reward_inputs(fn, prompts, responses, fields)
+            scores = torch.as_tensor(fn(*args, **keywords, **columns, **entry.kwargs),
                                      dtype=torch.float32).flatten()
             if scores.shape[0] != len(responses):
                 raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
@@ -157,3 +185,15 @@ class EvaluateStage(Stage):
         return {"eval/reward_mean": float(total.mean()),
                 "eval/reward_std": float(total.std(unbiased=False)), **out,
                 "eval/prompts": len(prompts)}
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    """The evaluation prompt records: a ``prompt`` string or chat ``messages`` each (as
+    the training prompts); a bad one is a ``DataError`` naming ``file:line``."""
+    lines: list[int] = []
+    records = read_jsonl(path, (), line_numbers=lines)
+    for number, record in zip(lines, records, strict=True):
+        problem = prompt_problem(record)
+        if problem:
+            raise DataError(f"{path}:{number}: {problem}")
+    return records

@@ -103,7 +103,10 @@ class ScoreParams(StageParams):
     """Either a reward model (the stage's ``model``) or reward functions: ``function``, a
     Python callable named ``package.module:function`` or ``file.py:function`` (relative to
     the pipeline file), called as ``function(prompts, responses, **kwargs)`` with lists of
-    str and returning one float per response; or ``functions``, a list of them with
+    str and returning one float per response (or, when it has a parameter named
+    ``completions``, by keyword as TRL calls it: ``function(prompts=..., completions=...,
+    **kwargs)``, with chat records' messages and ``[{"role": "assistant", "content": ...}]``
+    completions); or ``functions``, a list of them with
     weights, whose weighted sum is ``scores`` and each of which is kept as
     ``score_<name>``.
 
@@ -119,7 +122,9 @@ class ScoreParams(StageParams):
 
     function: str | None = Field(None, description="a reward function, "
                                  "'package.module:function' or 'file.py:function', called "
-                                 "as function(prompts, responses, **kwargs); none: score "
+                                 "as function(prompts, responses, **kwargs), or TRL's "
+                                 "function(prompts=, completions=, **kwargs) when it "
+                                 "names completions; none: score "
                                  "with the stage's reward model")
     kwargs: dict[str, Any] = Field({}, description="keyword arguments for function")
     functions: list[RewardFunctionSpec] = Field(
@@ -228,16 +233,17 @@ def check_reward_function(entry, where: str, base_dir: str | Path | None
 
 
 def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
-    """Whether ``fn(prompts, responses, **kwargs)`` binds: ``(key, message)`` relative to
-    the function's entry (``"kwargs.scale"``, ``"function"``), or None."""
+    """Whether ``fn`` binds as the stage calls it (``fn(prompts, responses, **kwargs)``,
+    or TRL's ``fn(prompts=..., completions=..., **kwargs)``): ``(key, message)``
+    relative to the function's entry (``"kwargs.scale"``, ``"function"``), or None."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check (some builtins)
         return None
     parameters = list(signature.parameters.values())
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
-    named = [p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD,
-                                                           p.KEYWORD_ONLY)]
+    required, optional, _ = reward_fields(fn, {})
+    named = required + optional
     for key in kwargs:
         if not takes_any and key not in named:
             hint = _did_you_mean(key, named) or (
@@ -245,13 +251,18 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
             return (f"kwargs.{key}", f"{fn.__name__}() has no argument {key!r}{hint}")
     # a required argument the kwargs do not give comes from the prompt records (the
     # loader checks that every record has it)
-    fields = {p.name: None for p in parameters[2:] if p.default is p.empty and
-              p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs}
+    fields = {name: None for name in required if name not in kwargs}
+    ids = next((p for p in parameters if p.name == "completion_ids"), None)
+    if takes_completions(fn) and ids is not None and ids.default is ids.empty:
+        return ("function", f"{fn.__name__}() takes completion_ids, which rlhfflow does "
+                            f"not give reward functions; give it a default (None)")
+    args, keywords = reward_inputs(fn, ["prompt"], ["response"], None)
     try:
-        signature.bind(["prompt"], ["response"], **kwargs, **fields)
+        signature.bind(*args, **keywords, **kwargs, **fields)
     except TypeError as exc:
+        shown = "completions=..." if takes_completions(fn) else "prompts, responses"
         return ("function", f"{fn.__name__}() cannot be called as "
-                            f"{fn.__name__}(prompts, responses, **kwargs): {exc}")
+                            f"{fn.__name__}({shown}, **kwargs): {exc}")
     return None
 
 
@@ -271,9 +282,11 @@ def trial_call(entry: RewardFunctionSpec, base_dir: str | Path | None, prompt: s
     Not fatal, only worth a warning: any other exception, which the made-up response may
     cause (a regex that finds no answer in it) and a real response would not."""
     fn = load_function(entry.function, base_dir)
-    columns = record_columns(fn, entry.kwargs, [json.dumps(fields)])
+    fields_json = [json.dumps(fields)]
+    columns = record_columns(fn, entry.kwargs, fields_json)
+    args, keywords = reward_inputs(fn, [prompt], [TRIAL_RESPONSE], fields_json)
     try:
-        value = fn([prompt], [TRIAL_RESPONSE], **columns, **entry.kwargs)
+        value = fn(*args, **keywords, **columns, **entry.kwargs)
     except Exception as exc:  # noqa: BLE001 - the user's function, any error
         in_call = isinstance(exc, TypeError) and exc.__traceback__ is not None \
             and exc.__traceback__.tb_next is None  # raised binding the arguments
@@ -403,8 +416,9 @@ class ScoreStage(Stage):
         fn = load_function(entry.function, ctx.settings.base_dir)
         # the prompt records' other fields (a reference answer, tests) the function takes
         columns = record_columns(fn, entry.kwargs, fields)
+        args, keywords = reward_inputs(fn, prompts, responses, fields)
         try:
-            return self._as_scores(fn(prompts, responses, **columns, **entry.kwargs),
+            return self._as_scores(fn(*args, **keywords, **columns, **entry.kwargs),
                                    len(responses))
         except RewardLengthError:
             raise
@@ -413,11 +427,11 @@ class ScoreStage(Stage):
                 raise RewardError(f"{describe_error(exc, fn)}; set params.on_error: skip "
                                   f"to leave such samples out") from exc
         scores = torch.full((len(responses),), float("nan"))
-        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        for row in range(len(responses)):
             for attempt in range(self.params.retries + 1):
                 try:
-                    own = {k: v[row:row + 1] for k, v in columns.items()}
-                    scores[row] = self._as_scores(fn([prompt], [response], **own,
+                    own = {k: v[row:row + 1] for k, v in {**keywords, **columns}.items()}
+                    scores[row] = self._as_scores(fn(*(a[row:row + 1] for a in args), **own,
                                                      **entry.kwargs), 1)[0]
                     break
                 except RewardLengthError:
@@ -454,18 +468,44 @@ class ScoreStage(Stage):
 # records travel as the JSON text column ``prompt_fields``; see data/source.py).
 
 
+#: TRL's reward-function arguments (``GRPOTrainer``): given by the stage, not by records
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+#: record keys that are the prompt itself, never given as a field to ``**kwargs``
+PROMPT_KEYS = ("messages",)
+
+
+def _signature_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def takes_completions(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` follows TRL's convention: a parameter named ``completions``, called
+    by keyword (``prompts=``, ``completions=``, record fields), instead of rlhfflow's
+    positional ``(prompts, responses, **fields)``."""
+    parameters = _signature_parameters(fn) or []
+    return any(p.name == "completions" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in parameters)
+
+
 def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[str], list[str],
                                                                            bool]:
     """What a reward function asks of the prompt records, from its signature: the
     ``required`` and ``optional`` (defaulted) keyword parameters after
-    ``(prompts, responses)`` that ``params.kwargs`` does not already give, and whether
-    it takes ``**kwargs`` (then it gets every field, as TRL's reward functions do)."""
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: give it nothing
+    ``(prompts, responses)`` (or besides TRL's ``prompts``, ``completions`` and
+    ``completion_ids``) that ``params.kwargs`` does not already give, and whether it takes
+    ``**kwargs`` (then it gets every field, as TRL's reward functions do)."""
+    parameters = _signature_parameters(fn)
+    if parameters is None:  # give it nothing
         return [], [], False
     named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    named = [p for p in named[2:] if p.name not in fixed] if len(named) >= 2 else []
+    if takes_completions(fn):
+        named = [p for p in named if p.name not in TRL_ARGUMENTS]
+    else:
+        named = named[2:]
+    named = [p for p in named if p.name not in fixed]
     required = [p.name for p in named if p.default is p.empty]
     optional = [p.name for p in named if p.default is not p.empty]
     return required, optional, any(p.kind is p.VAR_KEYWORD for p in parameters)
@@ -479,6 +519,26 @@ def record_columns(fn: Callable[..., Any], fixed: dict[str, Any],
         return {}
     rows = [json.loads(text) for text in fields_json]
     required, optional, takes_all = reward_fields(fn, fixed)
-    names = {k for row in rows for k in row} - set(fixed) if takes_all else \
-        set(required) | {n for n in optional if all(n in row for row in rows)}
+    names = {k for row in rows for k in row} - set(fixed) - set(PROMPT_KEYS) if takes_all \
+        else set(required) | {n for n in optional if all(n in row for row in rows)}
     return {name: [row.get(name) for row in rows] for name in sorted(names)}
+
+
+def reward_inputs(fn: Callable[..., Any], prompts: list[str], responses: list[str],
+                  fields_json: list[str] | None) -> tuple[list[list[Any]], dict[str, list[Any]]]:
+    """The positional and keyword arguments (a list with a value per row each) that give
+    ``fn`` the prompts and responses: ``[prompts, responses]`` positionally, or, for a
+    function in TRL's convention (``takes_completions``), ``completions=`` and (if it takes
+    them) ``prompts=``. Chat records (a ``messages`` field in every row) then give TRL's
+    conversational form: ``prompts`` as the records' messages and each completion as
+    ``[{"role": "assistant", "content": response}]``; plain records give strings."""
+    if not takes_completions(fn):
+        return [prompts, responses], {}
+    rows = [json.loads(text) for text in fields_json] if fields_json else []
+    chat = bool(rows) and all(isinstance(row.get("messages"), list) for row in rows)
+    keywords: dict[str, list[Any]] = {"completions": [
+        [{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)}
+    parameters = _signature_parameters(fn) or []
+    if any(p.name == "prompts" or p.kind is p.VAR_KEYWORD for p in parameters):
+        keywords["prompts"] = [row["messages"] for row in rows] if chat else list(prompts)
+    return [], keywords
