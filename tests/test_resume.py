@@ -349,3 +349,64 @@ def test_a_worker_killed_during_the_setup_stages_is_replaced_and_setup_redone(tm
         for name, tensor in redone.items():
             torch.testing.assert_close(tensor, uninterrupted[name], rtol=1e-6, atol=1e-7)
     assert _results(out) == _results(tmp_path / "whole" / "out")
+
+
+def test_the_final_weights_are_the_last_checkpoints_files_not_a_second_copy(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pipeline = small_pipeline(tmp_path, iterations=2, overrides={
+        "checkpoint.every": 1, "checkpoint.keep": 1})
+    run_pipeline(load_pipeline(pipeline), progress=False, inline=True)
+    out = tmp_path / "out"
+
+    def shared(iteration: int) -> None:
+        for model in ("actor", "critic"):
+            final = out / "models" / model / "final"
+            saved = out / "checkpoints" / f"iter_{iteration:06d}" / "models" / model
+            assert sorted(p.name for p in final.iterdir()) == \
+                sorted(p.name for p in saved.iterdir())
+            for weights in final.glob("*.safetensors"):
+                assert weights.stat().st_ino == (saved / weights.name).stat().st_ino
+                assert weights.stat().st_nlink == 2  # one file, two names
+
+    shared(1)
+    # --iterations extends the run: checkpoint 1, which final's files were in, is pruned
+    # (keep: 1) before the new final is linked; the resume read it first
+    resumed = run_pipeline(load_pipeline(pipeline, {"iterations": 3}), progress=False,
+                           inline=True)
+    assert [r["iteration"] for r in resumed.metrics] == [2]
+    assert [c.iteration for c in CheckpointStore(out / "checkpoints").list()] == [2]
+    shared(2)
+    # pruned away, the checkpoint's names go; final's stay whole, loadable by transformers
+    CheckpointStore(out / "checkpoints").truncate(-1)
+    assert not (out / "checkpoints" / "iter_000002").exists()
+    final = out / "models" / "actor" / "final"
+    assert (final / "model.safetensors").stat().st_nlink == 1
+    module = AutoModelForCausalLM.from_pretrained(final)
+    weights = load_file(final / "model.safetensors")
+    for name, tensor in module.state_dict().items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name])
+
+
+def test_final_weights_are_copied_where_hard_links_fail(tmp_path, monkeypatch):
+    from rlhfflow.storage import link_model
+
+    source = tmp_path / "iter_000001" / "models" / "actor"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    final = tmp_path / "models" / "actor" / "final"
+    final.mkdir(parents=True)
+    (final / "stale.bin").write_bytes(b"an older final, replaced whole")
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    link_model(source, final)
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    assert (final / "model.safetensors").read_bytes() == b"weights"
+    assert (final / "model.safetensors").stat().st_ino != \
+        (source / "model.safetensors").stat().st_ino
+    assert [p.name for p in final.parent.iterdir()] == ["final"]  # no temporary left
