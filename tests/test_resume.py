@@ -42,8 +42,8 @@ def _pipeline(tmp_path: Path, iterations: int, workers: int = 1, every: int = 1,
         "cluster.workers": workers, "checkpoint.every": every, "checkpoint.keep": 2})
 
 
-def _cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, **kwargs)
@@ -193,6 +193,29 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert "recovering from the last checkpoint" in stderr
+    _assert_each_iteration_once(out, iterations)
+
+
+def test_a_worker_silent_past_daskss_ttl_but_alive_is_not_declared_lost(tmp_path):
+    # a worker frozen (SIGSTOP: no heartbeats, as an event loop starved of the cores) for
+    # longer than a Dask worker-ttl would allow: the embedded scheduler's limit is
+    # cluster.heartbeat_timeout_s (15 min), so the run waits for it instead of restarting
+    # it and redoing iterations, and ends with the results of an untouched run
+    iterations = 5
+    untouched = _cli(str(_pipeline(tmp_path, iterations=iterations, workers=2, name="a")))
+    assert untouched.communicate(timeout=300) and untouched.returncode == 0
+    path = _pipeline(tmp_path, iterations=iterations, workers=2, name="b")
+    out = tmp_path / "b" / "out"
+    proc = _cli(str(path), env={"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "2s"})
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    worker = embedded_worker_processes(psutil.Process(proc.pid))[0]
+    worker.suspend()
+    time.sleep(8)  # 2-4 checks of a 2 s worker-ttl; 16 missed 0.5 s heartbeats
+    worker.resume()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "recovering" not in stderr and "left the cluster" not in stderr, stderr
+    assert _results(out) == _results(tmp_path / "a" / "out")
     _assert_each_iteration_once(out, iterations)
 
 
