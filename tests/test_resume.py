@@ -196,7 +196,8 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     _assert_each_iteration_once(out, iterations)
 
 
-def test_a_worker_silent_past_daskss_ttl_but_alive_is_not_declared_lost(tmp_path):
+@pytest.mark.slow
+def test_a_worker_silent_past_dasks_worker_ttl_but_alive_is_not_declared_lost(tmp_path):
     # a worker frozen (SIGSTOP: no heartbeats, as an event loop starved of the cores) for
     # longer than a Dask worker-ttl would allow: the embedded scheduler's limit is
     # cluster.heartbeat_timeout_s (15 min), so the run waits for it instead of restarting
