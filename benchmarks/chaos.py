@@ -57,8 +57,8 @@ PLACEMENTS: dict[str, tuple[list[str], bool]] = {
 }
 
 
-#: with ``--stop``: the scheduler's worker-ttl for the run (a worker that sends no
-#: heartbeat for this long is removed); stop a worker for longer than this
+#: with ``--stop``: the run's ``cluster.heartbeat_timeout_s`` (a worker that sends no
+#: heartbeat for this long is declared lost); stop a worker for longer than this
 HEARTBEAT_TIMEOUT_S = 5
 
 
@@ -162,7 +162,7 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if fault is not None and fault.kind == "stop":
         # the scheduler (in the run's process) drops a worker silent this long
-        env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = f"{HEARTBEAT_TIMEOUT_S}s"
+        overrides = [*overrides, f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
     start = time.monotonic()
     seen: list[float] = []
     with tempfile.TemporaryFile("w+") as log:

@@ -42,8 +42,8 @@ def _pipeline(tmp_path: Path, iterations: int, workers: int = 1, every: int = 1,
         "cluster.workers": workers, "checkpoint.every": every, "checkpoint.keep": 2})
 
 
-def _cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, **kwargs)
@@ -193,6 +193,30 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert "recovering from the last checkpoint" in stderr
+    _assert_each_iteration_once(out, iterations)
+
+
+@pytest.mark.slow
+def test_a_worker_silent_past_dasks_worker_ttl_but_alive_is_not_declared_lost(tmp_path):
+    # a worker frozen (SIGSTOP: no heartbeats, as an event loop starved of the cores) for
+    # longer than a Dask worker-ttl would allow: the embedded scheduler's limit is
+    # cluster.heartbeat_timeout_s (15 min), so the run waits for it instead of restarting
+    # it and redoing iterations, and ends with the results of an untouched run
+    iterations = 5
+    untouched = _cli(str(_pipeline(tmp_path, iterations=iterations, workers=2, name="a")))
+    assert untouched.communicate(timeout=300) and untouched.returncode == 0
+    path = _pipeline(tmp_path, iterations=iterations, workers=2, name="b")
+    out = tmp_path / "b" / "out"
+    proc = _cli(str(path), env={"DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "2s"})
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    worker = embedded_worker_processes(psutil.Process(proc.pid))[0]
+    worker.suspend()
+    time.sleep(8)  # 2-4 checks of a 2 s worker-ttl; 16 missed 0.5 s heartbeats
+    worker.resume()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "recovering" not in stderr and "left the cluster" not in stderr, stderr
+    assert _results(out) == _results(tmp_path / "a" / "out")
     _assert_each_iteration_once(out, iterations)
 
 
@@ -349,3 +373,64 @@ def test_a_worker_killed_during_the_setup_stages_is_replaced_and_setup_redone(tm
         for name, tensor in redone.items():
             torch.testing.assert_close(tensor, uninterrupted[name], rtol=1e-6, atol=1e-7)
     assert _results(out) == _results(tmp_path / "whole" / "out")
+
+
+def test_the_final_weights_are_the_last_checkpoints_files_not_a_second_copy(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    pipeline = small_pipeline(tmp_path, iterations=2, overrides={
+        "checkpoint.every": 1, "checkpoint.keep": 1})
+    run_pipeline(load_pipeline(pipeline), progress=False, inline=True)
+    out = tmp_path / "out"
+
+    def shared(iteration: int) -> None:
+        for model in ("actor", "critic"):
+            final = out / "models" / model / "final"
+            saved = out / "checkpoints" / f"iter_{iteration:06d}" / "models" / model
+            assert sorted(p.name for p in final.iterdir()) == \
+                sorted(p.name for p in saved.iterdir())
+            for weights in final.glob("*.safetensors"):
+                assert weights.stat().st_ino == (saved / weights.name).stat().st_ino
+                assert weights.stat().st_nlink == 2  # one file, two names
+
+    shared(1)
+    # --iterations extends the run: checkpoint 1, which final's files were in, is pruned
+    # (keep: 1) before the new final is linked; the resume read it first
+    resumed = run_pipeline(load_pipeline(pipeline, {"iterations": 3}), progress=False,
+                           inline=True)
+    assert [r["iteration"] for r in resumed.metrics] == [2]
+    assert [c.iteration for c in CheckpointStore(out / "checkpoints").list()] == [2]
+    shared(2)
+    # pruned away, the checkpoint's names go; final's stay whole, loadable by transformers
+    CheckpointStore(out / "checkpoints").truncate(-1)
+    assert not (out / "checkpoints" / "iter_000002").exists()
+    final = out / "models" / "actor" / "final"
+    assert (final / "model.safetensors").stat().st_nlink == 1
+    module = AutoModelForCausalLM.from_pretrained(final)
+    weights = load_file(final / "model.safetensors")
+    for name, tensor in module.state_dict().items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name])
+
+
+def test_final_weights_are_copied_where_hard_links_fail(tmp_path, monkeypatch):
+    from rlhfflow.storage import link_model
+
+    source = tmp_path / "iter_000001" / "models" / "actor"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    final = tmp_path / "models" / "actor" / "final"
+    final.mkdir(parents=True)
+    (final / "stale.bin").write_bytes(b"an older final, replaced whole")
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    link_model(source, final)
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    assert (final / "model.safetensors").read_bytes() == b"weights"
+    assert (final / "model.safetensors").stat().st_ino != \
+        (source / "model.safetensors").stat().st_ino
+    assert [p.name for p in final.parent.iterdir()] == ["final"]  # no temporary left

@@ -269,6 +269,12 @@ class ClusterSpec(Strict):
     worker_timeout_s: PositiveFloat = Field(60.0, description=(
         "After a worker holding models is lost: how long to wait for workers to come back before "
         "stopping."))
+    heartbeat_timeout_s: PositiveFloat = Field(900.0, description=(
+        "How long an embedded worker may send the scheduler no heartbeat before it is declared "
+        "lost (and restarted): a worker on a loaded machine, whose event loop waits for the "
+        "cores, is late, not dead. A worker whose process dies is noticed at once whatever this "
+        "is (its connection closes). On a cluster at `address` its scheduler's "
+        "`distributed.scheduler.worker-ttl` decides."))
     max_restarts: NonNegInt = Field(3, description=(
         "How many times a run recovers from lost workers before it stops."))
     collective_timeout_s: PositiveFloat = Field(600.0, description=(

@@ -166,11 +166,14 @@ class InlineBackend:
 
 def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str = ":8787",
                   memory_limit: str = "auto", torch_threads: int | None = None,
-                  device: str = "auto", log_dir: Path | None = None):
+                  device: str = "auto", log_dir: Path | None = None,
+                  heartbeat_timeout_s: float = 900.0):
     """An embedded cluster: one worker process per device, one thread each, resources
     ``{"device": 1}``. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
     on CPU each worker's torch gets its share of the cores. With ``log_dir``, worker i
-    writes its output to ``log_dir/worker-i.log`` (``rlhfflow.monitor.workerlogs``)."""
+    writes its output to ``log_dir/worker-i.log`` (``rlhfflow.monitor.workerlogs``). The
+    scheduler declares a worker lost when its connection closes (its process died) or
+    when it sent no heartbeat for ``heartbeat_timeout_s``."""
     from distributed import Nanny, Scheduler, SpecCluster
 
     gpus = _cuda_count() if device in ("auto", "cuda") else 0
@@ -221,6 +224,12 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # the workers' timers wake their event loop, which then takes the GIL from the
         # running task between two torch ops (see QUIET_TIMERS)
         **quiet_timers(),
+        # a worker whose event loop misses heartbeats because torch holds the machine's
+        # cores is alive: declared lost, it would cost a restart and the iterations since
+        # the last checkpoint. A dead one is noticed without this (its connection closes,
+        # its nanny starts a new one), so the limit can be long. The pipeline's, over any
+        # Dask config (Dask's default is 5 minutes).
+        "distributed.scheduler.worker-ttl": f"{heartbeat_timeout_s}s",
     }
     if config["distributed.worker.multiprocessing-method"] == "forkserver":
         # Dask gives each worker 30 s to start: not the fork server's imports

@@ -82,7 +82,7 @@ from rlhfflow.runtime.workers import (
     stage_defs,
 )
 from rlhfflow.stages import ModelConfig, RunSettings
-from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog
+from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)
 
@@ -538,11 +538,29 @@ class Executor:
         return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
 
     def _save_final(self) -> None:
-        """Save every trainable model in transformers format under OUTPUT/models/NAME/final."""
+        """Save every trainable model in transformers format under OUTPUT/models/NAME/final:
+        hard links to the last checkpoint's weights where it holds exactly them (the
+        weights stored once: 1.1 GB less for a 135M model), else saved by its home."""
+        trainable = [m for m in self.plan.homes if self.pipeline.spec.models[m].trainable]
+        linked = self._final_in_checkpoint(trainable)
+        for m in linked:
+            link_model(linked[m], self.out / "models" / m / "final")
         saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
                                      [], key=f"save-{_token()}", worker=self._home(m))
-                 for m in self.plan.homes if self.pipeline.spec.models[m].trainable]
+                 for m in trainable if m not in linked]
         self.backend.wait(saves)
+
+    def _final_in_checkpoint(self, models: list[str]) -> dict[str, Path]:
+        """The weights directory in the last checkpoint of each of ``models`` whose final
+        weights it holds: the checkpoint of the last iteration, saved at the version the
+        model ends with (what the compiled tasks leave it at)."""
+        checkpoint = self.checkpointer.store.latest()
+        if checkpoint is None or checkpoint.iteration != self.pipeline.spec.iterations - 1:
+            return {}
+        saved = checkpoint.state.get("versions", {})
+        return {m: checkpoint.model_dir(m) for m in models
+                if m in saved and saved[m] == self.compiler.versions.get(m)
+                and (checkpoint.model_dir(m) / "config.json").is_file()}
 
     def _say(self, line: str) -> None:
         if self.progress:

@@ -12,7 +12,12 @@ from rlhfflow.storage.buffer import (
     group_name,
     split_rows,
 )
-from rlhfflow.storage.checkpoints import Checkpoint, CheckpointError, CheckpointStore
+from rlhfflow.storage.checkpoints import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    link_model,
+)
 from rlhfflow.storage.metrics import MetricsLog, to_jsonable
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "IterationNotFoundError",
     "MetricsLog",
     "group_name",
+    "link_model",
     "split_rows",
     "to_jsonable",
 ]

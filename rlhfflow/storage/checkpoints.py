@@ -44,6 +44,39 @@ class Checkpoint:
         return self.path / "optimizers" / f"{model}.pt"
 
 
+def link_model(source: Path, path: Path) -> None:
+    """Make ``path`` a model directory holding the files of the model directory
+    ``source`` as hard links (no second copy of the weights), atomically as
+    ``save_model`` does: assembled in a hidden sibling and renamed into place, an
+    existing ``path`` replaced.
+
+    Hard links, not a symlink: pruning the checkpoint that ``source`` is in deletes
+    its names, not the files, so ``path`` stays whole. Safe because nothing rewrites a
+    saved model's files in place (a save writes new files and renames). Where linking
+    fails (another filesystem, one that has no hard links) the file is copied."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        for directory, _, files in os.walk(source):
+            into = tmp / Path(directory).relative_to(source)
+            into.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                try:
+                    os.link(Path(directory) / name, into / name)
+                except OSError:
+                    shutil.copy2(Path(directory) / name, into / name)
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 class CheckpointStore:
     """The checkpoints of one run directory."""
 
