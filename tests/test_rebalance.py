@@ -25,8 +25,8 @@ from rlhfflow.runtime.worker.host import (
     stage_task,
 )
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
-from tests.conftest import make_prompt_batch
-from tests.test_generation import TEXTS, _peaked_model
+from tests.conftest import make_prompt_batch, peaked_model
+from tests.test_generation import TEXTS
 
 PARAMS = {"max_new_tokens": 16, "migrate_min_s": 0.0}
 
@@ -36,7 +36,7 @@ def actor_dir(tmp_path_factory):
     """A tiny actor whose rows end (EOS) at very different steps."""
     tok = build_char_tokenizer()
     path = tmp_path_factory.mktemp("rebalance") / "actor"
-    save_model(_peaked_model(tok, 0, 40.0), tok, path)
+    save_model(peaked_model(tok, 0, 40.0), tok, path)
     return path
 
 
