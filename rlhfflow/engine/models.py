@@ -49,7 +49,6 @@ import string
 import sys
 import tempfile
 import threading
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +65,7 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 from transformers.utils import logging as hf_logging
 
 from rlhfflow.engine.hub import local_model_dir
+from rlhfflow.storage.checkpoints import move_into_place
 
 # transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
 # accelerate: ~2.5 s of CPU that a process which only tokenizes prompts and plans (the
@@ -311,13 +311,7 @@ def save_model(
             raise RuntimeError(f"saving {path}: transformers wrote no config.json")
         _make_tokenizer_config_portable(tmp)
         _apply_umask(tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

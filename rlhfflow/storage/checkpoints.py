@@ -65,16 +65,23 @@ def link_model(source: Path, path: Path) -> None:
                     os.link(Path(directory) / name, into / name)
                 except OSError:
                     shutil.copy2(Path(directory) / name, into / name)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``path`` (same parent, so the rename is
+    atomic), replacing an existing ``path``: a reader sees the old folder or the new one,
+    never a mix."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
 
 
 class CheckpointStore:
