@@ -41,10 +41,8 @@ def report(run_dir: str, out: str | None, iterations: str | None, samples: int) 
     Example:
       rlhfflow report runs/grpo-tiny --iterations 5,10
     """
-    from rlhfflow.monitor.report import ReportError, write_report
+    from rlhfflow.monitor.report import write_report
 
-    try:
-        path = write_report(run_dir, out, _iteration_list(iterations), samples)
-    except ReportError as exc:
-        raise UserError(str(exc)) from None
+    # a ReportError is an rlhfflow UserError: the group says it in one line, exit 2
+    path = write_report(run_dir, out, _iteration_list(iterations), samples)
     click.echo(f"wrote {path}")

@@ -14,7 +14,6 @@ from rlhfflow.cli.common import (
     OVERRIDES_ARGUMENT,
     SET_OPTION,
     UserError,
-    first_line,
     load,
     merge_options,
     parse_sets,
@@ -104,7 +103,7 @@ def run(file: str, overrides: tuple[str, ...], iterations: int | None, workers: 
         "iterations": ("--iterations", iterations), "cluster.workers": ("--workers", workers),
         "output": ("--out", out), "cluster.address": ("--scheduler", scheduler)})
     pipeline = load(file, settings)
-    from rlhfflow.runtime.runstate import OutputInUse, output_lock
+    from rlhfflow.runtime.runstate import output_lock
 
     if supervise:
         from rlhfflow.cli.supervise import supervise as supervise_run
@@ -117,16 +116,13 @@ def run(file: str, overrides: tuple[str, ...], iterations: int | None, workers: 
         options += ["--force"] * force + ["--quiet"] * quiet
         # a restart resumes whatever the first attempt left; never wipes it again
         first = [*options, f"--resume={resume}", *["--overwrite"] * overwrite]
-        try:
-            # held between attempts too (no other run slips in); each child shares it
-            with output_lock(pipeline.output_dir) as lock:
-                code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
-                                     max_restarts, lambda line: click.echo(line, err=True),
-                                     lock)
-        except OutputInUse as exc:
-            raise UserError(str(exc)) from None
+        # held between attempts too (no other run slips in); each child shares it.
+        # OutputInUse, like every rlhfflow error, is said by the group (cli.main)
+        with output_lock(pipeline.output_dir) as lock:
+            code = supervise_run(first, [*options, "--resume=auto"], pipeline.output_dir,
+                                 max_restarts, lambda line: click.echo(line, err=True), lock)
         raise SystemExit(code)
-    from rlhfflow.runtime.run import RunError, run_pipeline
+    from rlhfflow.runtime.run import run_pipeline
 
     stop = threading.Event()
     previous = _install_stop_handlers(stop, quiet)
@@ -134,10 +130,6 @@ def run(file: str, overrides: tuple[str, ...], iterations: int | None, workers: 
         with pipeline_errors():
             result = run_pipeline(pipeline, progress=not quiet, overwrite=overwrite,
                                   resume=resume, force=force, stop=stop)
-    except OutputInUse as exc:
-        raise UserError(str(exc)) from None
-    except RunError as exc:
-        raise click.ClickException(first_line(exc)) from None
     except KeyboardInterrupt:
         # the cluster was closed on the way out; committed iterations stay valid, the one
         # in flight was never committed and is ignored by every reader
