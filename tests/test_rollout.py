@@ -201,15 +201,20 @@ def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir
                               for row in range(6)]
     stage = create_stage("rollout", model="actor", params=dict(
         env="tests.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80))
-    out = stage.run(batch, _ctx(store))
+    ctx, spans = _ctx(store), []
+    ctx.spans = lambda part, start, stop: spans.append((part, start, stop))
+    out = stage.run(batch, ctx)
     timeline = stage.last_timeline
     assert out["turns"].tolist() == [3] * 6
     # while row 0's environment stepped, the other rows decoded, and rejoined without it
     during = [rows for rows, waiting in timeline.steps if 0 in waiting]
     assert len(during) >= 5 and all(rows <= 5 for rows in during)
     assert any(0 not in joined and len(joined) >= 1 for joined in timeline.joins[:2])
-    slow = [stop - start for row, _, start, stop in timeline.env if row == 0]
+    slow = [(start, stop) for row, _, start, stop in timeline.env if row == 0]
     assert len(slow) == 3 and out["env_seconds"][0] >= 3.0 > out["env_seconds"][1:].max()
+    # the task timeline gets the time some environment step ran: row 0's steps inside it
+    assert spans and {part for part, _, _ in spans} == {"env"}
+    assert all(any(a <= start and stop <= b for _, a, b in spans) for start, stop in slow)
     _check_logprobs_match_a_fresh_forward(store, batch, out)
 
 
@@ -222,6 +227,16 @@ def test_an_async_environment_step_is_awaited(chat_lm_dir):
     out = _rollout(store, batch, env="tests.test_rollout:AsyncGuess", **params)
     assert torch.equal(out["response_ids"], sync["response_ids"])
     assert out["turns"].tolist() == [2, 2]
+
+
+def test_the_planner_charges_a_rollout_for_each_model_turn():
+    from rlhfflow.plan.auto.costmodel import CostModel
+
+    three = load_pipeline(EXAMPLE / "guess.yaml")
+    one = load_pipeline(EXAMPLE / "guess.yaml", {"stages.rollout.params.max_turns": 1})
+    assert three.graph.nodes["rollout"].turns == 3 and one.graph.nodes["rollout"].turns == 1
+    assert CostModel(three).analytic("rollout", 16, 1) > CostModel(one).analytic(
+        "rollout", 16, 1)
 
 
 # --------------------------------------------------------------------------- tools
@@ -425,3 +440,10 @@ def test_the_example_pipeline_trains_on_episodes(tmp_path):
     last = result.metrics[-1]
     assert last["samples"] == 16 and last["samples_skipped"] == 0
     assert math.isfinite(last["policy_loss"]) and -0.3 <= last["reward_mean"] <= 1
+    # the environment's steps are in the task timeline, beside the rollout task
+    tasks = [t for line in (tmp_path / "out" / "tasks.jsonl").read_text().splitlines()
+             for t in json.loads(line)["tasks"]]
+    env = [t for t in tasks if t[1] == "rollout/env"]
+    rollouts = [t for t in tasks if t[1] == "rollout"]
+    assert env and all(any(r[3] <= e[3] and e[4] <= r[4] for r in rollouts) for e in env)
+    assert all("rollout/env" not in r["stage_s"] for r in result.metrics)

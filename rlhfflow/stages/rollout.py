@@ -295,6 +295,10 @@ class RolloutStage(Stage):
         return params.max_tokens
 
     @classmethod
+    def model_turns(cls, params) -> int:
+        return params.max_turns
+
+    @classmethod
     def check_params(cls, params, has_model, base_dir):
         if params.env is not None and params.tools:
             return ("params.tools", "give either params.env or params.tools, not both")
@@ -338,6 +342,9 @@ class RolloutStage(Stage):
         with _env_pool(params.env_workers) as pool:
             loop.run(episodes, pool)
         self.last_timeline = loop.timeline
+        if ctx.spans is not None:
+            for start, stop in loop.timeline.env_busy():
+                ctx.spans("env", start, stop)
         out = self.columns(episodes, tok, pad_id, resident.version)
         out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
                                           dtype=torch.float32)
@@ -408,6 +415,17 @@ class Timeline:
     env: list[tuple[int, int, float, float]] = field(default_factory=list)
     steps: list[tuple[int, frozenset[int]]] = field(default_factory=list)
     joins: list[tuple[int, ...]] = field(default_factory=list)
+
+    def env_busy(self) -> list[tuple[float, float]]:
+        """The intervals in which at least one environment step ran (the union of
+        ``env``'s), for the task timeline."""
+        merged: list[tuple[float, float]] = []
+        for start, stop in sorted((start, stop) for _, _, start, stop in self.env):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            else:
+                merged.append((start, stop))
+        return merged
 
 
 #: A row that waits to rejoin joins at the latest after this many decode steps of others.
