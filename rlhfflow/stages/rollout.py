@@ -15,8 +15,14 @@ the environment's); ``response_mask`` is 1 on the model's tokens only, so every 
 term and advantage skips the environment's, while the forward passes of the other
 stages attend to every token up to the last masked one
 (``rlhfflow.engine.forward.response_attention``); ``sample_logprobs`` are those of the
-model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward
-and ``turns`` its model turns.
+model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward,
+``turns`` its model turns and ``env_seconds`` its time in the environment's ``step``.
+
+The episodes decode in one loop (:class:`EpisodeLoop`) with each one's KV cache kept
+across its turns (``rlhfflow.engine.turns``): a row whose turn ended leaves the decode
+batch with its cache, its environment steps on a thread (``env_workers``) while the others
+decode, and it rejoins feeding only what followed its cache (``kv_cache: false``: the
+whole episode again, the same tokens).
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -25,9 +31,9 @@ tokenizer's chat template when the prompt was rendered with it (environment mess
 take the role ``tool`` if the template renders it, else ``user``), else as plain text
 with ``plain_separator`` around them.
 
-Not done yet: each turn re-runs the prompt and the episode so far through the model
-(no KV cache kept across turns), environments step inside the stage's task (not as
-tasks of their own on a CPU pool), and the environment's reward is per episode.
+Not done yet: environments step on threads of the stage's task (not as Dask tasks of
+their own on a CPU pool), drafters do not draft for the rollout, and the environment's
+reward is per episode.
 """
 
 from __future__ import annotations
