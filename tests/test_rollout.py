@@ -239,6 +239,15 @@ def test_the_planner_charges_a_rollout_for_each_model_turn():
         "rollout", 16, 1)
 
 
+def test_the_task_timeline_draws_environment_time_under_its_task():
+    from rlhfflow.monitor.report import gantt_plot
+
+    tasks = [{"iteration": 0, "tasks": [[0, "rollout", 0, 10.0, 12.0, 16],
+                                        [0, "rollout/env", 0, 10.5, 11.0, 0],
+                                        [0, "train_actor", 0, 12.0, 13.0, 16]]}]
+    assert gantt_plot(tasks, 0)
+
+
 # --------------------------------------------------------------------------- tools
 
 
