@@ -276,6 +276,8 @@ class RolloutStage(Stage):
     Params = RolloutParams
     model_head = "lm"
     generates = True
+    #: the last call's ``Timeline``, for callers in the same process (tests, benchmarks)
+    last_timeline: Timeline | None = None
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
