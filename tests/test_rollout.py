@@ -147,6 +147,107 @@ def test_episodes_stop_at_max_tokens(chat_lm_dir):
     _check_logprobs_match_a_fresh_forward(store, batch, out)
 
 
+# --------------------------------------------------------------------------- the loop
+
+
+class SlowGuess:
+    """``GuessNumber`` whose step sleeps ``record["delay"]`` seconds: a slow environment."""
+
+    def __init__(self) -> None:
+        self.game = load_function("envs.py:GuessNumber", EXAMPLE)()
+        self.delay = 0.0
+
+    def reset(self, record: dict) -> list:
+        self.delay = float(record.get("delay", 0.0))
+        return self.game.reset(record)
+
+    def step(self, text: str):
+        time.sleep(self.delay)
+        return self.game.step(text)
+
+
+class AsyncGuess(SlowGuess):
+    """The same game with an ``async`` step."""
+
+    async def step(self, text: str):
+        import asyncio
+
+        await asyncio.sleep(self.delay)
+        return self.game.step(text)
+
+
+def test_the_kv_cache_kept_across_turns_gives_the_tokens_of_a_fresh_prefill_each_turn(
+        chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS, samples=2)
+    params = dict(env=GUESS, max_turns=4, max_new_tokens=5, max_tokens=120, env_workers=0)
+    kept = _rollout(store, batch, **params)
+    again = _rollout(store, batch, kv_cache=False, **params)
+    assert kept["turns"].tolist() == [4] * 6
+    for column in ("response_ids", "response_mask", "turns", "env_reward"):
+        assert torch.equal(kept[column], again[column]), column
+    torch.testing.assert_close(kept["sample_logprobs"], again["sample_logprobs"],
+                               atol=1e-5, rtol=0)
+    _check_logprobs_match_a_fresh_forward(store, batch, kept)
+
+
+def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS, samples=2)
+    # the first row's environment takes a second per step; the others answer at once
+    batch["prompt_fields"] = [json.dumps({"secret": 3, "delay": 1.0 if row == 0 else 0.0})
+                              for row in range(6)]
+    stage = create_stage("rollout", model="actor", params=dict(
+        env="tests.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80))
+    ctx, spans = _ctx(store), []
+    ctx.spans = lambda part, start, stop: spans.append((part, start, stop))
+    out = stage.run(batch, ctx)
+    timeline = stage.last_timeline
+    assert out["turns"].tolist() == [3] * 6
+    # while row 0's environment stepped, the other rows decoded, and rejoined without it
+    during = [rows for rows, waiting in timeline.steps if 0 in waiting]
+    assert len(during) >= 5 and all(rows <= 5 for rows in during)
+    assert any(0 not in joined and len(joined) >= 1 for joined in timeline.joins[:2])
+    slow = [(start, stop) for row, _, start, stop in timeline.env if row == 0]
+    assert len(slow) == 3 and out["env_seconds"][0] >= 3.0 > out["env_seconds"][1:].max()
+    # the task timeline gets the time some environment step ran: row 0's steps inside it
+    assert spans and {part for part, _, _ in spans} == {"env"}
+    assert all(any(a <= start and stop <= b for _, a, b in spans) for start, stop in slow)
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+def test_an_async_environment_step_is_awaited(chat_lm_dir):
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS[:1], samples=2)
+    params = dict(max_turns=2, max_new_tokens=5, max_tokens=60, env_workers=0)
+    sync = _rollout(store, batch, env="tests.test_rollout:SlowGuess", **params)
+    out = _rollout(store, batch, env="tests.test_rollout:AsyncGuess", **params)
+    assert torch.equal(out["response_ids"], sync["response_ids"])
+    assert out["turns"].tolist() == [2, 2]
+
+
+def test_the_planner_charges_a_rollout_for_each_model_turn():
+    from rlhfflow.plan.auto.costmodel import CostModel
+
+    three = load_pipeline(EXAMPLE / "guess.yaml")
+    one = load_pipeline(EXAMPLE / "guess.yaml", {"stages.rollout.params.max_turns": 1})
+    assert three.graph.nodes["rollout"].turns == 3 and one.graph.nodes["rollout"].turns == 1
+    assert CostModel(three).analytic("rollout", 16, 1) > CostModel(one).analytic(
+        "rollout", 16, 1)
+
+
+def test_the_task_timeline_draws_environment_time_under_its_task():
+    from rlhfflow.monitor.report import gantt_plot
+
+    tasks = [{"iteration": 0, "tasks": [[0, "rollout", 0, 10.0, 12.0, 16],
+                                        [0, "rollout/env", 0, 10.5, 11.0, 0],
+                                        [0, "train_actor", 0, 12.0, 13.0, 16]]}]
+    assert gantt_plot(tasks, 0)
+
+
 # --------------------------------------------------------------------------- tools
 
 
@@ -348,3 +449,10 @@ def test_the_example_pipeline_trains_on_episodes(tmp_path):
     last = result.metrics[-1]
     assert last["samples"] == 16 and last["samples_skipped"] == 0
     assert math.isfinite(last["policy_loss"]) and -0.3 <= last["reward_mean"] <= 1
+    # the environment's steps are in the task timeline, beside the rollout task
+    tasks = [t for line in (tmp_path / "out" / "tasks.jsonl").read_text().splitlines()
+             for t in json.loads(line)["tasks"]]
+    env = [t for t in tasks if t[1] == "rollout/env"]
+    rollouts = [t for t in tasks if t[1] == "rollout"]
+    assert env and all(any(r[3] <= e[3] and e[4] <= r[4] for r in rollouts) for e in env)
+    assert all("rollout/env" not in r["stage_s"] for r in result.metrics)

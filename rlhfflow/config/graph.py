@@ -44,6 +44,8 @@ class StageNode:
     reports: bool = False
     response_tokens: int = 0
     temperature: float = 1.0
+    #: a generator's model turns per response at most (``Stage.model_turns``)
+    turns: int = 1
     impl: str = ""
     #: other models the stage reads besides ``model`` (a generator's draft model): they
     #: order the stage after their trainers as ``model`` does

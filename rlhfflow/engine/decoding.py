@@ -26,6 +26,7 @@ import torch
 
 from rlhfflow.engine.forward import (
     cache_kwargs,
+    last_logits_kwargs,
     output_cache,
     prefill,
     stage_seed,
@@ -117,10 +118,12 @@ class KVState:
         """Rows still in the cache."""
         return self.mask.shape[0]
 
-    def forward(self, tokens: torch.Tensor, fed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, fed: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """Feed ``tokens [B, w]`` (``fed [B, w]`` marks the real ones; the others become
-        holes) at the rows' next positions; returns float logits ``[B, w, V]``. Real tokens
-        must come last in a row (holes first), so positions stay consecutive."""
+        holes) at the rows' next positions; returns float logits ``[B, w, V]`` (``[B, 1,
+        V]`` with ``last_only``: the LM head at the last column only). Real tokens must
+        come last in a row (holes first), so positions stay consecutive."""
         rows, width = tokens.shape
         real = torch.ones(rows, width, dtype=torch.long, device=self.device) if fed is None \
             else fed.long().to(self.device)
@@ -130,7 +133,8 @@ class KVState:
         self.mask = torch.cat([self.mask, real], dim=1)
         out = self.module(input_ids=tokens.to(self.device), attention_mask=self.mask,
                           position_ids=positions, use_cache=True,
-                          **cache_kwargs(self.module, self.cache))
+                          **cache_kwargs(self.module, self.cache),
+                          **(last_logits_kwargs(self.module) if last_only else {}))
         self.cache = output_cache(out)
         self.next_pos = self.next_pos + real.sum(-1, keepdim=True)
         return out.logits.float()

@@ -210,7 +210,9 @@ def busy_plot(metrics: list[dict[str, Any]]) -> str:
 def gantt_plot(tasks: list[dict[str, Any]], iteration: int) -> str | None:
     """The task intervals the workers reported in ``iteration``'s window (tasks of the
     next iterations that overlapped it included), one row per worker, coloured by stage
-    and labelled with each task's own iteration; None when none were recorded."""
+    and labelled with each task's own iteration; None when none were recorded. Work that
+    ran beside a task (``STAGE/PART``: a rollout's environment steps) is a thin hatched
+    bar under it."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -225,6 +227,10 @@ def gantt_plot(tasks: list[dict[str, Any]], iteration: int) -> str | None:
     fig, ax = plt.subplots(figsize=(13, 0.9 + 0.7 * max(1, len(workers))))
     for worker, stage, task_iteration, start, stop, _rows in intervals:
         if worker is None:
+            continue
+        if "/" in stage:
+            ax.barh(worker + 0.3, stop - start, left=start - origin, height=0.2,
+                    color=colour[stage], hatch="//", edgecolor="white", linewidth=0.3)
             continue
         ax.barh(worker, stop - start, left=start - origin, height=0.6, color=colour[stage],
                 edgecolor="white", linewidth=0.5)

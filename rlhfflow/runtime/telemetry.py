@@ -63,9 +63,11 @@ class Telemetry:
         for address, report in reported.items():
             w = self.addresses.index(address) if address in self.addresses else None
             for task_iteration, stage, start, stop, rows in report["done"]:
-                self.timings[task_iteration][stage] += stop - start
                 intervals.append([w, stage, task_iteration, round(start, 6), round(stop, 6),
                                   rows])
+                if "/" in stage:  # work beside a task (WorkerHost.record_part): shown only
+                    continue
+                self.timings[task_iteration][stage] += stop - start
                 if w is not None:  # busy fractions are of the device workers
                     self._busy[w].append((start, stop))
             if w is None:

@@ -115,6 +115,9 @@ class StageContext:
         peers: for a generating stage that runs on several workers, the other workers
             it may hand rows to (``rlhfflow.runtime.worker.rebalance.RowExchange``: ``peer``,
             ``send``, ``gather``), or None. Stages stay Dask-free: they see this hook only.
+        spans: ``spans(part, start, stop)`` records work of the task that ran beside its
+            model (a rollout's environment steps; ``time.time()`` seconds) for the task
+            timeline of the report, or None where nothing records them.
     """
 
     iteration: int
@@ -124,6 +127,7 @@ class StageContext:
     settings: RunSettings = field(default_factory=RunSettings)
     gang: Gang | None = None
     peers: Any = None
+    spans: Any = None
 
     def __post_init__(self) -> None:
         self.settings = RunSettings.of(self.settings)
@@ -226,6 +230,13 @@ class Stage:
         """A generator's most new tokens per response (``params.max_new_tokens`` unless
         overridden); 0 for a stage that generates nothing."""
         return int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0
+
+    @classmethod
+    def model_turns(cls, params: StageParams) -> int:
+        """A generator's model turns per response at most (a multi-turn ``rollout``'s
+        ``max_turns``): each turn after the first adds a forward over the tokens that came
+        between (the planner's cost model charges them); 1 for a single response."""
+        return 1
 
     @classmethod
     def runs_every(cls, params: StageParams) -> int:

@@ -15,8 +15,14 @@ the environment's); ``response_mask`` is 1 on the model's tokens only, so every 
 term and advantage skips the environment's, while the forward passes of the other
 stages attend to every token up to the last masked one
 (``rlhfflow.engine.forward.response_attention``); ``sample_logprobs`` are those of the
-model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward
-and ``turns`` its model turns.
+model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward,
+``turns`` its model turns and ``env_seconds`` its time in the environment's ``step``.
+
+The episodes decode in one loop (:class:`EpisodeLoop`) with each one's KV cache kept
+across its turns (``rlhfflow.engine.turns``): a row whose turn ended leaves the decode
+batch with its cache, its environment steps on a thread (``env_workers``) while the others
+decode, and it rejoins feeding only what followed its cache (``kv_cache: false``: the
+whole episode again, the same tokens).
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -25,17 +31,22 @@ tokenizer's chat template when the prompt was rendered with it (environment mess
 take the role ``tool`` if the template renders it, else ``user``), else as plain text
 with ``plain_separator`` around them.
 
-Not done yet: each turn re-runs the prompt and the episode so far through the model
-(no KV cache kept across turns), environments step inside the stage's task (not as
-tasks of their own on a CPU pool), and the environment's reward is per episode.
+Not done yet: environments step on threads of the stage's task (not as Dask tasks of
+their own on a CPU pool), drafters do not draft for the rollout, and the environment's
+reward is per episode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import inspect
 import json
+import logging
 import re
+import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Protocol
@@ -44,12 +55,13 @@ import torch
 from pydantic import Field
 
 from rlhfflow.data.records import pad_prompts
-from rlhfflow.engine.sampling import sample_uniforms
+from rlhfflow.engine.sampling import sample_step, sample_uniforms
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.generate import cut_at_stop, eos_ids, generate
+from rlhfflow.stages.generate import eos_ids
 from rlhfflow.stages.inference import load_function
 
 Message = dict[str, str]
+log = logging.getLogger(__name__)
 
 
 class Environment(Protocol):
@@ -152,6 +164,14 @@ class RolloutParams(StageParams):
     scores: bool = Field(False, description="also write env_reward as the scores (all "
                                             "valid) the advantages read, for a pipeline "
                                             "without a score stage")
+    kv_cache: bool = Field(True, description="keep each episode's KV cache across turns "
+                                             "(a turn feeds only the new tokens); off: "
+                                             "every turn prefills the whole episode again")
+    env_workers: Annotated[int, Field(
+        ge=0, description="threads that run environment steps while the model decodes "
+                          "the other rows; 0: steps run in turn with decoding (the "
+                          "schedule, and so the float rounding, then never depends on "
+                          "how long a step takes)")] = 8
     plain_separator: str = Field("\n", description="around environment messages when the "
                                                    "prompt was not rendered with a chat "
                                                    "template")
@@ -172,6 +192,7 @@ class Episode:
     turns: int = 0
     reward: float = 0.0
     done: bool = False
+    env_seconds: float = 0.0
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
         """Append the model's tokens (with log-probs) or the environment's (None)."""
@@ -255,6 +276,8 @@ class RolloutStage(Stage):
     Params = RolloutParams
     model_head = "lm"
     generates = True
+    #: the last call's ``Timeline``, for callers in the same process (tests, benchmarks)
+    last_timeline: Timeline | None = None
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
@@ -269,7 +292,8 @@ class RolloutStage(Stage):
                "policy_version": Column("int64"),
                "response_text": Column("str"),
                "env_reward": Column("float32"),
-               "turns": Column("int64")}
+               "turns": Column("int64"),
+               "env_seconds": Column("float32")}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
@@ -277,6 +301,10 @@ class RolloutStage(Stage):
     @classmethod
     def response_tokens(cls, params) -> int:
         return params.max_tokens
+
+    @classmethod
+    def model_turns(cls, params) -> int:
+        return params.max_turns
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
@@ -302,7 +330,6 @@ class RolloutStage(Stage):
         resident = ctx.models.get(self.model)
         tok, params = resident.tokenizer, self.params
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        eos = eos_ids(resident.module, tok)
         fmt = TurnFormat(tok, params.plain_separator)
         rows = len(batch["prompt_index"])
         texts = batch.get("prompt_text") or [""] * rows
@@ -310,19 +337,26 @@ class RolloutStage(Stage):
         templated = [fmt.templated(text) for text in texts]
         episodes = [Episode(self.make_env(ctx)) for _ in range(rows)]
         for row, episode in enumerate(episodes):
-            opening = episode.env.reset({**json.loads(fields[row]), "prompt": texts[row]})
+            opening = _settled(episode.env.reset({**json.loads(fields[row]),
+                                                  "prompt": texts[row]}))
             if opening:
                 self.answer(episode, opening, fmt, templated[row], None)
         uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
                                    batch["sample_index"], params.max_tokens)
         real = batch["prompt_mask"].bool()
         prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
-        while active := [r for r, e in enumerate(episodes) if not e.done]:
-            self.model_turn(resident.module, tok, [episodes[r] for r in active],
-                            [prompts[r] for r in active], uniforms[active], eos, pad_id)
-            for r in active:
-                self.env_turn(episodes[r], tok, fmt, templated[r], eos)
-        return self.columns(episodes, tok, pad_id, resident.version)
+        loop = EpisodeLoop(self, resident.module, tok, fmt, templated, prompts, uniforms,
+                           pad_id)
+        with _env_pool(params.env_workers) as pool:
+            loop.run(episodes, pool)
+        self.last_timeline = loop.timeline
+        if ctx.spans is not None:
+            for start, stop in loop.timeline.env_busy():
+                ctx.spans("env", start, stop)
+        out = self.columns(episodes, tok, pad_id, resident.version)
+        out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
+                                          dtype=torch.float32)
+        return out
 
     def make_env(self, ctx: StageContext) -> Environment:
         """A new environment for one episode."""
@@ -333,44 +367,17 @@ class RolloutStage(Stage):
                  for ref in params.tools}
         return ToolEnvironment(tools, params.tool_timeout_s)
 
-    def model_turn(self, module: torch.nn.Module, tok, episodes: list[Episode],
-                   prompts: list[list[int]], uniforms: torch.Tensor,
-                   eos: Sequence[int] | None, pad_id: int) -> None:
-        """One turn of the model on the active episodes: the prompt and the episode so far
-        run through the model again (no KV cache is kept across turns)."""
-        params = self.params
-        budgets = torch.tensor([params.max_tokens - len(e.tokens) for e in episodes])
-        steps = min(params.max_new_tokens, int(budgets.max()))
-        drawn = torch.tensor([e.drawn for e in episodes])
-        # each row's next uniforms; those past its budget are never kept
-        index = (drawn[:, None] + torch.arange(steps)).clamp(max=params.max_tokens - 1)
-        ids, mask = pad_prompts([p + e.tokens for p, e in zip(prompts, episodes,
-                                                              strict=True)], pad_id)
-        turn = params.model_copy(update={"max_new_tokens": steps})
-        out = generate(module, ids, mask, uniforms.gather(1, index), turn, eos, pad_id)
-        stops = [*params.stop, *(["</tool_call>"] if params.tools else [])]
-        if stops:
-            cut_at_stop(out, tok, stops, pad_id)
-        lengths = torch.minimum(out["response_mask"].long().sum(-1), budgets)
-        for row, episode in enumerate(episodes):
-            length = int(lengths[row])
-            episode.said = out["response_ids"][row, :length].tolist()
-            episode.add(episode.said, out["sample_logprobs"][row, :length].tolist())
-            episode.drawn += length
-            episode.turns += 1
-
-    def env_turn(self, episode: Episode, tok, fmt: TurnFormat, templated: bool,
+    def env_turn(self, episode: Episode, answer: tuple, fmt: TurnFormat, templated: bool,
                  eos: Sequence[int] | None) -> None:
-        """The environment answers the model's last turn (and is asked even when the
-        episode ends there, for its reward)."""
+        """Take the environment's ``answer`` (what ``step`` returned) to the model's last
+        turn (it is asked even when the episode ends there, for its reward)."""
         params = self.params
-        said = episode.said
-        messages, reward, done, _info = episode.env.step(
-            tok.decode(said, skip_special_tokens=True))
+        messages, reward, done, _info = answer
         episode.reward += float(reward)
         if done or episode.turns >= params.max_turns or len(episode.tokens) >= params.max_tokens:
             episode.done = True
             return
+        said = episode.said
         ended = said[-1] if said and eos is not None and said[-1] in eos else None
         self.answer(episode, messages, fmt, templated, ended)
 
@@ -404,6 +411,210 @@ class RolloutStage(Stage):
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
         return out
+
+
+@dataclass
+class Timeline:
+    """What one call of the stage did when, for tests and the task timeline: ``env``
+    holds ``(row, turn, start, stop)`` per environment step (``time.time()`` seconds),
+    ``steps`` per decode forward the rows in it and the rows whose environment step was
+    in flight meanwhile, ``joins`` the rows of each join."""
+
+    env: list[tuple[int, int, float, float]] = field(default_factory=list)
+    steps: list[tuple[int, frozenset[int]]] = field(default_factory=list)
+    joins: list[tuple[int, ...]] = field(default_factory=list)
+
+    def env_busy(self) -> list[tuple[float, float]]:
+        """The intervals in which at least one environment step ran (the union of
+        ``env``'s), for the task timeline."""
+        merged: list[tuple[float, float]] = []
+        for start, stop in sorted((start, stop) for _, _, start, stop in self.env):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            else:
+                merged.append((start, stop))
+        return merged
+
+
+#: A row that waits to rejoin joins at the latest after this many decode steps of others.
+JOIN_WAIT_STEPS = 8
+
+
+class EpisodeLoop:
+    """Every row's episode to its end, with one KV cache kept across turns
+    (``rlhfflow.engine.turns.TurnBatch``). Rows whose turn ended leave the decode batch and
+    go to the environment (on ``pool``'s threads, while the others decode); an answered
+    row waits to rejoin until the waiting rows are a quarter of those decoding, nothing
+    else decodes, or it waited ``JOIN_WAIT_STEPS`` steps (a join is one forward of the
+    joining rows alone)."""
+
+    def __init__(self, stage: RolloutStage, module: torch.nn.Module, tok, fmt: TurnFormat,
+                 templated: list[bool], prompts: list[list[int]], uniforms: torch.Tensor,
+                 pad_id: int) -> None:
+        from rlhfflow.engine.turns import TurnBatch
+
+        self.stage, self.params, self.tok, self.fmt = stage, stage.params, tok, fmt
+        self.templated, self.prompts, self.uniforms = templated, prompts, uniforms
+        self.pad_id = pad_id
+        self.eos = eos_ids(module, tok)
+        self.stops = [*self.params.stop, *(["</tool_call>"] if self.params.tools else [])]
+        self.batch = TurnBatch(module)
+        self.timeline = Timeline()
+        self.turn: dict[int, tuple[list[int], list[float], int]] = {}  # tokens, lps, limit
+        self.last: dict[int, int] = {}      # the row's last sampled token (not fed yet)
+        self.parked: dict[int, Any] = {}    # row -> its RowCache (or None) while away
+        self.in_flight: dict[concurrent.futures.Future, int] = {}
+        self.ready: dict[int, int] = {}     # answered rows -> the step they became ready
+
+    def run(self, episodes: list[Episode], pool: concurrent.futures.Executor | None) -> None:
+        """Play ``episodes`` to their end."""
+        self.episodes, self.pool = episodes, pool
+        rows = [row for row, episode in enumerate(episodes) if not episode.done]
+        if rows:
+            ids, mask = pad_prompts([self.prompts[r] + episodes[r].tokens for r in rows],
+                                    self.pad_id)
+            self.begin(rows)
+            self.sample(self.batch.start(rows, ids, mask), rows)
+        while self.batch.rows or self.in_flight or self.ready:
+            self.collect(wait=not self.batch.rows and not self.ready)
+            if self.ready and self.joins_now():
+                self.join()
+            if self.batch.rows:
+                self.step()
+
+    def begin(self, rows: list[int]) -> None:
+        """Open a model turn for each of ``rows``."""
+        params = self.params
+        for row in rows:
+            room = params.max_tokens - len(self.episodes[row].tokens)
+            self.turn[row] = ([], [], min(params.max_new_tokens, room))
+
+    def step(self) -> None:
+        """One decode step of every decoding row."""
+        rows = list(self.batch.rows)
+        self.timeline.steps.append((len(rows), frozenset(self.in_flight.values())))
+        logits = self.batch.step(torch.tensor([self.last[row] for row in rows]))
+        self.sample(logits, rows)
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Draw each of ``rows``' next token from its ``logits`` (``generate``'s
+        arithmetic, the row's uniform for its n-th model token of the episode), and end
+        the turns that end with it."""
+        params = self.params
+        drawn = torch.tensor([self.episodes[r].drawn + len(self.turn[r][0]) for r in rows])
+        uniforms = self.uniforms[torch.tensor(rows), drawn]
+        token = sample_step(logits, uniforms, params).to(logits.device)
+        logprob = torch.log_softmax(logits / params.temperature, -1).gather(
+            -1, token[:, None])[:, 0].cpu()
+        ended = []
+        for row, t, lp in zip(rows, token.cpu().tolist(), logprob.tolist(), strict=True):
+            tokens, logprobs, limit = self.turn[row]
+            tokens.append(t)
+            logprobs.append(lp)
+            self.last[row] = t
+            if len(tokens) >= limit or (self.eos is not None and t in self.eos) or (
+                    self.stops and any(stop in self.tok.decode(
+                        tokens, skip_special_tokens=True) for stop in self.stops)):
+                ended.append(row)
+        if ended:
+            self.end_turns(ended)
+
+    def end_turns(self, rows: list[int]) -> None:
+        """Take ``rows``, whose turn ended, out of the batch and to the environment."""
+        at = {row: i for i, row in enumerate(self.batch.rows)}
+        caches = self.batch.park([at[row] for row in rows], self.params.kv_cache)
+        for row, cache in zip(rows, caches, strict=True):
+            tokens, logprobs, _ = self.turn.pop(row)
+            episode = self.episodes[row]
+            episode.said = tokens
+            episode.add(tokens, logprobs)
+            episode.drawn += len(tokens)
+            episode.turns += 1
+            self.parked[row] = cache
+            text = self.tok.decode(tokens, skip_special_tokens=True)
+            if self.pool is None:
+                self.answered(row, _timed_step(episode.env, text))
+            else:
+                self.in_flight[self.pool.submit(_timed_step, episode.env, text)] = row
+
+    def collect(self, wait: bool) -> None:
+        """Take the environment's answers that arrived (``wait``: at least one)."""
+        if not self.in_flight:
+            return
+        done = [future for future in self.in_flight if future.done()]
+        if not done and wait:
+            done, _ = concurrent.futures.wait(self.in_flight,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in sorted(done, key=self.in_flight.__getitem__):
+            self.answered(self.in_flight.pop(future), future.result())
+
+    def answered(self, row: int, timed: tuple[tuple, float, float]) -> None:
+        """Book the environment's answer to ``row``; a row that goes on waits to rejoin."""
+        answer, start, stop = timed
+        episode = self.episodes[row]
+        episode.env_seconds += stop - start
+        self.timeline.env.append((row, episode.turns, start, stop))
+        self.stage.env_turn(episode, _checked(answer), self.fmt, self.templated[row],
+                            self.eos)
+        if episode.done:
+            self.parked.pop(row)
+        else:
+            self.ready[row] = len(self.timeline.steps)
+
+    def joins_now(self) -> bool:
+        """Whether the rows waiting to rejoin join before the next decode step."""
+        decoding = len(self.batch.rows)
+        oldest = min(self.ready.values())
+        return not decoding or 4 * len(self.ready) >= decoding or \
+            len(self.timeline.steps) - oldest >= JOIN_WAIT_STEPS
+
+    def join(self) -> None:
+        """Bring the waiting rows back: each feeds what follows its cache (its last
+        token and the environment's answer; the whole episode when no cache is kept)."""
+        rows = sorted(self.ready)
+        self.ready.clear()
+        caches = [self.parked.pop(row) for row in rows]
+        blocks = []
+        for row, cache in zip(rows, caches, strict=True):
+            sequence = self.prompts[row] + self.episodes[row].tokens
+            if cache is None:
+                log.debug("rollout row %d re-prefills its %d tokens (kv_cache is off)",
+                          row, len(sequence))
+            blocks.append(sequence[cache.length if cache is not None else 0:])
+        self.timeline.joins.append(tuple(rows))
+        self.begin(rows)
+        self.sample(self.batch.join(rows, caches, blocks, self.pad_id), rows)
+
+
+def _timed_step(env: Environment, text: str) -> tuple[tuple, float, float]:
+    """``(answer, start, stop)``: ``env.step(text)`` (awaited when it is a coroutine)
+    and when it ran (``time.time()``)."""
+    start = time.time()
+    answer = _settled(env.step(text))
+    return answer, start, time.time()
+
+
+def _settled(value: Any) -> Any:
+    """``value``, or what it resolves to when an async hook returned a coroutine."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def _checked(answer: Any) -> tuple:
+    """A ``step`` answer as ``(messages, reward, done, info)``."""
+    if not isinstance(answer, tuple) or len(answer) != 4:
+        raise TypeError("an environment's step(text) must return (messages, reward, done, "
+                        f"info), got {type(answer).__name__}")
+    return answer
+
+
+@contextmanager
+def _env_pool(workers: int):
+    """Threads for the environment's steps (None: they run inline)."""
+    if workers == 0:
+        yield None
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, "rollout-env") as pool:
+        yield pool
 
 
 def _imported(ref: str, base_dir: Path | str | None) -> tuple[str | None, Any]:

@@ -322,7 +322,12 @@ class CostModel:
             prefill = call + rows * self._prompt_share(1) * self.prompt_tokens * \
                 flops_token / speed
             decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
-            return d["task_s"] + prefill + decode
+            # a multi-turn rollout: each turn after the first feeds what came between
+            # (the environment's answer, its share of the response) on the kept cache in
+            # one forward; the environment's own time is in the measured profile only
+            joins = (node.turns - 1) * (call + rows * steps / (2 * node.turns) *
+                                        flops_token / speed)
+            return d["task_s"] + prefill + decode + joins
         if node.trains:
             share = self._row_share(stage)
             rows = rows * share

@@ -8,6 +8,7 @@ not an Actor: docs/design/worker.md); in process it is a module global. Task fun
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -100,6 +101,13 @@ class WorkerHost:
         the rows it worked on (what the planner's cost model is fitted to)."""
         with self._lock:
             self.timings.append((iteration, stage, start, stop, rows))
+
+    def record_part(self, iteration: int, stage: str, part: str, start: float,
+                    stop: float) -> None:
+        """Remember an interval of work that ran beside a task of ``stage`` (its
+        environment steps), as ``STAGE/PART`` with no rows: the task timeline shows it,
+        the busy fractions and the profile leave it out."""
+        self.record(iteration, f"{stage}/{part}", start, stop)
 
     @contextmanager
     def timed(self, iteration: int, stage: str, rows: int = 0):
@@ -332,6 +340,7 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
         stage = host.stage(n)
         inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
                   if c in out or c in batch}
+        ctx.spans = functools.partial(host.record_part, iteration, n)
         with host.timed(iteration, n, rows):
             try:
                 out.update(stage.run(inputs, ctx))
