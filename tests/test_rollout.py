@@ -200,7 +200,8 @@ def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir
     batch["prompt_fields"] = [json.dumps({"secret": 3, "delay": 1.0 if row == 0 else 0.0})
                               for row in range(6)]
     stage = create_stage("rollout", model="actor", params=dict(
-        env="tests.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80))
+        env="tests.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80,
+        env_workers=8))
     ctx, spans = _ctx(store), []
     ctx.spans = lambda part, start, stop: spans.append((part, start, stop))
     out = stage.run(batch, ctx)

@@ -169,9 +169,11 @@ class RolloutParams(StageParams):
                                              "every turn prefills the whole episode again")
     env_workers: Annotated[int, Field(
         ge=0, description="threads that run environment steps while the model decodes "
-                          "the other rows; 0: steps run in turn with decoding (the "
-                          "schedule, and so the float rounding, then never depends on "
-                          "how long a step takes)")] = 8
+                          "the other rows (for environments that wait on I/O or a "
+                          "subprocess); then which rows share a forward depends on how "
+                          "long steps take, so runs and resumes agree only to float "
+                          "rounding. 0 (the default): steps run in turn with decoding, "
+                          "and a run is reproduced bit for bit")] = 0
     plain_separator: str = Field("\n", description="around environment messages when the "
                                                    "prompt was not rendered with a chat "
                                                    "template")
