@@ -144,13 +144,57 @@ def test_a_changed_pipeline_is_not_resumed_without_force(tmp_path):
     assert [r["iteration"] for r in result.metrics] == [2]
 
 
-def test_a_corrupt_checkpoint_is_named(tmp_path):
+def _truncate(path: Path, keep: int) -> tuple[int, int]:
+    """Cut ``path`` to ``keep`` bytes, as a full disk under a copy would; returns the
+    sizes before and after."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return size, keep
+
+
+def test_a_truncated_checkpoint_is_passed_over_with_one_line_and_the_run_resumes(
+        tmp_path, capsys):
+    path = _pipeline(tmp_path, iterations=2)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    out = tmp_path / "p" / "out"
+    weights = out / "checkpoints" / "iter_000001" / "models" / "actor" / "model.safetensors"
+    written, cut = _truncate(weights, 4096)
+    result = run_pipeline(load_pipeline(path, {"iterations": 3}), progress=True, inline=True)
+    assert (f"rlhfflow: checkpoint iter_000001 (models/actor/model.safetensors has {cut} "
+            f"bytes, {written} were written) is damaged and discarded; resuming from "
+            f"iter_000000, the newest whole checkpoint") in capsys.readouterr().err
+    assert [r["iteration"] for r in result.metrics] == [1, 2]
+    _assert_each_iteration_once(out, 3)
+    assert [c.iteration for c in CheckpointStore(out / "checkpoints").list()] == [1, 2]
+
+
+def test_a_checkpoint_with_a_missing_file_or_unreadable_state_is_passed_over(tmp_path,
+                                                                              capsys):
+    path = _pipeline(tmp_path, iterations=3)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    checkpoints = tmp_path / "p" / "out" / "checkpoints"
+    (checkpoints / "iter_000002" / "state.json").write_text("{not json")
+    (checkpoints / "iter_000001" / "optimizers" / "critic.pt").unlink()
+    store = CheckpointStore(checkpoints)
+    assert store.latest_whole()[1] == [
+        ("iter_000002", "corrupt checkpoint state (Expecting property name enclosed in "
+                        "double quotes: line 1 column 2 (char 1))"),
+        ("iter_000001", "optimizers/critic.pt is missing")]
+    # keep: 2, so no checkpoint is whole: one line, and nothing is cut away
+    with pytest.raises(RunError, match=r"^no whole checkpoint to resume from in .*checkpoints "
+                                       r"\(iter_000002: corrupt checkpoint state .*; "
+                                       r"iter_000001: optimizers/critic.pt is missing\); "
+                                       r"pass --overwrite to start over$"):
+        run_pipeline(load_pipeline(path, {"iterations": 4}), progress=False, inline=True)
+    assert ExperienceBuffer(checkpoints.parent / "buffer.zarr").iterations() == [0, 1, 2]
+
+
+def test_a_checkpoint_written_before_sizes_were_listed_is_still_checked_for_its_files(
+        tmp_path):
     path = _pipeline(tmp_path, iterations=2)
     run_pipeline(load_pipeline(path), progress=False, inline=True)
     state = tmp_path / "p" / "out" / "checkpoints" / "iter_000001" / "state.json"
-    state.write_text("{not json")
-    with pytest.raises(RunError, match=f"{state}: corrupt checkpoint state"):
-        run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
     state.write_text(json.dumps({"iteration": 1, "versions": {"actor": 2, "critic": 2}}))
     (state.parent / "optimizers" / "critic.pt").unlink()
     with pytest.raises(RunError, match="corrupt checkpoint .*'critic'"):

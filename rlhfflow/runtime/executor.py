@@ -53,6 +53,7 @@ from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
 from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
 from rlhfflow.runtime.runstate import (
     StartPoint,
+    damaged_line,
     identity_digest,
     inexact_resume,
     pipeline_identity,
@@ -192,6 +193,8 @@ class Executor:
         self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
+        if self.start.fallback_line():
+            self._say(f"rlhfflow: {self.start.fallback_line()}")
         if checkpoint is not None and first < spec.iterations and inexact_resume(self.pipeline):
             self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         if self.backend.dashboard_link:
@@ -425,7 +428,9 @@ class Executor:
         checkpoint, reinstall the resident state everywhere; returns the next iteration."""
         self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
         self._await_workers(exc)
-        checkpoint = self.checkpointer.store.latest()
+        checkpoint, damaged = self.checkpointer.store.latest_whole()
+        if damaged:
+            self._say(f"rlhfflow: {damaged_line(damaged, checkpoint)}")
         keep = checkpoint.iteration if checkpoint else -1
         cut_back(self.out, keep, self.buffer)
         self.last_checkpoint = keep
