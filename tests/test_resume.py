@@ -478,3 +478,47 @@ def test_final_weights_are_copied_where_hard_links_fail(tmp_path, monkeypatch):
     assert (final / "model.safetensors").stat().st_ino != \
         (source / "model.safetensors").stat().st_ino
     assert [p.name for p in final.parent.iterdir()] == ["final"]  # no temporary left
+
+
+# --------------------------------------------------------------------------- out of memory
+
+# A reward function with a large working memory: 1 GiB of address space, never touched
+# (so it costs no real memory where the worker may have it)
+HUNGRY = ("import torch\n"
+          "from rlhfflow.stages.rewards import vowel_ratio\n"
+          "def score(prompts, responses):\n"
+          "    scratch = torch.empty(2**28)\n"
+          "    return [v + 0 * float(scratch[0]) for v in vowel_ratio(prompts, responses)]\n")
+
+
+@pytest.mark.slow
+def test_a_worker_out_of_memory_mid_run_stops_with_one_line_and_the_run_resumes_after(
+        tmp_path):
+    (tmp_path / "hungry.py").write_text(HUNGRY)
+    path = small_pipeline(tmp_path, iterations=6, overrides={
+        "cluster.workers": 1, "checkpoint.every": 1, "checkpoint.keep": 2,
+        "stages.reward.params.function": str(tmp_path / "hungry.py") + ":score"})
+    out = tmp_path / "out"
+    proc = _cli(str(path), "--quiet", env={"RLHFFLOW_WARM": "0"})
+    _wait_for_lines(out / "metrics.jsonl", 1, proc)
+    [worker] = embedded_worker_processes(psutil.Process(proc.pid))
+    # the worker's address space may grow by 64 MiB from now on: its next big
+    # allocation fails, as on a machine whose memory ran out
+    limit = worker.memory_info().vms + 64 * 2**20
+    worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("Error: out of memory: stage 'reward' on worker tcp://")
+    assert "in iteration " in lines[0] and "can't allocate memory" in lines[0]
+    assert "cluster.memory_limit" in lines[0]
+    assert lines[0].endswith("then run the same command again to resume from the last "
+                             "checkpoint")
+    stopped_after = len(MetricsLog(out / "metrics.jsonl").read())
+    assert 1 <= stopped_after < 6
+    # the same command on a fresh worker (no limit) resumes and completes
+    again = _cli(str(path), "--quiet", env={"RLHFFLOW_WARM": "0"})
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    _assert_each_iteration_once(out, 6)
