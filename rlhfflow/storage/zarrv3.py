@@ -113,22 +113,21 @@ def atomic_write(path: Path, data: bytes) -> None:
     disk) leaves ``path`` as it was and no temp file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        write_file(tmp, data)
+        write_file(tmp, data, named=path)
         os.replace(tmp, path)
     except BaseException:  # a full disk: give its space back, leave no partial file
         tmp.unlink(missing_ok=True)
         raise
 
 
-def write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``; an ``OSError`` names ``path`` (a failed ``write``, as
-    on a full disk, names no file by itself)."""
+def write_file(path: Path, data: bytes, named: Path | None = None) -> None:
+    """Write ``data`` to ``path``; an ``OSError`` names ``named`` (default ``path``): a
+    failed ``write``, as on a full disk, names no file by itself, and the file a user
+    knows of is the final one, not its temporary."""
     try:
         path.write_bytes(data)
     except OSError as exc:
-        if exc.filename is not None:
-            raise
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise OSError(exc.errno, exc.strerror, str(named or path)) from None
 
 
 def open_array(folder: Path, store: LocalStore, path: str) -> AsyncArray:
