@@ -153,6 +153,33 @@ def _truncate(path: Path, keep: int) -> tuple[int, int]:
     return size, keep
 
 
+def test_checkpoints_list_their_sizes_and_damaged_ones_are_found_pruned_and_truncated(
+        tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for k in range(4):
+        staging = store.begin(k)
+        (staging / "models" / "m").mkdir()
+        (staging / "models" / "m" / "model.safetensors").write_bytes(bytes(1000 + k))
+        store.publish(staging, k, {"versions": {"m": k}})
+    latest = store.latest()
+    assert latest.state["files"] == {"models/m/model.safetensors": 1003}
+    assert store.latest_whole() == (latest, [])
+    (store.root / "iter_000003" / "models" / "m" / "model.safetensors").write_bytes(b"x")
+    (store.root / "iter_000002" / "state.json").write_text("{")
+    whole, damaged = store.latest_whole()
+    assert whole.iteration == 1
+    assert damaged == [("iter_000003", "models/m/model.safetensors has 1 bytes, 1003 were "
+                                       "written"),
+                       ("iter_000002", "corrupt checkpoint state (Expecting property name "
+                                       "enclosed in double quotes: line 1 column 2 (char 1))")]
+    # an old checkpoint whose state cannot be read is pruned, and truncate takes damaged
+    # ones too
+    (store.root / "iter_000000" / "state.json").write_text("{")
+    assert store.prune(3) == [0]
+    store.truncate(1)
+    assert sorted(p.name for p in store.root.iterdir()) == ["iter_000001"]
+
+
 def test_a_truncated_checkpoint_is_passed_over_with_one_line_and_the_run_resumes(
         tmp_path, capsys):
     path = _pipeline(tmp_path, iterations=2)

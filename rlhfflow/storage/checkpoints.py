@@ -204,11 +204,12 @@ class CheckpointStore:
     def prune(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` checkpoints (0 keeps all); returns the
         iterations deleted."""
-        found = self.list()
+        # by name: an old checkpoint whose state cannot be read is pruned, not fatal
+        found = sorted(p for p in self._directories() if (p / STATE_FILE).is_file())
         doomed = found[:-keep] if keep else []
-        for checkpoint in doomed:
-            shutil.rmtree(checkpoint.path, ignore_errors=True)
-        return [c.iteration for c in doomed]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return [int(_NAME.match(p.name).group(1)) for p in doomed]
 
     def truncate(self, keep_through: int) -> None:
         """Delete checkpoints after ``keep_through`` (they belong to a discarded future),
