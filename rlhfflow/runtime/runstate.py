@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +122,8 @@ class StartPoint:
         return self.checkpoint.iteration + 1 if self.checkpoint else 0
 
 
-def damaged_line(damaged, checkpoint: Checkpoint | None) -> str | None:
+def damaged_line(damaged: Sequence[tuple[str, str]], checkpoint: Checkpoint | None
+                 ) -> str | None:
     """One line: the checkpoints ``damaged`` (name, what is wrong) were passed over and
     discarded, and the run goes on from ``checkpoint``; None when none was."""
     if not damaged:
@@ -244,7 +245,7 @@ def _check_same_pipeline(out: Path, identity: dict[str, Any], force: bool) -> No
                             f"--overwrite to start over, or --out DIR for a new run")
 
 
-def _latest_checkpoint(out: Path) -> tuple[Checkpoint | None, list[str]]:
+def _latest_checkpoint(out: Path) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
     """The newest whole checkpoint and what is wrong with the newer ones; a
     ``RunStateError`` when there are checkpoints and none is whole (nothing is cut
     then: the user decides)."""

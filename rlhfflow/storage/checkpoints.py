@@ -153,7 +153,7 @@ class CheckpointStore:
             try:
                 checkpoint = self._read(path, iteration)
             except CheckpointError as exc:
-                damaged.append((path.name, str(exc).split(": ", 1)[1]))
+                damaged.append((path.name, str(exc).removeprefix(f"{path / STATE_FILE}: ")))
                 continue
             problem = self.damage(checkpoint)
             if problem is None:
