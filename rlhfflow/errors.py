@@ -9,6 +9,7 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 
@@ -37,3 +38,16 @@ class SpecError(UserError):
         self.file, self.path, self.message = str(file), path, message
         where = f"{self.file}: {path}: " if path else f"{self.file}: "
         super().__init__(where + message)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: Python's ``MemoryError`` (numpy's
+    too), torch's ``OutOfMemoryError`` (CUDA) or its CPU allocator's ``RuntimeError``,
+    ENOMEM. Not a fault of the data or the code that asked: the machine is short."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text
+                                              or "CUDA out of memory" in text)

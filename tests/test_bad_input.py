@@ -281,6 +281,79 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_after(tmp_path, small
     assert ExperienceBuffer(roomy / "buffer.zarr").iterations() == list(range(6))
 
 
+@pytest.fixture
+def buffer_disk(tmp_path):
+    """A tmpfs to hold a run's experience buffer, resized by the test (``remount``)."""
+    mount = tmp_path / "buffer-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def _committed_iterations_read_whole(buffer: ExperienceBuffer) -> None:
+    for iteration in buffer.iterations():
+        rows = buffer.attrs(iteration)["rows"]
+        assert all(len(v) == rows for v in buffer.read(iteration).values())
+        for column in buffer.text_columns(iteration):
+            assert len(buffer.read_text(iteration, column)) == rows
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_buffer_write_commits_nothing_half_written_and_resumes(
+        tmp_path, buffer_disk):
+    path = small_pipeline(tmp_path, iterations=6, overrides={
+        "cluster.workers": 1, "checkpoint.every": 1, "checkpoint.keep": 0})
+    out = tmp_path / "out"
+    run_pipeline(load_pipeline(path, {"iterations": 2}), progress=False, inline=True)
+    # the buffer moves to a disk with room for about one and a half more iterations;
+    # everything else of the run stays where there is room
+    shutil.copytree(out / "buffer.zarr", buffer_disk / "buffer.zarr")
+    shutil.rmtree(out / "buffer.zarr")
+    (out / "buffer.zarr").symlink_to(buffer_disk / "buffer.zarr")
+    disk = shutil.disk_usage(buffer_disk)
+    size_kib = (disk.used + disk.used * 3 // 4) // 1024  # 2 iterations used it
+    subprocess.run(["mount", "-o", f"remount,size={size_kib}k", str(buffer_disk)],
+                   check=True)
+
+    run = [sys.executable, "-m", "rlhfflow.cli.main", "run", str(path), "--quiet"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("Error: no space left on device: ")
+    assert "buffer.zarr" in lines[0]
+    assert lines[0].endswith("free space and run the same command again to resume from the "
+                             "last checkpoint")
+    # what the buffer shows as committed is whole; the iteration whose write failed is
+    # not among it, and no temporary file of the failed write is left
+    buffer = ExperienceBuffer(out / "buffer.zarr")
+    committed = buffer.iterations()
+    assert committed == list(range(len(committed))) and 2 <= len(committed) < 6
+    # (the next iteration may have begun: its arrays are made while one is in flight)
+    assert buffer.uncommitted() and set(buffer.uncommitted()) <= {len(committed),
+                                                                len(committed) + 1}
+    _committed_iterations_read_whole(buffer)
+    assert not list(buffer_disk.rglob("*.partial"))
+
+    # moved to a disk with room, the run resumes from its last checkpoint, writes the
+    # failed iteration again and completes with every iteration once
+    (out / "buffer.zarr").unlink()
+    shutil.copytree(buffer_disk / "buffer.zarr", out / "buffer.zarr")
+    done = CliRunner().invoke(main, ["run", str(path)])
+    assert done.exit_code == 0, done.output
+    assert "resuming after iteration" in done.stderr
+    assert [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()] == list(range(6))
+    buffer = ExperienceBuffer(out / "buffer.zarr")
+    assert buffer.iterations() == list(range(6)) and buffer.uncommitted() == []
+    _committed_iterations_read_whole(buffer)
+
+
 @pytest.mark.parametrize("config", ["ppo", "grpo"])
 def test_invalid_rewards_can_be_skipped_and_counted(tmp_path, config):
     (tmp_path / "holes.py").write_text(
@@ -452,3 +525,25 @@ def test_the_trial_call_gives_a_trl_style_reward_the_chat_records_messages(
         "models.actor": {"path": str(chat_lm_dir), "trainable": True}})
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert "KeyError: 'contents'" in result.stderr
+
+
+@pytest.mark.parametrize("on_error", ["error", "skip"])
+def test_a_reward_function_out_of_memory_stops_the_run_and_is_never_skipped(tmp_path,
+                                                                           on_error):
+    # the machine is short, not the samples bad: skipping them would hide it
+    (tmp_path / "huge.py").write_text(
+        "import numpy as np\n"
+        "def score(prompts, responses):\n"
+        "    return np.empty((2**40, 2**20), dtype=np.float32).sum(axis=1)[:len(prompts)]\n")
+    path = small_pipeline(tmp_path, overrides={
+        "stages.reward.params.function": str(tmp_path / "huge.py") + ":score",
+        "stages.reward.params.on_error": on_error})
+    with pytest.raises(RunError) as failed:
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+    line = str(failed.value)
+    assert line.startswith("out of memory: stage 'reward' in iteration 0 could not allocate "
+                           "(MemoryError: Unable to allocate 4.00 EiB for an array with shape "
+                           "(1099511627776, 1048576) and data type float32); give the workers "
+                           "more memory (cluster.memory_limit"), line
+    assert "\n" not in line
+    assert not (tmp_path / "out" / "errors").exists()  # nothing listed as a bad sample

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import multiprocessing as mp
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -426,3 +429,37 @@ def test_a_zarr_whose_internals_are_unknown_is_refused_in_one_line():
         check_version(f"{major}.{minor + 1}.0")
     with pytest.raises(ImportError, match="found zarr 2.18.3"):
         check_version("2.18.3")
+
+
+def test_a_write_that_fills_the_disk_names_its_chunk_leaves_nothing_and_commits_nothing(
+        tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        buf = ExperienceBuffer(mount / "buffer.zarr")
+        wide = {"logits": ColumnSpec("float32", (4096,))}  # 64 KiB per 4-row chunk
+        buf.begin_iteration(0, 16, wide, chunk_rows=4)
+        ballast = mount / "ballast"
+        free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+        ballast.write_bytes(b"\0" * (free - 100 * 1024))  # room for one chunk, not two
+        rows = np.ones((8, 4096), dtype=np.float32)
+        with pytest.raises(OSError) as failed:
+            ExperienceBuffer.write_rows(buf.path, 0, 0, {"logits": rows})
+        assert failed.value.errno == errno.ENOSPC
+        assert failed.value.filename == str(buf.path / "iter_000000" / "logits" / "c.1.0")
+        assert not list(mount.rglob("*.partial"))  # its space given back
+        with pytest.raises(ValueError, match=r"unwritten \{'logits': '1/4 chunks'\}"):
+            buf.commit(0)
+        assert buf.iterations() == [] and buf.uncommitted() == [0]
+        # with room again, the same write goes through and the iteration commits whole
+        ballast.unlink()
+        values = np.arange(16 * 4096, dtype=np.float32).reshape(16, 4096)
+        ExperienceBuffer.write_rows(buf.path, 0, 0, {"logits": values})
+        buf.commit(0)
+        np.testing.assert_array_equal(buf.read(0)["logits"], values)
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

@@ -144,13 +144,84 @@ def test_a_changed_pipeline_is_not_resumed_without_force(tmp_path):
     assert [r["iteration"] for r in result.metrics] == [2]
 
 
-def test_a_corrupt_checkpoint_is_named(tmp_path):
+def _truncate(path: Path, keep: int) -> tuple[int, int]:
+    """Cut ``path`` to ``keep`` bytes, as a full disk under a copy would; returns the
+    sizes before and after."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return size, keep
+
+
+def test_checkpoints_list_their_sizes_and_damaged_ones_are_found_pruned_and_truncated(
+        tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for k in range(4):
+        staging = store.begin(k)
+        (staging / "models" / "m").mkdir()
+        (staging / "models" / "m" / "model.safetensors").write_bytes(bytes(1000 + k))
+        store.publish(staging, k, {"versions": {"m": k}})
+    latest = store.latest()
+    assert latest.state["files"] == {"models/m/model.safetensors": 1003}
+    assert store.latest_whole() == (latest, [])
+    (store.root / "iter_000003" / "models" / "m" / "model.safetensors").write_bytes(b"x")
+    (store.root / "iter_000002" / "state.json").write_text("{")
+    whole, damaged = store.latest_whole()
+    assert whole.iteration == 1
+    assert damaged == [("iter_000003", "models/m/model.safetensors has 1 bytes, 1003 were "
+                                       "written"),
+                       ("iter_000002", "corrupt checkpoint state (Expecting property name "
+                                       "enclosed in double quotes: line 1 column 2 (char 1))")]
+    # an old checkpoint whose state cannot be read is pruned, and truncate takes damaged
+    # ones too
+    (store.root / "iter_000000" / "state.json").write_text("{")
+    assert store.prune(3) == [0]
+    store.truncate(1)
+    assert sorted(p.name for p in store.root.iterdir()) == ["iter_000001"]
+
+
+def test_a_truncated_checkpoint_is_passed_over_with_one_line_and_the_run_resumes(
+        tmp_path, capsys):
+    path = _pipeline(tmp_path, iterations=2)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    out = tmp_path / "p" / "out"
+    weights = out / "checkpoints" / "iter_000001" / "models" / "actor" / "model.safetensors"
+    written, cut = _truncate(weights, 4096)
+    result = run_pipeline(load_pipeline(path, {"iterations": 3}), progress=True, inline=True)
+    assert (f"rlhfflow: checkpoint iter_000001 (models/actor/model.safetensors has {cut} "
+            f"bytes, {written} were written) is damaged and discarded; resuming from "
+            f"iter_000000, the newest whole checkpoint") in capsys.readouterr().err
+    assert [r["iteration"] for r in result.metrics] == [1, 2]
+    _assert_each_iteration_once(out, 3)
+    assert [c.iteration for c in CheckpointStore(out / "checkpoints").list()] == [1, 2]
+
+
+def test_a_checkpoint_with_a_missing_file_or_unreadable_state_is_passed_over(tmp_path,
+                                                                              capsys):
+    path = _pipeline(tmp_path, iterations=3)
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    checkpoints = tmp_path / "p" / "out" / "checkpoints"
+    (checkpoints / "iter_000002" / "state.json").write_text("{not json")
+    (checkpoints / "iter_000001" / "optimizers" / "critic.pt").unlink()
+    store = CheckpointStore(checkpoints)
+    assert store.latest_whole()[1] == [
+        ("iter_000002", "corrupt checkpoint state (Expecting property name enclosed in "
+                        "double quotes: line 1 column 2 (char 1))"),
+        ("iter_000001", "optimizers/critic.pt is missing")]
+    # keep: 2, so no checkpoint is whole: one line, and nothing is cut away
+    with pytest.raises(RunError, match=r"^no whole checkpoint to resume from in .*checkpoints "
+                                       r"\(iter_000002: corrupt checkpoint state .*; "
+                                       r"iter_000001: optimizers/critic.pt is missing\); "
+                                       r"pass --overwrite to start over$"):
+        run_pipeline(load_pipeline(path, {"iterations": 4}), progress=False, inline=True)
+    assert ExperienceBuffer(checkpoints.parent / "buffer.zarr").iterations() == [0, 1, 2]
+
+
+def test_a_checkpoint_written_before_sizes_were_listed_is_still_checked_for_its_files(
+        tmp_path):
     path = _pipeline(tmp_path, iterations=2)
     run_pipeline(load_pipeline(path), progress=False, inline=True)
     state = tmp_path / "p" / "out" / "checkpoints" / "iter_000001" / "state.json"
-    state.write_text("{not json")
-    with pytest.raises(RunError, match=f"{state}: corrupt checkpoint state"):
-        run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
     state.write_text(json.dumps({"iteration": 1, "versions": {"actor": 2, "critic": 2}}))
     (state.parent / "optimizers" / "critic.pt").unlink()
     with pytest.raises(RunError, match="corrupt checkpoint .*'critic'"):
@@ -434,3 +505,47 @@ def test_final_weights_are_copied_where_hard_links_fail(tmp_path, monkeypatch):
     assert (final / "model.safetensors").stat().st_ino != \
         (source / "model.safetensors").stat().st_ino
     assert [p.name for p in final.parent.iterdir()] == ["final"]  # no temporary left
+
+
+# --------------------------------------------------------------------------- out of memory
+
+# A reward function with a large working memory: 1 GiB of address space, never touched
+# (so it costs no real memory where the worker may have it)
+HUNGRY = ("import torch\n"
+          "from rlhfflow.stages.rewards import vowel_ratio\n"
+          "def score(prompts, responses):\n"
+          "    scratch = torch.empty(2**28)\n"
+          "    return [v + 0 * float(scratch[0]) for v in vowel_ratio(prompts, responses)]\n")
+
+
+@pytest.mark.slow
+def test_a_worker_out_of_memory_mid_run_stops_with_one_line_and_the_run_resumes_after(
+        tmp_path):
+    (tmp_path / "hungry.py").write_text(HUNGRY)
+    path = small_pipeline(tmp_path, iterations=6, overrides={
+        "cluster.workers": 1, "checkpoint.every": 1, "checkpoint.keep": 2,
+        "stages.reward.params.function": str(tmp_path / "hungry.py") + ":score"})
+    out = tmp_path / "out"
+    proc = _cli(str(path), "--quiet", env={"RLHFFLOW_WARM": "0"})
+    _wait_for_lines(out / "metrics.jsonl", 1, proc)
+    [worker] = embedded_worker_processes(psutil.Process(proc.pid))
+    # the worker's address space may grow by 64 MiB from now on: its next big
+    # allocation fails, as on a machine whose memory ran out
+    limit = worker.memory_info().vms + 64 * 2**20
+    worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("Error: out of memory: stage 'reward' on worker tcp://")
+    assert "in iteration " in lines[0] and "can't allocate memory" in lines[0]
+    assert "cluster.memory_limit" in lines[0]
+    assert lines[0].endswith("then run the same command again to resume from the last "
+                             "checkpoint")
+    stopped_after = len(MetricsLog(out / "metrics.jsonl").read())
+    assert 1 <= stopped_after < 6
+    # the same command on a fresh worker (no limit) resumes and completes
+    again = _cli(str(path), "--quiet", env={"RLHFFLOW_WARM": "0"})
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    _assert_each_iteration_once(out, 6)

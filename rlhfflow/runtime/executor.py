@@ -37,6 +37,7 @@ from rlhfflow.plan.compiler import (
 )
 from rlhfflow.plan.placement import ExecutionPlan, model_sizes
 from rlhfflow.runtime.backend import (
+    InlineBackend,
     TaskFailed,
     WorkerLost,
 )
@@ -49,10 +50,17 @@ from rlhfflow.runtime.checkpointing import (
 )
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
-from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
+from rlhfflow.runtime.failures import (
+    RunError,
+    disk_full,
+    is_disk_full,
+    is_out_of_memory,
+    out_of_memory,
+)
 from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
 from rlhfflow.runtime.runstate import (
     StartPoint,
+    damaged_line,
     identity_digest,
     inexact_resume,
     pipeline_identity,
@@ -192,6 +200,8 @@ class Executor:
         self._say(f"rlhfflow: {self.pipeline.name}: {spec.iterations} iterations on "
                   f"{len(self.backend.workers)} worker(s); output {self.out}"
                   + (f"; {how}" if how else ""))
+        if self.start.fallback_line():
+            self._say(f"rlhfflow: {self.start.fallback_line()}")
         if checkpoint is not None and first < spec.iterations and inexact_resume(self.pipeline):
             self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
         if self.backend.dashboard_link:
@@ -425,7 +435,9 @@ class Executor:
         checkpoint, reinstall the resident state everywhere; returns the next iteration."""
         self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
         self._await_workers(exc)
-        checkpoint = self.checkpointer.store.latest()
+        checkpoint, damaged = self.checkpointer.store.latest_whole()
+        if damaged:
+            self._say(f"rlhfflow: {damaged_line(damaged, checkpoint)}")
         keep = checkpoint.iteration if checkpoint else -1
         cut_back(self.out, keep, self.buffer)
         self.last_checkpoint = keep
@@ -530,6 +542,13 @@ class Executor:
             if is_disk_full(cause):
                 raise RunError(disk_full(cause, f"stage {stage!r}")) from None
             where = f" in iteration {iteration}" if iteration is not None else " (setup)"
+            if is_out_of_memory(cause):
+                # not a lost worker to replace: a fresh one needs the same memory for the
+                # same batch, so retrying would fail again after reloading the models
+                workers = [self.addresses[w] for w in task.workers] if task else []
+                on = (f" on worker {', '.join(workers)}"
+                      if workers and not isinstance(self.backend, InlineBackend) else "")
+                raise RunError(out_of_memory(cause, f"stage {stage!r}{on}{where}")) from None
             tried = f" after {retries + 1} attempts" if retries else ""
             raise RunError(f"stage {stage!r} failed{where}{tried}: "
                            f"{type(cause).__name__}: {cause}") from cause

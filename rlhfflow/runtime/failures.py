@@ -1,12 +1,13 @@
-"""How a run fails: the error that stops it, and the one line a full disk becomes."""
+"""How a run fails: the error that stops it, and the one line a full disk or an
+exhausted memory becomes."""
 
 from __future__ import annotations
 
 import errno
 
-from rlhfflow.errors import RunError
+from rlhfflow.errors import RunError, is_out_of_memory
 
-__all__ = ["RunError", "disk_full", "is_disk_full"]
+__all__ = ["RunError", "disk_full", "is_disk_full", "is_out_of_memory", "out_of_memory"]
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -22,3 +23,16 @@ def disk_full(exc: BaseException, who: str) -> str:
     where = f" writing {filename}" if filename else ""
     return (f"no space left on device: {who} failed{where}; free space and run the same "
             f"command again to resume from the last checkpoint")
+
+
+def out_of_memory(exc: BaseException, who: str) -> str:
+    """The one line an allocation that failed in ``who`` becomes: what ran out, the
+    allocation's own words (their first line), and how to give the run more."""
+    said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    # torch's CPU allocator starts with where in its sources it failed: not the user's
+    said = said.split("] ", 1)[1] if said.startswith("[enforce fail") and "] " in said else said
+    return (f"out of memory: {who} could not allocate ({type(exc).__name__}: {said}); give "
+            f"the workers more memory (cluster.memory_limit, fewer workers on the machine) "
+            f"or the stages less to hold (more data.micro_batches, a smaller "
+            f"data.batch_size), then run the same command again to resume from the last "
+            f"checkpoint")

@@ -15,7 +15,13 @@ from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import choose_plan, load_profile
 from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost, _cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
-from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
+from rlhfflow.runtime.failures import (
+    RunError,
+    disk_full,
+    is_disk_full,
+    is_out_of_memory,
+    out_of_memory,
+)
 from rlhfflow.runtime.runstate import (
     Resume,
     RunStateError,
@@ -112,6 +118,8 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
     except Exception as exc:  # the coordinator's own writes: metrics, buffer metadata, ...
         if is_disk_full(exc):
             raise RunError(disk_full(exc, "the coordinator")) from None
+        if is_out_of_memory(exc):
+            raise RunError(out_of_memory(exc, "the coordinator")) from None
         raise
     finally:
         backend.close()

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from rlhfflow.launch.warm import LOCK_FD_VAR
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.runtime.checkpointing import cut_back
 from rlhfflow.runtime.telemetry import TASKS_FILE
-from rlhfflow.storage import Checkpoint, CheckpointError, CheckpointStore
+from rlhfflow.storage import Checkpoint, CheckpointStore
 from rlhfflow.storage.errors import DIRECTORY as ERRORS_DIRECTORY
 
 RUN_FILE = "run.json"
@@ -105,15 +105,34 @@ def _inherited_lock(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class StartPoint:
-    """Where a run starts: after ``checkpoint`` (None: from the beginning)."""
+    """Where a run starts: after ``checkpoint`` (None: from the beginning); ``damaged``:
+    the newer checkpoints passed over because they were not whole (name, what is wrong)."""
 
     checkpoint: Checkpoint | None
     resumed: bool
+    damaged: tuple[tuple[str, str], ...] = ()
+
+    def fallback_line(self) -> str | None:
+        """The line saying which checkpoints a resume passed over and why, or None."""
+        return damaged_line(self.damaged, self.checkpoint)
 
     @property
     def next_iteration(self) -> int:
         """The first iteration this run computes."""
         return self.checkpoint.iteration + 1 if self.checkpoint else 0
+
+
+def damaged_line(damaged: Sequence[tuple[str, str]], checkpoint: Checkpoint | None
+                 ) -> str | None:
+    """One line: the checkpoints ``damaged`` (name, what is wrong) were passed over and
+    discarded, and the run goes on from ``checkpoint``; None when none was."""
+    if not damaged:
+        return None
+    names = ", ".join(f"{name} ({why})" for name, why in damaged)
+    were = "is" if len(damaged) == 1 else "are"
+    target = checkpoint.path.name if checkpoint else "the start"
+    return (f"checkpoint{'s' if len(damaged) > 1 else ''} {names} {were} damaged and "
+            f"discarded; resuming from {target}, the newest whole checkpoint")
 
 
 def already_done(pipeline: Pipeline, start: StartPoint) -> int | None:
@@ -189,10 +208,10 @@ def prepare_output(pipeline: Pipeline, overwrite: bool = False, resume: Resume =
         raise RunStateError(f"{out} already holds a run; pass --overwrite to replace it, "
                             f"--resume to continue it, or --out DIR for a new one")
     _check_same_pipeline(out, identity, force)
-    checkpoint = _latest_checkpoint(out)
+    checkpoint, damaged = _latest_checkpoint(out)
     cut_back(out, checkpoint.iteration if checkpoint else -1)
     _write_run_file(pipeline, out, identity)
-    return out, StartPoint(checkpoint, resumed=True)
+    return out, StartPoint(checkpoint, resumed=True, damaged=tuple(damaged))
 
 
 def _start_fresh(pipeline: Pipeline, out: Path, identity: dict[str, Any]) -> Path:
@@ -226,9 +245,14 @@ def _check_same_pipeline(out: Path, identity: dict[str, Any], force: bool) -> No
                             f"--overwrite to start over, or --out DIR for a new run")
 
 
-def _latest_checkpoint(out: Path) -> Checkpoint | None:
-    try:
-        return CheckpointStore(out / "checkpoints").latest()
-    except CheckpointError as exc:
-        raise RunStateError(f"{exc}; delete that checkpoint directory to resume from the "
-                            f"one before it") from None
+def _latest_checkpoint(out: Path) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
+    """The newest whole checkpoint and what is wrong with the newer ones; a
+    ``RunStateError`` when there are checkpoints and none is whole (nothing is cut
+    then: the user decides)."""
+    store = CheckpointStore(out / "checkpoints")
+    checkpoint, damaged = store.latest_whole()
+    if checkpoint is None and damaged:
+        listed = "; ".join(f"{name}: {why}" for name, why in damaged)
+        raise RunStateError(f"no whole checkpoint to resume from in {store.root} "
+                            f"({listed}); pass --overwrite to start over")
+    return checkpoint, damaged

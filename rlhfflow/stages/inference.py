@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlhfflow.engine.forward import response_logprobs, response_values
-from rlhfflow.errors import RlhfflowError
+from rlhfflow.errors import RlhfflowError, is_out_of_memory
 from rlhfflow.ops.registry import load_callable
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 
@@ -423,6 +423,8 @@ class ScoreStage(Stage):
         except RewardLengthError:
             raise
         except Exception as exc:
+            if is_out_of_memory(exc):  # the worker is short, not the samples bad: the run's
+                raise
             if self.params.on_error == "error":
                 raise RewardError(f"{describe_error(exc, fn)}; set params.on_error: skip "
                                   f"to leave such samples out") from exc
@@ -437,6 +439,8 @@ class ScoreStage(Stage):
                 except RewardLengthError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the user's function, any error
+                    if is_out_of_memory(exc):
+                        raise
                     if attempt < self.params.retries:
                         retried[row] += 1
                     elif not errors[row]:

@@ -54,6 +54,7 @@ from rlhfflow.storage.zarrv3 import (
     metadata_of,
     open_array,
     write_all,
+    write_file,
 )
 
 COMMIT_KEY = "complete"
@@ -329,12 +330,12 @@ class ExperienceBuffer:
         # the coordinator's critical path; these writes cost well under 1 ms each.
         folder = self.path / name
         folder.mkdir()
-        (folder / "zarr.json").write_bytes(group_document(meta))
+        write_file(folder / "zarr.json", group_document(meta))
         for col, spec in columns.items():
             document = array_document(spec.dtype, spec.shape, int(rows), int(chunk_rows),
                                       compressors)
             (folder / col).mkdir()
-            (folder / col / "zarr.json").write_bytes(document)
+            write_file(folder / col / "zarr.json", document)
         if texts:
             _write_text(folder, texts, int(rows), name)
 
@@ -575,7 +576,7 @@ def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, n
     texts = folder / "text"
     if not texts.is_dir():
         texts.mkdir()
-        (texts / "zarr.json").write_bytes(group_document({}))
+        write_file(texts / "zarr.json", group_document({}))
     store = LocalStore(folder.parent)
     writes = []
     for col, values in columns.items():
@@ -587,12 +588,12 @@ def _write_text(folder: Path, columns: Mapping[str, Sequence[str]], rows: int, n
         if column.exists():
             shutil.rmtree(column)
         column.mkdir()
-        (column / "zarr.json").write_bytes(group_document({}))
+        write_file(column / "zarr.json", group_document({}))
         for key, data in (("bytes", flat), ("offsets", offsets)):
             document = array_document(data.dtype.name, (), len(data),
                                        max(1, len(data)), None)
             (column / key).mkdir()
-            (column / key / "zarr.json").write_bytes(document)
+            write_file(column / key / "zarr.json", document)
             writes.append((column / key, array_of(document, store, f"{name}/text/{col}/{key}"),
                            0, data))
     write_all(writes)

@@ -4,6 +4,12 @@ A checkpoint is assembled in a hidden temporary directory (workers write model w
 and optimizer state into it, the coordinator writes ``state.json`` last) and renamed to
 its final name in one step, so a crash never leaves a checkpoint that looks complete.
 Only directories named ``iter_NNNNNN`` with a readable ``state.json`` count.
+
+``state.json`` also lists every other file of the checkpoint with its size (``files``),
+so a checkpoint damaged after it was published (a file truncated or deleted: a full
+disk under a copy, a careless ``rm``) is found by a ``stat`` per file, without reading
+the weights (:meth:`CheckpointStore.damage`). A resume takes the newest checkpoint that
+is whole (:meth:`CheckpointStore.latest_whole`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from rlhfflow.errors import RlhfflowError
 
 _NAME = re.compile(r"^iter_(\d{6})$")
 STATE_FILE = "state.json"
+#: the key of ``state.json`` listing the checkpoint's other files: relative path -> bytes
+FILES_KEY = "files"
 
 
 class CheckpointError(RlhfflowError, ValueError):
@@ -99,8 +107,9 @@ class CheckpointStore:
         return tmp
 
     def publish(self, tmp: Path, iteration: int, state: dict[str, Any]) -> Checkpoint:
-        """Write ``state.json`` (last) and rename ``tmp`` into place atomically."""
-        state = {**state, "iteration": iteration}
+        """Write ``state.json`` (last, with the size of every other file) and rename
+        ``tmp`` into place atomically."""
+        state = {**state, "iteration": iteration, FILES_KEY: _sizes(tmp)}
         staged = tmp / (STATE_FILE + ".tmp")
         with open(staged, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1, sort_keys=True)
@@ -130,6 +139,51 @@ class CheckpointStore:
         found = self.list()
         return found[-1] if found else None
 
+    def latest_whole(self) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
+        """The newest checkpoint that is whole (readable state, every listed file there
+        at its size), or None; and, newest first, each newer checkpoint's name with what
+        is wrong with it (``("iter_000004", "models/actor/model.safetensors has 1024
+        bytes, 4096 were written")``)."""
+        damaged = []
+        for path in sorted(self._directories(), reverse=True):
+            iteration = int(_NAME.match(path.name).group(1))
+            if not (path / STATE_FILE).is_file():
+                damaged.append((path.name, f"no {STATE_FILE}"))
+                continue
+            try:
+                checkpoint = self._read(path, iteration)
+            except CheckpointError as exc:
+                damaged.append((path.name, str(exc).removeprefix(f"{path / STATE_FILE}: ")))
+                continue
+            problem = self.damage(checkpoint)
+            if problem is None:
+                return checkpoint, damaged
+            damaged.append((path.name, problem))
+        return None, damaged
+
+    @staticmethod
+    def damage(checkpoint: Checkpoint) -> str | None:
+        """What is missing or cut short in ``checkpoint`` against the sizes its
+        ``state.json`` lists, or None when it is whole (or lists none: a checkpoint
+        written before they were)."""
+        listed = checkpoint.state.get(FILES_KEY)
+        if not isinstance(listed, dict):
+            return None
+        for name, size in sorted(listed.items()):
+            try:
+                found = (checkpoint.path / name).stat().st_size
+            except OSError:
+                return f"{name} is missing"
+            if found != size:
+                return f"{name} has {found} bytes, {size} were written"
+        return None
+
+    def _directories(self) -> list[Path]:
+        """Every ``iter_NNNNNN`` directory, published or not, readable or not."""
+        if not self.root.is_dir():
+            return []
+        return [e for e in self.root.iterdir() if _NAME.match(e.name) and e.is_dir()]
+
     def _read(self, path: Path, iteration: int) -> Checkpoint:
         try:
             state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
@@ -150,14 +204,22 @@ class CheckpointStore:
     def prune(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` checkpoints (0 keeps all); returns the
         iterations deleted."""
-        found = self.list()
+        # by name: an old checkpoint whose state cannot be read is pruned, not fatal
+        found = sorted(p for p in self._directories() if (p / STATE_FILE).is_file())
         doomed = found[:-keep] if keep else []
-        for checkpoint in doomed:
-            shutil.rmtree(checkpoint.path, ignore_errors=True)
-        return [c.iteration for c in doomed]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return [int(_NAME.match(p.name).group(1)) for p in doomed]
 
     def truncate(self, keep_through: int) -> None:
-        """Delete checkpoints after ``keep_through`` (they belong to a discarded future)."""
-        for checkpoint in self.list():
-            if checkpoint.iteration > keep_through:
-                shutil.rmtree(checkpoint.path, ignore_errors=True)
+        """Delete checkpoints after ``keep_through`` (they belong to a discarded future),
+        damaged ones too."""
+        for path in self._directories():
+            if int(_NAME.match(path.name).group(1)) > keep_through:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _sizes(folder: Path) -> dict[str, int]:
+    """Relative path -> size of every file under ``folder``."""
+    return {str(Path(d, name).relative_to(folder)): os.stat(os.path.join(d, name)).st_size
+            for d, _, names in os.walk(folder) for name in names}

@@ -109,10 +109,25 @@ def chunk_keys(metadata: ArrayV3Metadata) -> list[str]:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` by ``data`` at once (temp file plus rename), as ``LocalStore``
-    does, so a reader never sees half a document."""
+    does, so a reader never sees half a document or chunk; a write that fails (a full
+    disk) leaves ``path`` as it was and no temp file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        write_file(tmp, data, named=path)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: give its space back, leave no partial file
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_file(path: Path, data: bytes, named: Path | None = None) -> None:
+    """Write ``data`` to ``path``; an ``OSError`` names ``named`` (default ``path``): a
+    failed ``write``, as on a full disk, names no file by itself, and the file a user
+    knows of is the final one, not its temporary."""
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(named or path)) from None
 
 
 def open_array(folder: Path, store: LocalStore, path: str) -> AsyncArray:
