@@ -3,7 +3,9 @@ advantage), read back from the committed iteration in the experience buffer, so 
 coordinator carries nothing extra for them.
 
 ``OUTPUT/completions.jsonl`` gets one JSON object per sample; trackers that take tables
-(W&B, TensorBoard as text) get the same rows through their sink's ``completions``.
+(W&B, TensorBoard as text) get the same rows through their sink's ``completions``. A
+multi-turn episode (the ``rollout`` stage's ``turns_json``) also gets ``turns``: its
+conversation, one ``{"role", "text", "span", "reward"}`` object per turn.
 """
 
 from __future__ import annotations
@@ -27,14 +29,41 @@ def reward_columns(pipeline) -> list[str]:
             if column not in NOT_REWARDS]
 
 
+def episode_turns(turns_json: str) -> list[dict[str, Any]]:
+    """The turns of one episode from its ``turns_json`` cell ([] if it holds none)."""
+    try:
+        turns = json.loads(turns_json) if turns_json else []
+    except ValueError:
+        return []
+    return [t for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
+
+
+def conversation_lines(turns: list[dict[str, Any]], width: int = 0) -> list[str]:
+    """An episode as text, one line per turn: ``role: text`` (newlines shown as ``⏎``),
+    the model's turns with their reward when it is not 0; ``width`` > 0 cuts each line."""
+    lines = []
+    for turn in turns:
+        text = str(turn.get("text", "")).replace("\n", " ⏎ ")
+        reward = turn.get("reward")
+        tail = f"   [reward {reward:g}]" if isinstance(reward, int | float) and reward \
+            else ""
+        line = f"{turn.get('role', '?')}: {text}"
+        if width and len(line) > width - len(tail):
+            line = line[:max(width - len(tail) - 3, 8)] + "..."
+        lines.append(line + tail)
+    return lines
+
+
 def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str, Any]]:
     """One dict per sample of committed ``iteration``: ``iteration``, ``prompt``,
-    ``response``, each reward column present, and ``advantage`` (the mean over the
-    response's tokens) when the iteration has advantages."""
+    ``response``, each reward column present, ``advantage`` (the mean over the
+    response's tokens) when the iteration has advantages, and ``turns`` (the episode's
+    conversation) when it has ``turns_json``."""
     texts = buffer.text_columns(iteration)
     prompts = buffer.read_text(iteration, "prompt_text") if "prompt_text" in texts else []
     responses = buffer.read_text(iteration, "response_text") if "response_text" in texts \
         else []
+    episodes = buffer.read_text(iteration, "turns_json") if "turns_json" in texts else []
     columns = buffer.columns(iteration)
     numbers = {c: buffer.read(iteration, [c])[c] for c in rewards if c in columns}
     if "advantages" in columns and "response_mask" in columns:
@@ -51,6 +80,8 @@ def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str
         for name, values in numbers.items():
             value = float(values[i])
             row[name] = value if math.isfinite(value) else None
+        if i < len(episodes):
+            row["turns"] = episode_turns(episodes[i])
         out.append(row)
     return out
 

@@ -16,7 +16,9 @@ term and advantage skips the environment's, while the forward passes of the othe
 stages attend to every token up to the last masked one
 (``rlhfflow.engine.forward.response_attention``); ``sample_logprobs`` are those of the
 model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward
-and ``turns`` its model turns.
+and ``turns`` its model turns; ``turn_rewards`` holds each ``step``'s reward on the last
+token of the model turn it answers (for ``advantages``' ``per_turn``); ``turns_json`` is
+the episode as a conversation, one JSON list per row (``Episode.log``).
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -26,14 +28,16 @@ take the role ``tool`` if the template renders it, else ``user``), else as plain
 with ``plain_separator`` around them.
 
 Not done yet: each turn re-runs the prompt and the episode so far through the model
-(no KV cache kept across turns), environments step inside the stage's task (not as
-tasks of their own on a CPU pool), and the environment's reward is per episode.
+(no KV cache kept across turns), and environments step inside the stage's task (not as
+tasks of their own on a CPU pool).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +49,7 @@ from pydantic import Field
 
 from rlhfflow.data.records import pad_prompts
 from rlhfflow.engine.sampling import sample_uniforms
+from rlhfflow.errors import UserError
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.generate import cut_at_stop, eos_ids, generate
 from rlhfflow.stages.inference import load_function
@@ -157,11 +162,16 @@ class RolloutParams(StageParams):
                                                    "template")
 
 
+class EnvironmentMisbehaved(UserError):
+    """An environment's ``reset`` or ``step`` returned something of the wrong shape: one
+    line naming its file and class, the hook and what was expected."""
+
+
 @dataclass
 class Episode:
     """One row's episode so far: its response tokens, which are the model's, their
-    log-probs, the model's last turn, the uniforms it used, the model turns taken and the
-    reward."""
+    log-probs, the model's last turn, the uniforms it used, the model turns taken, the
+    reward, and ``log``: the turns as who said what (``add``, ``took``)."""
 
     env: Any
     tokens: list[int] = field(default_factory=list)
@@ -172,12 +182,103 @@ class Episode:
     turns: int = 0
     reward: float = 0.0
     done: bool = False
+    log: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Append the model's tokens (with log-probs) or the environment's (None)."""
+    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
+            messages: Sequence[Message] = (), role: str = "env") -> None:
+        """Append the model's tokens (with log-probs) or the environment's (None, with
+        the ``messages`` they render, whose role defaults to ``role``), and log the turn
+        with its span of response tokens."""
+        start = len(self.tokens)
         self.tokens += tokens
         self.mask += [1 if logprobs is not None else 0] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        span = [start, len(self.tokens)]
+        if logprobs is not None:
+            self.log.append({"role": "assistant", "span": span, "reward": 0.0})
+        else:
+            self.log += [{"role": m.get("role", role), "text": m["content"], "span": span}
+                         for m in messages]
+
+    def took(self, result: Any) -> tuple[list[Message] | str, float, bool, dict]:
+        """The environment's ``step`` result, checked (``EnvironmentMisbehaved``), its
+        reward added to the episode's and to the model turn it answers."""
+        problem = step_problem(result)
+        if problem:
+            raise EnvironmentMisbehaved(f"{env_name(self.env)}.step returned {problem}")
+        messages, reward, done, info = result
+        reward = float(reward)
+        self.reward += reward
+        turn = next((t for t in reversed(self.log) if t["role"] == "assistant"), None)
+        if turn is not None:
+            turn["reward"] += reward
+            if info:
+                turn["info"] = json.loads(json.dumps(info, default=str))
+        return messages, reward, bool(done), info
+
+    def opened(self, messages: Any) -> list[Message] | str:
+        """The environment's ``reset`` result, checked (``EnvironmentMisbehaved``)."""
+        problem = messages_problem(messages)
+        if problem:
+            raise EnvironmentMisbehaved(
+                f"{env_name(self.env)}.reset returned {problem}; expected a string or a "
+                "list of {'role', 'content': str} dicts (the messages before the model's "
+                "first turn)")
+        return messages
+
+
+def env_name(env: Any) -> str:
+    """``file.py:Class`` of an environment instance, for messages."""
+    cls = type(env)
+    try:
+        where = Path(inspect.getsourcefile(cls) or cls.__module__).name
+    except TypeError:
+        where = cls.__module__
+    return f"{where}:{cls.__qualname__}"
+
+
+def messages_problem(messages: Any) -> str | None:
+    """Why ``messages`` (what ``reset`` or ``step`` shows the model) is not a string or
+    a list of ``{"role": ..., "content": str}`` dicts, or None."""
+    if isinstance(messages, str):
+        return None
+    if not isinstance(messages, list | tuple):
+        return f"messages of type {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                or not isinstance(m.get("role", ""), str):
+            return f"message {i} {m!r:.60}"
+    return None
+
+
+EXPECTED_STEP = ("expected a tuple (messages, reward, done, info): messages a string or "
+                 "a list of {'role', 'content': str} dicts, reward a number, done a "
+                 "bool, info a dict")
+
+
+def step_problem(result: Any) -> str | None:
+    """What is wrong with a ``step`` result (``"..., expected ..."``), or None."""
+    if not isinstance(result, tuple | list) or len(result) != 4:
+        shown = f"a {len(result)}-tuple" if isinstance(result, tuple | list) \
+            else type(result).__name__
+        return f"{shown} {result!r:.60}; {EXPECTED_STEP}"
+    messages, reward, done, info = result
+    problem = messages_problem(messages)
+    if problem is None and (isinstance(reward, bool) or not _is_number(reward)):
+        problem = f"reward {reward!r:.40}"
+    if problem is None and not (isinstance(done, bool | int)
+                                or type(done).__name__ == "bool_"):
+        problem = f"done {done!r:.40}"
+    if problem is None and info is not None and not isinstance(info, dict):
+        problem = f"info {info!r:.40}"
+    return None if problem is None else f"{problem}; {EXPECTED_STEP}"
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 class TurnFormat:
@@ -249,7 +350,8 @@ class TurnFormat:
 class RolloutStage(Stage):
     """Multi-turn episodes of the model with an environment or tools (see the module's
     docstring). Writes the episode after the prompt, a mask of the model's tokens, their
-    sampling log-probs, ``env_reward``, ``turns`` and ``policy_version``."""
+    sampling log-probs, ``env_reward``, ``turns``, ``turn_rewards``, ``turns_json`` and
+    ``policy_version``."""
 
     type_name = "rollout"
     Params = RolloutParams
@@ -269,7 +371,9 @@ class RolloutStage(Stage):
                "policy_version": Column("int64"),
                "response_text": Column("str"),
                "env_reward": Column("float32"),
-               "turns": Column("int64")}
+               "turns": Column("int64"),
+               "turn_rewards": Column("float32", "response"),
+               "turns_json": Column("str")}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
@@ -310,7 +414,8 @@ class RolloutStage(Stage):
         templated = [fmt.templated(text) for text in texts]
         episodes = [Episode(self.make_env(ctx)) for _ in range(rows)]
         for row, episode in enumerate(episodes):
-            opening = episode.env.reset({**json.loads(fields[row]), "prompt": texts[row]})
+            opening = episode.opened(episode.env.reset({**json.loads(fields[row]),
+                                                        "prompt": texts[row]}))
             if opening:
                 self.answer(episode, opening, fmt, templated[row], None)
         uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
@@ -365,9 +470,8 @@ class RolloutStage(Stage):
         episode ends there, for its reward)."""
         params = self.params
         said = episode.said
-        messages, reward, done, _info = episode.env.step(
-            tok.decode(said, skip_special_tokens=True))
-        episode.reward += float(reward)
+        messages, reward, done, _info = episode.took(episode.env.step(
+            tok.decode(said, skip_special_tokens=True)))
         if done or episode.turns >= params.max_turns or len(episode.tokens) >= params.max_tokens:
             episode.done = True
             return
@@ -380,7 +484,8 @@ class RolloutStage(Stage):
         model after them ends (cut to ``max_tokens``)."""
         tokens = fmt.tokens(messages, templated, ended_at)
         room = self.params.max_tokens - len(episode.tokens)
-        episode.add(tokens[:room], None)
+        listed = [{"content": messages}] if isinstance(messages, str) else messages
+        episode.add(tokens[:room], None, listed, fmt.role if templated else "env")
         episode.done = len(tokens) >= room
 
     def columns(self, episodes: list[Episode], tok, pad_id: int, version: int) -> Batch:
@@ -389,12 +494,22 @@ class RolloutStage(Stage):
         ids = torch.full((rows, width), pad_id, dtype=torch.long)
         mask = torch.zeros(rows, width, dtype=torch.int8)
         logprobs = torch.zeros(rows, width)
+        turn_rewards = torch.zeros(rows, width)
         for row, episode in enumerate(episodes):
             length = len(episode.tokens)
             ids[row, :length] = torch.tensor(episode.tokens, dtype=torch.long)
             mask[row, :length] = torch.tensor(episode.mask, dtype=torch.int8)
             logprobs[row, :length] = torch.tensor(episode.logprobs)
-        out = {"response_ids": ids, "response_mask": mask, "sample_logprobs": logprobs,
+            for i, turn in enumerate(episode.log):
+                start, end = turn["span"]
+                if turn["role"] == "assistant":
+                    text = tok.decode(episode.tokens[start:end], skip_special_tokens=True)
+                    episode.log[i] = {"role": "assistant", "text": text, **turn}
+                    if end > start:
+                        turn_rewards[row, end - 1] += turn["reward"]
+        out = {"turns_json": [json.dumps(e.log, ensure_ascii=False) for e in episodes],
+               "turn_rewards": turn_rewards,
+               "response_ids": ids, "response_mask": mask, "sample_logprobs": logprobs,
                "response_text": tok.batch_decode([e.tokens for e in episodes],
                                                  skip_special_tokens=True),
                "env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
