@@ -266,8 +266,8 @@ def step_problem(result: Any) -> str | None:
     problem = messages_problem(messages)
     if problem is None and (isinstance(reward, bool) or not _is_number(reward)):
         problem = f"reward {reward!r:.40}"
-    if problem is None and not (isinstance(done, bool | int)
-                                or type(done).__name__ == "bool_"):
+    if problem is None and not (isinstance(done, bool | int)  # numpy's bool too
+                                or getattr(getattr(done, "dtype", None), "kind", "") == "b"):
         problem = f"done {done!r:.40}"
     if problem is None and info is not None and not isinstance(info, dict):
         problem = f"info {info!r:.40}"
