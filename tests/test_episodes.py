@@ -305,7 +305,7 @@ def test_algorithms_train_on_episodes_and_the_report_shows_them_as_conversations
                           progress=False, inline=True)
     assert len(result.metrics) == 2
     last = result.metrics[-1]
-    loss = last.get("policy_loss", last.get("train", {}).get("train_dpo", {}).get("loss"))
+    loss = last["policy_loss"] if algorithm != "dpo" else last["train"]["train_dpo"]["dpo_loss"]
     assert loss is not None and math.isfinite(loss), last
     out = tmp_path / "out"
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text()

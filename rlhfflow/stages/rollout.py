@@ -402,6 +402,17 @@ class RolloutStage(Stage):
             return ("params.env_kwargs", "env_kwargs go with params.env")
         return None
 
+    @classmethod
+    def check_tokenizer(cls, params, tokenizer, base_dir):
+        if not params.tools or not getattr(tokenizer, "chat_template", None):
+            return None
+        fmt = TurnFormat(tokenizer, params.plain_separator)
+        if fmt.role != "tool":
+            return ("params.tools", "the model's chat template renders no 'tool' role, "
+                    "which the tools' results take; use a model whose template has one, "
+                    "or an environment (params.env), whose messages may be 'user' turns")
+        return tool_schema_problem(params.tools, tokenizer, base_dir)
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
         tok, params = resident.tokenizer, self.params
@@ -519,6 +530,49 @@ class RolloutStage(Stage):
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
         return out
+
+
+def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | None
+                        ) -> tuple[str, str] | None:
+    """``(key, message)`` if the chat template, when it shows tools to the model (its
+    rendering changes with a ``tools`` argument), cannot be given the tools: a function
+    whose JSON schema cannot be built from its type hints and docstring
+    (``transformers.utils.get_json_schema``), or a template that fails on them."""
+    from transformers.utils import get_json_schema
+
+    opening = [{"role": "user", "content": "x"}]
+
+    def render(tools):
+        return tokenizer.apply_chat_template(opening, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+
+    probe = {"type": "function", "function": {
+        "name": "probe", "description": "a probe",
+        "parameters": {"type": "object", "properties": {}}}}
+    try:
+        if render([probe]) == render(None):
+            return None  # the template shows no tools: the prompt must describe them
+    except Exception:  # noqa: BLE001  (checked below with the real schemas)
+        pass
+    schemas = []
+    for i, ref in enumerate(refs):
+        try:
+            schemas.append(get_json_schema(load_function(ref, base_dir)))
+        except Exception as exc:  # noqa: BLE001  (transformers' parsing exceptions)
+            return (f"params.tools[{i}]", f"the chat template shows tools to the model, "
+                    f"but {ref!r} has no JSON schema: {_first_line(exc)} (give it type "
+                    "hints and a docstring with an Args: section)")
+    try:
+        render(schemas)
+    except Exception as exc:  # noqa: BLE001  (the template's own error)
+        return ("params.tools", f"the model's chat template cannot render these tools: "
+                                f"{type(exc).__name__}: {_first_line(exc)}")
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _imported(ref: str, base_dir: Path | str | None) -> tuple[str | None, Any]:
