@@ -327,3 +327,97 @@ def test_per_turn_needs_a_stage_that_writes_turn_rewards(tmp_path):
         load_pipeline(path)
     assert "turn_rewards" in str(info.value) and "\n" not in str(info.value)
 
+
+
+# --------------------------------------------------------------------------- tools at validation
+
+ROLES = "{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>" \
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}"
+TEMPLATES = {
+    # shows each tool's name to the model, as tool-calling templates do
+    "shows-tools": "{% if tools %}<|im_start|>system: {% for t in tools %}"
+                   "{{ t['function']['name'] }} {% endfor %}<|im_end|>{% endif %}" + ROLES,
+    # reads a key no schema has
+    "breaks-on-tools": "{% if tools %}{% for t in tools %}{{ t.function.returns.kind }}"
+                       "{% endfor %}{% endif %}" + ROLES,
+    # knows user, assistant and system only
+    "no-tool-role": "{% for m in messages %}{% if m['role'] not in ['user', 'assistant', "
+                    "'system'] %}{{ raise_exception('unknown role ' + m['role']) }}"
+                    "{% endif %}{% endfor %}" + ROLES,
+}
+DOCUMENTED = '''
+def add(a: float, b: float) -> float:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def bare(a, b):
+    return a + b
+'''
+
+
+@pytest.fixture(scope="module")
+def template_models(tmp_path_factory) -> dict[str, Path]:
+    from rlhfflow.engine.models import build_tiny_model, save_model
+    from tests.conftest import chat_tokenizer
+
+    root = tmp_path_factory.mktemp("templates")
+    paths = {}
+    for name, template in TEMPLATES.items():
+        tok = chat_tokenizer()
+        tok.chat_template = template
+        paths[name] = root / name
+        save_model(build_tiny_model(tok, "lm", seed=0), tok, paths[name])
+    return paths
+
+
+def _tool_pipeline(tmp_path: Path, model: Path, tools: list[str]) -> Path:
+    (tmp_path / "tools.py").write_text(DOCUMENTED)
+    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data["data"].update(prompts=str(EXAMPLE / "prompts.jsonl"), chat_template=True)
+    data["models"]["actor"] = {"path": str(model), "trainable": True}
+    params = data["stages"]["rollout"]["params"]
+    del params["env"], params["env_kwargs"]
+    params["tools"] = tools
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("template, tools, key, message", [
+    ("shows-tools", ["tools.py:add", "tools.py:bare"], "params.tools[1]",
+     "the chat template shows tools to the model, but 'tools.py:bare' has no JSON schema: "
+     "Cannot generate JSON schema for bare because"),
+    ("breaks-on-tools", ["tools.py:add"], "params.tools",
+     "the model's chat template cannot render these tools: UndefinedError"),
+    ("no-tool-role", ["tools.py:add"], "params.tools",
+     "the model's chat template renders no 'tool' role"),
+    ("shows-tools", ["tools.py:add"], None, None),
+])
+def test_tools_the_chat_template_cannot_render_are_one_line_at_validation(
+        tmp_path, template_models, template, tools, key, message):
+    path = _tool_pipeline(tmp_path, template_models[template], tools)
+    done = _cli("validate", str(path), cwd=tmp_path)
+    if key is None:
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"Error: {path}: stages.rollout.{key}: {message}"), lines[0]
+
+
+def test_an_environment_that_does_not_import_is_one_line_at_validation(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n\n\nclass Env:\n    pass\n")
+    path = _guess_pipeline(tmp_path, env="broken.py:Env", env_kwargs={})
+    done = _cli("validate", str(path), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"Error: {path}: stages.rollout.params.env: cannot import "
+                     "'broken.py:Env': ModuleNotFoundError: No module named "
+                     "'no_such_module_here'"], lines
