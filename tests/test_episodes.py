@@ -311,6 +311,9 @@ def test_algorithms_train_on_episodes_and_the_report_shows_them_as_conversations
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text()
             .splitlines()]
     assert rows and all(r["turns"][0]["role"] == "assistant" for r in rows)
+    if algorithm != "dpo":  # each model turn's mean advantage, beside the episode's
+        assert all("advantage" in t for r in rows for t in r["turns"]
+                   if t["role"] == "assistant")
     report = build_report(out)
     assert "<div class='turn assistant'><b>assistant</b>: " in report
     assert "<b>env</b>: " in report

@@ -66,11 +66,12 @@ def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str
     episodes = buffer.read_text(iteration, "turns_json") if "turns_json" in texts else []
     columns = buffer.columns(iteration)
     numbers = {c: buffer.read(iteration, [c])[c] for c in rewards if c in columns}
+    advantages = None
     if "advantages" in columns and "response_mask" in columns:
         read = buffer.read(iteration, ["advantages", "response_mask"])
         mask = np.asarray(read["response_mask"], dtype=np.float64)
-        total = (np.asarray(read["advantages"], dtype=np.float64) * mask).sum(axis=1)
-        numbers["advantage"] = total / np.maximum(mask.sum(axis=1), 1.0)
+        advantages = np.asarray(read["advantages"], dtype=np.float64) * mask
+        numbers["advantage"] = advantages.sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
     rows = max([len(prompts), len(responses), *(len(v) for v in numbers.values())])
     out = []
     for i in range(rows):
@@ -82,8 +83,19 @@ def completion_rows(buffer, iteration: int, rewards: list[str]) -> list[dict[str
             row[name] = value if math.isfinite(value) else None
         if i < len(episodes):
             row["turns"] = episode_turns(episodes[i])
+            if advantages is not None:
+                _turn_advantages(row["turns"], advantages[i])
         out.append(row)
     return out
+
+
+def _turn_advantages(turns: list[dict[str, Any]], advantages: np.ndarray) -> None:
+    """Give each model turn its mean advantage (per-turn credit makes them differ)."""
+    for turn in turns:
+        span = turn.get("span")
+        if turn.get("role") == "assistant" and isinstance(span, list) and len(span) == 2 \
+                and span[1] > span[0]:
+            turn["advantage"] = float(advantages[span[0]:span[1]].mean())
 
 
 def append_rows(path: Path, iteration: int, rows: list[dict[str, Any]]) -> None:

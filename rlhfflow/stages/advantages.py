@@ -105,13 +105,9 @@ class AdvantagesStage(Stage):
         estimator = ops.resolve_advantage_estimator(algo.estimator)
         turn = {k: inputs.pop(k) for k in ("turn_rewards", "raw_scores", "kl") if k in inputs}
         if self.params.per_turn and not ops.takes(estimator, "token_rewards"):
-            rewards = ops.per_turn_rewards(turn["turn_rewards"], turn["raw_scores"],
-                                           inputs["mask"], turn["kl"], algo.kl_coef)
-            returns_by_turn = ops.turn_returns(rewards, ops.turn_index(inputs["mask"])[1],
-                                               self.params.turn_gamma)
-            advantages, returns = ops.call_per_turn(estimator, inputs, ops.call,
-                                                    returns_by_turn), None
-        else:
+            advantages, returns = _per_turn(estimator, inputs, turn, algo,
+                                            self.params.turn_gamma), None
+        else:  # per_turn for a token-level estimator is in its token_rewards
             advantages, returns = ops.call(estimator, inputs)
         expected = tuple(inputs["mask"].shape)
         if tuple(advantages.shape) != expected or (
@@ -152,6 +148,16 @@ def _estimator_inputs(batch: Batch, algo, mask: torch.Tensor, kl: torch.Tensor |
     for column in algo.estimator_needs:
         inputs[column] = batch[column].float()
     return inputs
+
+
+def _per_turn(estimator, inputs: dict[str, object], turn: dict[str, object], algo,
+              gamma: float) -> torch.Tensor:
+    """An outcome estimator's advantages with each model turn as a sample scored with its
+    discounted return (``ops.call_per_turn``)."""
+    rewards = ops.per_turn_rewards(turn["turn_rewards"], turn["raw_scores"], inputs["mask"],
+                                   turn["kl"], algo.kl_coef)
+    returns = ops.turn_returns(rewards, ops.turn_index(inputs["mask"])[1], gamma)
+    return ops.call_per_turn(estimator, inputs, ops.call, returns)
 
 
 def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
