@@ -218,6 +218,17 @@ def test_a_good_step_passes_and_numpy_and_tensor_values_are_taken():
     assert episode.log[0]["reward"] == 0.75 and episode.log[0]["info"] == {"n": "3"}
 
 
+def test_an_environment_turn_without_messages_still_covers_its_tokens():
+    from rlhfflow.stages.rollout import Episode
+
+    episode = Episode(_Env(None))
+    episode.add([1, 2], [-0.5, -0.5])
+    episode.add([3, 4], None, [], "tool")  # the template's markers, no message
+    episode.add([5], [-0.5])
+    assert [t["span"] for t in episode.log] == [[0, 2], [2, 4], [4, 5]]
+    assert episode.log[1] == {"role": "tool", "text": "", "span": [2, 4]}
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300,

@@ -196,9 +196,11 @@ class Episode:
         span = [start, len(self.tokens)]
         if logprobs is not None:
             self.log.append({"role": "assistant", "span": span, "reward": 0.0})
-        else:
+        elif messages:
             self.log += [{"role": m.get("role", role), "text": m["content"], "span": span}
                          for m in messages]
+        elif tokens:  # no message, but the template's turn markers
+            self.log.append({"role": role, "text": "", "span": span})
 
     def took(self, result: Any) -> tuple[list[Message] | str, float, bool, dict]:
         """The environment's ``step`` result, checked (``EnvironmentMisbehaved``), its
@@ -253,7 +255,7 @@ def messages_problem(messages: Any) -> str | None:
 
 EXPECTED_STEP = ("expected a tuple (messages, reward, done, info): messages a string or "
                  "a list of {'role', 'content': str} dicts, reward a number, done a "
-                 "bool, info a dict")
+                 "bool, info a dict or None")
 
 
 def step_problem(result: Any) -> str | None:
@@ -495,7 +497,8 @@ class RolloutStage(Stage):
         model after them ends (cut to ``max_tokens``)."""
         tokens = fmt.tokens(messages, templated, ended_at)
         room = self.params.max_tokens - len(episode.tokens)
-        listed = [{"content": messages}] if isinstance(messages, str) else messages
+        listed = ([{"content": messages}] if messages else []) if isinstance(messages, str) \
+            else messages
         episode.add(tokens[:room], None, listed, fmt.role if templated else "env")
         episode.done = len(tokens) >= room
 
