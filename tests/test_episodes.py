@@ -17,11 +17,41 @@ import yaml
 
 from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
-from rlhfflow.stages import StageContext, create_stage
+from rlhfflow.data.records import pad_prompts, prompt_token_ids
+from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from rlhfflow.stages.rollout import EnvironmentMisbehaved
-from tests.test_rollout import EXAMPLE, GUESS, TEXTS, _chat_batch, _chat_store, _rollout
 
 REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "multiturn"
+GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
+TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
+
+
+def _chat_store(chat_lm_dir) -> ModelStore:
+    return ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
+                                            optimizer={"lr": 1e-3})})
+
+
+def _chat_batch(tok, texts, samples=2) -> dict:
+    """Source columns of chat prompts, rendered with the template as the data source
+    does; secret 3, which a random model does not say."""
+    rows = [(i, s) for i in range(len(texts)) for s in range(samples)]
+    rendered = [tok.apply_chat_template([{"role": "user", "content": texts[i]}],
+                                        add_generation_prompt=True, tokenize=False)
+                for i, _ in rows]
+    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in rendered],
+                            tok.pad_token_id)
+    return {"prompt_ids": ids, "prompt_mask": mask,
+            "prompt_index": torch.tensor([i for i, _ in rows]),
+            "sample_index": torch.tensor([s for _, s in rows]),
+            "group_ids": torch.tensor([i for i, _ in rows]), "prompt_text": rendered,
+            "prompt_fields": [json.dumps({"secret": 3}) for _ in rows]}
+
+
+def _rollout(store, batch, **params):
+    stage = create_stage("rollout", params=params, model="actor")
+    return stage.run(batch, StageContext(iteration=0, seed=0, models=store,
+                                         settings={"base_dir": str(EXAMPLE)}))
 
 
 def _advantages(batch, algorithm, **params):
