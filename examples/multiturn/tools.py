@@ -1,5 +1,7 @@
 """Tools for the ``rollout`` stage: plain Python functions the model calls with
-``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``."""
+``<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>``.
+Their type hints and ``Args:`` docstrings are the JSON schemas a chat template that shows
+tools to the model renders (``transformers.utils.get_json_schema``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 
 def calculate(expression: str) -> str:
-    """The value of an arithmetic ``expression`` (numbers, + - * / and parentheses)."""
+    """The value of an arithmetic expression (numbers, + - * / and parentheses).
+
+    Args:
+        expression: the expression, e.g. "(12 + 3) * 4"
+    """
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -25,5 +31,10 @@ def calculate(expression: str) -> str:
 
 
 def add(a: float, b: float) -> float:
-    """``a + b``."""
+    """The sum of two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
     return a + b

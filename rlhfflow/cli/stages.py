@@ -52,7 +52,8 @@ def stage() -> None:
               metavar="K", help="The iteration whose prompts (and seeds) to use.")
 def stage_test(file: str, stage_name: str, iteration: int) -> None:
     """Run STAGE of FILE in this process on one iteration's batch, running the stages
-    it waits for first, and print the columns it wrote (like ``airflow tasks test``).
+    it waits for first, and print the columns it wrote (like ``airflow tasks test``);
+    a multi-turn stage (rollout) also prints its first episodes turn by turn.
 
     Models start from their initial weights; nothing is written to the run's output.
 
@@ -64,7 +65,7 @@ def stage_test(file: str, stage_name: str, iteration: int) -> None:
     import traceback
 
     pipeline = load(file)
-    from rlhfflow.runtime.stagetest import format_columns, run_stage_alone
+    from rlhfflow.runtime.stagetest import format_columns, format_episodes, run_stage_alone
 
     with tempfile.TemporaryDirectory(prefix="rlhfflow-stage-test-") as tmp:
         try:
@@ -77,3 +78,4 @@ def stage_test(file: str, stage_name: str, iteration: int) -> None:
             raise click.ClickException(f"stage {stage_name!r} failed: "
                                        f"{first_line(exc)}") from None
     click.echo(format_columns(result), nl=False)
+    click.echo(format_episodes(result), nl=False)

@@ -142,6 +142,32 @@ def check_model_shapes(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"stages.{name}.{key}", message)
 
 
+def check_tokenizers(file: Path, pipeline: Pipeline) -> None:
+    """Each stage's own checks against its model's tokenizer (``Stage.check_tokenizer``:
+    tools rendered by the chat template), for the stage types that have some, when the
+    prompts may be rendered with the chat template."""
+    from rlhfflow.stages.base import Stage
+
+    data = pipeline.spec.data
+    if data is None or data.chat_template is False:
+        return
+    loaded: dict[str, object] = {}
+    for name, stage in pipeline.spec.stages.items():
+        cls = resolve_stage_type(stage.type)
+        if stage.model is None or stage.model not in pipeline.spec.models or \
+                cls.check_tokenizer.__func__ is Stage.check_tokenizer.__func__:
+            continue
+        root = pipeline.model_root(stage.model)
+        if root not in loaded:
+            from rlhfflow.data.source import load_tokenizer
+
+            loaded[root] = load_tokenizer(pipeline, stage.model)
+        problem = cls.check_tokenizer(pipeline.params[name], loaded[root], pipeline.base_dir)
+        if problem is not None:
+            key, message = problem
+            raise SpecError(file, f"stages.{name}.{key}", message)
+
+
 def _check_context(file: Path, pipeline: Pipeline) -> None:
     """Prompt and response must fit the context of every model that reads them."""
     data = pipeline.spec.data

@@ -19,6 +19,7 @@ from rlhfflow.config.checks import (
     check_files,
     check_model_shapes,
     check_prompts,
+    check_tokenizers,
     warn_slow_dtypes,
 )
 from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
@@ -65,6 +66,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     check_files(file, pipeline)
     check_auxiliary_models(file, pipeline)
     check_model_shapes(file, pipeline)
+    check_tokenizers(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     check_prompts(file, pipeline)
     warn_slow_dtypes(file, pipeline)

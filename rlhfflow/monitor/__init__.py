@@ -15,7 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.monitor.completions import append_rows, completion_rows, reward_columns
+from rlhfflow.monitor.completions import (
+    append_rows,
+    completion_rows,
+    conversation_lines,
+    reward_columns,
+)
 from rlhfflow.storage import ExperienceBuffer
 
 logger = logging.getLogger(__name__)
@@ -84,7 +89,9 @@ class RunMonitor:
         except Exception as exc:  # noqa: BLE001 - a view of the run, never its end
             logger.warning("rlhfflow: no completions table of iteration %d: %s", iteration, exc)
             return []
-        return rows
+        # a table cell holds text: an episode's turns as its conversation
+        return [{**row, "turns": "\n".join(conversation_lines(row["turns"]))}
+                if "turns" in row else row for row in rows]
 
     def close(self, failed: bool = False) -> None:
         """Close the sinks (an MLflow run is marked finished, or failed)."""

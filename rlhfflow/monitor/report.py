@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfflow.errors import UserError
+from rlhfflow.monitor.completions import episode_turns
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY, log_tails
 from rlhfflow.storage import MetricsLog
 
@@ -247,10 +248,11 @@ def gantt_plot(tasks: list[dict[str, Any]], iteration: int) -> str | None:
     return _png(fig)
 
 
-def sample_responses(run_dir: Path, iterations: Sequence[int],
-                     per_iteration: int) -> dict[int, list[tuple[str, str, float | None]]]:
+def sample_responses(run_dir: Path, iterations: Sequence[int], per_iteration: int
+                     ) -> dict[int, list[tuple[str, str | list[dict], float | None]]]:
     """Up to ``per_iteration`` (prompt, response, score) rows of each committed iteration
-    in ``iterations``, from the run's buffer ({} without one)."""
+    in ``iterations``, from the run's buffer ({} without one); the response of a
+    multi-turn episode is its list of turns (``turns_json``)."""
     from rlhfflow.storage.buffer import ExperienceBuffer
 
     try:
@@ -269,6 +271,9 @@ def sample_responses(run_dir: Path, iterations: Sequence[int],
         fields = buffer.read_text(k, "prompt_fields")[:per_iteration] \
             if "prompt_fields" in text else ["{}"] * len(prompts)
         prompts = [shown_prompt(p, f) for p, f in zip(prompts, fields, strict=False)]
+        if "turns_json" in text:
+            responses = [episode_turns(t) for t in
+                         buffer.read_text(k, "turns_json")[:per_iteration]]
         try:
             scores = [float(s) for s in buffer.read(k, ["scores"], stop=len(responses))[
                 "scores"]]
@@ -371,12 +376,28 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
         parts.append("<p>No responses in the run's buffer.</p>")
     for k, rows in shown.items():
         body = "".join(f"<tr><td><pre>{html.escape(p)}</pre></td>"
-                       f"<td><pre>{html.escape(r)}</pre></td><td>{_fmt(s)}</td></tr>"
+                       f"<td>{_response_cell(r)}</td><td>{_fmt(s)}</td></tr>"
                        for p, r, s in rows)
         parts.append(f"<h3>iteration {k}</h3><table class='samples'><tr><th>prompt</th>"
                      f"<th>response</th><th>score</th></tr>{body}</table>")
     parts.append(_worker_logs(run_dir))
     return _PAGE.format(title=html.escape(f"rlhfflow report: {name}"), body="\n".join(parts))
+
+
+def _response_cell(response: str | list[dict[str, Any]]) -> str:
+    """A response as HTML: its text, or an episode as a conversation, one line per turn
+    (the role in bold, the model's rewards after its turns)."""
+    if isinstance(response, str):
+        return f"<pre>{html.escape(response)}</pre>"
+    lines = []
+    for turn in response:
+        reward = turn.get("reward")
+        tail = f" <span class='note'>[reward {reward:g}]</span>" \
+            if isinstance(reward, int | float) and reward else ""
+        lines.append(f"<div class='turn {html.escape(str(turn.get('role', '')))}'><b>"
+                     f"{html.escape(str(turn.get('role', '?')))}</b>: "
+                     f"<pre>{html.escape(str(turn.get('text', '')))}</pre>{tail}</div>")
+    return "".join(lines) or "<pre></pre>"
 
 
 def _worker_logs(run_dir: Path, lines: int = 20) -> str:
@@ -428,6 +449,8 @@ pre {{ margin: 0; white-space: pre-wrap; max-width: 50em; }}
 pre.log {{ background: #f6f6f6; padding: 0.5em; max-width: none; font-size: 85%; }}
 .path {{ color: #666; font-family: monospace; }}
 .note {{ color: #666; }}
+.turn pre {{ display: inline; }}
+.turn.assistant {{ background: #eef5ff; }}
 </style></head>
 <body>
 {body}

@@ -1,7 +1,8 @@
 """Pure, vectorised torch ops for RLHF: log-probs, KL estimators, masked statistics,
 advantage estimators (GAE, GRPO, RLOO, Dr. GRPO, REINFORCE++, ReMax), PPO/GSPO policy
 and value losses with veRL's loss aggregations, entropy, the DPO loss and the pairing
-and best-of-N selection of responses by score (:mod:`rlhfflow.ops.preference`); and the
+and best-of-N selection of responses by score (:mod:`rlhfflow.ops.preference`); per-turn
+credit for multi-turn episodes (:mod:`rlhfflow.ops.turns`); and the
 registries through which configs pick an estimator and a policy loss.
 
 Use as ``from rlhfflow import ops; adv, ret = ops.gae(rewards, values, mask, 1.0, 0.95)``.
@@ -53,6 +54,13 @@ from rlhfflow.ops.registry import (
     signature_problem,
     takes,
 )
+from rlhfflow.ops.turns import (
+    call_per_turn,
+    per_turn_rewards,
+    per_turn_token_rewards,
+    turn_index,
+    turn_returns,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -68,6 +76,7 @@ __all__ = [
     "aggregate_loss",
     "best_in_group",
     "call",
+    "call_per_turn",
     "dpo_loss",
     "entropy",
     "entropy_from_logits",
@@ -84,6 +93,8 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "per_turn_rewards",
+    "per_turn_token_rewards",
     "policy_loss",
     "preference_pairs",
     "register_advantage_estimator",
@@ -96,5 +107,7 @@ __all__ = [
     "signature_problem",
     "takes",
     "token_rewards",
+    "turn_index",
+    "turn_returns",
     "value_loss",
 ]

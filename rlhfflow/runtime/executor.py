@@ -74,6 +74,7 @@ from rlhfflow.runtime.telemetry import (
     summarise,
 )
 from rlhfflow.runtime.worker.host import (
+    RESPONSE_TEXTS,
     STORED,
     TIMINGS,
     RunDef,
@@ -491,9 +492,12 @@ class Executor:
         partials = [r[STORED] if STORED in r else r for r in (results[id(h)] for h in stores)]
         # an iteration that is one task brings its worker's timings (StageTask.reports)
         timings = [p.pop(TIMINGS) for p in partials if TIMINGS in p]
-        responses = [t for p in partials for t in p.pop("response_text", [])]
-        if len(responses) == it.rows:  # in row order: one store per micro-batch, in order
-            self.buffer.write_text(it.index, {"response_text": responses})
+        texts = {name: [t for p in partials for t in p.pop(name, [])]
+                 for name in RESPONSE_TEXTS}
+        # in row order: one store per micro-batch, in order
+        texts = {name: rows for name, rows in texts.items() if len(rows) == it.rows}
+        if texts:
+            self.buffer.write_text(it.index, texts)
         train_stats = {n: self._statistics(n, results[id(h)]) for n, h in trainers.items()}
         reported = {n: self._statistics(n, results[id(h)]) for n, h in reporters.items()}
         moved = [results[id(h)] for h in installs]

@@ -9,7 +9,7 @@ trained for ``K`` iterations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,13 @@ from rlhfflow.stages import Batch, ModelStore, RunSettings, StageContext, create
 
 @dataclass
 class StageTestResult:
-    """What the stage wrote, and which stages ran before it."""
+    """What the stage wrote, which stages ran before it, and the batch's prompts."""
 
     stage: str
     iteration: int
     upstream: list[str]
     columns: Batch
+    prompts: list[str] = field(default_factory=list)
 
 
 def run_stage_alone(pipeline: Pipeline, stage: str, iteration: int, work_dir: Path
@@ -58,7 +59,7 @@ def run_stage_alone(pipeline: Pipeline, stage: str, iteration: int, work_dir: Pa
     for name in upstream + [stage]:
         batch.update(_run(pipeline, name, batch, ctx))
     out = {c: batch[c] for c in graph.nodes[stage].writes if c in batch}
-    return StageTestResult(stage, iteration, upstream, out)
+    return StageTestResult(stage, iteration, upstream, out, list(batch.get("prompt_text", [])))
 
 
 def _run(pipeline: Pipeline, name: str, batch: Batch, ctx: StageContext) -> Batch:
@@ -79,6 +80,28 @@ def format_columns(result: StageTestResult) -> str:
     width = max((len(c) for c in result.columns), default=0)
     for name, value in result.columns.items():
         lines.append(f"  {name:<{width}}  {_describe(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def format_episodes(result: StageTestResult, episodes: int = 3, width: int = 110) -> str:
+    """The first ``episodes`` episodes of a multi-turn stage (its ``turns_json``) turn by
+    turn, each under its prompt; "" for a stage that writes no episodes."""
+    from rlhfflow.monitor.completions import conversation_lines, episode_turns
+    from rlhfflow.monitor.report import shown_prompt
+
+    cells = result.columns.get("turns_json")
+    if not cells:
+        return ""
+    rewards = result.columns.get("env_reward")
+    lines = [f"first {min(episodes, len(cells))} of {len(cells)} episodes, turn by turn:"]
+    for row, cell in enumerate(cells[:episodes]):
+        prompt = shown_prompt(result.prompts[row]) if row < len(result.prompts) else ""
+        total = f", reward {float(rewards[row]):g}" if rewards is not None else ""
+        turns = episode_turns(cell)
+        said = sum(t.get("role") == "assistant" for t in turns)
+        lines.append(f"  episode {row} ({said} model turns{total})")
+        lines.append(f"    prompt: {prompt.replace(chr(10), ' ⏎ ')}"[:width])
+        lines += ["    " + line for line in conversation_lines(turns, width - 4)]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,13 @@ the score at the last token), group-relative GRPO / RLOO / Dr. GRPO, REINFORCE++
 or without a group baseline), ReMax, or a user's function by import path. The KL term goes
 in the reward or in the loss (``algorithm.kl_in``). The stage needs the whole batch
 (whitening and groups span it).
+
+``per_turn: true`` gives each model turn of a multi-turn episode (``rollout``) its own
+credit from the rewards after it (``ops.turns``): the token-level estimators (GAE,
+REINFORCE++, ReMax) get each turn's reward on its last token instead of the score at the
+end; the outcome estimators (GRPO, RLOO, Dr. GRPO, REINFORCE++ with a baseline) see each
+turn as a sample scored with its discounted return (``turn_gamma`` per turn), compared
+with the same turn of the other episodes of its prompt.
 """
 
 from __future__ import annotations
@@ -37,18 +44,33 @@ def _kl_in_reward(algorithm) -> bool:
     return algorithm.kl_coef > 0 and algorithm.kl_in == "reward"
 
 
+class AdvantagesParams(StageParams):
+    """Per-episode (the default) or per-turn credit."""
+
+    per_turn: bool = Field(False, description="credit each model turn of a multi-turn "
+                                              "episode with the rewards after it (reads "
+                                              "the rollout stage's turn_rewards); false: "
+                                              "the episode's score for all its tokens")
+    turn_gamma: Annotated[float, Field(
+        ge=0, le=1, description="with per_turn: discount per model turn of the returns "
+                                "the outcome estimators (GRPO, RLOO, ...) score turns "
+                                "with")] = 1.0
+
+
 @register_stage
 class AdvantagesStage(Stage):
     """Advantages (and returns, for estimators with a critic) from the estimator the
     pipeline's ``algorithm`` names."""
 
     type_name = "advantages"
-    Params = StageParams
+    Params = AdvantagesParams
     per_batch = True
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
         cols = ["scores", "score_valid", "response_mask", *algorithm.estimator_needs]
+        if params.per_turn:
+            cols.append("turn_rewards")
         if ops.takes(ops.resolve_advantage_estimator(algorithm.estimator), "group_ids"):
             cols.append("group_ids")
         if _kl_in_reward(algorithm):
@@ -73,7 +95,7 @@ class AdvantagesStage(Stage):
         if _kl_in_reward(algo):
             kl = ops.kl(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_estimator) * mask
             out["kl"] = kl
-        inputs = _estimator_inputs(batch, algo, mask, kl)
+        inputs = _estimator_inputs(batch, algo, mask, kl, self.params.per_turn)
         # estimators see only the samples with a score: group statistics, whitening and
         # baselines never include a skipped sample
         rows = None if bool(valid.all()) else valid
@@ -81,7 +103,12 @@ class AdvantagesStage(Stage):
             inputs = {k: (v[rows] if isinstance(v, torch.Tensor) else v)
                       for k, v in inputs.items()}
         estimator = ops.resolve_advantage_estimator(algo.estimator)
-        advantages, returns = ops.call(estimator, inputs)
+        turn = {k: inputs.pop(k) for k in ("turn_rewards", "raw_scores", "kl") if k in inputs}
+        if self.params.per_turn and not ops.takes(estimator, "token_rewards"):
+            advantages, returns = _per_turn(estimator, inputs, turn, algo,
+                                            self.params.turn_gamma), None
+        else:  # per_turn for a token-level estimator is in its token_rewards
+            advantages, returns = ops.call(estimator, inputs)
         expected = tuple(inputs["mask"].shape)
         if tuple(advantages.shape) != expected or (
                 algo.uses_critic and (returns is None or tuple(returns.shape) != expected)):
@@ -98,21 +125,39 @@ class AdvantagesStage(Stage):
         return out
 
 
-def _estimator_inputs(batch: Batch, algo, mask: torch.Tensor,
-                      kl: torch.Tensor | None) -> dict[str, object]:
-    """The standard estimator inputs (``ops.registry``) for all rows of ``batch``."""
+def _estimator_inputs(batch: Batch, algo, mask: torch.Tensor, kl: torch.Tensor | None,
+                      per_turn: bool = False) -> dict[str, object]:
+    """The standard estimator inputs (``ops.registry``) for all rows of ``batch``; with
+    ``per_turn`` the turn rewards on the turns' last tokens, and what the per-turn
+    returns are computed from (``turn_rewards``, ``raw_scores``, ``kl``)."""
     scores = batch["scores"].float()
     kl_term = kl if kl is not None else torch.zeros_like(mask)
     token_rewards = ops.token_rewards(scores, kl_term, mask,
                                       algo.kl_coef if kl is not None else 0.0)
+    inputs: dict[str, object] = {}
+    if per_turn:
+        turn_rewards = batch["turn_rewards"].float()
+        token_rewards = ops.per_turn_token_rewards(turn_rewards, scores, mask, kl,
+                                                   algo.kl_coef)
+        inputs.update(turn_rewards=turn_rewards, raw_scores=scores, kl=kl)
     if kl is not None:  # the same penalty, summed, for the outcome-level estimators
         scores = scores - algo.kl_coef * (kl * mask).sum(-1)
-    inputs = {"scores": scores, "token_rewards": token_rewards, "mask": mask, "config": algo}
+    inputs.update(scores=scores, token_rewards=token_rewards, mask=mask, config=algo)
     if "group_ids" in batch:  # read only when the estimator takes it (see reads)
         inputs["group_ids"] = batch["group_ids"]
     for column in algo.estimator_needs:
         inputs[column] = batch[column].float()
     return inputs
+
+
+def _per_turn(estimator, inputs: dict[str, object], turn: dict[str, object], algo,
+              gamma: float) -> torch.Tensor:
+    """An outcome estimator's advantages with each model turn as a sample scored with its
+    discounted return (``ops.call_per_turn``)."""
+    rewards = ops.per_turn_rewards(turn["turn_rewards"], turn["raw_scores"], inputs["mask"],
+                                   turn["kl"], algo.kl_coef)
+    returns = ops.turn_returns(rewards, ops.turn_index(inputs["mask"])[1], gamma)
+    return ops.call_per_turn(estimator, inputs, ops.call, returns)
 
 
 def _scatter_rows(part: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

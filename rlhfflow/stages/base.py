@@ -219,6 +219,15 @@ class Stage:
         return None
 
     @classmethod
+    def check_tokenizer(cls, params: StageParams, tokenizer: Any, base_dir: Path
+                        ) -> tuple[str, str] | None:
+        """Checks of the params against the stage model's tokenizer (its chat template),
+        made at validation when prompts may be rendered with the template; the loader
+        loads the tokenizer only for stage types that override this. ``(key, message)``
+        for the first problem, or None."""
+        return None
+
+    @classmethod
     def auxiliary_models(cls, params: StageParams) -> dict[str, str]:
         """Models the stage uses besides its own (``{key: model name}``, e.g. a draft
         model under ``"params.draft_model"``). The loader checks each is an ``lm`` model

@@ -16,13 +16,16 @@ term and advantage skips the environment's, while the forward passes of the othe
 stages attend to every token up to the last masked one
 (``rlhfflow.engine.forward.response_attention``); ``sample_logprobs`` are those of the
 model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward,
-``turns`` its model turns and ``env_seconds`` its time in the environment's ``step``.
+``turns`` its model turns and ``env_seconds`` its time in the environment's ``step``;
+``turn_rewards`` holds each ``step``'s reward on the last token of the model turn it
+answers (for ``advantages``' ``per_turn``); ``turns_json`` is the episode as a
+conversation, one JSON list per row (``Episode.log``).
 
 The episodes decode in one loop (:class:`EpisodeLoop`) with each one's KV cache kept
 across its turns (``rlhfflow.engine.turns``): a row whose turn ended leaves the decode
-batch with its cache, its environment steps on a thread (``env_workers``) while the others
-decode, and it rejoins feeding only what followed its cache (``kv_cache: false``: the
-whole episode again, the same tokens).
+batch with its cache, its environment steps (on a thread with ``env_workers``) while the
+others decode, and it rejoins feeding only what followed its cache (``kv_cache: false``:
+the whole episode again, the same tokens).
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -31,9 +34,8 @@ tokenizer's chat template when the prompt was rendered with it (environment mess
 take the role ``tool`` if the template renders it, else ``user``), else as plain text
 with ``plain_separator`` around them.
 
-Not done yet: environments step on threads of the stage's task (not as Dask tasks of
-their own on a CPU pool), drafters do not draft for the rollout, and the environment's
-reward is per episode.
+Not done yet: environments step in the stage's task (not as Dask tasks of their own
+on a CPU pool), and drafters do not draft for the rollout.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import concurrent.futures
 import inspect
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +59,7 @@ from pydantic import Field
 
 from rlhfflow.data.records import pad_prompts
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
+from rlhfflow.errors import UserError
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.generate import eos_ids
 from rlhfflow.stages.inference import load_function
@@ -179,11 +183,16 @@ class RolloutParams(StageParams):
                                                    "template")
 
 
+class EnvironmentMisbehaved(UserError):
+    """An environment's ``reset`` or ``step`` returned something of the wrong shape: one
+    line naming its file and class, the hook and what was expected."""
+
+
 @dataclass
 class Episode:
     """One row's episode so far: its response tokens, which are the model's, their
-    log-probs, the model's last turn, the uniforms it used, the model turns taken and the
-    reward."""
+    log-probs, the model's last turn, the uniforms it used, the model turns taken, the
+    reward, and ``log``: the turns as who said what (``add``, ``took``)."""
 
     env: Any
     tokens: list[int] = field(default_factory=list)
@@ -195,12 +204,105 @@ class Episode:
     reward: float = 0.0
     done: bool = False
     env_seconds: float = 0.0
+    log: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Append the model's tokens (with log-probs) or the environment's (None)."""
+    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
+            messages: Sequence[Message] = (), role: str = "env") -> None:
+        """Append the model's tokens (with log-probs) or the environment's (None, with
+        the ``messages`` they render, whose role defaults to ``role``), and log the turn
+        with its span of response tokens."""
+        start = len(self.tokens)
         self.tokens += tokens
         self.mask += [1 if logprobs is not None else 0] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        span = [start, len(self.tokens)]
+        if logprobs is not None:
+            self.log.append({"role": "assistant", "span": span, "reward": 0.0})
+        elif messages:
+            self.log += [{"role": m.get("role", role), "text": m["content"], "span": span}
+                         for m in messages]
+        elif tokens:  # no message, but the template's turn markers
+            self.log.append({"role": role, "text": "", "span": span})
+
+    def took(self, result: Any) -> tuple[list[Message] | str, float, bool, dict]:
+        """The environment's ``step`` result, checked (``EnvironmentMisbehaved``), its
+        reward added to the episode's and to the model turn it answers."""
+        problem = step_problem(result)
+        if problem:
+            raise EnvironmentMisbehaved(f"{env_name(self.env)}.step returned {problem}")
+        messages, reward, done, info = result
+        reward = float(reward)
+        self.reward += reward
+        turn = next((t for t in reversed(self.log) if t["role"] == "assistant"), None)
+        if turn is not None:
+            turn["reward"] += reward
+            if info:
+                turn["info"] = json.loads(json.dumps(info, default=str))
+        return messages, reward, bool(done), info
+
+    def opened(self, messages: Any) -> list[Message] | str:
+        """The environment's ``reset`` result, checked (``EnvironmentMisbehaved``)."""
+        problem = messages_problem(messages)
+        if problem:
+            raise EnvironmentMisbehaved(
+                f"{env_name(self.env)}.reset returned {problem}; expected a string or a "
+                "list of {'role', 'content': str} dicts (the messages before the model's "
+                "first turn)")
+        return messages
+
+
+def env_name(env: Any) -> str:
+    """``file.py:Class`` of an environment instance, for messages."""
+    cls = type(env)
+    try:
+        where = Path(inspect.getsourcefile(cls) or cls.__module__).name
+    except TypeError:
+        where = cls.__module__
+    return f"{where}:{cls.__qualname__}"
+
+
+def messages_problem(messages: Any) -> str | None:
+    """Why ``messages`` (what ``reset`` or ``step`` shows the model) is not a string or
+    a list of ``{"role": ..., "content": str}`` dicts, or None."""
+    if isinstance(messages, str):
+        return None
+    if not isinstance(messages, list | tuple):
+        return f"messages of type {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                or not isinstance(m.get("role", ""), str):
+            return f"message {i} {m!r:.60}"
+    return None
+
+
+EXPECTED_STEP = ("expected a tuple (messages, reward, done, info): messages a string or "
+                 "a list of {'role', 'content': str} dicts, reward a number, done a "
+                 "bool, info a dict or None")
+
+
+def step_problem(result: Any) -> str | None:
+    """What is wrong with a ``step`` result (``"..., expected ..."``), or None."""
+    if not isinstance(result, tuple | list) or len(result) != 4:
+        shown = f"a {len(result)}-tuple" if isinstance(result, tuple | list) \
+            else type(result).__name__
+        return f"{shown} {result!r:.60}; {EXPECTED_STEP}"
+    messages, reward, done, info = result
+    problem = messages_problem(messages)
+    if problem is None and (isinstance(reward, bool) or not _is_number(reward)):
+        problem = f"reward {reward!r:.40}"
+    if problem is None and not (isinstance(done, bool | int)  # numpy's bool too
+                                or getattr(getattr(done, "dtype", None), "kind", "") == "b"):
+        problem = f"done {done!r:.40}"
+    if problem is None and info is not None and not isinstance(info, dict):
+        problem = f"info {info!r:.40}"
+    return None if problem is None else f"{problem}; {EXPECTED_STEP}"
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 class TurnFormat:
@@ -272,7 +374,8 @@ class TurnFormat:
 class RolloutStage(Stage):
     """Multi-turn episodes of the model with an environment or tools (see the module's
     docstring). Writes the episode after the prompt, a mask of the model's tokens, their
-    sampling log-probs, ``env_reward``, ``turns`` and ``policy_version``."""
+    sampling log-probs, ``env_reward``, ``turns``, ``turn_rewards``, ``turns_json`` and
+    ``policy_version``."""
 
     type_name = "rollout"
     Params = RolloutParams
@@ -295,7 +398,9 @@ class RolloutStage(Stage):
                "response_text": Column("str"),
                "env_reward": Column("float32"),
                "turns": Column("int64"),
-               "env_seconds": Column("float32")}
+               "env_seconds": Column("float32"),
+               "turn_rewards": Column("float32", "response"),
+               "turns_json": Column("str")}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
@@ -328,6 +433,17 @@ class RolloutStage(Stage):
             return ("params.env_kwargs", "env_kwargs go with params.env")
         return None
 
+    @classmethod
+    def check_tokenizer(cls, params, tokenizer, base_dir):
+        if not params.tools or not getattr(tokenizer, "chat_template", None):
+            return None
+        fmt = TurnFormat(tokenizer, params.plain_separator)
+        if fmt.role != "tool":
+            return ("params.tools", "the model's chat template renders no 'tool' role, "
+                    "which the tools' results take; use a model whose template has one, "
+                    "or an environment (params.env), whose messages may be 'user' turns")
+        return tool_schema_problem(params.tools, tokenizer, base_dir)
+
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
         tok, params = resident.tokenizer, self.params
@@ -339,8 +455,8 @@ class RolloutStage(Stage):
         templated = [fmt.templated(text) for text in texts]
         episodes = [Episode(self.make_env(ctx)) for _ in range(rows)]
         for row, episode in enumerate(episodes):
-            opening = _settled(episode.env.reset({**json.loads(fields[row]),
-                                                  "prompt": texts[row]}))
+            opening = episode.opened(_settled(episode.env.reset(
+                {**json.loads(fields[row]), "prompt": texts[row]})))
             if opening:
                 self.answer(episode, opening, fmt, templated[row], None)
         uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
@@ -374,8 +490,7 @@ class RolloutStage(Stage):
         """Take the environment's ``answer`` (what ``step`` returned) to the model's last
         turn (it is asked even when the episode ends there, for its reward)."""
         params = self.params
-        messages, reward, done, _info = answer
-        episode.reward += float(reward)
+        messages, reward, done, _info = episode.took(answer)
         if done or episode.turns >= params.max_turns or len(episode.tokens) >= params.max_tokens:
             episode.done = True
             return
@@ -389,7 +504,9 @@ class RolloutStage(Stage):
         model after them ends (cut to ``max_tokens``)."""
         tokens = fmt.tokens(messages, templated, ended_at)
         room = self.params.max_tokens - len(episode.tokens)
-        episode.add(tokens[:room], None)
+        listed = ([{"content": messages}] if messages else []) if isinstance(messages, str) \
+            else messages
+        episode.add(tokens[:room], None, listed, fmt.role if templated else "env")
         episode.done = len(tokens) >= room
 
     def columns(self, episodes: list[Episode], tok, pad_id: int, version: int) -> Batch:
@@ -398,12 +515,22 @@ class RolloutStage(Stage):
         ids = torch.full((rows, width), pad_id, dtype=torch.long)
         mask = torch.zeros(rows, width, dtype=torch.int8)
         logprobs = torch.zeros(rows, width)
+        turn_rewards = torch.zeros(rows, width)
         for row, episode in enumerate(episodes):
             length = len(episode.tokens)
             ids[row, :length] = torch.tensor(episode.tokens, dtype=torch.long)
             mask[row, :length] = torch.tensor(episode.mask, dtype=torch.int8)
             logprobs[row, :length] = torch.tensor(episode.logprobs)
-        out = {"response_ids": ids, "response_mask": mask, "sample_logprobs": logprobs,
+            for i, turn in enumerate(episode.log):
+                start, end = turn["span"]
+                if turn["role"] == "assistant":
+                    text = tok.decode(episode.tokens[start:end], skip_special_tokens=True)
+                    episode.log[i] = {"role": "assistant", "text": text, **turn}
+                    if end > start:
+                        turn_rewards[row, end - 1] += turn["reward"]
+        out = {"turns_json": [json.dumps(e.log, ensure_ascii=False) for e in episodes],
+               "turn_rewards": turn_rewards,
+               "response_ids": ids, "response_mask": mask, "sample_logprobs": logprobs,
                "response_text": tok.batch_decode([e.tokens for e in episodes],
                                                  skip_special_tokens=True),
                "env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
@@ -556,7 +683,7 @@ class EpisodeLoop:
         episode = self.episodes[row]
         episode.env_seconds += stop - start
         self.timeline.env.append((row, episode.turns, start, stop))
-        self.stage.env_turn(episode, _checked(answer), self.fmt, self.templated[row],
+        self.stage.env_turn(episode, answer, self.fmt, self.templated[row],
                             self.eos)
         if episode.done:
             self.parked.pop(row)
@@ -601,14 +728,6 @@ def _settled(value: Any) -> Any:
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
-def _checked(answer: Any) -> tuple:
-    """A ``step`` answer as ``(messages, reward, done, info)``."""
-    if not isinstance(answer, tuple) or len(answer) != 4:
-        raise TypeError("an environment's step(text) must return (messages, reward, done, "
-                        f"info), got {type(answer).__name__}")
-    return answer
-
-
 @contextmanager
 def _env_pool(workers: int):
     """Threads for the environment's steps (None: they run inline)."""
@@ -617,6 +736,49 @@ def _env_pool(workers: int):
         return
     with concurrent.futures.ThreadPoolExecutor(workers, "rollout-env") as pool:
         yield pool
+
+
+def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | None
+                        ) -> tuple[str, str] | None:
+    """``(key, message)`` if the chat template, when it shows tools to the model (its
+    rendering changes with a ``tools`` argument), cannot be given the tools: a function
+    whose JSON schema cannot be built from its type hints and docstring
+    (``transformers.utils.get_json_schema``), or a template that fails on them."""
+    from transformers.utils import get_json_schema
+
+    opening = [{"role": "user", "content": "x"}]
+
+    def render(tools):
+        return tokenizer.apply_chat_template(opening, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+
+    probe = {"type": "function", "function": {
+        "name": "probe", "description": "a probe",
+        "parameters": {"type": "object", "properties": {}}}}
+    try:
+        if render([probe]) == render(None):
+            return None  # the template shows no tools: the prompt must describe them
+    except Exception:  # noqa: BLE001  (checked below with the real schemas)
+        pass
+    schemas = []
+    for i, ref in enumerate(refs):
+        try:
+            schemas.append(get_json_schema(load_function(ref, base_dir)))
+        except Exception as exc:  # noqa: BLE001  (transformers' parsing exceptions)
+            return (f"params.tools[{i}]", f"the chat template shows tools to the model, "
+                    f"but {ref!r} has no JSON schema: {_first_line(exc)} (give it type "
+                    "hints and a docstring with an Args: section)")
+    try:
+        render(schemas)
+    except Exception as exc:  # noqa: BLE001  (the template's own error)
+        return ("params.tools", f"the model's chat template cannot render these tools: "
+                                f"{type(exc).__name__}: {_first_line(exc)}")
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _imported(ref: str, base_dir: Path | str | None) -> tuple[str | None, Any]:

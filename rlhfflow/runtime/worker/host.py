@@ -287,6 +287,10 @@ TIMINGS = "_timings"
 """The key (in ``STORED``) under which such a task, when it is its iteration's only task,
 returns its worker's task timings: ``pop_timings`` and the worker's address."""
 
+#: Ragged text columns of the responses (one string per row) that a store returns for the
+#: coordinator to write: the responses, and multi-turn episodes as conversations.
+RESPONSE_TEXTS = ("response_text", "turns_json")
+
 
 @dataclass(frozen=True)
 class StoreRows:
@@ -396,8 +400,9 @@ def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, bat
             write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
                                batch.get("prompt_text"), batch.get("response_text"))
         out: dict[str, Any] = partial_metrics(batch)
-        if "response_text" in batch:  # ragged text: the coordinator stores it
-            out["response_text"] = list(batch["response_text"])
+        for name in RESPONSE_TEXTS:  # ragged text: the coordinator stores it
+            if name in batch:
+                out[name] = list(batch[name])
         return out
 
 
