@@ -213,3 +213,32 @@ def test_a_run_steps_its_environments_on_the_pool_and_agrees_with_steps_in_the_t
         assert (pool["response_ids"] == task["response_ids"]).all()
         assert (pool["response_mask"] == task["response_mask"]).all()
         assert abs(pool["sample_logprobs"] - task["sample_logprobs"]).max() < 1e-4
+
+
+def test_a_cluster_s_pool_workers_take_no_stage_and_a_pool_run_needs_some(tmp_path):
+    from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
+
+    from rlhfflow.errors import RunError
+    from rlhfflow.runtime.backend import DaskBackend
+    from rlhfflow.runtime.workers import env_pool
+
+    path = _guess(tmp_path, {"workers": 1, "address": "tcp://127.0.0.1:1"},
+                  env_placement="pool")
+    pooled, in_task = load_pipeline(path), load_pipeline(
+        path, {"stages.rollout.params.env_placement": "task"})
+    specs = {name: {"cls": Worker, "options": {"nthreads": 1, "resources": resources}}
+             for name, resources in (("d", {"device": 1}), ("e", {"env": 1}))}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0"}}
+    with SpecCluster(workers=specs, scheduler=scheduler) as cluster, Client(cluster) as client:
+        backend = DaskBackend(client)
+        info = client.scheduler_info()["workers"]
+        assert [info[a]["name"] for a in backend.workers] == ["d"]
+        assert [info[a]["name"] for a in backend.env_workers] == ["e"]
+        assert env_pool(pooled, backend) == "env" and env_pool(in_task, backend) is None
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        backend = DaskBackend(client)
+        assert len(backend.workers) == 1 and not backend.env_workers
+        with pytest.raises(RunError) as info:
+            env_pool(pooled, backend)
+        assert "\n" not in str(info.value) and "resources env=1" in str(info.value)
