@@ -86,8 +86,10 @@ class WorkerHost:
         each call is a Dask task that only a pool worker takes, or None without a pool.
 
         The calling task does not secede while it waits for them: it decodes its other
-        rows meanwhile, and a seceded task would let the next task onto this worker's one
-        thread, to share the model and the cores with it."""
+        rows meanwhile, and a seceded task lets the next task onto this worker's one
+        thread, to share the model and the cores with it (checked on a 1-thread worker:
+        after ``secede`` the next task started at once beside it, and ``rejoin`` then
+        waited for that task to end)."""
         resource = self.run.settings.env_pool
         if resource is None:
             return None
