@@ -164,6 +164,14 @@ def test_the_planner_does_not_charge_pool_steps_to_the_model_worker(tmp_path):
     in_task = CostModel(task, profile).stage_seconds("rollout", 16, 1)
     on_pool = CostModel(pool, profile).stage_seconds("rollout", 16, 1)
     assert in_task == pytest.approx(0.76) and on_pool == pytest.approx(0.26)
+    # the simulator's iteration follows: 0.5 s less per rollout task (micro-batch)
+    from rlhfflow.plan.auto.planner import resolve_plan
+    from rlhfflow.plan.auto.simulate import simulate
+
+    sims = [simulate(p, resolve_plan(p, 1), CostModel(p, profile), threads=1, iterations=3)
+            for p in (task, pool)]
+    tasks = resolve_plan(task, 1).stages["rollout"].micro_batches or 1
+    assert sims[0].iteration_s - sims[1].iteration_s == pytest.approx(0.5 * tasks, abs=0.05)
 
 
 def test_a_run_s_profile_holds_the_environment_s_time_inside_each_task(tmp_path):
