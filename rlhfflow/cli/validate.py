@@ -46,7 +46,9 @@ def summary(pipeline: Pipeline) -> str:
                      f"{data.batch_size * data.samples_per_prompt} rows per iteration")
     cluster = spec.cluster
     lines.append(f"cluster: scheduler {cluster.address}" if cluster.address else
-                 f"cluster: {cluster.workers} local workers (device {cluster.device})")
+                 f"cluster: {cluster.workers} local workers (device {cluster.device})" +
+                 (f" and {cluster.env_workers} for environment steps" if cluster.env_workers
+                  else ""))
     lines.append(f"output: {pipeline.output_dir}")
     return "\n".join(lines)
 

@@ -46,6 +46,9 @@ class StageNode:
     temperature: float = 1.0
     #: a generator's model turns per response at most (``Stage.model_turns``)
     turns: int = 1
+    #: its environment steps run on the CPU pool, not on its model worker
+    #: (``Stage.env_on_pool``)
+    env_on_pool: bool = False
     impl: str = ""
     #: other models the stage reads besides ``model`` (a generator's draft model): they
     #: order the stage after their trainers as ``model`` does

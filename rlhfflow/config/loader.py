@@ -202,6 +202,11 @@ def _check_stages(file: Path, spec: PipelineSpec
                                stage.model is not None, file.resolve().parent)
         if problem:
             raise SpecError(file, f"{where}.{problem[0]}", problem[1])
+        if spec.cluster.address is None and spec.cluster.env_workers == 0 and \
+                _plugin_call(file, where, cls.env_on_pool, params[name]):
+            raise SpecError(file, f"{where}.params.env_placement",
+                            "'pool' runs environment steps on the CPU pool, and the embedded "
+                            "cluster has none: set cluster.env_workers (1 or more)")
     return params, classes
 
 
@@ -304,6 +309,8 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
                                      params[name]),
             turns=_plugin_call(file, f"stages.{name}.params", cls.model_turns, params[name]),
+            env_on_pool=bool(_plugin_call(file, f"stages.{name}.params", cls.env_on_pool,
+                                          params[name])),
             impl=stage_type_path(cls),
             uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())),
             row_filter=_plugin_call(file, f"stages.{name}.params", cls.row_filter,

@@ -248,6 +248,11 @@ class ClusterSpec(Strict):
 
     workers: PositiveInt = Field(2, description=(
         "Workers of the embedded cluster (on GPUs: at most one per GPU)."))
+    env_workers: NonNegInt = Field(0, description=(
+        "Worker processes of the embedded cluster that hold no model and run environment "
+        "steps (a `rollout` stage's with `params.env_placement: pool`), one step at a time "
+        "each, with the Dask resource `env`; on a cluster at `address`, start such workers "
+        "with `--resources env=1`."))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "`auto`: each embedded worker gets its own GPU when there are GPUs, and models run on "
         "the GPU a worker sees, else on CPU; `cuda`: the same, but a machine without a GPU is an "

@@ -164,12 +164,18 @@ class InlineBackend:
 # --------------------------------------------------------------------------- dask
 
 
+#: The Dask resource of the CPU pool's workers (``cluster.env_workers``): environment
+#: steps are submitted with ``resources={ENV_RESOURCE: 1}``, so no model worker takes one.
+ENV_RESOURCE = "env"
+
+
 def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str = ":8787",
                   memory_limit: str = "auto", torch_threads: int | None = None,
                   device: str = "auto", log_dir: Path | None = None,
-                  heartbeat_timeout_s: float = 900.0):
+                  heartbeat_timeout_s: float = 900.0, env_workers: int = 0):
     """An embedded cluster: one worker process per device, one thread each, resources
-    ``{"device": 1}``. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
+    ``{"device": 1}``; and ``env_workers`` processes for environment steps (the CPU pool),
+    one thread each, resources ``{"env": 1}``, which hold no model. On GPUs each worker sees only its own (``CUDA_VISIBLE_DEVICES``);
     on CPU each worker's torch gets its share of the cores. With ``log_dir``, worker i
     writes its output to ``log_dir/worker-i.log`` (``rlhfflow.monitor.workerlogs``). The
     scheduler declares a worker lost when its connection closes (its process died) or
@@ -198,6 +204,14 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
             "memory_limit": memory_limit, "name": f"device-{i}",
             # if the coordinator (and with it the scheduler) dies, workers exit
             "death_timeout": 30}}
+    for i in range(env_workers):
+        # no GPU: an environment step is Python (a game, a tool call), not a model
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        if log_dir is not None:
+            env[WORKER_LOG_VAR] = str(worker_log(log_dir, workers + i))
+        specs[f"env-{i}"] = {"cls": Nanny, "options": {
+            "nthreads": 1, "resources": {ENV_RESOURCE: 1}, "host": host, "env": env,
+            "memory_limit": memory_limit, "name": f"env-{i}", "death_timeout": 30}}
     scheduler = {"cls": Scheduler, "options": {"host": host,
                                                "dashboard_address": dashboard_address}}
     config = {
@@ -338,6 +352,7 @@ class DaskBackend:
         if not info:
             raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
         self.workers = self._device_workers(info)
+        self.env_workers = self._env_workers(info)
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
         self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
@@ -345,10 +360,16 @@ class DaskBackend:
     @staticmethod
     def _device_workers(info: dict[str, Any]) -> list[str]:
         # workers started with `--resources device=1` hold models; a cluster without that
-        # resource anywhere is used whole
+        # resource anywhere is used whole (but for the CPU pool of environment steps)
         devices = [a for a in info if info[a].get("resources", {}).get("device", 0) >= 1]
-        chosen = devices or list(info)
+        chosen = devices or [a for a in info
+                             if info[a].get("resources", {}).get(ENV_RESOURCE, 0) < 1]
         return sorted(chosen, key=lambda a: (str(info[a].get("name")), a))
+
+    @staticmethod
+    def _env_workers(info: dict[str, Any]) -> list[str]:
+        # the CPU pool for environment steps: workers with the `env` resource
+        return sorted(a for a in info if info[a].get("resources", {}).get(ENV_RESOURCE, 0) >= 1)
 
     @classmethod
     def connect(cls, address: str | None, workers: int, log_dir: Path | None = None,

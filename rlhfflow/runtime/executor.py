@@ -85,6 +85,7 @@ from rlhfflow.runtime.worker.host import (
 from rlhfflow.runtime.workers import (
     build_tiny_models,
     check_gang_batches,
+    env_pool,
     join_gangs,
     layout,
     rows_topic,
@@ -291,7 +292,8 @@ class Executor:
                                device=spec.cluster.device,
                                rows_topic=rows_topic(self.pipeline, self.plan, self.backend,
                                                      self._layout()["threads"] or 1,
-                                                     self.choice))
+                                                     self.choice),
+                               env_pool=env_pool(self.pipeline, self.backend))
         run = RunDef(stages=stage_defs(self.pipeline), models=self.models,
                      algorithm=spec.algorithm, seed=spec.seed, settings=settings)
         self.backend.start(run, spec.cluster.torch_threads)

@@ -32,6 +32,7 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
     if not path.is_file():
         return []
     tasks = []
+    env: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     first = None
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
@@ -42,6 +43,11 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
         threads = int(layout.get("threads") or 1)
         gangs = layout.get("gangs") or {}
         for w, stage, iteration, start, stop, rows in record.get("tasks", []):
+            if stage.endswith("/env"):  # a rollout's steps in its task's process
+                env.setdefault((w, stage[:-4], iteration), []).append((start, stop))
+                continue
+            if "/" in stage:
+                continue
             if first is None:
                 first = iteration
             tasks.append((w, start, stop, stage, iteration, rows, threads,
@@ -56,8 +62,10 @@ def observations_from_run(run_dir: Path, skip_first: bool = True) -> list[Observ
             continue
         if workers:  # the workers busy as it started, itself included (CostModel.contended)
             workers = min(workers, 1 + sum(busy(v, start) for v in seen if v != w))
+        inside = sum(max(0.0, min(b, stop) - max(a, start))
+                     for a, b in env.get((w, stage, iteration), ()))
         out.append(Observation(stage, int(rows), threads, gang, float(stop - start),
-                               workers, lengths.get(iteration, 0.0)))
+                               workers, lengths.get(iteration, 0.0), float(inside)))
     return out
 
 

@@ -135,7 +135,8 @@ def _connect(cluster, inline: bool, log_dir: Path):
             cluster.address, cluster.workers, log_dir=log_dir, host=cluster.host,
             dashboard_address=cluster.dashboard_address,
             memory_limit=cluster.memory_limit, torch_threads=cluster.torch_threads,
-            device=cluster.device, heartbeat_timeout_s=cluster.heartbeat_timeout_s)
+            device=cluster.device, heartbeat_timeout_s=cluster.heartbeat_timeout_s,
+            env_workers=cluster.env_workers)
     except OSError as exc:  # TimeoutError too: workers that did not start in time
         if cluster.address:
             raise RunError(f"cannot reach the Dask scheduler at {cluster.address}: {exc}"

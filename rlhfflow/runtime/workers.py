@@ -13,7 +13,7 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
-from rlhfflow.runtime.backend import DaskBackend, TaskFailed
+from rlhfflow.runtime.backend import ENV_RESOURCE, DaskBackend, TaskFailed
 from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
 from rlhfflow.runtime.worker.host import StageDef, gang_port, join_gang_task
 
@@ -66,6 +66,22 @@ def rows_topic(pipeline: Pipeline, plan: ExecutionPlan, backend, threads: int,
             continue
         return f"rlhfflow-rows-{uuid.uuid4().hex[:12]}"
     return None
+
+
+def env_pool(pipeline: Pipeline, backend) -> str | None:
+    """The Dask resource of the CPU pool that environment steps go to (``ENV_RESOURCE``),
+    or None when no stage puts them there or the backend runs in process (its stages
+    then step their environments in their own task). A cluster at ``cluster.address``
+    without such workers is a ``RunError``: the steps would wait for them forever."""
+    if not isinstance(backend, DaskBackend) or \
+            not any(node.env_on_pool for node in pipeline.graph.nodes.values()):
+        return None
+    if not backend.env_workers:
+        raise RunError(f"{pipeline.source}: a stage has params.env_placement: pool, and the "
+                       f"Dask cluster has no worker with the resource {ENV_RESOURCE!r} (start "
+                       f"some with `dask worker ... --resources {ENV_RESOURCE}=1`, or set "
+                       f"cluster.env_workers on the embedded cluster)")
+    return ENV_RESOURCE
 
 
 def check_gang_batches(pipeline: Pipeline, plan: ExecutionPlan) -> None:

@@ -81,6 +81,8 @@ class RunSettings:
         device: ``cluster.device``: ``auto``, ``cpu`` or ``cuda``.
         rows_topic: the event topic of sample reallocation between the workers of a
             generating stage (``rlhfflow.runtime.worker.rebalance``), or None.
+        env_pool: the Dask resource that marks the CPU pool's workers for environment
+            steps (``env``), or None when the run has no pool.
     """
 
     temperature: float = 1.0
@@ -88,6 +90,7 @@ class RunSettings:
     buffer: str | None = None
     device: str = "auto"
     rows_topic: str | None = None
+    env_pool: str | None = None
 
     @classmethod
     def of(cls, settings: RunSettings | Mapping[str, Any] | None) -> RunSettings:
@@ -118,6 +121,9 @@ class StageContext:
         spans: ``spans(part, start, stop)`` records work of the task that ran beside its
             model (a rollout's environment steps; ``time.time()`` seconds) for the task
             timeline of the report, or None where nothing records them.
+        env_executor: a ``concurrent.futures.Executor`` whose calls run in other
+            processes, on the run's CPU pool for environment steps (``cluster.env_workers``),
+            or None where the run has no pool. Stages stay Dask-free: they see only this.
     """
 
     iteration: int
@@ -128,6 +134,7 @@ class StageContext:
     gang: Gang | None = None
     peers: Any = None
     spans: Any = None
+    env_executor: Any = None
 
     def __post_init__(self) -> None:
         self.settings = RunSettings.of(self.settings)
@@ -246,6 +253,13 @@ class Stage:
         ``max_turns``): each turn after the first adds a forward over the tokens that came
         between (the planner's cost model charges them); 1 for a single response."""
         return 1
+
+    @classmethod
+    def env_on_pool(cls, params: StageParams) -> bool:
+        """Whether the stage's environment steps run as tasks of their own on the run's
+        CPU pool (a ``rollout`` with ``env_placement: pool``): the planner then does not
+        charge their time to the stage's model worker, and the pipeline needs a pool."""
+        return False
 
     @classmethod
     def runs_every(cls, params: StageParams) -> int:

@@ -154,6 +154,11 @@ class ScoreParams(StageParams):
         return list(self.functions)
 
 
+#: The module name a pipeline's own ``file.py`` is imported under (with a hash of its path,
+#: which differs between processes: pickles send its objects by value).
+USER_MODULE_PREFIX = "rlhfflow_user_"
+
+
 def load_function(ref: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
     """Import the callable ``module:attr`` or ``path/file.py:attr``. Only the name the
     pipeline gives is imported; nothing is searched for."""
@@ -171,7 +176,7 @@ def _load_function(ref: str, base_dir: str | None) -> Callable[..., Any]:
             path = Path(base_dir) / path
         if not path.is_file():
             raise ValueError(f"reward file not found: {path}")
-        unique = f"rlhfflow_user_{abs(hash(str(path.resolve())))}"
+        unique = f"{USER_MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(unique, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[unique] = module

@@ -34,8 +34,13 @@ tokenizer's chat template when the prompt was rendered with it (environment mess
 take the role ``tool`` if the template renders it, else ``user``), else as plain text
 with ``plain_separator`` around them.
 
-Not done yet: environments step in the stage's task (not as Dask tasks of their own
-on a CPU pool), and drafters do not draft for the rollout.
+With ``env_placement: pool`` each environment step is a task of its own on the run's CPU
+pool (``cluster.env_workers``, given to the stage as ``StageContext.env_executor``): the
+environment object goes there with the model's turn and comes back with the answer, so it
+must pickle (cloudpickle; a class from the pipeline's own file goes by value). A slow tool
+then runs in another process, beside the decoding of the other rows.
+
+Not done yet: drafters do not draft for the rollout.
 """
 
 from __future__ import annotations
@@ -47,22 +52,23 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from pydantic import Field
 
 from rlhfflow.data.records import pad_prompts
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
-from rlhfflow.errors import UserError
+from rlhfflow.errors import RlhfflowError, UserError
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
 from rlhfflow.stages.generate import eos_ids
-from rlhfflow.stages.inference import load_function
+from rlhfflow.stages.inference import USER_MODULE_PREFIX, load_function
 
 Message = dict[str, str]
 log = logging.getLogger(__name__)
@@ -84,6 +90,10 @@ class Environment(Protocol):
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class EnvironmentNotShippable(RlhfflowError, TypeError):
+    """An environment that cannot be pickled to the pool (``env_placement: pool``)."""
 
 
 class ToolEnvironment:
@@ -178,6 +188,15 @@ class RolloutParams(StageParams):
                           "long steps take, so runs and resumes agree only to float "
                           "rounding. 0 (the default): steps run in turn with decoding, "
                           "and a run is reproduced bit for bit")] = 0
+    env_placement: Literal["task", "pool"] = Field(
+        "task", description="where environment steps run: 'task', in the stage's own task "
+                            "(inline, or on its env_workers threads); 'pool', each step a "
+                            "task of its own on the CPU pool of cluster.env_workers (the "
+                            "environment object is pickled there and back with every "
+                            "step), so a slow tool holds no model worker; which rows share "
+                            "a forward then depends on how long steps take, as with "
+                            "env_workers. A run without a pool (in process, `stage test`) "
+                            "steps in the task")
     plain_separator: str = Field("\n", description="around environment messages when the "
                                                    "prompt was not rendered with a chat "
                                                    "template")
@@ -414,6 +433,10 @@ class RolloutStage(Stage):
         return params.max_turns
 
     @classmethod
+    def env_on_pool(cls, params) -> bool:
+        return params.env_placement == "pool"
+
+    @classmethod
     def check_params(cls, params, has_model, base_dir):
         if params.env is not None and params.tools:
             return ("params.tools", "give either params.env or params.tools, not both")
@@ -465,12 +488,17 @@ class RolloutStage(Stage):
         prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
         loop = EpisodeLoop(self, resident.module, tok, fmt, templated, prompts, uniforms,
                            pad_id)
-        with _env_pool(params.env_workers) as pool:
-            loop.run(episodes, pool)
+        shipped = ctx.env_executor if params.env_placement == "pool" else None
+        if shipped is not None:
+            self.check_shippable(episodes)
+            loop.run(episodes, shipped, ships=True)
+        else:
+            with _env_pool(params.env_workers) as pool:
+                loop.run(episodes, pool)
         self.last_timeline = loop.timeline
-        if ctx.spans is not None:
+        if ctx.spans is not None:  # "env-pool": steps that took none of this task's time
             for start, stop in loop.timeline.env_busy():
-                ctx.spans("env", start, stop)
+                ctx.spans("env-pool" if shipped is not None else "env", start, stop)
         out = self.columns(episodes, tok, pad_id, resident.version)
         out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
                                           dtype=torch.float32)
@@ -484,6 +512,31 @@ class RolloutStage(Stage):
         tools = {ref.rpartition(":")[2]: load_function(ref, ctx.settings.base_dir)
                  for ref in params.tools}
         return ToolEnvironment(tools, params.tool_timeout_s)
+
+    def check_shippable(self, episodes: list[Episode]) -> None:
+        """Make the environments ready to travel to the pool: the pipeline's own files
+        they come from go by value (a pool worker cannot import them by their name here),
+        and an environment that does not pickle is one line naming ``params.env``."""
+        import cloudpickle
+
+        params = self.params
+        if not episodes:
+            return
+        env = episodes[0].env
+        made_of = env.tools.values() if isinstance(env, ToolEnvironment) else [type(env)]
+        for thing in made_of:
+            module = sys.modules.get(getattr(thing, "__module__", None) or "")
+            # a file the pipeline names is imported under a name only this process knows
+            if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
+                cloudpickle.register_pickle_by_value(module)
+        try:
+            cloudpickle.dumps(env)
+        except Exception as exc:  # noqa: BLE001  (anything pickling raises is the answer)
+            key = "params.env" if params.env is not None else "params.tools"
+            raise EnvironmentNotShippable(
+                f"stage {self.name!r}, {key}: the environment cannot be pickled to run on "
+                f"the pool (env_placement: pool): {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
     def env_turn(self, episode: Episode, answer: tuple, fmt: TurnFormat, templated: bool,
                  eos: Sequence[int] | None) -> None:
@@ -595,9 +648,12 @@ class EpisodeLoop:
         self.in_flight: dict[concurrent.futures.Future, int] = {}
         self.ready: dict[int, int] = {}     # answered rows -> the step they became ready
 
-    def run(self, episodes: list[Episode], pool: concurrent.futures.Executor | None) -> None:
-        """Play ``episodes`` to their end."""
-        self.episodes, self.pool = episodes, pool
+    def run(self, episodes: list[Episode], pool: concurrent.futures.Executor | None,
+            ships: bool = False) -> None:
+        """Play ``episodes`` to their end, their environment steps on ``pool`` (None:
+        inline). ``ships``: the pool runs them in other processes, so each step takes
+        the environment there and brings it back (``_shipped_step``)."""
+        self.episodes, self.pool, self.ships = episodes, pool, ships
         rows = [row for row, episode in enumerate(episodes) if not episode.done]
         if rows:
             ids, mask = pad_prompts([self.prompts[r] + episodes[r].tokens for r in rows],
@@ -663,6 +719,8 @@ class EpisodeLoop:
             text = self.tok.decode(tokens, skip_special_tokens=True)
             if self.pool is None:
                 self.answered(row, _timed_step(episode.env, text))
+            elif self.ships:
+                self.in_flight[self.pool.submit(_shipped_step, _pickled(episode.env, text))] = row
             else:
                 self.in_flight[self.pool.submit(_timed_step, episode.env, text)] = row
 
@@ -675,7 +733,13 @@ class EpisodeLoop:
             done, _ = concurrent.futures.wait(self.in_flight,
                                               return_when=concurrent.futures.FIRST_COMPLETED)
         for future in sorted(done, key=self.in_flight.__getitem__):
-            self.answered(self.in_flight.pop(future), future.result())
+            row = self.in_flight.pop(future)
+            timed = future.result()
+            if self.ships:  # the environment as the step left it, and the step's answer
+                import cloudpickle
+
+                self.episodes[row].env, *timed = cloudpickle.loads(timed)
+            self.answered(row, tuple(timed))
 
     def answered(self, row: int, timed: tuple[tuple, float, float]) -> None:
         """Book the environment's answer to ``row``; a row that goes on waits to rejoin."""
@@ -721,6 +785,25 @@ def _timed_step(env: Environment, text: str) -> tuple[tuple, float, float]:
     start = time.time()
     answer = _settled(env.step(text))
     return answer, start, time.time()
+
+
+def _pickled(env: Environment, text: str) -> bytes:
+    """An environment and the model's turn as ``_shipped_step`` takes them: pickled here,
+    where the pipeline's own modules are registered to go by value."""
+    import cloudpickle
+
+    return cloudpickle.dumps((env, text))
+
+
+def _shipped_step(payload: bytes) -> bytes:
+    """One environment step on a pool worker: ``payload`` is the pickled ``(env, text)``;
+    returns the pickled ``(env, answer, start, stop)``, the environment as the step left
+    it (it plays on in the next step, wherever that runs)."""
+    import cloudpickle
+
+    env, text = cloudpickle.loads(payload)
+    answer, start, stop = _timed_step(env, text)
+    return cloudpickle.dumps((env, answer, start, stop))
 
 
 def _settled(value: Any) -> Any:

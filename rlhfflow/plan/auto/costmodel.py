@@ -84,7 +84,10 @@ class Observation:
     cluster's). ``tokens``: the mean response length of its iteration (0: not
     recorded). Recorded, not yet used: measured on grpo-small, stage times grew with it
     far less than the analytic model's dependence on it, and costing a profile at
-    ``max_new_tokens`` that way over-predicted by 13-25%."""
+    ``max_new_tokens`` that way over-predicted by 13-25%. ``env``: the seconds of the
+    task in which its environment stepped in its own process (a rollout's ``STAGE/env``
+    spans), which a stage whose steps go to the CPU pool does not spend on its model
+    worker."""
 
     stage: str
     rows: int
@@ -93,6 +96,7 @@ class Observation:
     seconds: float
     workers: int = 0
     tokens: float = 0.0
+    env: float = 0.0
 
 
 @dataclass
@@ -132,7 +136,8 @@ class Profile:
         try:
             observations = [Observation(str(o["stage"]), int(o["rows"]), int(o["threads"]),
                                         int(o["gang"]), float(o["seconds"]),
-                                        int(o.get("workers", 0)), float(o.get("tokens", 0)))
+                                        int(o.get("workers", 0)), float(o.get("tokens", 0)),
+                                        float(o.get("env", 0)))
                             for o in data["observations"]]
             device = {**CPU_DEVICE, **{k: float(v) for k, v in data["device"].items()}}
             return cls(str(data["pipeline"]), dict(data["machine"]),
@@ -240,7 +245,11 @@ class CostModel:
 
     def _fit(self, observations: list[Observation]) -> None:
         """Per (stage, threads, gang, contended): ``a + b * rows`` by least squares over
-        the observations (a >= 0, b >= 0); and per stage, measured / analytic ratios."""
+        the observations (a >= 0, b >= 0); and per stage, measured / analytic ratios. A
+        stage whose environment steps run on the CPU pool is fitted to its tasks' time
+        less the environment's steps they ran in their own process (measured with
+        ``env_placement: task``): the steps leave the model worker, and the rows of
+        the others decode meanwhile (assumed: fully)."""
         groups: dict[tuple[str, int, int, bool | None], list[Observation]] = defaultdict(list)
         for o in observations:
             if o.stage in self.graph.nodes or o.stage == "store":
@@ -248,12 +257,14 @@ class CostModel:
                 groups[(o.stage, o.threads, o.gang, contended)].append(o)
         for key, obs in groups.items():
             stage, threads, gang, contended = key
+            node = self.graph.nodes.get(stage)
+            pooled = node is not None and node.env_on_pool
             xs = [o.rows for o in obs]
-            ys = [o.seconds for o in obs]
-            for o in obs:
+            ys = [max(0.0, o.seconds - o.env) if pooled else o.seconds for o in obs]
+            for o, y in zip(obs, ys, strict=True):
                 analytic = self.analytic(stage, o.rows, threads, gang, bool(contended))
                 if analytic > 0:
-                    self._ratios[stage].append(o.seconds / analytic)
+                    self._ratios[stage].append(y / analytic)
             if len(set(xs)) < 2:
                 continue
             n = len(xs)

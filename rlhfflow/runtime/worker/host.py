@@ -79,6 +79,26 @@ class WorkerHost:
         self.timings: list[tuple[int, str, float, float, int]] = []
         self.running: dict[int, tuple[int, str, float]] = {}  # thread id -> task started
         self._lock = threading.Lock()
+        self._env_executor = None
+
+    def env_executor(self):
+        """The executor of environment steps on the run's CPU pool (``RunSettings.env_pool``):
+        each call is a Dask task that only a pool worker takes, or None without a pool.
+
+        The calling task does not secede while it waits for them: it decodes its other
+        rows meanwhile, and a seceded task lets the next task onto this worker's one
+        thread, to share the model and the cores with it (checked on a 1-thread worker:
+        after ``secede`` the next task started at once beside it, and ``rejoin`` then
+        waited for that task to end)."""
+        resource = self.run.settings.env_pool
+        if resource is None:
+            return None
+        if self._env_executor is None:
+            from distributed import get_client
+
+            self._env_executor = get_client().get_executor(resources={resource: 1},
+                                                           pure=False)
+        return self._env_executor
 
     def stage(self, name: str) -> Stage:
         """The stage object ``name`` (created once per worker)."""
@@ -345,6 +365,7 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
         inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
                   if c in out or c in batch}
         ctx.spans = functools.partial(host.record_part, iteration, n)
+        ctx.env_executor = host.env_executor() if stage.env_on_pool(stage.params) else None
         with host.timed(iteration, n, rows):
             try:
                 out.update(stage.run(inputs, ctx))
