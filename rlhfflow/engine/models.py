@@ -440,8 +440,15 @@ def _quiet_transformers() -> Iterator[None]:
                     hf_logging.enable_progress_bar()
 
 
+def attention_implementations() -> tuple[str, ...]:
+    """The ``attn_implementation`` values the installed transformers accepts."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ("eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if k != "eager"))
+
+
 def _load_weights(
-    path: Path, head: str, torch_dtype: torch.dtype
+    path: Path, head: str, torch_dtype: torch.dtype, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, dict[str, list[str]]]:
     """Load ``path`` with the Auto class of ``head``; return the model and its loading info."""
     from transformers import AutoConfig
@@ -450,6 +457,8 @@ def _load_weights(
     if head == "value":
         _as_value_config(config)
     kwargs = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     try:
         with _quiet_transformers():
             return _auto_class(head).from_pretrained(path, **kwargs)
@@ -490,6 +499,7 @@ def load_model(
     torch_dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     init_from: str | os.PathLike | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a transformers-format model directory and its tokenizer.
 
@@ -500,7 +510,8 @@ def load_model(
     whose own checkpoint has not been written is initialised from the SFT model. The model
     comes back in eval mode (as transformers returns it) on ``device``, in ``torch_dtype``.
     ``path`` may be a Hub id (``org/name[@revision]``), found in this process's Hugging Face
-    cache (:func:`rlhfflow.engine.hub.hub_snapshot`).
+    cache (:func:`rlhfflow.engine.hub.hub_snapshot`). ``attn_implementation`` picks
+    transformers' attention kernel (``eager``, ``sdpa``, ...; None: its default).
 
     Raises ``FileNotFoundError`` for a missing ``path`` or an uncached Hub id, and ``ValueError`` for a directory with
     no ``config.json``, no tokenizer files, or weights that do not fit ``head``.
@@ -509,7 +520,7 @@ def load_model(
     auto_path = local_model_dir(init_from if use_init else path)
     _auto_class(head)  # fail on a bad head before touching the disk
     _check_model_dir(auto_path)
-    model, info = _load_weights(auto_path, head, torch_dtype)
+    model, info = _load_weights(auto_path, head, torch_dtype, attn_implementation)
     _check_missing_weights(model, head, auto_path, list(info["missing_keys"]))
     from transformers import AutoTokenizer
 
