@@ -313,7 +313,9 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             kept_share=float(_plugin_call(file, f"stages.{name}.params", cls.kept_share,
                                           params[name], samples)),
             every=max(1, int(_plugin_call(file, f"stages.{name}.params", cls.runs_every,
-                                          params[name]))))
+                                          params[name]))),
+            passes=float(_plugin_call(file, f"stages.{name}.params", cls.model_passes,
+                                      params[name])))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

@@ -85,11 +85,13 @@ __all__ = [
     "build_tiny_model",
     "count_parameters",
     "load_model",
+    "matmul_parameters",
     "position_ids_from_mask",
     "save_model",
     "save_tiny_model",
     "sequence_scores",
     "tiny_config",
+    "tiny_matmul_parameters",
     "tiny_parameter_count",
     "value_head_forward",
 ]
@@ -233,6 +235,37 @@ def tiny_parameter_count(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
     return body + (output if head == "lm" else h + 1)
+
+
+def tiny_matmul_parameters(tokenizer: PreTrainedTokenizerBase, head: str = "lm", *,
+                           arch: str = "llama", n_layer: int = 2, hidden: int = 64) -> int:
+    """The matrix weights a token's activations are multiplied by in a forward of the model
+    :func:`build_tiny_model` builds (what :func:`matmul_parameters` counts on the built
+    model): per layer the attention projections (4 h^2) and the 4x MLP (Llama's gate, up
+    and down: 12 h^2; GPT-2's two: 8 h^2), then the output head (the LM head, tied or
+    not: vocab x h; a value head: h)."""
+    h = hidden
+    if arch not in ("llama", "gpt2"):
+        raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
+    layer = 4 * h * h + (12 if arch == "llama" else 8) * h * h
+    return n_layer * layer + (len(tokenizer) * h if head == "lm" else h)
+
+
+def matmul_parameters(config: PretrainedConfig, head: str) -> int:
+    """The matrix weights a token's activations are multiplied by in one forward of a model
+    built from ``config`` with ``head``: the weights of its linear layers (``nn.Linear``,
+    GPT-2's ``Conv1D``), the output head included even where it is tied to the input
+    embedding; the embedding lookups, norms and biases are not matrix products. Counted
+    on the meta device."""
+    from transformers.pytorch_utils import Conv1D
+
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers():
+        model = _auto_class(head).from_config(config, dtype=torch.float32)
+    return sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear | Conv1D))
 
 
 def _auto_class(head: str) -> type:
