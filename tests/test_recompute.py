@@ -4,6 +4,10 @@ fewer activations kept for the backward pass, on the lean forward and transforme
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +108,47 @@ def test_a_model_with_an_eager_attention_keeps_transformers_forward(tmp_path):
     module = ModelStore({"m": config}).get("m").module
     assert module.config._attn_implementation == "eager"
     assert lean.unsupported(module) == "attn_implementation 'eager' (the lean forward is SDPA)"
+
+
+DEEPSPEED_STEP = """
+import sys
+import torch
+import torch.distributed as dist
+from rlhfflow.engine.forward import response_logits
+from rlhfflow.stages import ModelConfig, ModelStore
+from tests.test_recompute import _batch
+
+path = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=0, world_size=1)
+steps = []
+for deepspeed, checkpointing in ((False, False), (True, True)):
+    config = ModelConfig(name="m", head="lm", init_path=f"{path}/m", trainable=True,
+                         gradient_checkpointing=checkpointing)
+    resident = ModelStore({"m": config}).get("m")
+    if deepspeed:
+        resident.use_deepspeed(2, {}, 0)
+    module = resident.engine if deepspeed else resident.module
+    norm = resident.step(response_logits(module, _batch(seed=1)).logsumexp(-1).mean())
+    steps.append((norm, [p.detach().clone() for p in resident.module.parameters()]))
+assert abs(steps[0][0] - steps[1][0]) < 1e-6 * steps[0][0], steps
+for a, b in zip(steps[0][1], steps[1][1], strict=True):
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+print("same step")
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpointed_model_takes_the_same_step_under_deepspeed_zero2(tmp_path):
+    """DeepSpeed's engine calls the module: the checkpointed layers run inside it, and
+    its ZeRO-2 step equals the plain torch step of the same model without checkpointing."""
+    pytest.importorskip("deepspeed")
+    save_tiny_model(tmp_path / "m", n_layer=3, hidden=32, n_head=4)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "LOCAL_RANK": "0", "RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    script = tmp_path / "step.py"
+    script.write_text(DEEPSPEED_STEP)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same step" in done.stdout
