@@ -194,6 +194,16 @@ CASES: list[tuple[str, Callable[[dict], Any], str]] = [
      "data: the pipeline has stages that run every iteration, so it needs a 'data' section "
      "with a prompts file"),
     # models and their sources
+    ("checkpointing-frozen", lambda s: put(s, "models.ref.gradient_checkpointing", True),
+     "models.ref: gradient_checkpointing saves training memory; the model is not trainable "
+     "(set trainable: true or drop it)"),
+    ("attention-unknown", lambda s: put(s, "models.actor.attn_implementation", "fast"),
+     "models.actor.attn_implementation: expected one of 'eager', 'sdpa', 'flex_attention', "
+     "'flash_attention_2', 'flash_attention_3' or 'flash_attention_4', got 'fast'"),
+    ("flash-attention-cpu", lambda s: (put(s, "cluster.device", "cpu"), put(
+        s, "models.actor.attn_implementation", "flash_attention_2")),
+     "models.actor.attn_implementation: flash_attention_2 runs on CUDA GPUs only and the "
+     "run is on a CPU (cluster.device cpu); use sdpa"),
     ("model-no-source", lambda s: drop(s, "models.actor.tiny"),
      "models.actor: expected exactly one of 'path', 'from', 'tiny'; got none"),
     ("model-two-sources", lambda s: put(s, "models.actor.path", "models/actor"),

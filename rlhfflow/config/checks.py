@@ -24,20 +24,47 @@ from rlhfflow.stages import (
 def warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
     """Warn (not refuse: it runs) of float16 models on a CPU: torch has no fast fp16
     matmul kernels there, and a float16 step took ~15x as long as a float32 one."""
-    cluster = pipeline.spec.cluster
-    if cluster.device == "cuda" or (cluster.device == "auto" and cluster.address):
-        return  # remote workers: their devices are not known here
-    if cluster.device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return
-    where = "cluster.device cpu" if cluster.device == "cpu" else "no GPU on this machine"
+    where = _on_cpu(pipeline)
+    if where is None:
+        return  # a GPU, or remote workers: their devices are not known here
     for name, model in pipeline.spec.models.items():
         if model.dtype == "float16":
             logging.getLogger(__name__).warning(
                 "warning: %s: models.%s.dtype: float16 on a CPU (%s) runs ~15x slower than "
                 "float32 (no fp16 matmul kernels there); use float32", file, name, where)
+
+
+def check_attention(file: Path, pipeline: Pipeline) -> None:
+    """Refuse an ``attn_implementation`` the installed transformers lacks, and a
+    ``flash_attention_*`` one on a CPU (its kernels are CUDA only)."""
+    cpu = _on_cpu(pipeline)
+    for name, model in pipeline.spec.models.items():
+        wanted = model.attn_implementation
+        if wanted is None:
+            continue
+        from rlhfflow.engine.models import attention_implementations
+
+        known = attention_implementations()
+        if wanted not in known:
+            raise SpecError(file, f"models.{name}.attn_implementation", f"the installed "
+                            f"transformers has no {wanted!r}; it has {', '.join(known)}")
+        if wanted.startswith("flash_attention") and cpu:
+            raise SpecError(file, f"models.{name}.attn_implementation", f"{wanted} runs on "
+                            f"CUDA GPUs only and the run is on a CPU ({cpu}); use sdpa")
+
+
+def _on_cpu(pipeline: Pipeline) -> str | None:
+    """Why the run's workers compute on a CPU, or None when they may not (a GPU, or
+    remote workers whose devices are not known here)."""
+    cluster = pipeline.spec.cluster
+    if cluster.device == "cuda" or (cluster.device == "auto" and cluster.address):
+        return None
+    if cluster.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    return "cluster.device cpu" if cluster.device == "cpu" else "no GPU on this machine"
 
 
 def check_files(file: Path, pipeline: Pipeline) -> None:

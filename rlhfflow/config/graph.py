@@ -59,6 +59,8 @@ class StageNode:
     kept_share: float = 1.0
     #: the stage works in one iteration of this many (``Stage.runs_every``)
     every: int = 1
+    #: its model's work per token, in forward passes (``Stage.model_passes``)
+    passes: float = 1.0
 
 
 class CycleError(UserError, ValueError):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rlhfflow.config.checks import (
+    check_attention,
     check_auxiliary_models,
     check_files,
     check_model_shapes,
@@ -64,6 +65,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = Pipeline(spec=spec, source=file.resolve(), params=params, graph=graph)
     _check_training(file, pipeline)
     check_files(file, pipeline)
+    check_attention(file, pipeline)
     check_auxiliary_models(file, pipeline)
     check_model_shapes(file, pipeline)
     check_tokenizers(file, pipeline)
@@ -318,7 +320,9 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             kept_share=float(_plugin_call(file, f"stages.{name}.params", cls.kept_share,
                                           params[name], samples)),
             every=max(1, int(_plugin_call(file, f"stages.{name}.params", cls.runs_every,
-                                          params[name]))))
+                                          params[name]))),
+            passes=float(_plugin_call(file, f"stages.{name}.params", cls.model_passes,
+                                      params[name])))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

@@ -110,6 +110,14 @@ class ModelSpec(Strict):
         "Compute dtype. A trainable `bfloat16` or `float16` model trains in mixed precision "
         "(fp32 master weights; `float16` with loss scaling, not under `backend: deepspeed`); a "
         "frozen one is loaded in that dtype."))
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute each decoder layer's activations in the backward pass instead of keeping "
+        "them: less memory in training for ~1/3 more compute. Only on a `trainable` model."))
+    attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2",
+                                 "flash_attention_3", "flash_attention_4"] | None = Field(None, description=(
+        "transformers' attention kernel (`eager`, `sdpa`, `flash_attention_2`, ...); `null`: "
+        "transformers' default. Anything but `sdpa` or `null` keeps transformers' forward "
+        "(rlhfflow's lean forward is SDPA). `flash_attention_*` needs a GPU and its package."))
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -118,6 +126,9 @@ class ModelSpec(Strict):
         if len(sources) != 1:
             got = " and ".join(sources) if sources else "none"
             raise ValueError(f"expected exactly one of 'path', 'from', 'tiny'; got {got}")
+        if self.gradient_checkpointing and not self.trainable:
+            raise ValueError("gradient_checkpointing saves training memory; the model is "
+                             "not trainable (set trainable: true or drop it)")
         return self
 
 

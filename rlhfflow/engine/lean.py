@@ -35,7 +35,9 @@ CPU) keep transformers' forward: ``unsupported(module)`` says why. GPUs are left
 until it is checked on one (SDPA and ``rms_norm`` take other kernels there):
 ``DEVICES`` names the device types it is switched on for, and ``tests/test_gpu.py`` adds
 ``cuda`` to compare it with transformers on a GPU. ``RLHFFLOW_LEAN_FORWARD=0`` turns it off
-for a process tree.
+for a process tree. A model loaded with an ``attn_implementation`` other than ``sdpa``
+keeps transformers' forward too; gradient checkpointing (``rlhfflow.engine.recompute``)
+checkpoints this forward's layer loop.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 #: Environment switch: "0" keeps transformers' forward everywhere.
 ENV = "RLHFFLOW_LEAN_FORWARD"
@@ -75,6 +78,9 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return "attention or MLP biases"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in (None, "sdpa"):
+        return f"attn_implementation {attention!r} (the lean forward is SDPA)"
     if getattr(module.model.rotary_emb, "rope_type", "default") in _DYNAMIC_ROPE:
         return f"rope_type {module.model.rotary_emb.rope_type!r}"
     if any(p.dtype != torch.float32 for p in module.parameters()):
@@ -153,9 +159,16 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
     cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]
     mask = _attention_mask(attention_mask, rows, length, past, input_ids.device)
     hidden = F.embedding(input_ids, inner.embed_tokens.weight, inner.embed_tokens.padding_idx)
+    # gradient checkpointing (rlhfflow.engine.recompute): each layer's input is kept, its
+    # intermediates are recomputed in the backward pass
+    recompute = (getattr(self, "_rlhfflow_recompute", False) and cache is None
+                 and torch.is_grad_enabled())
     for index, layer in enumerate(inner.layers[:self.config.num_hidden_layers]):
-        hidden = hidden + _attention(layer, hidden, cos, sin, mask, cache, index)
-        hidden = hidden + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
+        if recompute:
+            hidden = checkpoint(_layer, layer, hidden, cos, sin, mask, cache, index,
+                                use_reentrant=False)
+        else:
+            hidden = _layer(layer, hidden, cos, sin, mask, cache, index)
     hidden = _rms_norm(inner.norm, hidden)
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
@@ -182,6 +195,13 @@ def output_cache_field(output_class: type) -> str:
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm`` (float32 statistics; parameters are float32 here)."""
     return F.rms_norm(hidden, (hidden.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _layer(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           mask: torch.Tensor | None, cache: object | None, index: int) -> torch.Tensor:
+    """One decoder layer: attention, then MLP, each a residual update."""
+    hidden = hidden + _attention(layer, hidden, cos, sin, mask, cache, index)
+    return hidden + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, hidden))
 
 
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -85,11 +85,13 @@ __all__ = [
     "build_tiny_model",
     "count_parameters",
     "load_model",
+    "matmul_parameters",
     "position_ids_from_mask",
     "save_model",
     "save_tiny_model",
     "sequence_scores",
     "tiny_config",
+    "tiny_matmul_parameters",
     "tiny_parameter_count",
     "value_head_forward",
 ]
@@ -233,6 +235,37 @@ def tiny_parameter_count(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
     return body + (output if head == "lm" else h + 1)
+
+
+def tiny_matmul_parameters(tokenizer: PreTrainedTokenizerBase, head: str = "lm", *,
+                           arch: str = "llama", n_layer: int = 2, hidden: int = 64) -> int:
+    """The matrix weights a token's activations are multiplied by in a forward of the model
+    :func:`build_tiny_model` builds (what :func:`matmul_parameters` counts on the built
+    model): per layer the attention projections (4 h^2) and the 4x MLP (Llama's gate, up
+    and down: 12 h^2; GPT-2's two: 8 h^2), then the output head (the LM head, tied or
+    not: vocab x h; a value head: h)."""
+    h = hidden
+    if arch not in ("llama", "gpt2"):
+        raise ValueError(f"unknown arch {arch!r}; expected 'llama' or 'gpt2'")
+    layer = 4 * h * h + (12 if arch == "llama" else 8) * h * h
+    return n_layer * layer + (len(tokenizer) * h if head == "lm" else h)
+
+
+def matmul_parameters(config: PretrainedConfig, head: str) -> int:
+    """The matrix weights a token's activations are multiplied by in one forward of a model
+    built from ``config`` with ``head``: the weights of its linear layers (``nn.Linear``,
+    GPT-2's ``Conv1D``), the output head included even where it is tied to the input
+    embedding; the embedding lookups, norms and biases are not matrix products. Counted
+    on the meta device."""
+    from transformers.pytorch_utils import Conv1D
+
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers():
+        model = _auto_class(head).from_config(config, dtype=torch.float32)
+    return sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear | Conv1D))
 
 
 def _auto_class(head: str) -> type:
@@ -440,8 +473,15 @@ def _quiet_transformers() -> Iterator[None]:
                     hf_logging.enable_progress_bar()
 
 
+def attention_implementations() -> tuple[str, ...]:
+    """The ``attn_implementation`` values the installed transformers accepts."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ("eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if k != "eager"))
+
+
 def _load_weights(
-    path: Path, head: str, torch_dtype: torch.dtype
+    path: Path, head: str, torch_dtype: torch.dtype, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, dict[str, list[str]]]:
     """Load ``path`` with the Auto class of ``head``; return the model and its loading info."""
     from transformers import AutoConfig
@@ -450,6 +490,8 @@ def _load_weights(
     if head == "value":
         _as_value_config(config)
     kwargs = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     try:
         with _quiet_transformers():
             return _auto_class(head).from_pretrained(path, **kwargs)
@@ -490,6 +532,7 @@ def load_model(
     torch_dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     init_from: str | os.PathLike | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a transformers-format model directory and its tokenizer.
 
@@ -500,7 +543,8 @@ def load_model(
     whose own checkpoint has not been written is initialised from the SFT model. The model
     comes back in eval mode (as transformers returns it) on ``device``, in ``torch_dtype``.
     ``path`` may be a Hub id (``org/name[@revision]``), found in this process's Hugging Face
-    cache (:func:`rlhfflow.engine.hub.hub_snapshot`).
+    cache (:func:`rlhfflow.engine.hub.hub_snapshot`). ``attn_implementation`` picks
+    transformers' attention kernel (``eager``, ``sdpa``, ...; None: its default).
 
     Raises ``FileNotFoundError`` for a missing ``path`` or an uncached Hub id, and ``ValueError`` for a directory with
     no ``config.json``, no tokenizer files, or weights that do not fit ``head``.
@@ -509,7 +553,7 @@ def load_model(
     auto_path = local_model_dir(init_from if use_init else path)
     _auto_class(head)  # fail on a bad head before touching the disk
     _check_model_dir(auto_path)
-    model, info = _load_weights(auto_path, head, torch_dtype)
+    model, info = _load_weights(auto_path, head, torch_dtype, attn_implementation)
     _check_missing_weights(model, head, auto_path, list(info["missing_keys"]))
     from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlhfflow.engine import lean
+from rlhfflow.engine import lean, recompute
 from rlhfflow.errors import RlhfflowError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +86,9 @@ class ModelConfig:
             (mixed precision, fp32 parameters).
         optimizer_state: a ``torch.save``-d optimizer state to start from (a checkpoint).
         version: the version of the weights at ``init_path`` (training tasks applied).
+        gradient_checkpointing: recompute the layers' activations in the backward pass
+            (``rlhfflow.engine.recompute``).
+        attn_implementation: transformers' attention kernel, or None for its default.
     """
 
     name: str
@@ -96,6 +99,8 @@ class ModelConfig:
     dtype: str = "float32"
     optimizer_state: str | None = None
     version: int = 0
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
 
 
 class ResidentModel:
@@ -350,11 +355,14 @@ class ModelStore:
         mixed = config.trainable and config.dtype != "float32"
         module, tokenizer = load_model(config.init_path, config.head, device=self.device,
                                        torch_dtype=torch.float32 if mixed
-                                       else DTYPES[config.dtype])
+                                       else DTYPES[config.dtype],
+                                       attn_implementation=config.attn_implementation)
         if mixed:  # fp32 master weights, computing in the configured dtype
             autocast_forward(module, self.device, DTYPES[config.dtype])
         else:  # the same arithmetic without transformers' per-call Python
             lean.enable(module)
+        if config.gradient_checkpointing:
+            recompute.enable(module)
         module.train(False)
         for p in module.parameters():
             p.requires_grad_(config.trainable)

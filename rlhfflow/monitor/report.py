@@ -327,8 +327,26 @@ def _summary_table(metrics: list[dict[str, Any]]) -> str:
               sum(r.get("iteration_s", 0.0) for r in metrics) / len(metrics)),
              ("max staleness", max((r["staleness_max"] for r in metrics
                                     if r.get("staleness_max") is not None), default=None))]
+    rows += _utilisation_rows(metrics)
     cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows)
     return f"<table class='summary'>{cells}</table>"
+
+
+def _utilisation_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """MFU, model FLOP rate and matmul peaks over the steady iterations (all but the
+    first, which loads the models, and the last), as the run's closing line gives them."""
+    from rlhfflow.plan.flops import run_utilisation
+
+    steady = metrics[1:-1] if len(metrics) > 2 else metrics
+    summary = run_utilisation(steady)
+    if not summary:
+        return []
+    peaks = ", ".join(f"{dtype} {v / 1e9:.4g}"
+                      for dtype, v in summary["matmul_peak_flops_per_s"].items())
+    return [(f"MFU (model FLOPs / matmul peak), {len(steady)} steady iterations",
+             summary["mfu"]),
+            ("model FLOPs per second (GFLOP/s)", summary["model_flops_per_s"] / 1e9),
+            ("matmul peak (GFLOP/s)", peaks or None)]
 
 
 def _fmt(value: Any) -> str:

@@ -32,6 +32,8 @@ METRIC_NAMES = {
     "overlap": "perf/overlap",
     "tokens_generated": "perf/tokens_generated",
     "gen_tokens_per_s": "perf/gen_tokens_per_s",
+    "mfu": "perf/mfu",  # veRL: perf/mfu/actor (the actor's update only)
+    "model_flops_per_s": "perf/model_flops_per_s",
     "samples_skipped": "samples_skipped",
 }
 

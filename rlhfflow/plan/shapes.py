@@ -16,6 +16,10 @@ class ModelShape:
     hidden: int
     vocab: int
     bytes_per_param: int = 4
+    #: the matrix weights a token passes through in a forward (``matmul_parameters``)
+    matmul_params: int = 0
+    #: query heads x head width, what attention's score and value products scale with
+    attention_width: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -28,8 +32,10 @@ def model_shapes(pipeline) -> dict[str, ModelShape]:
     unknown, zero shape)."""
     from rlhfflow.engine.models import (
         build_char_tokenizer,
+        matmul_parameters,
         model_config,
         parameter_bytes,
+        tiny_matmul_parameters,
         tiny_parameter_count,
     )
     from rlhfflow.engine.resident import DTYPES
@@ -46,7 +52,10 @@ def model_shapes(pipeline) -> dict[str, ModelShape]:
             params = tiny_parameter_count(tokenizer, model.head, arch=t.arch,
                                           n_layer=t.layers, hidden=t.hidden,
                                           max_positions=t.max_positions)
-            shapes[name] = ModelShape(params, t.layers, t.hidden, len(tokenizer), size)
+            matmul = tiny_matmul_parameters(tokenizer, model.head, arch=t.arch,
+                                            n_layer=t.layers, hidden=t.hidden)
+            shapes[name] = ModelShape(params, t.layers, t.hidden, len(tokenizer), size,
+                                      matmul, t.hidden)
             continue
         try:
             config = model_config(pipeline.model_dir(root.path))
@@ -56,6 +65,9 @@ def model_shapes(pipeline) -> dict[str, ModelShape]:
         params = parameter_bytes(config, model.head, dtype) // size
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1)
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+        width = heads * (getattr(config, "head_dim", None) or hidden // heads)
         shapes[name] = ModelShape(int(params), int(layers), int(hidden),
-                                  int(getattr(config, "vocab_size", 1)), size)
+                                  int(getattr(config, "vocab_size", 1)), size,
+                                  matmul_parameters(config, model.head), int(width))
     return shapes

@@ -35,7 +35,9 @@ from rlhfflow.plan.compiler import (
     batch_rows,
     schedule,
 )
-from rlhfflow.plan.placement import ExecutionPlan, model_sizes
+from rlhfflow.plan.flops import stage_work
+from rlhfflow.plan.placement import ExecutionPlan
+from rlhfflow.plan.shapes import model_shapes
 from rlhfflow.runtime.backend import (
     InlineBackend,
     TaskFailed,
@@ -69,6 +71,7 @@ from rlhfflow.runtime.telemetry import (
     StartupClock,
     Telemetry,
     dashboard_moved,
+    machine_peaks,
     progress_line,
     shown_path,
     summarise,
@@ -139,7 +142,8 @@ class Executor:
         self.telemetry = Telemetry(backend, output_dir) if backend is not None else None
         self.plan: ExecutionPlan | None = None
         self.addresses: list[str] = []
-        self.model_bytes = model_sizes(pipeline)
+        self.shapes = model_shapes(pipeline)
+        self.model_bytes = {name: shape.nbytes for name, shape in self.shapes.items()}
         self.summary: dict[str, Any] = {}
         self.models: dict[str, ModelConfig] = {}
         self.initial_models: dict[str, ModelConfig] = {}
@@ -223,6 +227,7 @@ class Executor:
         if self.graph.setup_stages and checkpoint is None:
             result.setup_metrics = self._run_setup_with_recovery()
         if self.graph.loop_stages and first < spec.iterations:
+            self._count_flops()
             try:
                 result.metrics = self._run_with_recovery(first)
             except BaseException:  # the logging: sinks see the run fail (rlhfflow.monitor)
@@ -238,6 +243,14 @@ class Executor:
         if not result.stopped:
             self._save_final()
         return result
+
+    def _count_flops(self) -> None:
+        """Have the telemetry count each iteration's model FLOPs and MFU, against the
+        matmul peaks of this machine (measured now on its first run, then cached)."""
+        work = stage_work(self.pipeline, self.shapes)
+        if work:
+            self.telemetry.count_flops(work, machine_peaks(
+                self.pipeline, self._layout(), tuple(w.dtype for w in work)))
 
     def _run_with_recovery(self, first: int) -> list[dict[str, Any]]:
         """The loop; when a worker holding models is lost, resume from the last

@@ -45,7 +45,9 @@ def model_configs(pipeline: Pipeline, out: Path, build: bool = True
     return {name: ModelConfig(name=name, head=model.head,
                               init_path=paths[pipeline.model_root(name)],
                               trainable=model.trainable,
-                              optimizer=model.optimizer.model_dump(), dtype=model.dtype)
+                              optimizer=model.optimizer.model_dump(), dtype=model.dtype,
+                              gradient_checkpointing=model.gradient_checkpointing,
+                              attn_implementation=model.attn_implementation)
             for name, model in spec.models.items()}
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from rlhfflow.plan.flops import StageWork, run_utilisation, utilisation
 from rlhfflow.runtime.worker.host import pop_timings
 from rlhfflow.storage import MetricsLog
 
@@ -38,6 +39,16 @@ class Telemetry:
         # busy time per worker: finished compute intervals not yet past a window
         self._busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
         self._window_start = time.time()
+        # what the model FLOPs of an iteration are counted from, and the matmul peaks
+        # (FLOP/s by dtype name) they are measured against: count_flops
+        self.work: list[StageWork] = []
+        self.peaks: dict[str, float] = {}
+
+    def count_flops(self, work: list[StageWork], peaks: dict[str, float]) -> None:
+        """Count each iteration's useful model FLOPs (``model_flops``) from ``work`` and
+        its MFU against ``peaks`` (``rlhfflow.plan.flops``, ``rlhfflow.engine.peak``)."""
+        self.work = list(work)
+        self.peaks = dict(peaks)
 
     def restart(self, addresses: Sequence[str], layout: dict[str, Any] | None = None) -> None:
         """Start measuring afresh on ``addresses`` (a new loop, or after a recovery);
@@ -144,11 +155,27 @@ class Telemetry:
             "score_errors": int(total.get("score_errors", 0)),
             "score_retries": int(total.get("score_retries", 0)),
             "task_retries": task_retries,
+            **self._model_flops(total, iteration_s),
             **{f"reward_mean_{name}": total[k] / scored if scored else None
                for k, name in _function_sums(total)},
             "train": train,
             **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
+
+
+    def _model_flops(self, total: dict[str, float], seconds: float) -> dict[str, Any]:
+        """An iteration's useful model FLOPs, by stage and in all, their rate and MFU
+        (None without a peak); nothing where no stage's FLOPs are counted."""
+        if not self.work or "prompt_tokens" not in total:
+            return {}
+        tokens = total["prompt_tokens"] + total["tokens"]
+        flops = {w.stage: w.flops(tokens, total["attention_pairs"]) for w in self.work}
+        mfu = utilisation(flops, self.work, self.peaks, seconds)
+        return {"model_flops": round(sum(flops.values())),
+                "model_flops_per_s": round(sum(flops.values()) / max(seconds, 1e-9)),
+                "mfu": round(mfu, 4) if mfu is not None else None,
+                "stage_flops": {stage: round(f) for stage, f in flops.items()},
+                "matmul_peak_flops_per_s": {k: round(v) for k, v in self.peaks.items()}}
 
 
 def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:
@@ -178,9 +205,9 @@ def _generation(total: dict[str, float]) -> dict[str, Any]:
 
 
 def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | None:
-    """The overlap a run achieved over its steady iterations (not the first, which loads
-    the models, nor the last, which has nothing left to overlap with): the summary and
-    its one line, or None without any iteration."""
+    """The overlap and the MFU a run achieved over its steady iterations (not the first, which loads the models, nor the
+    last, which has nothing left to overlap with): the summary and its one line, or None
+    without any iteration."""
     steady = steady_records(records)
     if not steady:
         return None
@@ -200,14 +227,52 @@ def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | Non
     }
     workers = ", ".join(f"w{w} {b:.2f}" for w, b in enumerate(busy))
     stale_text = f"; staleness max {max(stale)}" if stale else ""
+    summary.update(run_utilisation(steady))
     line = (f"rlhfflow: overlap {summary['overlap']:.2f} (sum of stage times / iteration "
-            f"wall time, mean over {len(steady)} iteration(s)); busy: {workers}{stale_text}")
+            f"wall time, mean over {len(steady)} iteration(s)); busy: {workers}{stale_text}"
+            f"{mfu_text(summary)}")
     return summary, line
+
+
+def mfu_text(summary: dict[str, Any]) -> str:
+    """The MFU part of the closing line: ``; MFU 0.43 (model FLOPs 1.2 GFLOP/s; matmul
+    peak float32 2.8, bfloat16 5.1 GFLOP/s)``, or "" where nothing was counted."""
+    if "model_flops_per_s" not in summary:
+        return ""
+    mfu = f"{summary['mfu']:.3f}" if summary.get("mfu") is not None else "-"
+    peaks = ", ".join(f"{dtype} {_giga(v)}" for dtype, v in
+                      summary.get("matmul_peak_flops_per_s", {}).items())
+    return (f"; MFU {mfu} (model FLOPs {_giga(summary['model_flops_per_s'])} GFLOP/s; "
+            f"matmul peak {peaks or '-'} GFLOP/s)")
+
+
+def _giga(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e9:.3g}"
 
 
 def steady_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The iterations that show the steady state: all but the first and the last."""
     return records[1:-1] if len(records) > 2 else records
+
+
+def machine_peaks(pipeline, layout: dict[str, Any], dtypes: tuple[str, ...] = ()
+                  ) -> dict[str, float]:
+    """The matmul peaks (FLOP/s by dtype name: float32, bfloat16 and ``dtypes``) of the
+    machine the run computes on: its GPUs' (one measured, times the workers) or its CPU's
+    at the torch threads of all its workers (at most its cores). Measured here, in the
+    coordinator: on an external cluster they are this machine's."""
+    import torch
+
+    from rlhfflow.engine.peak import PEAK_DTYPES, matmul_peaks
+
+    cluster = pipeline.spec.cluster
+    dtypes = tuple(dict.fromkeys((*PEAK_DTYPES, *dtypes)))
+    workers = max(1, int(layout.get("workers") or 1))
+    if cluster.device == "cuda" or (cluster.device == "auto" and torch.cuda.is_available()):
+        return {k: v * workers for k, v in matmul_peaks(dtypes, device="cuda").items()}
+    cores = os.cpu_count() or 1
+    threads = layout.get("threads")
+    return matmul_peaks(dtypes, min(cores, threads * workers) if threads else cores)
 
 
 def progress_line(r: dict[str, Any], total: int) -> str:

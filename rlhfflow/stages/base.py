@@ -281,6 +281,14 @@ class Stage:
         return 1.0
 
     @classmethod
+    def model_passes(cls, params: StageParams) -> float:
+        """The model work the stage does per token of the iteration, in forward passes:
+        1 for a forward (log-probs, values, a reward model, generation: a prefill and one
+        step per new token), 3 per epoch for training (the backward pass costs about two
+        forwards). What ``model_flops`` and MFU count (``rlhfflow.plan.flops``)."""
+        return 3.0 * float(getattr(params, "epochs", 1)) if cls.trains else 1.0
+
+    @classmethod
     def sampling_temperature(cls, params: StageParams) -> float:
         """A generator's sampling temperature (``params.temperature``, default 1)."""
         return float(getattr(params, "temperature", 1.0))

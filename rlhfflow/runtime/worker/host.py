@@ -438,6 +438,11 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
     lengths = mask.sum(-1)
     out = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
            "tokens": float(mask.sum())}
+    if "prompt_mask" in batch:  # what the model FLOPs are counted on (rlhfflow.plan.flops)
+        prompt = batch["prompt_mask"].float().sum(-1)
+        sequence = prompt + lengths
+        out.update(prompt_tokens=float(prompt.sum()),
+                   attention_pairs=float((sequence * (sequence + 1) / 2).sum()))
     if "scores" in batch:
         valid = batch["score_valid"].bool() if "score_valid" in batch else \
             torch.ones(len(batch["scores"]), dtype=torch.bool)

@@ -1,0 +1,118 @@
+"""Useful model FLOPs of an iteration, counted from the models' shapes and the tokens the
+iteration processed: the numerator of MFU (model FLOPs utilisation).
+
+A forward pass over a sequence of ``S`` real tokens costs
+
+    2 * N * S                       the matrix products with the weights
+  + 4 * L * A * S * (S + 1) / 2     causal attention: scores and the weighted sum
+
+where ``N`` is ``ModelShape.matmul_params`` (every matrix weight a token is multiplied
+by: the non-embedding weights and the output head, tied or not), ``L`` the layers and
+``A`` the attention width (query heads x head width); token ``t`` attends to ``t`` keys.
+A stage does ``Stage.model_passes`` such forwards per token: 1 for log-probs, values,
+scoring with a model and generation (a KV-cached generation does the same products: the
+prefill, then one token at a time over the cache), 3 per epoch for training (the
+backward pass is two forwards' worth of products).
+
+What is not counted: padding, recomputation (gradient checkpointing, a drafter's
+rejected tokens), the embedding lookups, norms, activations, softmax and the optimizer
+(elementwise, a few FLOPs per weight or activation), evaluation stages, and stages that
+do not run every iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlhfflow.plan.shapes import ModelShape
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """What one stage's useful FLOPs per iteration are made of.
+
+    Attributes:
+        stage: the stage's name.
+        model: its model's name.
+        dtype: the model's compute dtype name (``float32``, ``bfloat16``, ``float16``):
+            the peak its FLOPs are measured against.
+        passes: forwards per token (``Stage.model_passes``).
+        per_token: FLOPs per token of one forward, ``2 N``.
+        per_pair: FLOPs per (query, key) pair of one forward's attention, ``4 L A``.
+    """
+
+    stage: str
+    model: str
+    dtype: str
+    passes: float
+    per_token: float
+    per_pair: float
+
+    def flops(self, tokens: float, pairs: float) -> float:
+        """The stage's FLOPs over ``tokens`` real tokens whose causal attention has
+        ``pairs`` (query, key) pairs (``attention_pairs``)."""
+        return self.passes * (self.per_token * tokens + self.per_pair * pairs)
+
+
+def forward_flops(shape: ModelShape, lengths: list[int]) -> float:
+    """FLOPs of one forward of a model of ``shape`` over sequences of ``lengths`` real
+    tokens (the formula of the module docstring)."""
+    return sum(2 * shape.matmul_params * s + 4 * shape.layers * shape.attention_width
+               * attention_pairs(s) for s in lengths)
+
+
+def attention_pairs(length: int) -> int:
+    """(query, key) pairs of causal attention over ``length`` tokens: token ``t`` (from
+    1) attends to ``t`` keys."""
+    return length * (length + 1) // 2
+
+
+def stage_work(pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
+    """The loop stages whose model work counts: every stage with a model that runs every
+    iteration and is no evaluation (an evaluation works on its own prompts), where the
+    model's shape is known."""
+    spec, graph = pipeline.spec, pipeline.graph
+    work = []
+    for name in graph.loop_stages:
+        node = graph.nodes[name]
+        shape = shapes.get(node.model) if node.model else None
+        if shape is None or not shape.matmul_params or node.reports or node.every != 1:
+            continue
+        work.append(StageWork(
+            stage=name, model=node.model, dtype=spec.models[node.model].dtype,
+            passes=node.passes, per_token=2.0 * shape.matmul_params,
+            per_pair=4.0 * shape.layers * shape.attention_width))
+    return work
+
+
+def utilisation(flops: Mapping[str, float], work: list[StageWork],
+                peaks: Mapping[str, float], seconds: float) -> float | None:
+    """MFU: the time the stages' ``flops`` (by stage) take at the matmul peak of each
+    stage's dtype (``peaks``, FLOP/s), as a share of ``seconds``; None without a peak
+    or a time."""
+    if seconds <= 0:
+        return None
+    at_peak = 0.0
+    for w in work:
+        peak = peaks.get(w.dtype)
+        if not peak:
+            return None
+        at_peak += flops.get(w.stage, 0.0) / peak
+    return at_peak / seconds
+
+
+def run_utilisation(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The MFU of metrics ``records`` together (each record's time at peak, summed, over
+    their wall time), their model FLOP rate and the matmul peaks of the last; nothing
+    where the records count no model FLOPs."""
+    counted = [r for r in records if r.get("model_flops")]
+    if not counted:
+        return {}
+    seconds = max(sum(r["iteration_s"] for r in counted), 1e-9)
+    at_peak = [r["mfu"] * r["iteration_s"] for r in counted if r.get("mfu") is not None]
+    return {"model_flops_per_s": round(sum(r["model_flops"] for r in counted) / seconds),
+            "mfu": round(sum(at_peak) / seconds, 4) if len(at_peak) == len(counted)
+            else None,
+            "matmul_peak_flops_per_s": dict(counted[-1].get("matmul_peak_flops_per_s", {}))}

@@ -1,0 +1,147 @@
+"""Model FLOPs and MFU: the count against a hand count and torch's own FLOP counter, the
+measured matmul peak and its cache, and the figures a real (inline, tiny) run reports in
+metrics.jsonl, its closing line and ``rlhfflow report``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.engine import peak
+from rlhfflow.engine.models import (
+    build_char_tokenizer,
+    build_tiny_model,
+    matmul_parameters,
+    tiny_config,
+    tiny_matmul_parameters,
+)
+from rlhfflow.monitor.report import build_report
+from rlhfflow.plan.flops import attention_pairs, forward_flops, stage_work
+from rlhfflow.plan.shapes import model_shapes
+from rlhfflow.runtime.run import run_pipeline
+from rlhfflow.storage import ExperienceBuffer, MetricsLog
+from tests.conftest import small_pipeline
+
+
+def test_the_flops_of_the_tiny_actor_match_a_hand_count(tmp_path):
+    pipeline = load_pipeline(small_pipeline(tmp_path, "grpo"))
+    shape = model_shapes(pipeline)["actor"]  # tiny: {layers: 2, hidden: 64, heads: 4}
+    vocab = len(build_char_tokenizer())
+    # per layer q, k, v, o (4 x 64 x 64) and gate, up, down (3 x 64 x 256); the LM head
+    weights = 2 * (4 * 64 * 64 + 3 * 64 * 256) + vocab * 64
+    assert shape.matmul_params == weights
+    # a 10-token and a 3-token sequence: 2 FLOPs per weight and token, and per layer
+    # 4 x 64 per (query, key) pair: 55 and 6 pairs
+    assert attention_pairs(10) == 55
+    assert forward_flops(shape, [10, 3]) == 2 * weights * 13 + 2 * 4 * 64 * (55 + 6)
+    passes = {w.stage: w.passes for w in stage_work(pipeline, model_shapes(pipeline))}
+    # the scorer has no model; train_actor runs 2 epochs of forward + backward
+    assert passes == {"generate": 1.0, "ref_logprob": 1.0, "train_actor": 6.0}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_the_matmul_weights_of_a_tiny_model_agree_with_its_config_and_torch(arch, head):
+    tokenizer = build_char_tokenizer()
+    config = tiny_config(tokenizer, arch=arch, n_layer=3, hidden=32, n_head=4)
+    counted = tiny_matmul_parameters(tokenizer, head, arch=arch, n_layer=3, hidden=32)
+    assert matmul_parameters(config, head) == counted
+    if head != "lm" or arch != "llama":
+        return
+    # torch's FLOP counter on a real forward (eager attention: the counter has no rule for
+    # CPU SDPA): the products with the weights, and the attention's over every (query,
+    # key) pair, masked or not, where causal attention uses S (S + 1) / 2
+    model = build_tiny_model(tokenizer, arch=arch, n_layer=3, hidden=32, n_head=4).eval()
+    model.set_attn_implementation("eager")
+    length = 12
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.ones(1, length, dtype=torch.long), use_cache=False)
+    full_attention = 3 * 4 * 32 * length * length
+    expected = 2 * counted * length + full_attention
+    assert counter.get_total_flops() == expected
+    shape = type("Shape", (), {"matmul_params": counted, "layers": 3, "attention_width": 32})
+    assert forward_flops(shape, [length]) == expected - 3 * 4 * 32 * (
+        length * length - attention_pairs(length))
+
+
+def test_the_matmul_peak_is_measured_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = peak.matmul_peaks(("float32",), threads=1)
+    assert first["float32"] > 1e8  # any CPU multiplies faster than 0.1 GFLOP/s
+    cache = tmp_path / "rlhfflow" / peak.CACHE_FILE
+    stored = json.loads(cache.read_text())
+    [key] = stored
+    assert "float32" in key and "x1 threads" in key
+    stored[key] = 12345.0  # what the cache says is what a run uses: nothing re-measured
+    cache.write_text(json.dumps(stored))
+    assert peak.matmul_peaks(("float32",), threads=1) == {"float32": 12345.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 3-iteration GRPO run, inline, with the peaks it is measured against cached: its
+    pipeline, result and the lines it logged."""
+    tmp = tmp_path_factory.mktemp("mfu")
+    cache = tmp / "cache" / "rlhfflow"
+    cache.mkdir(parents=True)
+    peaks = {"float32": 2e9, "bfloat16": 4e9}
+    threads = torch.get_num_threads()
+    cache.joinpath(peak.CACHE_FILE).write_text(json.dumps(
+        {peak._key(dtype, threads, "cpu"): v for dtype, v in peaks.items()}))
+    pipeline = load_pipeline(small_pipeline(tmp, "grpo", iterations=3,
+                                            overrides={"cluster.torch_threads": threads}))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("rlhfflow")
+    logger.addHandler(handler)
+    old_level, logger.level = logger.level, logging.INFO
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp / "cache"))
+        try:
+            result = run_pipeline(pipeline, progress=True, inline=True)
+        finally:
+            logger.removeHandler(handler)
+            logger.level = old_level
+    return pipeline, result, [r.getMessage() for r in records], peaks
+
+
+def test_a_run_counts_its_model_flops_from_its_tokens(tiny_run):
+    pipeline, result, _, peaks = tiny_run
+    shape = model_shapes(pipeline)["actor"]  # ref is a copy: the same shape
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
+    for record in MetricsLog(result.output_dir / "metrics.jsonl").read():
+        rows = buffer.read(record["iteration"], ["prompt_mask", "response_mask"])
+        lengths = [int(p.sum() + r.sum()) for p, r in zip(rows["prompt_mask"],
+                                                           rows["response_mask"], strict=True)]
+        one_forward = forward_flops(shape, lengths)
+        assert record["stage_flops"] == {"generate": pytest.approx(one_forward),
+                                         "ref_logprob": pytest.approx(one_forward),
+                                         "train_actor": pytest.approx(6 * one_forward)}
+        assert record["model_flops"] == pytest.approx(8 * one_forward)
+        # iteration_s is rounded to 0.1 ms in the record: on a short iteration that
+        # is a relative error of up to 1e-3 in the MFU recomputed from it
+        assert record["mfu"] == pytest.approx(
+            record["model_flops"] / 2e9 / record["iteration_s"], rel=2e-3, abs=1e-4)
+        assert record["matmul_peak_flops_per_s"] == peaks
+
+
+def test_a_run_gives_its_mfu_in_the_closing_line_the_summary_and_the_report(tiny_run):
+    _, result, lines, _ = tiny_run
+    [closing] = [line for line in lines if line.startswith("rlhfflow: overlap")]
+    match = re.search(r"; MFU (\d\.\d{3}) \(model FLOPs ([\d.e+]+) GFLOP/s; matmul peak "
+                      r"float32 2, bfloat16 4 GFLOP/s\)$", closing)
+    assert match, closing
+    assert float(match[1]) == pytest.approx(result.summary["mfu"], abs=1e-3)
+    steady = MetricsLog(result.output_dir / "metrics.jsonl").read()[1:2]
+    assert result.summary["mfu"] == steady[0]["mfu"]
+    page = build_report(result.output_dir, samples=0)
+    assert (f"<th>MFU (model FLOPs / matmul peak), 1 steady iterations</th>"
+            f"<td>{result.summary['mfu']:.4g}</td>") in page
+    assert "<th>matmul peak (GFLOP/s)</th><td>float32 2, bfloat16 4</td>" in page
