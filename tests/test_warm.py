@@ -231,6 +231,32 @@ def _attributes(pid: int) -> dict:
     return {"nice": nice, "cpus": cpus, "limits": limits, "umask": umask}
 
 
+def test_a_supervised_run_whose_forked_coordinator_is_killed_is_restarted(tmp_path, runtime):
+    # found by benchmarks/chaos.py (a coordinator SIGKILLed under --supervise, the warm
+    # server on): the client, to die as its fork died, set a handler for SIGKILL, which
+    # raised OSError; it exited 1 with a traceback, and the supervisor, seeing a failure
+    # with no iteration committed, did not restart it. Killed before its first iteration
+    # is committed, the run must still be restarted and finish.
+    file, ready, gate = _gated(tmp_path)
+    out, said = tmp_path / "out", tmp_path / "said.txt"
+    with said.open("w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", str(file),
+                                 "--out", str(out), "--supervise"], cwd=REPO, env=_env(runtime),
+                                stdout=stdout, stderr=subprocess.STDOUT, text=True)
+        _wait_for(ready, proc)
+        server = psutil.Process(_server(runtime)["pid"])
+        # the fork that became the coordinator has the command's output as its own
+        [coordinator] = [c for c in server.children()
+                         if os.readlink(f"/proc/{c.pid}/fd/1") == str(said)]
+        coordinator.kill()
+        gate.touch()
+        assert proc.wait(timeout=300) == 0, said.read_text()
+    text = said.read_text()
+    assert "the run died from SIGKILL before its first iteration; restarting it" in text, text
+    assert "Traceback" not in text
+    assert [r["iteration"] for r in _metrics(out)] == [0]
+
+
 def test_a_forked_run_and_its_workers_take_the_callers_nice_affinity_limits_and_umask(
         tmp_path, runtime):
     env = _env(runtime)
