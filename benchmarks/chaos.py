@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ def run_processes(log: Path, out: Path) -> tuple[psutil.Process | None, list[psu
     for process in psutil.process_iter():
         try:
             target = os.readlink(f"/proc/{process.pid}/fd/1")
-            if target.startswith(logs):
+            if target.startswith(logs) and "resource_tracker" not in " ".join(
+                    process.cmdline()):  # a helper a worker started is no worker
                 workers.append(process)
             elif target == str(log) and any(
                     c.status == psutil.CONN_LISTEN
@@ -284,53 +286,63 @@ def lost_figures(lost: list[float]) -> dict[str, float | None]:
 def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
           iterations: int, kinds: list[str] = ("worker",), stopped_s: float = 8.0,
           timeout: float = 600, directory: Path | None = None, say=print,
-          after: int | None = None, warms: list[str] = ("off",)) -> dict[str, Any]:
-    """The references (warm server off), then the faulted runs; returns the figures (see
-    the module docstring). ``say`` gets one table row per run."""
+          after: int | None = None, warms: list[str] = ("off",), parallel: int = 1
+          ) -> dict[str, Any]:
+    """The references (warm server off), then the faulted runs, ``parallel`` runs at a
+    time; returns the figures (see the module docstring). ``say`` gets one table row per
+    run, as it ends."""
     tmp = tempfile.TemporaryDirectory() if directory is None else None
     base = Path(tmp.name) if tmp else directory
     base.mkdir(parents=True, exist_ok=True)
-    references: dict[tuple[str, str], tuple[float, list[dict[str, Any]]]] = {}
-    outcomes: list[Outcome] = []
     plan = plan_faults(faults, seed, iterations, list(kinds), configs, placements,
                        list(warms), after)
-    say(f"{'fault':<28}{'config':<14}{'placement':<22}{'warm':<6}{'outcome':<40}"
-        f"{'lost_s':>7}")
-    try:
-        for i, (config, placement, warm, fault) in enumerate(plan):
-            overrides, stale = PLACEMENTS[placement]
-            path = ROOT / config
-            if (config, placement) not in references:
-                out = base / f"ref-{Path(config).stem}-{placement}"
-                code, wall, log = run_once(path, out, iterations, overrides, None, 0, timeout)
-                if code != 0:
-                    raise RuntimeError(f"the reference run of {config} ({placement}) "
-                                       f"exited with {code}:\n{log[-3000:]}")
-                references[config, placement] = (wall, metrics_lines(out / "metrics.jsonl"))
-            ref_wall, reference = references[config, placement]
-            # the delay: up to 1.5 mean iterations of the reference (any phase of the
-            # next iteration or the one after)
-            per_iteration = ref_wall / max(iterations, 1) * 1.5
-            fault.delay_s = round(fault.delay_s * per_iteration, 3)
-            out = base / f"run-{i}"
-            code, wall, log = run_once(path, out, iterations, overrides, fault, stopped_s,
-                                       timeout, warm)
-            outcome = Outcome(config, placement, warm, fault, code, wall)
-            if fault.done:
-                outcome.checks = check(out, reference, iterations, stale)
-            if code != 0:
-                lines = [ln for ln in log.splitlines() if ln.strip()]
-                outcome.error = lines[-1] if lines else f"exit {code}"
-            outcomes.append(outcome)
-            what = (f"{fault.kind}@{fault.after}+{fault.delay_s:.2f}s"
-                    if fault.done else f"{fault.kind}@{fault.after} (missed)")
-            result = "recovered" if outcome.ok else (
-                f"FAILED exit {code}" if code else "FAILED " + ",".join(
-                    k for k, v in outcome.checks.items() if not v))
-            say(f"{what:<28}{Path(config).stem:<14}{placement:<22}{warm:<6}{result:<40}"
-                f"{wall - ref_wall:>7.1f}")
+    saying = threading.Lock()
+
+    def reference(combo: tuple[str, str]) -> tuple[float, list[dict[str, Any]]]:
+        config, placement = combo
+        out = base / f"ref-{Path(config).stem}-{placement}"
+        code, wall, log = run_once(ROOT / config, out, iterations, PLACEMENTS[placement][0],
+                                   None, 0, timeout)
+        if code != 0:
+            raise RuntimeError(f"the reference run of {config} ({placement}) exited with "
+                               f"{code}:\n{log[-3000:]}")
+        return wall, metrics_lines(out / "metrics.jsonl")
+
+    def faulted(i: int) -> Outcome:
+        config, placement, warm, fault = plan[i]
+        overrides, stale = PLACEMENTS[placement]
+        ref_wall, expected = references[config, placement]
+        # the delay: up to 1.5 mean iterations of the reference (any phase of the next
+        # iteration or the one after)
+        fault.delay_s = round(fault.delay_s * ref_wall / max(iterations, 1) * 1.5, 3)
+        out = base / f"run-{i}"
+        code, wall, log = run_once(ROOT / config, out, iterations, overrides, fault,
+                                   stopped_s, timeout, warm)
+        outcome = Outcome(config, placement, warm, fault, code, wall)
+        if fault.done:
+            outcome.checks = check(out, expected, iterations, stale)
+        if code != 0:
+            lines = [ln for ln in log.splitlines() if ln.strip()]
+            outcome.error = lines[-1] if lines else f"exit {code}"
+        what = (f"{fault.kind}@{fault.after}+{fault.delay_s:.2f}s"
+                if fault.done else f"{fault.kind}@{fault.after} (missed)")
+        result = "recovered" if outcome.ok else (
+            f"FAILED exit {code}" if code else "FAILED " + ",".join(
+                k for k, v in outcome.checks.items() if not v))
+        with saying:
+            say(f"{i:<4}{what:<28}{Path(config).stem:<14}{placement:<22}{warm:<6}"
+                f"{result:<30}{wall - ref_wall:>7.1f}")
             if not outcome.ok and outcome.error:
                 say(f"    {outcome.error[:300]}")
+        return outcome
+
+    say(f"{'#':<4}{'fault':<28}{'config':<14}{'placement':<22}{'warm':<6}{'outcome':<30}"
+        f"{'lost_s':>7}")
+    combos = list(dict.fromkeys((c, p) for c, p, _, _ in plan))
+    try:
+        with ThreadPoolExecutor(max(parallel, 1)) as pool:
+            references = dict(zip(combos, pool.map(reference, combos), strict=True))
+            outcomes = list(pool.map(faulted, range(len(plan))))
     finally:
         if tmp:
             tmp.cleanup()
@@ -358,6 +370,11 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "by_warm": {w: counts([o for o in injected if o.warm == w]) for w in warms},
         "errors": sorted({o.error[:200] for o in injected if o.error}),
         "kinds": list(kinds), "warm": list(warms), "seed": seed, "iterations": iterations,
+        "parallel": parallel,
+        # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost
+        "runs": [[f"{o.fault.kind}@{o.fault.after}+{o.fault.delay_s:.2f}", o.placement,
+                  o.warm, o.ok, round(o.wall_s - references[o.config, o.placement][0], 1)]
+                 for o in injected],
     }
 
 
@@ -379,6 +396,9 @@ def main() -> None:
                              f"runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
     parser.add_argument("--after", type=int, default=None, metavar="K",
                         help="every fault after iteration K (default: a random one)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="N runs at a time (the time lost is then measured against "
+                             "references run as many at a time)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the runs (and their run.log) here")
     args = parser.parse_args()
@@ -391,7 +411,7 @@ def main() -> None:
                          f"{', '.join(known)}")
     figures = chaos(args.configs.split(","), args.placements.split(","), args.faults,
                     args.seed, args.iterations, kinds, args.stop_s, directory=args.workdir,
-                    after=args.after, warms=warms,
+                    after=args.after, warms=warms, parallel=args.parallel,
                     say=lambda line: print(line, flush=True))
     from benchmarks.shared import emit_result
 

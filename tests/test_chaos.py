@@ -14,6 +14,7 @@ import pytest
 from distributed import Client, LocalCluster, get_worker
 
 from rlhfflow.runtime.backend import DaskBackend, TaskFailed, WorkerLost
+from tests.test_warm import runtime  # noqa: F401 - a fixture: a warm server of the test's own
 
 # the worker processes need not import this module
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -88,4 +89,36 @@ def test_workers_killed_at_random_moments_cost_time_not_results(tmp_path):
                     iterations=6, timeout=300, directory=tmp_path, say=rows.append)
     report = "\n".join(rows)
     assert figures["faults"] + figures["missed"] == 2, report
+    assert figures["recovered"] == figures["faults"], report
+
+
+def test_a_campaign_takes_every_kind_placement_and_warm_server_in_turn_in_a_seeded_order():
+    from benchmarks.chaos import plan_faults
+
+    placements, kinds, warms = ["colocated", "disaggregated-stale1"], ["worker", "stop",
+                                                                      "coordinator"], ["off", "on"]
+    plan = plan_faults(30, 7, 6, kinds, ["configs/ppo-tiny.yaml"], placements, warms)
+    combos = [(p, w, f.kind) for _, p, w, f in plan]
+    assert len(set(combos[:12])) == len(set(combos[12:24])) == 12  # each round: all of them
+    assert combos[:12] != combos[12:24]  # in another order
+    assert all(0 <= f.after <= 3 and 0 <= f.delay_s < 1 for *_, f in plan)
+    again = plan_faults(30, 7, 6, kinds, ["configs/ppo-tiny.yaml"], placements, warms)
+    assert [(c, p, w, f.kind, f.after, f.delay_s) for c, p, w, f in plan] == \
+        [(c, p, w, f.kind, f.after, f.delay_s) for c, p, w, f in again]
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_under_supervise_from_a_warm_server_costs_time_not_results(
+        tmp_path, runtime, monkeypatch):  # noqa: F811 - the fixture
+    # the new kinds of benchmarks/chaos.py, once: the coordinator of a supervised run, a
+    # fork of a warm server (one of this test's own), SIGKILLed at a seeded random moment
+    from benchmarks.chaos import chaos
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    rows: list[str] = []
+    figures = chaos(["configs/ppo-tiny.yaml"], ["interleaved"], faults=1, seed=5,
+                    iterations=6, kinds=["coordinator"], warms=["on"], timeout=300,
+                    directory=tmp_path, say=rows.append)
+    report = "\n".join(rows)
+    assert figures["faults"] + figures["missed"] == 1, report
     assert figures["recovered"] == figures["faults"], report
