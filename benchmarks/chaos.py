@@ -160,16 +160,25 @@ def metrics_lines(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def inject(log: Path, out: Path, fault: Fault, stopped_s: float,
+def inject(log: Path, out: Path, fault: Fault, stopped_s: float, pace_s: float,
            finished: threading.Event) -> None:
-    """Wait for line ``fault.after + 1`` of the run's metrics, then ``fault.delay_s``, then
-    do the fault: to the coordinator, or to one device worker (a random one, from the
-    fault's delay)."""
+    """Wait for line ``fault.after + 1`` of the run's metrics, then ``fault.delay_s`` (a
+    fraction, made seconds here: of up to 1.5 iterations at the run's own pace so far, or
+    ``pace_s`` before it has one), then do the fault: to the coordinator, or to one device
+    worker (a random one, from the fault's delay)."""
     metrics = out / "metrics.jsonl"
     start = time.monotonic()
+    first = None
     while not finished.wait(0.02):
-        if len(metrics_lines(metrics)) > fault.after:
+        lines = len(metrics_lines(metrics))
+        if lines and first is None:
+            first = time.monotonic()
+        if lines > fault.after:
             break
+    if fault.after > 0 and first is not None:
+        # the machine's load changes by the minute: the pace of this run, not the reference
+        pace_s = (time.monotonic() - first) / fault.after
+    fault.delay_s = round(fault.delay_s * 1.5 * pace_s, 3)
     if finished.wait(fault.delay_s):
         return
     coordinator, workers = run_processes(log, out)
@@ -200,10 +209,11 @@ def first_line(metrics: Path, finished: threading.Event, seen: list[float]) -> N
 
 
 def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
-             fault: Fault | None, stopped_s: float, timeout: float, warm: str = "off"
-             ) -> tuple[int, float, str]:
-    """One run, with ``fault`` if given (a ``coordinator`` fault: under ``--supervise``),
-    the warm server ``warm`` ("on" or "off"); returns its exit code, the seconds from its
+             fault: Fault | None, stopped_s: float, timeout: float, warm: str = "off",
+             pace_s: float = 1.0) -> tuple[int, float, str]:
+    """One run, with ``fault`` if given (a ``coordinator`` fault: under ``--supervise``;
+    ``pace_s``: seconds an iteration, before the run shows its own), the warm server
+    ``warm`` ("on" or "off"); returns its exit code, the seconds from its
     first metrics record to its exit (start-up, which varies most with the machine's load,
     left out) and its log (also kept as ``OUT/run.log``)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": WARM[warm],
@@ -225,7 +235,7 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
                                      args=(out / "metrics.jsonl", finished, seen))]
         if fault is not None:
             watchers.append(threading.Thread(target=inject, daemon=True, args=(
-                log_path, out, fault, stopped_s, finished)))
+                log_path, out, fault, stopped_s, pace_s, finished)))
         for w in watchers:
             w.start()
         try:
@@ -267,7 +277,7 @@ def plan_faults(n: int, seed: int, iterations: int, kinds: list[str], configs: l
     """``n`` faults (config, placement, warm server, fault): every combination of config,
     placement, warm server and kind in turn, the order shuffled; each after a random
     iteration (0..N-3, so a fault has something left to recover into), a random fraction
-    of up to 1.5 mean reference iterations (scaled once the reference ran)."""
+    of up to 1.5 iterations (made seconds as the run goes: ``inject``)."""
     rng = random.Random(seed)
     combos = [(c, p, w, k) for c in configs for p in placements for w in warms for k in kinds]
     rounds = [rng.sample(combos, len(combos)) for _ in range(-(-n // len(combos)))]
@@ -312,12 +322,12 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         config, placement, warm, fault = plan[i]
         overrides, stale = PLACEMENTS[placement]
         ref_wall, expected = references[config, placement]
-        # the delay: up to 1.5 mean iterations of the reference (any phase of the next
-        # iteration or the one after)
-        fault.delay_s = round(fault.delay_s * ref_wall / max(iterations, 1) * 1.5, 3)
+        # the delay: up to 1.5 iterations (any phase of the next iteration or the one
+        # after), at the run's pace, or the reference's median before it has one
+        pace_s = statistics.median(r.get("iteration_s", 1.0) for r in expected)
         out = base / f"run-{i}"
         code, wall, log = run_once(ROOT / config, out, iterations, overrides, fault,
-                                   stopped_s, timeout, warm)
+                                   stopped_s, timeout, warm, pace_s)
         outcome = Outcome(config, placement, warm, fault, code, wall)
         if fault.done:
             outcome.checks = check(out, expected, iterations, stale)
@@ -359,6 +369,8 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "recovered": sum(o.ok for o in injected),
         "failed_exit": sum(o.code != 0 for o in injected),
         "failed_checks": sum(o.code == 0 and not o.ok for o in injected),
+        # runs that failed before their fault came: no fault's, but a failure all the same
+        "failed_before_fault": sum(o.code != 0 for o in outcomes if not o.fault.done),
         "recovered_pct": round(100 * sum(o.ok for o in injected) / len(injected), 1)
         if injected else None,
         "results_compared": sum(o.ok and "results_equal_reference" in o.checks
@@ -368,7 +380,7 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "by_placement": {p: counts([o for o in injected if o.placement == p])
                          for p in placements},
         "by_warm": {w: counts([o for o in injected if o.warm == w]) for w in warms},
-        "errors": sorted({o.error[:200] for o in injected if o.error}),
+        "errors": sorted({o.error[:200] for o in outcomes if o.error}),
         "kinds": list(kinds), "warm": list(warms), "seed": seed, "iterations": iterations,
         "parallel": parallel,
         # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost
@@ -416,7 +428,7 @@ def main() -> None:
     from benchmarks.shared import emit_result
 
     emit_result(figures, __file__)
-    if figures["recovered"] != figures["faults"]:
+    if figures["recovered"] != figures["faults"] or figures["failed_before_fault"]:
         sys.exit(1)
 
 
