@@ -90,6 +90,7 @@ class Fault:
     delay_s: float
     done: bool = False
     at_s: float | None = None
+    last: int = -1  # the newest iteration in the metrics at the fault
 
 
 @dataclass
@@ -103,6 +104,7 @@ class Outcome:
     fault: Fault | None
     code: int
     wall_s: float
+    stalled_s: float | None = None
     checks: dict[str, bool] = field(default_factory=dict)
     error: str = ""
 
@@ -186,6 +188,7 @@ def inject(log: Path, out: Path, fault: Fault, stopped_s: float, pace_s: float,
         workers[int(fault.delay_s * 1000) % len(workers)] if workers else None)
     if victim is None:
         return
+    fault.last = max((r.get("iteration", -1) for r in metrics_lines(metrics)), default=-1)
     try:
         victim.send_signal(signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
     except psutil.NoSuchProcess:
@@ -200,22 +203,34 @@ def inject(log: Path, out: Path, fault: Fault, stopped_s: float, pace_s: float,
             pass
 
 
-def first_line(metrics: Path, finished: threading.Event, seen: list[float]) -> None:
-    """Note when ``metrics`` gets its first record (the end of start-up)."""
-    while not finished.wait(0.02):
-        if metrics_lines(metrics):
-            seen.append(time.monotonic())
-            return
+def follow(metrics: Path, finished: threading.Event, seen: dict[int, float]) -> None:
+    """Note when each iteration's record first appears in ``metrics`` (a run cut back to
+    its last checkpoint writes some again: the first time stays)."""
+    while not finished.wait(0.05):
+        for record in metrics_lines(metrics):
+            seen.setdefault(record.get("iteration"), time.monotonic())
+
+
+def stalled_s(seen: dict[int, float], last: int) -> float | None:
+    """The time a fault cost, by the run's own clock: how much longer than its median
+    iteration the run took from iteration ``last`` (the newest at the fault) to the next
+    (the machine's load, which moves every run's pace, cancels out)."""
+    gaps = {k: seen[k + 1] - seen[k] for k in seen if k + 1 in seen}
+    others = [gap for k, gap in gaps.items() if k != last]
+    if last not in gaps or not others:
+        return None
+    return round(gaps[last] - statistics.median(others), 2)
 
 
 def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
              fault: Fault | None, stopped_s: float, timeout: float, warm: str = "off",
-             pace_s: float = 1.0) -> tuple[int, float, str]:
+             pace_s: float = 1.0) -> tuple[int, float, str, dict[int, float]]:
     """One run, with ``fault`` if given (a ``coordinator`` fault: under ``--supervise``;
     ``pace_s``: seconds an iteration, before the run shows its own), the warm server
     ``warm`` ("on" or "off"); returns its exit code, the seconds from its
     first metrics record to its exit (start-up, which varies most with the machine's load,
-    left out) and its log (also kept as ``OUT/run.log``)."""
+    left out), its log (also kept as ``OUT/run.log``) and when each iteration's record
+    first appeared (``follow``)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": WARM[warm],
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if fault is not None and fault.kind == "stop":
@@ -223,7 +238,7 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
         overrides = [*overrides, f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
     supervise = fault is not None and fault.kind == "coordinator"
     start = time.monotonic()
-    seen: list[float] = []
+    seen: dict[int, float] = {}
     # a named file (not a temporary one): the coordinator is found by its output
     log_path = out.parent / f"{out.name}.log"
     with log_path.open("w+") as log:
@@ -231,7 +246,7 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 env=env)
         finished = threading.Event()
-        watchers = [threading.Thread(target=first_line, daemon=True,
+        watchers = [threading.Thread(target=follow, daemon=True,
                                      args=(out / "metrics.jsonl", finished, seen))]
         if fault is not None:
             watchers.append(threading.Thread(target=inject, daemon=True, args=(
@@ -247,13 +262,13 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
             finished.set()
             for w in watchers:
                 w.join()
-        loop_s = time.monotonic() - (seen[0] if seen else start)
+        loop_s = time.monotonic() - (min(seen.values()) if seen else start)
         log.seek(0)
         text = log.read()
     log_path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.log").write_text(text)
-    return code, loop_s, text
+    return code, loop_s, text, seen
 
 
 def check(out: Path, reference: list[dict[str, Any]], iterations: int, stale: bool
@@ -311,8 +326,8 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
     def reference(combo: tuple[str, str]) -> tuple[float, list[dict[str, Any]]]:
         config, placement = combo
         out = base / f"ref-{Path(config).stem}-{placement}"
-        code, wall, log = run_once(ROOT / config, out, iterations, PLACEMENTS[placement][0],
-                                   None, 0, timeout)
+        code, wall, log, _ = run_once(ROOT / config, out, iterations,
+                                      PLACEMENTS[placement][0], None, 0, timeout)
         if code != 0:
             raise RuntimeError(f"the reference run of {config} ({placement}) exited with "
                                f"{code}:\n{log[-3000:]}")
@@ -326,9 +341,10 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         # after), at the run's pace, or the reference's median before it has one
         pace_s = statistics.median(r.get("iteration_s", 1.0) for r in expected)
         out = base / f"run-{i}"
-        code, wall, log = run_once(ROOT / config, out, iterations, overrides, fault,
-                                   stopped_s, timeout, warm, pace_s)
-        outcome = Outcome(config, placement, warm, fault, code, wall)
+        code, wall, log, seen = run_once(ROOT / config, out, iterations, overrides, fault,
+                                         stopped_s, timeout, warm, pace_s)
+        outcome = Outcome(config, placement, warm, fault, code, wall,
+                          stalled_s=stalled_s(seen, fault.last))
         if fault.done:
             outcome.checks = check(out, expected, iterations, stale)
         if code != 0:
@@ -340,14 +356,15 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
             f"FAILED exit {code}" if code else "FAILED " + ",".join(
                 k for k, v in outcome.checks.items() if not v))
         with saying:
+            stalled = f"{outcome.stalled_s:.1f}" if outcome.stalled_s is not None else "-"
             say(f"{i:<4}{what:<28}{Path(config).stem:<14}{placement:<22}{warm:<6}"
-                f"{result:<30}{wall - ref_wall:>7.1f}")
+                f"{result:<30}{stalled:>7}{wall - ref_wall:>9.1f}")
             if not outcome.ok and outcome.error:
                 say(f"    {outcome.error[:300]}")
         return outcome
 
     say(f"{'#':<4}{'fault':<28}{'config':<14}{'placement':<22}{'warm':<6}{'outcome':<30}"
-        f"{'lost_s':>7}")
+        f"{'lost_s':>7}{'vs_ref_s':>9}")
     combos = list(dict.fromkeys((c, p) for c, p, _, _ in plan))
     try:
         with ThreadPoolExecutor(max(parallel, 1)) as pool:
@@ -359,6 +376,9 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
     injected = [o for o in outcomes if o.fault and o.fault.done]
 
     def lost(of: list[Outcome]) -> list[float]:
+        return [o.stalled_s for o in of if o.ok and o.stalled_s is not None]
+
+    def vs_reference(of: list[Outcome]) -> list[float]:
         return [o.wall_s - references[o.config, o.placement][0] for o in of if o.ok]
 
     def counts(of: list[Outcome]) -> dict[str, Any]:
@@ -376,6 +396,9 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "results_compared": sum(o.ok and "results_equal_reference" in o.checks
                                 for o in injected),
         **lost_figures(lost(injected)),
+        # the faulted run's wall time minus the reference's: the load of the machine
+        # when each ran moves it by more than a fault costs where the machine is shared
+        **{f"{k}_vs_reference": v for k, v in lost_figures(vs_reference(injected)).items()},
         "by_kind": {k: counts([o for o in injected if o.fault.kind == k]) for k in kinds},
         "by_placement": {p: counts([o for o in injected if o.placement == p])
                          for p in placements},
@@ -383,9 +406,11 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "errors": sorted({o.error[:200] for o in outcomes if o.error}),
         "kinds": list(kinds), "warm": list(warms), "seed": seed, "iterations": iterations,
         "parallel": parallel,
-        # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost
+        # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost (by
+        # the run's own clock, and against the reference)
         "runs": [[f"{o.fault.kind}@{o.fault.after}+{o.fault.delay_s:.2f}", o.placement,
-                  o.warm, o.ok, round(o.wall_s - references[o.config, o.placement][0], 1)]
+                  o.warm, o.ok, o.stalled_s,
+                  round(o.wall_s - references[o.config, o.placement][0], 1)]
                  for o in injected],
     }
 
