@@ -12,6 +12,7 @@ import time
 import cloudpickle
 import pytest
 from distributed import Client, LocalCluster, get_worker
+from distributed.diagnostics.plugin import WorkerPlugin
 
 from rlhfflow.runtime.backend import DaskBackend, TaskFailed, WorkerLost
 from tests.test_warm import runtime  # noqa: F401 - a fixture: a warm server of the test's own
@@ -66,6 +67,30 @@ def test_a_task_that_fails_because_a_worker_died_is_the_workers_loss_not_the_sta
 
         with pytest.raises(WorkerLost):
             backend.wait([used], pinned=[survivor, victim])
+
+
+class _DiesOnSetup(WorkerPlugin):
+    """A worker plugin that ends the process of the worker ``victim`` as it is installed
+    there, as a nanny kills a worker while a recovery installs the resident state."""
+
+    def __init__(self, victim: str) -> None:
+        self.victim = victim
+
+    def setup(self, worker) -> None:
+        if worker.address == self.victim:
+            os._exit(1)
+
+
+def test_a_worker_that_dies_as_the_resident_state_is_installed_is_a_lost_worker():
+    # found by benchmarks/chaos.py (a worker stopped past the heartbeat timeout): woken,
+    # it registered again and was counted, then its nanny killed it while the recovery
+    # installed the resident state; the scheduler's broadcast to it failed, and the
+    # CommClosedError ended the run instead of another recovery
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        backend = DaskBackend(client)
+        with pytest.raises(WorkerLost):
+            backend.install_plugin(_DiesOnSetup(backend.workers[1]), "dies")
 
 
 def test_a_task_that_fails_with_every_worker_alive_is_the_stages_failure():
