@@ -27,10 +27,11 @@ Each faulted run must:
         [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...]
         [--kinds worker,coordinator,stop] [--warm off,on] [--stop-s 8]
 
-Prints a table (fault, placement, warm server, outcome, time lost against the reference:
-the seconds from the first metrics record to the exit, faulted minus untouched), then one
-JSON object with the counts, the median and worst time lost (in all and by kind) as its
-last line; exits 1 if a faulted run failed a check.
+Prints a table (fault, placement, warm server, outcome, time lost: by the run's own clock,
+``stalled_s``, and against the reference: the seconds from the first metrics record to the
+exit, faulted minus untouched), then one JSON object with the counts, the median and
+worst time lost (in all, by kind, placement and warm server) as its last line; exits 1 if
+a run failed.
 """
 
 from __future__ import annotations
