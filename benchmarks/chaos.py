@@ -1,12 +1,21 @@
-"""Chaos: a worker killed (or frozen) at a random moment of a random iteration costs the
-run time, never its results.
+"""Chaos: a worker killed or frozen, or the coordinator killed, at a random moment of a
+random iteration costs the run time, never its results.
 
 Each config runs as a real ``rlhfflow run`` subprocess on its embedded cluster of 2
 workers (``--set iterations=N --set checkpoint.every=2 --set cluster.workers=2``), once
-untouched per placement (the reference), then once per fault: a watcher follows
-``OUT/metrics.jsonl`` and, a seeded uniform delay after the k-th line appeared (k random
-in 1..N-2), SIGKILLs one device worker process, or with ``--stop`` SIGSTOPs it past the
-heartbeat timeout and SIGCONTs it. Each faulted run must:
+untouched per placement (the reference), then once per fault. A seeded campaign mixes the
+fault kinds (``--kinds``), placements (``--placements``) and the warm server on and off
+(``--warm``, ``RLHFFLOW_WARM``): every combination in turn, in a shuffled order. A watcher
+follows ``OUT/metrics.jsonl`` and, a seeded uniform delay after the k-th line appeared (k
+random in 1..N-2), does the fault:
+
+- ``worker``: SIGKILL one device worker process;
+- ``stop``: SIGSTOP one device worker past the run's heartbeat timeout (5 s), then SIGCONT
+  it (``--stop-s``);
+- ``coordinator``: SIGKILL the coordinator of a run started with ``--supervise`` (which
+  restarts it, resuming from the last checkpoint).
+
+Each faulted run must:
 
 - exit 0;
 - have every iteration 0..N-1 in ``metrics.jsonl`` exactly once, in order;
@@ -15,11 +24,14 @@ heartbeat timeout and SIGCONTs it. Each faulted run must:
   depends on timing: there only completeness is checked.
 
     python benchmarks/chaos.py [--faults 8] [--seed 0] [--iterations 8]
-        [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...] [--stop]
+        [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...]
+        [--kinds worker,coordinator,stop] [--warm off,on] [--stop-s 8]
 
-Prints a table (fault, placement, outcome, time lost against the reference: the seconds
-from the first metrics record to the exit, faulted minus untouched), then one JSON object with the counts, the median and worst time lost as its last line; exits 1 if
-a faulted run failed a check.
+Prints a table (fault, placement, warm server, outcome, time lost: by the run's own clock,
+``stalled_s``, and against the reference: the seconds from the first metrics record to the
+exit, faulted minus untouched), then one JSON object with the counts, the median and
+worst time lost (in all, by kind, placement and warm server) as its last line; exits 1 if
+a run failed.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +57,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.soak import RESULT_KEYS, device_workers  # noqa: E402
+from benchmarks.soak import RESULT_KEYS  # noqa: E402
 
 #: placement name -> the overrides that make it; "stale" results may differ from the
 #: reference (the weights a batch is generated with depend on timing)
@@ -56,22 +69,29 @@ PLACEMENTS: dict[str, tuple[list[str], bool]] = {
                               "overlap.max_staleness=1"], True),
 }
 
+KINDS = ("worker", "coordinator", "stop")
+"""The faults: SIGKILL a device worker, SIGKILL the coordinator (under ``--supervise``),
+SIGSTOP a device worker past the heartbeat timeout and SIGCONT it."""
 
-#: with ``--stop``: the run's ``cluster.heartbeat_timeout_s`` (a worker that sends no
-#: heartbeat for this long is declared lost); stop a worker for longer than this
+#: ``RLHFFLOW_WARM`` of a run with the warm server off / on (on: its idle exit, seconds)
+WARM = {"off": "0", "on": "300"}
+
+#: for ``stop`` faults: the run's ``cluster.heartbeat_timeout_s`` (a worker that sends no
+#: heartbeat for this long is declared lost); the worker is stopped for longer than this
 HEARTBEAT_TIMEOUT_S = 5
 
 
 @dataclass
 class Fault:
-    """One fault: ``kind`` (kill or stop) of a worker ``delay_s`` after iteration
-    ``after`` appeared in the metrics."""
+    """One fault: ``kind`` (see ``KINDS``) ``delay_s`` after iteration ``after`` appeared
+    in the metrics."""
 
     kind: str
     after: int
     delay_s: float
     done: bool = False
     at_s: float | None = None
+    last: int = -1  # the newest iteration in the metrics at the fault
 
 
 @dataclass
@@ -81,9 +101,11 @@ class Outcome:
 
     config: str
     placement: str
+    warm: str
     fault: Fault | None
     code: int
     wall_s: float
+    stalled_s: float | None = None
     checks: dict[str, bool] = field(default_factory=dict)
     error: str = ""
 
@@ -92,12 +114,38 @@ class Outcome:
         return self.code == 0 and all(self.checks.values())
 
 
-def command(config: Path, out: Path, iterations: int, overrides: list[str]) -> list[str]:
+def command(config: Path, out: Path, iterations: int, overrides: list[str],
+            supervise: bool = False) -> list[str]:
     """The ``rlhfflow run`` command line of one run."""
     sets = [f"iterations={iterations}", "checkpoint.every=2", "cluster.workers=2",
             "cluster.dashboard_address=127.0.0.1:0", *overrides]
     return [sys.executable, "-m", "rlhfflow.cli.main", "run", str(config), "--out", str(out),
-            "--overwrite", *[a for s in sets for a in ("--set", s)]]
+            "--overwrite", *["--supervise"] * supervise,
+            *[a for s in sets for a in ("--set", s)]]
+
+
+def run_processes(log: Path, out: Path) -> tuple[psutil.Process | None, list[psutil.Process]]:
+    """The coordinator and the device workers of the run writing ``log`` into ``out``,
+    however it was started (cold or as forks of a warm server, supervised or not): the
+    coordinator is the process whose standard output is ``log`` and that listens on TCP
+    (the scheduler runs in it; the supervisor, a warm client and a fork server do not);
+    the workers are the processes whose output goes to the run's worker logs
+    (``OUT/logs/worker-N.log``)."""
+    logs = str(out / "logs") + os.sep
+    coordinator, workers = None, []
+    for process in psutil.process_iter():
+        try:
+            target = os.readlink(f"/proc/{process.pid}/fd/1")
+            if target.startswith(logs) and "resource_tracker" not in " ".join(
+                    process.cmdline()):  # a helper a worker started is no worker
+                workers.append(process)
+            elif target == str(log) and any(
+                    c.status == psutil.CONN_LISTEN
+                    for c in process.net_connections(kind="tcp")):
+                coordinator = process
+        except (OSError, psutil.Error):  # gone, or not ours
+            continue
+    return coordinator, workers
 
 
 def metrics_lines(path: Path) -> list[dict[str, Any]]:
@@ -115,65 +163,95 @@ def metrics_lines(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def inject(run: psutil.Process, metrics: Path, fault: Fault, stopped_s: float,
+def inject(log: Path, out: Path, fault: Fault, stopped_s: float, pace_s: float,
            finished: threading.Event) -> None:
-    """Wait for line ``fault.after + 1`` of ``metrics``, then ``fault.delay_s``, then do
-    the fault to one device worker (a random one, from the fault's delay)."""
+    """Wait for line ``fault.after + 1`` of the run's metrics, then ``fault.delay_s`` (a
+    fraction, made seconds here: of up to 1.5 iterations at the run's own pace so far, or
+    ``pace_s`` before it has one), then do the fault: to the coordinator, or to one device
+    worker (a random one, from the fault's delay)."""
+    metrics = out / "metrics.jsonl"
     start = time.monotonic()
+    first = None
     while not finished.wait(0.02):
-        if len(metrics_lines(metrics)) > fault.after:
+        lines = len(metrics_lines(metrics))
+        if lines and first is None:
+            first = time.monotonic()
+        if lines > fault.after:
             break
+    if fault.after > 0 and first is not None:
+        # the machine's load changes by the minute: the pace of this run, not the reference
+        pace_s = (time.monotonic() - first) / fault.after
+    fault.delay_s = round(fault.delay_s * 1.5 * pace_s, 3)
     if finished.wait(fault.delay_s):
         return
-    workers = device_workers(run)
-    if not workers:
+    coordinator, workers = run_processes(log, out)
+    victim = coordinator if fault.kind == "coordinator" else (
+        workers[int(fault.delay_s * 1000) % len(workers)] if workers else None)
+    if victim is None:
         return
-    victim = workers[int(fault.delay_s * 1000) % len(workers)]
+    fault.last = max((r.get("iteration", -1) for r in metrics_lines(metrics)), default=-1)
     try:
-        if fault.kind == "kill":
-            victim.send_signal(signal.SIGKILL)
-        else:
-            victim.send_signal(signal.SIGSTOP)
-            fault.at_s = round(time.monotonic() - start, 2)
-            fault.done = True
-            finished.wait(stopped_s)
-            victim.send_signal(signal.SIGCONT)
-            return
+        victim.send_signal(signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
     except psutil.NoSuchProcess:
         return
     fault.at_s = round(time.monotonic() - start, 2)
     fault.done = True
+    if fault.kind == "stop":
+        finished.wait(stopped_s)
+        try:
+            victim.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:  # its run ended it meanwhile
+            pass
 
 
-def first_line(metrics: Path, finished: threading.Event, seen: list[float]) -> None:
-    """Note when ``metrics`` gets its first record (the end of start-up)."""
-    while not finished.wait(0.02):
-        if metrics_lines(metrics):
-            seen.append(time.monotonic())
-            return
+def follow(metrics: Path, finished: threading.Event, seen: dict[int, float]) -> None:
+    """Note when each iteration's record first appears in ``metrics`` (a run cut back to
+    its last checkpoint writes some again: the first time stays)."""
+    while not finished.wait(0.05):
+        for record in metrics_lines(metrics):
+            seen.setdefault(record.get("iteration"), time.monotonic())
+
+
+def stalled_s(seen: dict[int, float], last: int) -> float | None:
+    """The time a fault cost, by the run's own clock: how much longer than its median
+    iteration the run took from iteration ``last`` (the newest at the fault) to the next
+    (the machine's load, which moves every run's pace, cancels out)."""
+    gaps = {k: seen[k + 1] - seen[k] for k in seen if k + 1 in seen}
+    others = [gap for k, gap in gaps.items() if k != last]
+    if last not in gaps or not others:
+        return None
+    return round(gaps[last] - statistics.median(others), 2)
 
 
 def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
-             fault: Fault | None, stopped_s: float, timeout: float) -> tuple[int, float, str]:
-    """One run, with ``fault`` if given; returns its exit code, the seconds from its first
-    metrics record to its exit (start-up, which varies most with the machine's load, left
-    out) and its log."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": "0",
+             fault: Fault | None, stopped_s: float, timeout: float, warm: str = "off",
+             pace_s: float = 1.0) -> tuple[int, float, str, dict[int, float]]:
+    """One run, with ``fault`` if given (a ``coordinator`` fault: under ``--supervise``;
+    ``pace_s``: seconds an iteration, before the run shows its own), the warm server
+    ``warm`` ("on" or "off"); returns its exit code, the seconds from its
+    first metrics record to its exit (start-up, which varies most with the machine's load,
+    left out), its log (also kept as ``OUT/run.log``) and when each iteration's record
+    first appeared (``follow``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLHFFLOW_WARM": WARM[warm],
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if fault is not None and fault.kind == "stop":
         # the scheduler (in the run's process) drops a worker silent this long
         overrides = [*overrides, f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+    supervise = fault is not None and fault.kind == "coordinator"
     start = time.monotonic()
-    seen: list[float] = []
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(command(config, out, iterations, overrides), cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    seen: dict[int, float] = {}
+    # a named file (not a temporary one): the coordinator is found by its output
+    log_path = out.parent / f"{out.name}.log"
+    with log_path.open("w+") as log:
+        proc = subprocess.Popen(command(config, out, iterations, overrides, supervise),
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=env)
         finished = threading.Event()
-        watchers = [threading.Thread(target=first_line, daemon=True,
+        watchers = [threading.Thread(target=follow, daemon=True,
                                      args=(out / "metrics.jsonl", finished, seen))]
         if fault is not None:
             watchers.append(threading.Thread(target=inject, daemon=True, args=(
-                psutil.Process(proc.pid), out / "metrics.jsonl", fault, stopped_s, finished)))
+                log_path, out, fault, stopped_s, pace_s, finished)))
         for w in watchers:
             w.start()
         try:
@@ -185,12 +263,13 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
             finished.set()
             for w in watchers:
                 w.join()
-        loop_s = time.monotonic() - (seen[0] if seen else start)
+        loop_s = time.monotonic() - (min(seen.values()) if seen else start)
         log.seek(0)
         text = log.read()
+    log_path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.log").write_text(text)
-    return code, loop_s, text
+    return code, loop_s, text, seen
 
 
 def check(out: Path, reference: list[dict[str, Any]], iterations: int, stale: bool
@@ -208,83 +287,132 @@ def check(out: Path, reference: list[dict[str, Any]], iterations: int, stale: bo
     return checks
 
 
-def plan_faults(n: int, seed: int, iterations: int, kind: str, configs: list[str],
-                placements: list[str], after: int | None = None
-                ) -> list[tuple[str, str, Fault]]:
-    """``n`` faults, round-robin over configs and placements: after a random iteration
-    (0..N-3, so a fault has something left to recover into), a random fraction of up to
-    1.5 mean reference iterations (scaled once the reference ran)."""
+def plan_faults(n: int, seed: int, iterations: int, kinds: list[str], configs: list[str],
+                placements: list[str], warms: list[str] = ("off",), after: int | None = None
+                ) -> list[tuple[str, str, str, Fault]]:
+    """``n`` faults (config, placement, warm server, fault): every combination of config,
+    placement, warm server and kind in turn, the order shuffled; each after a random
+    iteration (0..N-3, so a fault has something left to recover into), a random fraction
+    of up to 1.5 iterations (made seconds as the run goes: ``inject``)."""
     rng = random.Random(seed)
-    combos = [(c, p) for c in configs for p in placements]
-    return [(*combos[i % len(combos)],
-             Fault(kind, rng.randrange(0, max(iterations - 2, 1)) if after is None else after,
-                   rng.random()))
-            for i in range(n)]
+    combos = [(c, p, w, k) for c in configs for p in placements for w in warms for k in kinds]
+    rounds = [rng.sample(combos, len(combos)) for _ in range(-(-n // len(combos)))]
+    chosen = [combo for shuffled in rounds for combo in shuffled][:n]
+    return [(c, p, w, Fault(k, rng.randrange(0, max(iterations - 2, 1))
+                            if after is None else after, rng.random()))
+            for c, p, w, k in chosen]
+
+
+def lost_figures(lost: list[float]) -> dict[str, float | None]:
+    """The median and worst of the seconds lost per fault."""
+    return {"lost_median_s": round(statistics.median(lost), 2) if lost else None,
+            "lost_worst_s": round(max(lost), 2) if lost else None}
 
 
 def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
-          iterations: int, kind: str = "kill", stopped_s: float = 0.0,
-          timeout: float = 600, directory: Path | None = None,
-          say=print, after: int | None = None) -> dict[str, Any]:
-    """The references, then the faulted runs; returns the figures (see the module
-    docstring). ``say`` gets one table row per run."""
+          iterations: int, kinds: list[str] = ("worker",), stopped_s: float = 8.0,
+          timeout: float = 600, directory: Path | None = None, say=print,
+          after: int | None = None, warms: list[str] = ("off",), parallel: int = 1
+          ) -> dict[str, Any]:
+    """The references (warm server off), then the faulted runs, ``parallel`` runs at a
+    time; returns the figures (see the module docstring). ``say`` gets one table row per
+    run, as it ends."""
     tmp = tempfile.TemporaryDirectory() if directory is None else None
     base = Path(tmp.name) if tmp else directory
-    references: dict[tuple[str, str], tuple[float, list[dict[str, Any]]]] = {}
-    outcomes: list[Outcome] = []
-    plan = plan_faults(faults, seed, iterations, kind, configs, placements, after)
-    say(f"{'fault':<26}{'config':<14}{'placement':<22}{'outcome':<44}{'lost_s':>7}")
-    try:
-        for i, (config, placement, fault) in enumerate(plan):
-            overrides, stale = PLACEMENTS[placement]
-            path = ROOT / config
-            if (config, placement) not in references:
-                out = base / f"ref-{Path(config).stem}-{placement}"
-                code, wall, log = run_once(path, out, iterations, overrides, None, 0, timeout)
-                if code != 0:
-                    raise RuntimeError(f"the reference run of {config} ({placement}) "
-                                       f"exited with {code}:\n{log[-3000:]}")
-                references[config, placement] = (wall, metrics_lines(out / "metrics.jsonl"))
-            ref_wall, reference = references[config, placement]
-            # the delay: up to 1.5 mean iterations of the reference (any phase of the
-            # next iteration or the one after)
-            per_iteration = ref_wall / max(iterations, 1) * 1.5
-            fault.delay_s = round(fault.delay_s * per_iteration, 3)
-            out = base / f"run-{i}"
-            code, wall, log = run_once(path, out, iterations, overrides, fault, stopped_s,
-                                       timeout)
-            outcome = Outcome(config, placement, fault, code, wall)
-            if fault.done:
-                outcome.checks = check(out, reference, iterations, stale)
-            if code != 0:
-                lines = [ln for ln in log.splitlines() if ln.strip()]
-                outcome.error = lines[-1] if lines else f"exit {code}"
-            outcomes.append(outcome)
-            what = (f"{fault.kind}@{fault.after}+{fault.delay_s:.2f}s"
-                    if fault.done else f"{fault.kind}@{fault.after} (missed)")
-            result = "recovered" if outcome.ok else (
-                f"FAILED exit {code}" if code else "FAILED " + ",".join(
-                    k for k, v in outcome.checks.items() if not v))
-            say(f"{what:<26}{Path(config).stem:<14}{placement:<22}{result:<44}"
-                f"{wall - ref_wall:>7.1f}")
+    base.mkdir(parents=True, exist_ok=True)
+    plan = plan_faults(faults, seed, iterations, list(kinds), configs, placements,
+                       list(warms), after)
+    saying = threading.Lock()
+
+    def reference(combo: tuple[str, str]) -> tuple[float, list[dict[str, Any]]]:
+        config, placement = combo
+        out = base / f"ref-{Path(config).stem}-{placement}"
+        code, wall, log, _ = run_once(ROOT / config, out, iterations,
+                                      PLACEMENTS[placement][0], None, 0, timeout)
+        if code != 0:
+            raise RuntimeError(f"the reference run of {config} ({placement}) exited with "
+                               f"{code}:\n{log[-3000:]}")
+        return wall, metrics_lines(out / "metrics.jsonl")
+
+    def faulted(i: int) -> Outcome:
+        config, placement, warm, fault = plan[i]
+        overrides, stale = PLACEMENTS[placement]
+        ref_wall, expected = references[config, placement]
+        # the delay: up to 1.5 iterations (any phase of the next iteration or the one
+        # after), at the run's pace, or the reference's median before it has one
+        pace_s = statistics.median(r.get("iteration_s", 1.0) for r in expected)
+        out = base / f"run-{i}"
+        code, wall, log, seen = run_once(ROOT / config, out, iterations, overrides, fault,
+                                         stopped_s, timeout, warm, pace_s)
+        outcome = Outcome(config, placement, warm, fault, code, wall,
+                          stalled_s=stalled_s(seen, fault.last))
+        if fault.done:
+            outcome.checks = check(out, expected, iterations, stale)
+        if code != 0:
+            lines = [ln for ln in log.splitlines() if ln.strip()]
+            outcome.error = lines[-1] if lines else f"exit {code}"
+        what = (f"{fault.kind}@{fault.after}+{fault.delay_s:.2f}s"
+                if fault.done else f"{fault.kind}@{fault.after} (missed)")
+        result = "recovered" if outcome.ok else (
+            f"FAILED exit {code}" if code else "FAILED " + ",".join(
+                k for k, v in outcome.checks.items() if not v))
+        with saying:
+            stalled = f"{outcome.stalled_s:.1f}" if outcome.stalled_s is not None else "-"
+            say(f"{i:<4}{what:<28}{Path(config).stem:<14}{placement:<22}{warm:<6}"
+                f"{result:<30}{stalled:>7}{wall - ref_wall:>9.1f}")
             if not outcome.ok and outcome.error:
                 say(f"    {outcome.error[:300]}")
+        return outcome
+
+    say(f"{'#':<4}{'fault':<28}{'config':<14}{'placement':<22}{'warm':<6}{'outcome':<30}"
+        f"{'lost_s':>7}{'vs_ref_s':>9}")
+    combos = list(dict.fromkeys((c, p) for c, p, _, _ in plan))
+    try:
+        with ThreadPoolExecutor(max(parallel, 1)) as pool:
+            references = dict(zip(combos, pool.map(reference, combos), strict=True))
+            outcomes = list(pool.map(faulted, range(len(plan))))
     finally:
         if tmp:
             tmp.cleanup()
     injected = [o for o in outcomes if o.fault and o.fault.done]
-    lost = sorted(o.wall_s - references[o.config, o.placement][0] for o in injected if o.ok)
+
+    def lost(of: list[Outcome]) -> list[float]:
+        return [o.stalled_s for o in of if o.ok and o.stalled_s is not None]
+
+    def vs_reference(of: list[Outcome]) -> list[float]:
+        return [o.wall_s - references[o.config, o.placement][0] for o in of if o.ok]
+
+    def counts(of: list[Outcome]) -> dict[str, Any]:
+        return {"faults": len(of), "recovered": sum(o.ok for o in of), **lost_figures(lost(of))}
+
     return {
         "faults": len(injected), "missed": len(outcomes) - len(injected),
         "recovered": sum(o.ok for o in injected),
         "failed_exit": sum(o.code != 0 for o in injected),
         "failed_checks": sum(o.code == 0 and not o.ok for o in injected),
+        # runs that failed before their fault came: no fault's, but a failure all the same
+        "failed_before_fault": sum(o.code != 0 for o in outcomes if not o.fault.done),
         "recovered_pct": round(100 * sum(o.ok for o in injected) / len(injected), 1)
         if injected else None,
-        "lost_median_s": round(statistics.median(lost), 2) if lost else None,
-        "lost_worst_s": round(lost[-1], 2) if lost else None,
-        "errors": sorted({o.error[:200] for o in injected if o.error}),
-        "kind": kind, "seed": seed, "iterations": iterations,
+        "results_compared": sum(o.ok and "results_equal_reference" in o.checks
+                                for o in injected),
+        **lost_figures(lost(injected)),
+        # the faulted run's wall time minus the reference's: the load of the machine
+        # when each ran moves it by more than a fault costs where the machine is shared
+        **{f"{k}_vs_reference": v for k, v in lost_figures(vs_reference(injected)).items()},
+        "by_kind": {k: counts([o for o in injected if o.fault.kind == k]) for k in kinds},
+        "by_placement": {p: counts([o for o in injected if o.placement == p])
+                         for p in placements},
+        "by_warm": {w: counts([o for o in injected if o.warm == w]) for w in warms},
+        "errors": sorted({o.error[:200] for o in outcomes if o.error}),
+        "kinds": list(kinds), "warm": list(warms), "seed": seed, "iterations": iterations,
+        "parallel": parallel,
+        # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost (by
+        # the run's own clock, and against the reference)
+        "runs": [[f"{o.fault.kind}@{o.fault.after}+{o.fault.delay_s:.2f}", o.placement,
+                  o.warm, o.ok, o.stalled_s,
+                  round(o.wall_s - references[o.config, o.placement][0], 1)]
+                 for o in injected],
     }
 
 
@@ -297,21 +425,36 @@ def main() -> None:
                         help="comma-separated configs (relative to the repository)")
     parser.add_argument("--placements", default="interleaved",
                         help="comma-separated, of: " + ", ".join(PLACEMENTS))
-    parser.add_argument("--stop", type=float, default=0.0, metavar="SECONDS",
-                        help="SIGSTOP the worker for SECONDS, then SIGCONT it, instead of "
-                             f"SIGKILL; the runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
+    parser.add_argument("--kinds", default="worker",
+                        help="comma-separated fault kinds, of: " + ", ".join(KINDS))
+    parser.add_argument("--warm", default="off",
+                        help="comma-separated, of: off, on (the warm server, RLHFFLOW_WARM)")
+    parser.add_argument("--stop-s", type=float, default=8.0, metavar="SECONDS",
+                        help="a stop fault's SIGSTOP lasts this long before its SIGCONT; the "
+                             f"runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
     parser.add_argument("--after", type=int, default=None, metavar="K",
                         help="every fault after iteration K (default: a random one)")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="N runs at a time (the time lost is then measured against "
+                             "references run as many at a time)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the runs (and their run.log) here")
     args = parser.parse_args()
+    kinds, warms = args.kinds.split(","), args.warm.split(",")
+    for given, known, option in ((kinds, KINDS, "--kinds"), (warms, WARM, "--warm"),
+                                 (args.placements.split(","), PLACEMENTS, "--placements")):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)}; expected some of "
+                         f"{', '.join(known)}")
     figures = chaos(args.configs.split(","), args.placements.split(","), args.faults,
-                    args.seed, args.iterations, "stop" if args.stop else "kill", args.stop,
-                    directory=args.workdir, after=args.after)
+                    args.seed, args.iterations, kinds, args.stop_s, directory=args.workdir,
+                    after=args.after, warms=warms, parallel=args.parallel,
+                    say=lambda line: print(line, flush=True))
     from benchmarks.shared import emit_result
 
     emit_result(figures, __file__)
-    if figures["recovered"] != figures["faults"]:
+    if figures["recovered"] != figures["faults"] or figures["failed_before_fault"]:
         sys.exit(1)
 
 

@@ -231,6 +231,81 @@ def _attributes(pid: int) -> dict:
     return {"nice": nice, "cpus": cpus, "limits": limits, "umask": umask}
 
 
+def test_a_supervised_run_whose_forked_coordinator_is_killed_is_restarted(tmp_path, runtime):
+    # found by benchmarks/chaos.py (a coordinator SIGKILLed under --supervise, the warm
+    # server on): the client, to die as its fork died, set a handler for SIGKILL, which
+    # raised OSError; it exited 1 with a traceback, and the supervisor, seeing a failure
+    # with no iteration committed, did not restart it. Killed before its first iteration
+    # is committed, the run must still be restarted and finish.
+    # as a shell gives it: without what this test process's imports set (DS_ACCELERATOR)
+    env = {k: v for k, v in _env(runtime).items() if k != "DS_ACCELERATOR"}
+    plain = small_pipeline(tmp_path, "grpo", iterations=1, batch_size=4, max_new_tokens=4)
+    first = _rlhfflow(env, "run", str(plain), "--out", str(tmp_path / "plain"))
+    assert first.returncode == 0, first.stderr  # the server, started by a plain run
+    server = psutil.Process(_server(runtime)["pid"])
+    file, ready, gate = _gated(tmp_path)
+    out, said = tmp_path / "out", tmp_path / "said.txt"
+    with said.open("w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", str(file),
+                                 "--out", str(out), "--supervise"], cwd=REPO, env=env,
+                                stdout=stdout, stderr=subprocess.STDOUT, text=True)
+        _wait_for(ready, proc)
+        # the same server: the supervisor's own imports (DS_ACCELERATOR) once gave its
+        # attempts another key, and a server of their own, started cold
+        assert _server(runtime)["pid"] == server.pid
+        # the fork that became the coordinator has the command's output as its own
+        [coordinator] = [c for c in server.children()
+                         if os.readlink(f"/proc/{c.pid}/fd/1") == str(said)]
+        coordinator.kill()
+        gate.touch()
+        assert proc.wait(timeout=300) == 0, said.read_text()
+    text = said.read_text()
+    assert "the run died from SIGKILL before its first iteration; restarting it" in text, text
+    assert "Traceback" not in text and "starting a warm server" not in text
+    assert [r["iteration"] for r in _metrics(out)] == [0]
+
+
+def test_a_new_key_leaves_a_server_with_runs_going_its_socket(runtime, monkeypatch):
+    # found by benchmarks/chaos.py (runs of two keys at once): a server starting for a
+    # new key removed the sockets of this installation's servers of other keys, busy or
+    # not; a run of such a server forks its workers through that socket, so a worker it
+    # lost (or had yet to start) never came back: "Nanny failed to start". A busy one
+    # keeps its socket (and exits idle later); an idle one goes at once, as before.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    directory = warm.server_dir()
+    root = str(Path(warm.__file__).resolve().parents[1])
+    # stand-ins for servers: one with a child (a run going), one without
+    busy = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                             "subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    idle = subprocess.Popen(["sleep", "120"])
+    sockets = {}
+    try:
+        for name, process in (("busy", busy), ("idle", idle)):
+            sock = sockets[name] = directory / f"warm-{name}.sock"
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(str(sock))
+            (directory / f"warm-{name}.json").write_text(json.dumps({
+                "pid": process.pid, "inode": sock.stat().st_ino, "started": time.time(),
+                "root": root, "python": sys.executable, "idle_s": 60}))
+        deadline = time.monotonic() + 30
+        while not warm._runs(busy.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not warm._runs(idle.pid)
+        assert warm.start_server(warm.socket_path(), 30)
+        assert sockets["busy"].exists()
+        assert not sockets["idle"].exists()
+        warm.wait_ready(warm.socket_path(), 300)  # then the fixture stops it
+    finally:
+        for name, process in (("busy", busy), ("idle", idle)):
+            (directory / f"warm-{name}.json").unlink(missing_ok=True)
+            sockets.get(name, directory / "none").unlink(missing_ok=True)
+            for child in psutil.Process(process.pid).children():
+                child.kill()
+            process.kill()
+            process.wait()
+
+
 def test_a_forked_run_and_its_workers_take_the_callers_nice_affinity_limits_and_umask(
         tmp_path, runtime):
     env = _env(runtime)

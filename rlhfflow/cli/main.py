@@ -93,7 +93,8 @@ def _run_warm(argv: list[str]) -> None:
         click.echo(f"rlhfflow: running without a warm server: {first_line(exc)}", err=True)
         return
     if code < 0:  # died from a signal: so does this process, for whoever waits on it
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # (its handler cannot be set: OSError)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     raise SystemExit(code)
 

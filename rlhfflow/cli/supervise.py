@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.launch.warm import LOCK_FD_VAR
+from rlhfflow.cli import ENVIRONMENT
+from rlhfflow.launch.warm import IMPORT_TIME_PREFIXES, LOCK_FD_VAR
 from rlhfflow.storage import MetricsLog
 
 USER_MISTAKE, STOPPED = 2, 130
@@ -80,10 +81,25 @@ def supervise(child_args: Sequence[str], restart_args: Sequence[str], output_dir
         args = list(restart_args)
 
 
+def attempt_environment() -> dict[str, str]:
+    """This process's environment, with the variables that libraries read at import as
+    the command started with them: this process's imports set some (the engine sets
+    ``DS_ACCELERATOR``), and an attempt with them would have another warm server key than
+    the user's other runs (a server of its own, started cold, while theirs is warm)."""
+    env = dict(os.environ)
+    for name in set(env) | set(ENVIRONMENT):
+        if name.startswith(IMPORT_TIME_PREFIXES):
+            if name in ENVIRONMENT:
+                env[name] = ENVIRONMENT[name]
+            else:
+                del env[name]
+    return env
+
+
 def _run_child(args: Sequence[str], lock: int | None = None) -> int:
     """One attempt. The child gets its own process group so that a Ctrl-C at the terminal
     reaches it once, through us: two SIGINTs would mean "stop at once" to it."""
-    env = {**os.environ, LOCK_FD_VAR: str(lock)} if lock is not None else None
+    env = {**attempt_environment(), **({LOCK_FD_VAR: str(lock)} if lock is not None else {})}
     child = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", *args],
                              process_group=0, env=env,
                              pass_fds=(lock,) if lock is not None else ())

@@ -239,8 +239,11 @@ def start_server(sock: Path, idle_s: float) -> bool:
             return False
     os.close(fd)
     root = str(Path(__file__).resolve().parents[1])
-    for info in servers():  # this installation's servers of an older key: they go
-        if info.get("root") == root and info.get("python") == sys.executable:
+    for info in servers():  # this installation's idle servers of an older key: they go
+        # (one with runs going stays until they end: their workers are its forks, and a
+        # worker that dies is restarted through its socket)
+        if info.get("root") == root and info.get("python") == sys.executable \
+                and not _runs(int(info["pid"])):
             Path(info["socket"]).unlink(missing_ok=True)
     log = open(sock.with_suffix(".log"), "ab")  # noqa: SIM115 - handed to the child
     try:
@@ -313,13 +316,23 @@ def serve(sock: Path, idle_s: float) -> None:
 
 def _children() -> bool:
     """Whether this process has live children (a run, or its workers)."""
+    return _runs(os.getpid())
+
+
+def _runs(pid: int) -> bool:
+    """Whether server ``pid`` has live children (a run, or its workers)."""
     try:
-        text = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text()
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
         return bool(text.split())
+    except FileNotFoundError:  # gone
+        return False
     except OSError:
         import psutil
 
-        return bool(psutil.Process().children())
+        try:
+            return bool(psutil.Process(pid).children())
+        except psutil.Error:
+            return False
 
 
 def _remove(sock: Path, inode: int) -> None:

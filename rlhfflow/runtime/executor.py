@@ -262,9 +262,18 @@ class Executor:
                 self._run_loop(first)
                 break
             except WorkerLost as exc:
-                self._count_restart(exc)
-                first = self._recover(exc)
+                first = self._recover_from(exc)
         return [r for r in self.log.read() if r.get("iteration", -1) >= start]
+
+    def _recover_from(self, exc: WorkerLost) -> int:
+        """``_recover``, once more for each worker lost while recovering (each counts as
+        a restart); returns the next iteration."""
+        while True:
+            self._count_restart(exc)
+            try:
+                return self._recover(exc)
+            except WorkerLost as again:
+                exc = again
 
     def _run_setup_with_recovery(self) -> dict[str, Any]:
         """The setup stages; when a worker holding models is lost, redo them from their
@@ -273,11 +282,21 @@ class Executor:
             try:
                 return self._run_setup()
             except WorkerLost as exc:
-                self._count_restart(exc)
-                self._say(f"rlhfflow: {exc}; redoing the setup stages from their start")
+                self._restart_setup(exc)
+
+    def _restart_setup(self, exc: WorkerLost) -> None:
+        """Back to before the setup stages on the workers there are, once more for each
+        worker lost meanwhile (each counts as a restart)."""
+        while True:
+            self._count_restart(exc)
+            self._say(f"rlhfflow: {exc}; redoing the setup stages from their start")
+            try:
                 self._await_workers(exc)
                 self.models = dict(self.initial_models)  # as before the setup stages
                 self._start_workers()
+                return
+            except WorkerLost as again:
+                exc = again
 
     def _count_restart(self, exc: WorkerLost) -> None:
         """One more recovery, or a ``RunError`` past ``cluster.max_restarts``."""
