@@ -19,11 +19,20 @@ process to the end of the first iteration (imports and model loading included).
 TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
-    python benchmarks/vs_trl.py [--configs tiny,small,FILE.yaml] [--iterations N] [--rounds R]
-                                [--threads T[,T]] [--workdir DIR] [--recompute-logprobs]
-                                [--device cpu|cuda]
+    python benchmarks/vs_trl.py [--configs tiny,small,arithmetic,FILE.yaml] [--iterations N]
+                                [--rounds R] [--threads T[,T]] [--workdir DIR]
+                                [--recompute-logprobs] [--device cpu|cuda]
+                                [--lora 0,16] [--lora-lr LR]
 
-``--configs`` takes the names above or paths of other GRPO files (``gpu/grpo-large.yaml``).
+``--configs`` takes the names above or paths of other GRPO files (``gpu/grpo-large.yaml``);
+``arithmetic`` is ``examples/arithmetic/grpo.yaml``: the real SmolLM2-135M-Instruct
+(``rlhfflow models import-gguf --smollm2 models/smollm2-135m`` and
+``python examples/arithmetic/make_data.py`` first), chat records, which TRL gets in its
+conversational form and renders with the same template, and an exact-match reward reading
+the records' ``answer`` field, which TRL passes as a dataset column. ``--lora`` runs each
+config once per rank (0: every weight trained): both systems then train the same LoRA
+adapters (rlhfflow's ``models.ACTOR.lora``, TRL's ``peft_config``: every linear layer, alpha
+twice the rank, no dropout), at ``--lora-lr`` when given.
 ``--device cuda`` runs both on the GPU: rlhfflow with ``cluster.device: cuda``, TRL without
 ``use_cpu``; an actor of ``dtype: bfloat16`` (or ``float16``), which rlhfflow trains with
 fp32 master weights under autocast, is TRL's ``bf16`` (``fp16``) mixed precision, the
@@ -58,8 +67,10 @@ from shared import emit_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "grpo-tiny.yaml",
-           "small": ROOT / "configs" / "grpo-small.yaml"}
-DEFAULT_ITERATIONS = {"tiny": 30, "small": 8}
+           "small": ROOT / "configs" / "grpo-small.yaml",
+           # the real model (SmolLM2-135M-Instruct), chat records, an exact-match reward
+           "arithmetic": ROOT / "examples" / "arithmetic" / "grpo.yaml"}
+DEFAULT_ITERATIONS = {"tiny": 30, "small": 8, "arithmetic": 6}
 FILE_ITERATIONS = 8
 BENCH_PACKAGES = ("trl", "datasets", "accelerate")
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[bench]"'
@@ -76,17 +87,42 @@ def config_path(name: str) -> Path:
     return CONFIGS[name] if name in CONFIGS else Path(name).resolve()
 
 
-def describe_work(config: Path, iterations: int, init_path: Path, device: str = "cpu"
-                  ) -> dict[str, Any]:
+def lora_settings(rank: int) -> dict[str, Any]:
+    """The adapters both systems train with ``--lora RANK``: rlhfflow's
+    ``models.ACTOR.lora`` block, which TRL's ``peft_config`` copies (the same peft code
+    builds both): every linear layer of the blocks, alpha twice the rank, no dropout."""
+    return {"r": rank, "alpha": 2 * rank, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def lora_overrides(config: Path, rank: int, lr: float | None) -> dict[str, Any]:
+    """The overrides that give ``config``'s trained actor LoRA adapters of ``rank`` (and
+    learning rate ``lr``, when given)."""
+    from rlhfflow.config import load_pipeline
+
+    graph = load_pipeline(config).graph
+    actor = graph.nodes[_stage(graph, "train_actor")].model
+    overrides: dict[str, Any] = {f"models.{actor}.lora": lora_settings(rank)}
+    if lr is not None:
+        overrides[f"models.{actor}.optimizer.lr"] = lr
+    return overrides
+
+
+def describe_work(config: Path, iterations: int, init_path: Path, device: str = "cpu",
+                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """What one run of ``config`` does, in plain data both children read: the prompts of
-    every iteration in rlhfflow's order, and the settings TRL needs (``trl_settings``)."""
+    every iteration in rlhfflow's order (a chat record's messages, which TRL renders with
+    the same template), their record fields, and the settings TRL needs
+    (``trl_settings``). ``overrides`` (dotted keys) change the file for both systems."""
     from rlhfflow.config import load_pipeline
     from rlhfflow.data.source import PromptSource
 
-    pipeline = load_pipeline(config, {"iterations": iterations})
+    overrides = dict(overrides or {})
+    pipeline = load_pipeline(config, {"iterations": iterations, **overrides})
     spec, graph = pipeline.spec, pipeline.graph
     algo = spec.algorithm
-    if algo.name != "grpo" or algo.kl_in != "loss" or algo.kl_estimator != "k3":
+    # without KL (kl_coef 0, as the arithmetic example) its form does not matter
+    if algo.name != "grpo" or (algo.kl_coef and (algo.kl_in != "loss"
+                                                 or algo.kl_estimator != "k3")):
         raise SystemExit(f"{config}: vs_trl compares GRPO with k3 KL in the loss (TRL's "
                          f"only form); the file has {algo.name}, {algo.kl_estimator} in "
                          f"{algo.kl_in}")
@@ -99,17 +135,26 @@ def describe_work(config: Path, iterations: int, init_path: Path, device: str = 
     if actor.dtype != "float32" and device == "cpu":
         raise SystemExit(f"{config}: on CPU vs_trl compares float32 actors (TRL's bf16 "
                          f"and fp16 are for GPUs); the file has {actor.dtype}")
+    if actor.tiny is None:  # the run starts from the file's weights, not a built model
+        init_path = Path(pipeline.model_source(actor.path)) if actor.path else init_path
     source = PromptSource.from_pipeline(pipeline, generate.model)
+    order = [i for k in range(iterations) for i in source.prompt_indices(k)]
+    chat = all(isinstance(source.fields[i].get("messages"), list) for i in order)
     rows = spec.data.batch_size * spec.data.samples_per_prompt
     if rows % train.minibatches:
         raise SystemExit(f"{config}: {rows} rows do not split into {train.minibatches} "
                          f"equal minibatches, which TRL needs")
     return {
         "config": str(config), "iterations": iterations, "seed": spec.seed,
+        "overrides": overrides,
+        "lora_settings": overrides.get(f"models.{generate.model}.lora"),
         "init_path": str(init_path), "base_dir": str(pipeline.base_dir),
-        # iteration k's prompts, as rlhfflow's data stage draws them
-        "prompts": [source.texts[i] for k in range(iterations)
-                    for i in source.prompt_indices(k)],
+        # iteration k's prompts, as rlhfflow's data stage draws them: a chat record's
+        # messages (TRL's conversational form), else the text
+        "chat": chat,
+        "prompts": [source.fields[i]["messages"] if chat else source.texts[i] for i in order],
+        "fields": [{k: v for k, v in source.fields[i].items() if k != "messages"}
+                   for i in order],
         "reward": {"function": score.function, "kwargs": dict(score.kwargs)},
         "rows": rows, "batch_size": spec.data.batch_size,
         "samples_per_prompt": spec.data.samples_per_prompt,
@@ -148,8 +193,10 @@ def trl_settings(pipeline, train, rows: int, device: str = "cpu") -> dict[str, A
         "weight_decay": opt.weight_decay,
         "max_grad_norm": opt.grad_clip or 0.0,
         "optim": "adamw_torch",
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
+        # rlhfflow's step i of warmup uses lr * (i + 1) / warmup, transformers' lr * i /
+        # warmup: the same ramp one step later
+        "lr_scheduler_type": "constant_with_warmup" if opt.warmup_steps else "constant",
+        "warmup_steps": opt.warmup_steps,
         # the loss: PPO clip range, k3 KL to the reference in the loss, group-std scaling;
         # "bnpo" divides by the minibatch's own token count like rlhfflow's token-mean
         # ("dapo", TRL's default, divides by the generation's mean tokens per step)
@@ -218,8 +265,8 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
 
     watcher = threading.Thread(target=watch_first_iteration, daemon=True)
     watcher.start()
-    overrides = {"iterations": job["iterations"], "output": str(out),
-                 "cluster.device": job.get("device", "cpu")}
+    overrides = {**job.get("overrides", {}), "iterations": job["iterations"],
+                 "output": str(out), "cluster.device": job.get("device", "cpu")}
     if job.get("recompute_logprobs"):
         overrides["stages"] = recompute_logprob_stages(Path(job["config"]))
     pipeline = load_pipeline(job["config"], overrides)
@@ -243,19 +290,36 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhfflow.stages.inference import load_function
+    from rlhfflow.stages.inference import load_function, record_columns, reward_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(job["init_path"])
-    # rlhfflow puts BOS before every prompt; TRL tokenizes the text as it is, and the
-    # tokenizer turns the literal "<bos>" into that token
-    bos = tokenizer.bos_token or ""
-    dataset = Dataset.from_dict({"prompt": [bos + p for p in job["prompts"]]})
+    # rlhfflow puts BOS before every plain prompt; TRL tokenizes the text as it is, and
+    # the tokenizer turns the literal "<bos>" into that token. A chat prompt is rendered
+    # by the template on both sides, which places its own start tokens.
+    bos = "" if job["chat"] else tokenizer.bos_token or ""
+    field_names = sorted({k for f in job["fields"] for k in f})
+    dataset = Dataset.from_dict({
+        "prompt": job["prompts"] if job["chat"] else [bos + p for p in job["prompts"]],
+        **{k: [f.get(k) for f in job["fields"]] for k in field_names}})
     reward = load_function(job["reward"]["function"], job["base_dir"])
     kwargs = job["reward"]["kwargs"]
 
-    def reward_fn(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        """The pipeline's reward function, given the prompts as rlhfflow gives them."""
-        return reward([p.removeprefix(bos) for p in prompts], completions, **kwargs)
+    def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        """The pipeline's reward function, called as rlhfflow calls it: the rendered
+        prompts and response texts (or TRL's forms, for a function in TRL's convention)
+        and the record fields it names."""
+        records = [{k: columns[k][i] for k in field_names} for i in range(len(prompts))]
+        if job["chat"]:
+            texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True,
+                                                   tokenize=False) for p in prompts]
+            responses = [c[-1]["content"] for c in completions]
+            records = [{**r, "messages": p} for r, p in zip(records, prompts, strict=True)]
+        else:
+            texts, responses = [p.removeprefix(bos) for p in prompts], list(completions)
+        fields_json = [json.dumps(r) for r in records]
+        args, keywords = reward_inputs(reward, texts, responses, fields_json)
+        return reward(*args, **keywords, **record_columns(reward, kwargs, fields_json),
+                      **kwargs)
 
     reward_fn.__name__ = job["reward"]["function"].rsplit(":", 1)[-1]
 
@@ -277,9 +341,17 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     config = GRPOConfig(output_dir=job["output"], max_steps=job["iterations"] * steps,
                         logging_steps=1, save_strategy="no", report_to="none",
                         disable_tqdm=True, dataloader_num_workers=0, **job["trl"])
+    peft_config = None
+    if job.get("lora_settings"):
+        from peft import LoraConfig
+
+        lora = job["lora_settings"]
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"],
+                                 lora_dropout=lora["dropout"],
+                                 target_modules=lora["target_modules"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=job["init_path"], reward_funcs=reward_fn, args=config,
                           train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[clock])
+                          callbacks=[clock], peft_config=peft_config)
     trainer.train()
     # iteration k = the generation at step k*steps and its `steps` optimizer steps
     ends = [clock.begin] + clock.ends
@@ -333,10 +405,11 @@ def steady(times: list[float]) -> float:
 
 
 def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path,
-            recompute_logprobs: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """rlhfflow, then TRL at each of ``threads``, on config ``name``, ``rounds`` times,
-    alternating so that drift of the machine hits all alike; the figures of the
-    comparison, TRL's being those of its fastest thread count."""
+            recompute_logprobs: bool = False, device: str = "cpu",
+            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """rlhfflow, then TRL at each of ``threads``, on config ``name`` (changed by
+    ``overrides``), ``rounds`` times, alternating so that drift of the machine hits all
+    alike; the figures of the comparison, TRL's being those of its fastest thread count."""
     # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
@@ -346,7 +419,7 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     for r in range(rounds):
         out = work / f"rlhfflow-{r}"
         base = describe_work(config_path(name), iterations,
-                             out / "models" / "actor" / "init", device)
+                             out / "models" / "actor" / "init", device, overrides)
         ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
         if recompute_logprobs:
             recomputed.append(spawn("rlhfflow", {**base, "recompute_logprobs": True,
@@ -359,7 +432,7 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     by_threads = {t: summarize(runs, rows) for t, runs in theirs.items()}
     best = min(by_threads, key=lambda t: by_threads[t]["s"])
     fig = {"config": config_path(name).name, "iterations": iterations, "rounds": rounds,
-           "rows": rows, "device": device,
+           "rows": rows, "device": device, "overrides": base["overrides"],
            "work": f"{base['batch_size']} prompts x {base['samples_per_prompt']} samples x "
                    f"{base['max_new_tokens']} tokens, {base['steps_per_iteration']} steps"}
     fig.update({f"rlhfflow_{k}": v for k, v in summarize(ours, rows).items()})
@@ -459,6 +532,13 @@ def main() -> None:
     parser.add_argument("--recompute-logprobs", action="store_true",
                         help="also run rlhfflow with an old_logprob stage recomputing the "
                              "behaviour log-probs, as TRL does")
+    parser.add_argument("--lora", default="0",
+                        help="comma-separated LoRA ranks, 0 for the full fine-tune: each "
+                             "config runs once per rank, both systems training the same "
+                             "adapters (rlhfflow's models.ACTOR.lora, TRL's peft_config)")
+    parser.add_argument("--lora-lr", type=float, default=None,
+                        help="the learning rate of the LoRA rows, for both systems "
+                             "(default: the file's)")
     parser.add_argument("--child", nargs=3, metavar=("SYSTEM", "JOB", "RESULT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -479,6 +559,12 @@ def main() -> None:
         parser.error(f"--threads: expected positive integers, got {args.threads!r}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:
+        ranks = [int(r) for r in args.lora.split(",") if r.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 0:
+        parser.error(f"--lora: expected ranks >= 0 (0: full fine-tune), got {args.lora!r}")
     if args.iterations is not None and args.iterations < 2:
         parser.error("--iterations must be at least 2 (iteration 0 is left out)")
     missing = [p for p in BENCH_PACKAGES if importlib.util.find_spec(p) is None]
@@ -486,18 +572,20 @@ def main() -> None:
         raise SystemExit(f"vs_trl.py needs {', '.join(missing)}: {INSTALL_HINT}")
 
     figures = {}
-    for name in names:
+    for name, rank in [(n, r) for n in names for r in ranks]:
         iterations = args.iterations or DEFAULT_ITERATIONS.get(name, FILE_ITERATIONS)
-        label = name if name in CONFIGS else Path(name).stem
+        label = (name if name in CONFIGS else Path(name).stem) + (f"-lora{rank}" if rank else "")
+        overrides = lora_overrides(config_path(name), rank, args.lora_lr) if rank else {}
         if args.workdir is not None:
             work = args.workdir / label
             work.mkdir(parents=True, exist_ok=True)
             figures[label] = compare(name, iterations, threads, args.rounds, work,
-                                     args.recompute_logprobs, args.device)
+                                     args.recompute_logprobs, args.device, overrides)
         else:
             with tempfile.TemporaryDirectory(prefix=f"vs-trl-{label}-") as tmp:
                 figures[label] = compare(name, iterations, threads, args.rounds,
-                                         Path(tmp), args.recompute_logprobs, args.device)
+                                         Path(tmp), args.recompute_logprobs, args.device,
+                                         overrides)
         print_table(label, figures[label])
     emit_result(figures, __file__)
 
