@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ def apply_lora(module: torch.nn.Module, lora: Mapping[str, Any], head: str,
     from peft import get_peft_model
 
     try:
-        wrapped = get_peft_model(module, lora_config(lora, head))
+        with warnings.catch_warnings():  # peft asks a deprecated gradient-checkpointing name
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(module, lora_config(lora, head))
     except ValueError as exc:  # "Target modules {...} not found in the base model"
         raise ValueError(f"model {name!r}: lora.target_modules: {exc}") from None
     logger.info("model %r: LoRA r=%s on %d layers; transformers' forward through peft's "
@@ -185,5 +188,7 @@ def lora_parameter_count(model: torch.nn.Module, lora: Mapping[str, Any], head: 
     a value head's included: what trains, moves to shadows and goes into checkpoints."""
     from peft import get_peft_model
 
-    wrapped = get_peft_model(model, lora_config(lora, head))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = get_peft_model(model, lora_config(lora, head))
     return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
