@@ -16,16 +16,77 @@ class ModelShape:
     hidden: int
     vocab: int
     bytes_per_param: int = 4
+    #: parameters a LoRA model trains (adapters, a value head): what moves to shadows and
+    #: goes into checkpoints; None: all of ``params``
+    adapters: int | None = None
+    #: the LoRA model whose resident base this frozen model is (no weights of its own)
+    base_of: str | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.params * self.bytes_per_param
+        """Bytes of the weights a copy of the model holds (a LoRA model's adapters too)."""
+        return self.params * self.bytes_per_param + 4 * (self.adapters or 0)
+
+    @property
+    def trained(self) -> int:
+        """Parameters that train (gradients, AdamW moments in fp32)."""
+        return self.params if self.adapters is None else self.adapters
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a weight move to a shadow or a checkpoint carries."""
+        return self.nbytes if self.adapters is None else 4 * self.adapters
 
 
 def model_shapes(pipeline) -> dict[str, ModelShape]:
     """The shape of every model of ``pipeline`` (from its config, built on the meta
     device; a ``tiny:`` model's from its arguments; a model not on disk yet has an
-    unknown, zero shape)."""
+    unknown, zero shape), with what LoRA changes (``adapters``, ``base_of``)."""
+    return {name: _lora(pipeline, name, shape)
+            for name, shape in _plain_shapes(pipeline).items()}
+
+
+def _lora(pipeline, name: str, shape: ModelShape) -> ModelShape:
+    """``shape`` with what LoRA changes: a LoRA model's adapter parameters, a frozen
+    model that is a LoRA model's base (``runtime.models.base_of``)."""
+    from dataclasses import replace
+
+    model = pipeline.spec.models[name]
+    if model.lora is not None and shape.params:
+        shape = replace(shape, adapters=_adapter_count(pipeline, name))
+    return replace(shape, base_of=pipeline.lora_base(name))
+
+
+def _adapter_count(pipeline, name: str) -> int:
+    """Parameters LoRA adds to model ``name`` (its model built on the meta device)."""
+    import torch
+
+    from rlhfflow.engine.lora import lora_parameter_count
+    from rlhfflow.engine.models import (
+        _auto_class,
+        _as_value_config,
+        build_char_tokenizer,
+        model_config,
+        tiny_config,
+    )
+
+    spec = pipeline.spec
+    model, root = spec.models[name], spec.models[pipeline.model_root(name)]
+    if root.tiny is not None:
+        t = root.tiny
+        config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
+                             hidden=t.hidden, n_head=t.heads, max_positions=t.max_positions)
+    else:
+        config = model_config(pipeline.model_dir(root.path))
+    if model.head == "value":
+        _as_value_config(config)
+    with torch.device("meta"):
+        module = _auto_class(model.head).from_config(config)
+    return lora_parameter_count(module, model.lora.model_dump(), model.head)
+
+
+def _plain_shapes(pipeline) -> dict[str, ModelShape]:
+    """Every model's shape as if no LoRA were configured."""
     from rlhfflow.engine.models import (
         build_char_tokenizer,
         model_config,

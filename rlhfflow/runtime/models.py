@@ -47,20 +47,8 @@ def model_configs(pipeline: Pipeline, out: Path, build: bool = True
                               trainable=model.trainable,
                               optimizer=model.optimizer.model_dump(), dtype=model.dtype,
                               lora=model.lora.model_dump() if model.lora else None,
-                              base_of=base_of(pipeline, name))
+                              base_of=pipeline.lora_base(name))
             for name, model in spec.models.items()}
-
-
-def base_of(pipeline: Pipeline, name: str) -> str | None:
-    """The LoRA model whose resident base weights frozen model ``name`` is (a reference
-    ``from:`` it with the same head and dtype), or None: it loads weights of its own."""
-    spec = pipeline.spec
-    model = spec.models[name]
-    source = spec.models.get(model.from_) if model.from_ is not None else None
-    if (source is None or source.lora is None or model.trainable
-            or (model.head, model.dtype) != (source.head, source.dtype)):
-        return None
-    return model.from_
 
 
 def setup_trained(pipeline: Pipeline) -> dict[str, str]:
