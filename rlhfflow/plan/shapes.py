@@ -82,7 +82,13 @@ def _adapter_count(pipeline, name: str) -> int:
         _as_value_config(config)
     with torch.device("meta"):
         module = _auto_class(model.head).from_config(config)
-    return lora_parameter_count(module, model.lora.model_dump(), model.head)
+    try:
+        return lora_parameter_count(module, model.lora.model_dump(), model.head)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        from rlhfflow.errors import SpecError
+
+        raise SpecError(pipeline.source, f"models.{name}.lora.target_modules",
+                        str(exc).split(". ")[0]) from None
 
 
 def _plain_shapes(pipeline) -> dict[str, ModelShape]:
