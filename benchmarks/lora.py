@@ -163,6 +163,8 @@ def main() -> None:
     lora = {"r": args.rank}
     files = {"full": variant_file(workdir, "full", args.iterations, None, None),
              "lora": variant_file(workdir, "lora", args.iterations, lora, args.lora_lr)}
+    ref_bytes = {"full": reference_bytes(model, None), "lora": reference_bytes(model, lora)}
+    print(f"reference copy: {json.dumps(ref_bytes)}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": []}
     for r in range(args.rounds):
         for name, config in files.items():
@@ -175,7 +177,7 @@ def main() -> None:
         "lora_lr": args.lora_lr, "full_lr": 2e-5,
         "lora_over_full_iteration_s": statistics.median(ratios),
         "ratios": ratios,
-        "ref_bytes": {"full": reference_bytes(model, None), "lora": reference_bytes(model, lora)}}
+        "ref_bytes": ref_bytes}
     for name, results in runs.items():
         for key in ("iteration_s", "peak_worker_rss", "checkpoint_bytes", "reward_first",
                     "reward_last4"):

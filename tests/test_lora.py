@@ -78,7 +78,12 @@ def test_the_reference_is_the_base_with_adapters_off_and_no_second_copy(tiny_lm_
 
 
 def test_shadow_copies_receive_the_adapters_only_and_compute_the_same(tiny_lm_dir):
-    home, shadow = _store(tiny_lm_dir).get("actor"), _store(tiny_lm_dir).get("actor")
+    home = _store(tiny_lm_dir).get("actor")
+    torch.rand(1000)  # another process's random stream: the adapters start the same
+    shadow = _store(tiny_lm_dir).get("actor")
+    assert all(torch.equal(a, b) for a, b in zip(home.state_for_transfer().values(),
+                                                 shadow.state_for_transfer().values(),
+                                                 strict=True))
     ids, mask, positions = padded_ids()
     _train(home, ids, mask, positions)
     weights = home.state_for_transfer()

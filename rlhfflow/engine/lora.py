@@ -63,13 +63,17 @@ def lora_config(lora: Mapping[str, Any], head: str):
 def apply_lora(module: torch.nn.Module, lora: Mapping[str, Any], head: str,
                name: str = "") -> torch.nn.Module:
     """``module`` with LoRA adapters (peft's ``PeftModel``): only the adapters (and a
-    value head) require gradients. Raises ``ValueError`` naming the model when a target
-    module is not in it."""
+    value head) require gradients. ``A`` is drawn from ``lora["seed"]`` (default 0), not
+    from the process's random stream: every copy of the model (its home, its shadows, a
+    resumed run) starts from the same adapters. Raises ``ValueError`` naming the model
+    when a target module is not in it."""
     from peft import get_peft_model
 
     try:
-        with warnings.catch_warnings():  # peft asks a deprecated gradient-checkpointing name
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            # peft asks a deprecated gradient-checkpointing name
             warnings.simplefilter("ignore", FutureWarning)
+            torch.manual_seed(int(lora.get("seed", 0)))
             wrapped = get_peft_model(module, lora_config(lora, head))
     except ValueError as exc:  # "Target modules {...} not found in the base model"
         raise ValueError(f"model {name!r}: lora.target_modules: {exc}") from None
@@ -183,12 +187,20 @@ def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
     return merged
 
 
-def lora_parameter_count(model: torch.nn.Module, lora: Mapping[str, Any], head: str) -> int:
-    """Parameters LoRA adds to ``model`` (built on the meta device: nothing allocated),
-    a value head's included: what trains, moves to shadows and goes into checkpoints."""
+def lora_parameter_count(config, lora: Mapping[str, Any], head: str) -> int:
+    """Parameters LoRA adds to a model built from transformers ``config`` with ``head``
+    (on the meta device: nothing allocated), a value head's included: what trains, moves
+    to shadows and goes into checkpoints. Raises ``ValueError`` for a target module the
+    model lacks."""
     from peft import get_peft_model
 
-    with warnings.catch_warnings():
+    from rlhfflow.engine.models import _as_value_config, _auto_class, _quiet_transformers
+
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        model = _auto_class(head).from_config(config)
         wrapped = get_peft_model(model, lora_config(lora, head))
     return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)

@@ -59,16 +59,9 @@ def _lora(pipeline, name: str, shape: ModelShape) -> ModelShape:
 
 def _adapter_count(pipeline, name: str) -> int:
     """Parameters LoRA adds to model ``name`` (its model built on the meta device)."""
-    import torch
-
     from rlhfflow.engine.lora import lora_parameter_count
-    from rlhfflow.engine.models import (
-        _auto_class,
-        _as_value_config,
-        build_char_tokenizer,
-        model_config,
-        tiny_config,
-    )
+    from rlhfflow.engine.models import build_char_tokenizer, model_config, tiny_config
+    from rlhfflow.errors import SpecError
 
     spec = pipeline.spec
     model, root = spec.models[name], spec.models[pipeline.model_root(name)]
@@ -78,15 +71,9 @@ def _adapter_count(pipeline, name: str) -> int:
                              hidden=t.hidden, n_head=t.heads, max_positions=t.max_positions)
     else:
         config = model_config(pipeline.model_dir(root.path))
-    if model.head == "value":
-        _as_value_config(config)
-    with torch.device("meta"):
-        module = _auto_class(model.head).from_config(config)
     try:
-        return lora_parameter_count(module, model.lora.model_dump(), model.head)
+        return lora_parameter_count(config, model.lora.model_dump(), model.head)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
-        from rlhfflow.errors import SpecError
-
         raise SpecError(pipeline.source, f"models.{name}.lora.target_modules",
                         str(exc).split(". ")[0]) from None
 

@@ -46,7 +46,8 @@ def model_configs(pipeline: Pipeline, out: Path, build: bool = True
                               init_path=paths[pipeline.model_root(name)],
                               trainable=model.trainable,
                               optimizer=model.optimizer.model_dump(), dtype=model.dtype,
-                              lora=model.lora.model_dump() if model.lora else None,
+                              lora={**model.lora.model_dump(), "seed": spec.seed}
+                              if model.lora else None,
                               base_of=pipeline.lora_base(name))
             for name, model in spec.models.items()}
 
