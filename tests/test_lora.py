@@ -155,17 +155,18 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_merged(tmp_
 
 
 @pytest.mark.slow
-def test_deepspeed_trains_lora_adapters_in_a_gang(cluster, tmp_path):
+def test_deepspeed_trains_lora_adapters(tmp_path):
+    """DeepSpeed's engine (ZeRO-2, a gang of one worker) trains the adapters."""
     pytest.importorskip("deepspeed", reason="pip install 'rlhfflow[deepspeed]'")
     path = small_pipeline(tmp_path, "ppo", iterations=2, overrides={
-        "placement.strategy": "colocated", "cluster.address": cluster.scheduler_address,
+        "placement.strategy": "colocated", "cluster.workers": 1,
         "models.actor.lora": LORA, "stages.train_actor.backend": "deepspeed",
         "stages.train_actor.deepspeed": {"zero_stage": 2}})
     result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
     assert all(torch.isfinite(torch.tensor(m["policy_loss"])) for m in result.metrics)
     [checkpoint] = sorted((result.output_dir / "checkpoints").iterdir())
     shards = sorted(p.name for p in (checkpoint / "optimizers").iterdir())
-    assert shards == ["actor.zero-rank0.pt", "actor.zero-rank1.pt", "critic.pt"]
+    assert shards == ["actor.zero-rank0.pt", "critic.pt"]
     assert (checkpoint / "models" / "actor" / "adapter_config.json").is_file()
     from safetensors.torch import load_file
 
