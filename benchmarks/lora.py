@@ -22,6 +22,13 @@ adds ``models.actor.lora: {r: --rank}`` (``alpha`` 2r, every Linear layer) and i
 
     python benchmarks/lora.py [--iterations 16] [--rounds 1] [--rank 16] [--lora-lr 2e-4]
                               [--eval 100] [--workdir DIR]
+    python benchmarks/lora.py --steps N [--rounds R] [--rank 16]
+
+``--steps N`` is for a machine too busy (or too small) for whole runs: each variant, in a
+fresh process, holds the actor and its reference and takes N training steps of 8 x 48
+tokens, each after a reference forward; it reports the median step after the first, the
+process's peak RSS (``ru_maxrss``), the bytes of a checkpoint (weights or adapters, with
+the optimizer state) and the reference copy.
 
 Needs the model (``rlhfflow models import-gguf --smollm2 models/smollm2-135m``) and the data
 (``python examples/arithmetic/make_data.py``). Prints a table, then one JSON object with
@@ -130,6 +137,51 @@ print(json.dumps({"ref_bytes": me.memory_info().rss - before}))
 """
 
 
+STEP_PROBE = """
+import json, resource, statistics, sys, tempfile, time, torch
+from pathlib import Path
+from rlhfflow.engine.resident import ModelConfig, ModelStore
+path, lora, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(2)
+store = ModelStore({"actor": ModelConfig("actor", "lm", path, trainable=True,
+                                         optimizer={"lr": 1e-5}, lora=lora),
+                    "ref": ModelConfig("ref", "lm", path, base_of="actor" if lora else None)})
+actor, ref = store.get("actor"), store.get("ref")
+gen = torch.Generator().manual_seed(0)
+ids = torch.randint(100, 20000, (8, 48), generator=gen)
+mask = torch.ones_like(ids)
+seconds = []
+for _ in range(steps):
+    start = time.perf_counter()
+    with torch.no_grad():
+        ref.module(input_ids=ids, attention_mask=mask)
+    actor.module.train(True)
+    logits = actor.module(input_ids=ids, attention_mask=mask).logits
+    actor.step(-logits.log_softmax(-1).gather(-1, ids[..., None]).mean())
+    actor.module.train(False)
+    seconds.append(time.perf_counter() - start)
+out = Path(tempfile.mkdtemp())
+actor.save(out / "model")
+actor.save_optimizer(out / "optimizer.pt")
+size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+print(json.dumps({"step_s": statistics.median(seconds[1:]), "steps": seconds,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "checkpoint_bytes": size}))
+"""
+
+
+def train_steps(model: Path, lora: dict | None, steps: int) -> dict[str, Any]:
+    """``--steps`` mode, for a machine too busy for whole runs: in a fresh process, a
+    reference forward and one actor training step (8 x 48 tokens) ``steps`` times; the
+    median step after the first, the process's peak RSS, and the bytes of a checkpoint
+    (weights or adapters, with the optimizer state)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", STEP_PROBE, str(model), json.dumps(lora),
+                          str(steps)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def reference_bytes(model: Path, lora: dict | None) -> int:
     """The RSS a frozen reference ``from:`` the actor adds to a process holding the actor."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -156,7 +208,11 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=0, metavar="N",
                         help="held-out questions to score each final model on (0: none)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--steps", type=int, default=0, metavar="N",
+                        help="instead of runs: N training steps per variant in one process")
     args = parser.parse_args()
+    if args.steps:
+        return steps_only(args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rlhfflow-lora-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = (EXAMPLE / "../../models/smollm2-135m").resolve()
@@ -200,6 +256,37 @@ def main() -> None:
         acc = figures["accuracy"]
         print(f"{'held-out accuracy':22}{acc['full']:12.3f}{acc['lora']:12.3f}"
               f"   (base {acc['base']:.3f})")
+    emit_result(figures, __file__)
+
+
+def steps_only(args) -> None:
+    """``--steps``: the training step, peak memory and checkpoint of each variant, in
+    fresh processes alternating over ``--rounds`` rounds, and the reference copy."""
+    model = (EXAMPLE / "../../models/smollm2-135m").resolve()
+    lora = {"r": args.rank}
+    ref_bytes = {"full": reference_bytes(model, None), "lora": reference_bytes(model, lora)}
+    print(f"reference copy: {json.dumps(ref_bytes)}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": []}
+    for r in range(args.rounds):
+        for name, spec in (("full", None), ("lora", lora)):
+            runs[name].append(train_steps(model, spec, args.steps))
+            print(f"round {r} {name}: {json.dumps(runs[name][-1])}", flush=True)
+    ratios = [lo["step_s"] / fu["step_s"] for fu, lo in zip(runs["full"], runs["lora"],
+                                                            strict=True)]
+    figures: dict[str, Any] = {"mode": "steps", "steps": args.steps, "rounds": args.rounds,
+                               "rank": args.rank, "ref_bytes": ref_bytes,
+                               "lora_over_full_step_s": statistics.median(ratios),
+                               "ratios": ratios}
+    for key in ("step_s", "peak_rss", "checkpoint_bytes"):
+        figures[key] = {name: statistics.median(x[key] for x in results)
+                        for name, results in runs.items()}
+    mb = 1 / 2**20
+    print(f"{'':22}{'full':>12}{'lora':>12}")
+    print(f"{'seconds / train step':22}{figures['step_s']['full']:12.2f}"
+          f"{figures['step_s']['lora']:12.2f}")
+    for key, label in (("peak_rss", "peak RSS MiB"), ("checkpoint_bytes", "checkpoint MiB"),
+                       ("ref_bytes", "reference MiB")):
+        print(f"{label:22}{figures[key]['full'] * mb:12.1f}{figures[key]['lora'] * mb:12.1f}")
     emit_result(figures, __file__)
 
 
