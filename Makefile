@@ -43,7 +43,7 @@ $(BIN)/python:
 $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 	@test -n "$(TORCH)" || { echo "error: constraints.txt has no 'torch==' pin" >&2; exit 1; }
 	$(BIN)/pip install "$(TORCH)"
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[test,dashboard,deepspeed,models,lora]"
 	@touch $@
 
 # The logging: targets' optional extras, for their tests only: MLflow alone brings pandas,

@@ -55,7 +55,8 @@ def test_every_field_of_every_spec_model_has_a_description():
 
 def test_the_pipeline_reference_has_a_section_for_every_nested_model():
     sections = dict(docs.spec_sections())
-    assert {"", "models.NAME", "models.NAME.tiny", "models.NAME.optimizer", "stages.NAME",
+    assert {"", "models.NAME", "models.NAME.tiny", "models.NAME.optimizer", "models.NAME.lora",
+            "stages.NAME",
             "stages.NAME.deepspeed", "data", "data.sources[i]", "algorithm", "cluster", "placement", "overlap",
             "checkpoint", "logging", "logging.mlflow",
             "logging.wandb"} == set(sections)

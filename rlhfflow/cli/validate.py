@@ -21,13 +21,21 @@ def _model_source(pipeline: Pipeline, spec: Any) -> str:
     return f"tiny {tiny.arch} ({tiny.layers} layers, hidden {tiny.hidden})"
 
 
+def _training(pipeline: Pipeline, name: str, spec: Any) -> str:
+    if spec.lora is not None:
+        return f"trainable (LoRA r={spec.lora.r})"
+    if pipeline.lora_base(name) is not None:
+        return f"frozen ({spec.from_}'s base, no copy)"
+    return "trainable" if spec.trainable else "frozen"
+
+
 def summary(pipeline: Pipeline) -> str:
     """A short description of a validated pipeline, for ``rlhfflow validate``."""
     spec, graph = pipeline.spec, pipeline.graph
     lines = [f"{pipeline.source}: valid", f"name: {pipeline.name}"]
     if spec.models:
         lines.append("models:")
-        lines += table([(name, m.head, "trainable" if m.trainable else "frozen",
+        lines += table([(name, m.head, _training(pipeline, name, m),
                           _model_source(pipeline, m)) for name, m in spec.models.items()])
     lines.append("stages (in order):")
     lines += table([(name, graph.nodes[name].type, f"@{graph.nodes[name].model}"

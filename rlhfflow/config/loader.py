@@ -126,6 +126,8 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
             if source.head == "value" and model.head == "lm":
                 raise SpecError(file, f"models.{name}.from", f"cannot make an 'lm' model from "
                                 f"{model.from_!r}, which has a value head")
+        if model.lora is not None:
+            _check_lora(file, name, model)
     if spec.overlap.sequential and spec.overlap.max_staleness:
         raise SpecError(file, "overlap.max_staleness", "a sequential run overlaps nothing: "
                         "set max_staleness to 0 or sequential to false")
@@ -145,6 +147,17 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
                 raise SpecError(file, f"models.{name}.from",
                                 f"'from' cycle: {' -> '.join(seen + [nxt])}")
             seen.append(nxt)
+
+
+def _check_lora(file: Path, name: str, model) -> None:
+    """LoRA trains adapters: only on a trainable model, and only with peft installed."""
+    import importlib.util
+
+    if not model.trainable:
+        raise SpecError(file, f"models.{name}.lora", "LoRA adapters train: set trainable: true "
+                        "(a frozen copy of a LoRA model is `from:` it, without lora)")
+    if importlib.util.find_spec("peft") is None:
+        raise SpecError(file, f"models.{name}.lora", "needs peft: pip install 'rlhfflow[lora]'")
 
 
 def _check_stages(file: Path, spec: PipelineSpec

@@ -73,6 +73,17 @@ class Pipeline:
             seen.append(self.spec.models[seen[-1]].from_)
         return seen[-1]
 
+    def lora_base(self, name: str) -> str | None:
+        """The LoRA model whose resident base weights frozen model ``name`` is (a
+        reference ``from:`` it, with its head and dtype), or None: it has weights of its
+        own."""
+        model = self.spec.models[name]
+        source = self.spec.models.get(model.from_) if model.from_ is not None else None
+        if (source is None or source.lora is None or model.trainable
+                or (model.head, model.dtype) != (source.head, source.dtype)):
+            return None
+        return model.from_
+
     @property
     def rollout_temperature(self) -> float:
         """The sampling temperature of the first generator (log-probs must match it)."""

@@ -70,6 +70,21 @@ class OptimizerSpec(Strict):
         "says."))
 
 
+class LoraSpec(Strict):
+    """LoRA adapters (``peft``, the ``lora`` extra): only the adapters train, move to shadow
+    copies and go into checkpoints; ``from:`` copies of the model that do not train (the
+    reference) are the same resident base weights with the adapters off."""
+
+    r: PositiveInt = Field(description="Rank of the adapters.")
+    alpha: PositiveFloat | None = Field(None, description=(
+        "Scaling numerator: the update is `alpha / r * B A`; `null`: `2 * r` (a scale of 2)."))
+    dropout: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, description=(
+        "Dropout on the adapters' input while training."))
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description=(
+        "Names (or name suffixes) of the Linear layers that get adapters, e.g. `[q_proj, "
+        "v_proj]`; `all-linear`: every Linear layer but the output head."))
+
+
 class TinyModelSpec(Strict):
     """A tiny random model built locally (character tokenizer), for demos and tests."""
 
@@ -118,6 +133,9 @@ class ModelSpec(Strict):
         "transformers' attention kernel (`eager`, `sdpa`, `flash_attention_2`, ...); `null`: "
         "transformers' default. Anything but `sdpa` or `null` keeps transformers' forward "
         "(rlhfflow's lean forward is SDPA). `flash_attention_*` needs a GPU and its package."))
+    lora: LoraSpec | None = Field(None, description=(
+        "Train LoRA adapters instead of every weight (needs `trainable` and the `lora` extra); "
+        "see the how-to *LoRA adapters*."))
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

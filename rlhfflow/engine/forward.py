@@ -217,7 +217,10 @@ def cache_kwargs(module: torch.nn.Module, cache: object) -> dict[str, object]:
 
 
 def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
-    """The keyword names of ``module``'s forward (looked up once per class)."""
+    """The keyword names of ``module``'s forward (looked up once per class); a LoRA
+    model's (peft's wrapper passes its keywords on) are its base model's."""
+    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+        module = module.get_base_model()
     forward = type(module).forward
     if forward not in _FORWARD_PARAMETERS:
         import inspect

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rlhfflow.engine import lean, recompute
+from rlhfflow.engine import lean, lora, recompute
 from rlhfflow.errors import RlhfflowError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +89,11 @@ class ModelConfig:
         gradient_checkpointing: recompute the layers' activations in the backward pass
             (``rlhfflow.engine.recompute``).
         attn_implementation: transformers' attention kernel, or None for its default.
+        lora: ``models.NAME.lora`` (``r``, ``alpha``, ``dropout``, ``target_modules``):
+            train LoRA adapters on the weights of ``init_path`` (``engine.lora``).
+        adapter_path: a checkpoint's adapters to start from (with ``lora``).
+        base_of: a LoRA model whose resident base weights this frozen model is (a
+            reference ``from:`` it): no copy of its own.
     """
 
     name: str
@@ -101,6 +106,9 @@ class ModelConfig:
     version: int = 0
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None
+    lora: Mapping[str, Any] | None = None
+    adapter_path: str | None = None
+    base_of: str | None = None
 
 
 class ResidentModel:
@@ -273,21 +281,39 @@ class ResidentModel:
         return float("nan")
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
-        """The weights as CPU tensors, to send to another worker's copy."""
+        """The weights as CPU tensors, to send to another worker's copy (a LoRA model's
+        adapters only: the base is the same everywhere)."""
+        if self.config.lora is not None:
+            return lora.adapter_state(self.module)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def install(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights with ``weights`` received from the model's home; they are
         version ``version``."""
-        with torch.no_grad():
-            self.module.load_state_dict(dict(weights), strict=True)
+        if self.config.lora is not None:
+            lora.install_adapter_state(self.module, weights)
+        else:
+            with torch.no_grad():
+                self.module.load_state_dict(dict(weights), strict=True)
         self.version = version
 
     def save(self, path: str | Path) -> None:
-        """Save weights and tokenizer in transformers format (atomically)."""
+        """Save what a checkpoint keeps (atomically): weights and tokenizer in
+        transformers format, or a LoRA model's adapters in peft's format."""
+        if self.config.lora is not None:
+            lora.save_adapter(self.module, self.tokenizer, path)
+        else:
+            self.export(path)
+
+    def export(self, path: str | Path) -> None:
+        """Save the model as users deploy it, in transformers format (atomically): a
+        LoRA model with its adapters merged into a copy of the weights."""
         from rlhfflow.engine.models import save_model
 
-        save_model(self.module, self.tokenizer, path)
+        module = self.module
+        if self.config.lora is not None:
+            module = lora.merged_copy(self.module)
+        save_model(module, self.tokenizer, path)
 
     def save_optimizer(self, path: str | Path, rank: int = 0) -> None:
         """Save the optimizer state (created now if no step was taken yet) with the
@@ -337,7 +363,8 @@ class ModelStore:
         self.models: dict[str, ResidentModel] = {}
         self.loads: dict[str, int] = {}
         self.load_seconds: dict[str, float] = {}
-        self._lock = threading.Lock()
+        # reentrant: loading a base view gets the LoRA model it shares first
+        self._lock = threading.RLock()
 
     def get(self, name: str) -> ResidentModel:
         """The resident model ``name``, loading it from ``init_path`` on first use."""
@@ -352,11 +379,19 @@ class ModelStore:
         from rlhfflow.engine.models import load_model  # transformers: only when loading
 
         start = time.perf_counter()
+        if config.base_of is not None:
+            return self._base_view(config, start)
         mixed = config.trainable and config.dtype != "float32"
         module, tokenizer = load_model(config.init_path, config.head, device=self.device,
                                        torch_dtype=torch.float32 if mixed
                                        else DTYPES[config.dtype],
                                        attn_implementation=config.attn_implementation)
+        if config.lora is not None:  # before lean: peft's layers replace the Linears
+            for p in module.parameters():
+                p.requires_grad_(False)
+            module = lora.apply_lora(module, config.lora, config.head, config.name)
+            if config.adapter_path:
+                lora.load_adapter(module, config.adapter_path)
         if mixed:  # fp32 master weights, computing in the configured dtype
             autocast_forward(module, self.device, DTYPES[config.dtype])
         else:  # the same arithmetic without transformers' per-call Python
@@ -364,19 +399,39 @@ class ModelStore:
         if config.gradient_checkpointing:
             recompute.enable(module)
         module.train(False)
-        for p in module.parameters():
-            p.requires_grad_(config.trainable)
+        if config.lora is None:
+            for p in module.parameters():
+                p.requires_grad_(config.trainable)
         self.loads[config.name] = self.loads.get(config.name, 0) + 1
         self.load_seconds[config.name] = time.perf_counter() - start
         return ResidentModel(config, module, tokenizer, self.device)
 
+    def _base_view(self, config: ModelConfig, start: float) -> ResidentModel:
+        """A frozen model that is LoRA model ``config.base_of``'s base weights with the
+        adapters off: a view of its resident copy (``lora.base_view``), no weights of
+        its own; it is loaded here first if it is not yet."""
+        owner = self.get(config.base_of)
+        module = lora.base_view(owner.module)
+        if config.dtype != "float32":  # the owner's fp32 master weights, autocast
+            autocast_forward(module, self.device, DTYPES[config.dtype])
+        else:
+            lean.enable(module)
+        self.loads[config.name] = self.loads.get(config.name, 0) + 1
+        self.load_seconds[config.name] = time.perf_counter() - start
+        return ResidentModel(config, module, owner.tokenizer, self.device)
+
     def update_config(self, config: ModelConfig) -> None:
-        """Replace a model's config; a loaded copy with another ``init_path`` is dropped."""
+        """Replace a model's config; a loaded copy with other weights (``init_path``,
+        ``adapter_path``) is dropped, and with it the base views made of it."""
         with self._lock:
             old = self.configs.get(config.name)
             self.configs[config.name] = config
-            if old is not None and old.init_path != config.init_path:
+            if old is not None and (old.init_path, old.adapter_path) != (
+                    config.init_path, config.adapter_path):
                 self.models.pop(config.name, None)
+                for name, other in self.configs.items():
+                    if other.base_of == config.name:
+                        self.models.pop(name, None)
 
     def loaded(self) -> dict[str, int]:
         """Versions of the models loaded in this process."""

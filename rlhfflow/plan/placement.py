@@ -167,6 +167,9 @@ def make_plan(pipeline: Pipeline, n_workers: int,
         # trainable models first (they carry optimizer state), then the largest
         for m in sorted(rest, key=lambda m: (not spec.models[m].trainable, -sizes.get(m, 0),
                                              used.index(m))):
+            if pipeline.lora_base(m) in homes:  # a view of a LoRA model's base: beside it
+                homes[m] = homes[pipeline.lora_base(m)]
+                continue
             i = min(range(len(blocks)), key=lambda i: (load[i], i))
             homes[m] = blocks[i]
             load[i] += sizes.get(m, 0)
@@ -225,7 +228,10 @@ def make_plan(pipeline: Pipeline, n_workers: int,
         targets = tuple(w for w in plan_replicas[m] if w not in homes[m])
         trainers = [t for t in graph.trainers(m) if not graph.nodes[t].once]
         if targets and trainers and spec.models[m].trainable:
-            transfers.append(Transfer(m, trainers[-1], homes[m][0], targets, sizes.get(m, 0)))
+            nbytes = sizes.get(m, 0)
+            if spec.models[m].lora is not None:  # a LoRA model moves its adapters only
+                nbytes = model_shapes(pipeline)[m].moved_bytes
+            transfers.append(Transfer(m, trainers[-1], homes[m][0], targets, nbytes))
     fused = () if overlap.sequential or not overlap.fuse else _fuse(pipeline, stages)
     return ExecutionPlan(placement.strategy, n_workers, groups, homes, plan_replicas, stages,
                          tuple(transfers), sizes, fused, staleness, overlap.sequential)

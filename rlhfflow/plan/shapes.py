@@ -20,16 +20,70 @@ class ModelShape:
     matmul_params: int = 0
     #: query heads x head width, what attention's score and value products scale with
     attention_width: int = 0
+    #: parameters a LoRA model trains (adapters, a value head): what moves to shadows and
+    #: goes into checkpoints; None: all of ``params``
+    adapters: int | None = None
+    #: the LoRA model whose resident base this frozen model is (no weights of its own)
+    base_of: str | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.params * self.bytes_per_param
+        """Bytes of the weights a copy of the model holds (a LoRA model's adapters too)."""
+        return self.params * self.bytes_per_param + 4 * (self.adapters or 0)
+
+    @property
+    def trained(self) -> int:
+        """Parameters that train (gradients, AdamW moments in fp32)."""
+        return self.params if self.adapters is None else self.adapters
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a weight move to a shadow or a checkpoint carries."""
+        return self.nbytes if self.adapters is None else 4 * self.adapters
 
 
 def model_shapes(pipeline) -> dict[str, ModelShape]:
     """The shape of every model of ``pipeline`` (from its config, built on the meta
     device; a ``tiny:`` model's from its arguments; a model not on disk yet has an
-    unknown, zero shape)."""
+    unknown, zero shape), with what LoRA changes (``adapters``, ``base_of``)."""
+    return {name: _lora(pipeline, name, shape)
+            for name, shape in _plain_shapes(pipeline).items()}
+
+
+def _lora(pipeline, name: str, shape: ModelShape) -> ModelShape:
+    """``shape`` with what LoRA changes: a LoRA model's adapter parameters, a frozen
+    model that is a LoRA model's base (``runtime.models.base_of``)."""
+    from dataclasses import replace
+
+    model = pipeline.spec.models[name]
+    if model.lora is not None and shape.params:
+        shape = replace(shape, adapters=_adapter_count(pipeline, name))
+    return replace(shape, base_of=pipeline.lora_base(name))
+
+
+def _adapter_count(pipeline, name: str) -> int:
+    """Parameters LoRA adds to model ``name`` (its model built on the meta device)."""
+    from rlhfflow.engine.lora import lora_parameter_count
+    from rlhfflow.engine.models import build_char_tokenizer, model_config, tiny_config
+    from rlhfflow.errors import SpecError
+
+    spec = pipeline.spec
+    model, root = spec.models[name], spec.models[pipeline.model_root(name)]
+    if root.tiny is not None:
+        t = root.tiny
+        config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
+                             hidden=t.hidden, n_head=t.heads, max_positions=t.max_positions)
+    else:
+        config = model_config(pipeline.model_dir(root.path))
+    try:
+        return lora_parameter_count(config, model.lora.model_dump(), model.head)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        raise SpecError(pipeline.source, f"models.{name}.lora.target_modules",
+                        str(exc).split(". ")[0]) from None
+
+
+def _plain_shapes(pipeline) -> dict[str, ModelShape]:
+    """Every model's shape as if no LoRA were configured."""
     from rlhfflow.engine.models import (
         build_char_tokenizer,
         matmul_parameters,

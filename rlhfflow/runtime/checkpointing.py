@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rlhfflow.engine.lora import ADAPTER_CONFIG
 from rlhfflow.errors import RunError
 from rlhfflow.plan.tasks import CheckpointTask
 from rlhfflow.runtime.telemetry import TASKS_FILE
@@ -52,12 +53,15 @@ def models_from_checkpoint(models: Mapping[str, ModelConfig], trained: list[str]
     for name in trained:
         weights, optimizer = checkpoint.model_dir(name), checkpoint.optimizer_file(name)
         shards = list(optimizer.parent.glob(f"{optimizer.stem}.zero-rank*.pt"))
-        if not (weights / "config.json").is_file() or not (optimizer.is_file() or shards):
+        adapters = models[name].lora is not None  # a LoRA model's checkpoint: its adapters
+        marker = weights / (ADAPTER_CONFIG if adapters else "config.json")
+        if not marker.is_file() or not (optimizer.is_file() or shards):
             raise CorruptCheckpoint(f"{checkpoint.path}: corrupt checkpoint (no weights or "
                                     f"optimizer state of {name!r}); delete it to resume "
                                     f"from the one before")
-        out[name] = replace(models[name], init_path=str(weights),
-                            optimizer_state=str(optimizer), version=int(versions.get(name, 0)))
+        where = {"adapter_path": str(weights)} if adapters else {"init_path": str(weights)}
+        out[name] = replace(models[name], **where, optimizer_state=str(optimizer),
+                            version=int(versions.get(name, 0)))
     return out
 
 

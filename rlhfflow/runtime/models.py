@@ -47,7 +47,10 @@ def model_configs(pipeline: Pipeline, out: Path, build: bool = True
                               trainable=model.trainable,
                               optimizer=model.optimizer.model_dump(), dtype=model.dtype,
                               gradient_checkpointing=model.gradient_checkpointing,
-                              attn_implementation=model.attn_implementation)
+                              attn_implementation=model.attn_implementation,
+                              lora={**model.lora.model_dump(), "seed": spec.seed}
+                              if model.lora else None,
+                              base_of=pipeline.lora_base(name))
             for name, model in spec.models.items()}
 
 

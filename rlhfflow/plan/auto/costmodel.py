@@ -347,11 +347,14 @@ class CostModel:
             steps = epochs * minibatches
             tokens = self.prompt_tokens * self._prompt_share(minibatches, share) + \
                 self.response_tokens
-            compute = epochs * rows / gang * tokens * d["train_factor"] * flops_token / speed
-            overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.params / speed)
+            factor = d["train_factor"]
+            if shape.adapters is not None:  # LoRA: the backward computes no gradients
+                factor = 1.0 + (factor - 1.0) / 2  # of the frozen weights, half its work
+            compute = epochs * rows / gang * tokens * factor * flops_token / speed
+            overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.trained / speed)
             allreduce = 0.0
             if gang > 1:
-                ring = 2 * (gang - 1) / gang * shape.params * 4
+                ring = 2 * (gang - 1) / gang * shape.trained * 4
                 allreduce = steps * (ring / d["allreduce_bytes_per_s"]
                                      + math.log2(gang) * d["allreduce_latency_s"])
             return d["task_s"] + compute + overhead + allreduce
@@ -393,9 +396,10 @@ class CostModel:
     def checkpoint_seconds(self, model: str) -> float:
         """Saving ``model`` into a checkpoint: its weights (transformers format) and its
         optimizer state (two AdamW moments, the weights' size each). Measured on one CPU
-        core: 6 ms for the 0.55 MB tiny model, 43 ms for grpo-small's 25 MB."""
+        core: 6 ms for the 0.55 MB tiny model, 43 ms for grpo-small's 25 MB. A LoRA
+        model saves its adapters and their moments only."""
         shape = self.shapes.get(model)
-        nbytes = shape.nbytes * 3 if shape else 0
+        nbytes = shape.moved_bytes * 3 if shape else 0
         return self.device["checkpoint_s"] + nbytes / self.device["save_bytes_per_s"]
 
     def result_bytes(self, rows: int) -> float:
@@ -405,8 +409,10 @@ class CostModel:
     # ----------------------------------------------------------------- memory
     def memory(self, plan, rows_per_task: Mapping[str, int]) -> list[float]:
         """Estimated peak bytes per worker of ``plan``: every model copy's weights; at a
-        model's home the gradients and AdamW state (fp32, two moments) too; plus the
-        largest KV cache or activation footprint of a task on that worker."""
+        model's home the gradients and AdamW state (fp32, two moments) too (a LoRA
+        model's: of its adapters); a frozen view of a LoRA model's base nothing where
+        that model is; plus the largest KV cache or activation footprint of a task on
+        that worker."""
         per_worker = [0.0] * plan.n_workers
         peak = [0.0] * plan.n_workers
         tokens = self.prompt_tokens + self.response_tokens
@@ -416,9 +422,11 @@ class CostModel:
                 continue
             trained = self.pipeline.spec.models[model].trainable
             for w in workers:
+                if w in plan.replicas.get(shape.base_of, ()):
+                    continue  # the LoRA model's resident base, no copy of its own
                 extra = 0.0
                 if trained and w in plan.homes.get(model, ()):
-                    extra = shape.params * 4 * 3  # gradients + two AdamW moments
+                    extra = shape.trained * 4 * 3  # gradients + two AdamW moments
                 per_worker[w] += shape.nbytes + extra
         for name, sp in plan.stages.items():
             node = self.graph.nodes[name]

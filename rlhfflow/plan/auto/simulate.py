@@ -118,7 +118,7 @@ def _(spec: StoreTask, cost: CostModel, threads: int, contended: bool) -> float:
 def _(spec: ExportTask | InstallTask, cost: CostModel, threads: int, contended: bool
       ) -> float:
     shape = cost.shapes.get(spec.model)
-    return cost.transfer_seconds(shape.nbytes if shape else 0) / 2
+    return cost.transfer_seconds(shape.moved_bytes if shape else 0) / 2
 
 
 @_duration.register

@@ -473,10 +473,10 @@ SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")
 
 
 def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
-    """Save a resident model in transformers format (atomically)."""
+    """Save a resident model in transformers format (atomically; a LoRA model merged)."""
     del after
     resident = current_host().store.get(model)
-    resident.save(path)
+    resident.export(path)
     return {"model": model, "path": path, "version": resident.version}
 
 

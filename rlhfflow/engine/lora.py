@@ -1,0 +1,206 @@
+"""LoRA adapters through ``peft`` (the ``lora`` extra): a model that trains adapters only.
+
+A LoRA model is its base weights, frozen, plus small trainable matrices ``A`` ``[r, in]``
+and ``B`` ``[out, r]`` on chosen Linear layers (``B`` starts at zero, so the model starts
+as its base). What follows from the base never changing:
+
+* **The reference is the base.** A frozen ``from:`` copy of a LoRA model is
+  :func:`base_view`: the same modules and parameters with each adapted layer replaced by
+  its base layer, so no second copy of the weights and no switch flipped on the shared
+  model (a Dask worker runs tasks in threads; peft's ``disable_adapter()`` would turn the
+  adapters off for every thread at once).
+* **Only adapters move.** Shadow copies receive :func:`adapter_state` (the trainable
+  parameters), checkpoints hold the adapters in peft's format (:func:`save_adapter`,
+  loadable with ``PeftModel.from_pretrained``) and the ``final`` export is the merged model
+  (:func:`merged_copy`), plain transformers.
+
+The lean forward (``engine.lean``) reads Linear weights directly and would skip the
+adapters, so a LoRA model keeps transformers' forward through peft's layers; the base view
+has plain layers again and gets the lean forward like any model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhfflow.storage.checkpoints import move_into_place
+
+logger = logging.getLogger(__name__)
+
+#: The file of an adapter checkpoint that marks a directory as one (peft's name).
+ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: Output heads LoRA leaves alone under ``all-linear``; a value head trains in full.
+_VALUE_HEADS = ("score", "classifier")
+
+
+def lora_config(lora: Mapping[str, Any], head: str):
+    """peft's ``LoraConfig`` for ``models.NAME.lora`` (``r``, ``alpha``, ``dropout``,
+    ``target_modules``): ``alpha`` defaults to ``2 * r``; a value head (``head ==
+    "value"``, zero-initialised) trains in full beside the adapters."""
+    from peft import LoraConfig
+
+    r = int(lora["r"])
+    alpha = lora.get("alpha")
+    return LoraConfig(
+        r=r, lora_alpha=float(alpha) if alpha is not None else 2.0 * r,
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        target_modules=lora.get("target_modules", "all-linear"),
+        task_type="TOKEN_CLS" if head == "value" else "CAUSAL_LM",
+        modules_to_save=list(_VALUE_HEADS) if head == "value" else None)
+
+
+def apply_lora(module: torch.nn.Module, lora: Mapping[str, Any], head: str,
+               name: str = "") -> torch.nn.Module:
+    """``module`` with LoRA adapters (peft's ``PeftModel``): only the adapters (and a
+    value head) require gradients. ``A`` is drawn from ``lora["seed"]`` (default 0), not
+    from the process's random stream: every copy of the model (its home, its shadows, a
+    resumed run) starts from the same adapters. Raises ``ValueError`` naming the model
+    when a target module is not in it."""
+    from peft import get_peft_model
+
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            # peft asks a deprecated gradient-checkpointing name
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.manual_seed(int(lora.get("seed", 0)))
+            wrapped = get_peft_model(module, lora_config(lora, head))
+    except ValueError as exc:  # "Target modules {...} not found in the base model"
+        raise ValueError(f"model {name!r}: lora.target_modules: {exc}") from None
+    logger.info("model %r: LoRA r=%s on %d layers; transformers' forward through peft's "
+                "layers (the lean forward reads Linear weights directly)", name, lora["r"],
+                sum(1 for m in wrapped.modules() if _is_adapted(m)))
+    return wrapped
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a model with peft adapters."""
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+
+
+def _is_adapted(module: torch.nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
+
+
+def base_view(module: torch.nn.Module) -> torch.nn.Module:
+    """The base model of LoRA ``module`` without copying a weight: a new tree of the
+    container modules (shallow copies) whose adapted layers are their base layers and
+    whose parameters are the LoRA model's own. It is never in train mode, and nothing the
+    LoRA model does later (training the adapters, switching modes) changes its output."""
+    from peft.utils import ModulesToSaveWrapper
+
+    def strip(node: torch.nn.Module) -> torch.nn.Module:
+        if _is_adapted(node):
+            return node.get_base_layer()
+        if isinstance(node, ModulesToSaveWrapper):
+            return node.original_module
+        view = copy.copy(node)
+        view._modules = {k: strip(child) if child is not None else None
+                         for k, child in node._modules.items()}
+        view.training = False
+        return view
+
+    return strip(module.get_base_model())
+
+
+def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of LoRA ``module`` (adapters, a value head) by name, as
+    CPU copies: what a shadow copy needs, the base being the same everywhere."""
+    return {k: p.detach().to("cpu", copy=True) for k, p in module.named_parameters()
+            if p.requires_grad}
+
+
+def install_adapter_state(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (from :func:`adapter_state`) into LoRA ``module``'s parameters;
+    every trainable parameter must be there, and nothing else."""
+    params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    if set(params) != set(weights):
+        missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+        raise ValueError(f"adapter weights do not fit the model: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}")
+    with torch.no_grad():
+        for key, value in weights.items():
+            params[key].copy_(value)
+
+
+def save_adapter(module: torch.nn.Module, tokenizer: Any, path: str | os.PathLike) -> None:
+    """Save LoRA ``module``'s adapters (peft's format: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) and the tokenizer into ``path``, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        module.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not (tmp / ADAPTER_CONFIG).is_file():
+            raise RuntimeError(f"saving {path}: peft wrote no {ADAPTER_CONFIG}")
+        move_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_adapter(module: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load the adapters :func:`save_adapter` wrote in ``path`` into LoRA ``module``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(path) / _ADAPTER_WEIGHTS), device="cpu")
+    result = set_peft_model_state_dict(module, weights)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"adapter checkpoint {path} does not fit the model: missing "
+                         f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+
+
+def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A plain transformers model with LoRA ``module``'s adapters merged into a copy of
+    its weights (``W + alpha / r * B A``), as users deploy it; ``module`` is unchanged."""
+    base = base_view(module)
+    merged = copy.deepcopy(base)  # the base weights only: a copy of the tree above
+    names = dict(merged.named_modules())
+    from peft.utils import ModulesToSaveWrapper
+
+    with torch.no_grad():
+        for name, layer in module.get_base_model().named_modules():
+            if not _is_adapted(layer):
+                if isinstance(layer, ModulesToSaveWrapper):
+                    trained = layer.modules_to_save[layer.active_adapters[0]]
+                    names[name].load_state_dict(trained.state_dict())
+                continue
+            target = names[name]
+            for adapter in layer.active_adapters:
+                if adapter in getattr(layer, "lora_A", {}):
+                    target.weight += layer.get_delta_weight(adapter).to(target.weight.dtype)
+    return merged
+
+
+def lora_parameter_count(config, lora: Mapping[str, Any], head: str) -> int:
+    """Parameters LoRA adds to a model built from transformers ``config`` with ``head``
+    (on the meta device: nothing allocated), a value head's included: what trains, moves
+    to shadows and goes into checkpoints. Raises ``ValueError`` for a target module the
+    model lacks."""
+    from peft import get_peft_model
+
+    from rlhfflow.engine.models import _as_value_config, _auto_class, _quiet_transformers
+
+    config = copy.deepcopy(config)
+    if head == "value":
+        _as_value_config(config)
+    with torch.device("meta"), _quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = _auto_class(head).from_config(config)
+        wrapped = get_peft_model(model, lora_config(lora, head))
+    return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
