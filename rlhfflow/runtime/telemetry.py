@@ -144,9 +144,18 @@ class Telemetry:
             "task_retries": task_retries,
             **{f"reward_mean_{name}": total[k] / scored if scored else None
                for k, name in _function_sums(total)},
+            **episode_means(total),
             "train": train,
             **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
+
+
+def episode_means(total: dict[str, float]) -> dict[str, float | None]:
+    """The rollout stage's per-episode columns (``episode_<column>_sum``: ``env_reward``,
+    ``turns``, ``info_<key>``) averaged over the iteration's rows, as ``<column>_mean``."""
+    n = total.get("rows", 0.0)
+    return {f"{k[len('episode_'):-len('_sum')]}_mean": total[k] / n if n else None
+            for k in sorted(total) if k.startswith("episode_") and k.endswith("_sum")}
 
 
 def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:

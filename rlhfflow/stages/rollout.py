@@ -16,7 +16,10 @@ term and advantage skips the environment's, while the forward passes of the othe
 stages attend to every token up to the last masked one
 (``rlhfflow.engine.forward.response_attention``); ``sample_logprobs`` are those of the
 model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment reward
-and ``turns`` its model turns.
+and ``turns`` its model turns; ``info_<key>`` (for each key of ``params.info``) the sum
+over the episode of the number ``step`` returned under that key in its ``info``. The run's
+metrics average them over the iteration's episodes (``env_reward_mean``, ``turns_mean``,
+``info_<key>_mean``).
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -73,7 +76,8 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 class ToolEnvironment:
     """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
-    (``str`` of a string, else JSON) comes back as one message. Mistakes come back as
+    (``str`` of a string, else JSON) comes back as one message; ``info`` counts the
+    turn's ``calls`` and those that came back as ``errors``. Mistakes come back as
     the message ``error: ...`` instead of raising: JSON that does not parse, an unknown
     tool, an exception, a call slower than ``timeout_s`` (whose thread is left to
     finish; Python cannot stop it). A turn with no tool call ends the episode; tools
@@ -93,10 +97,13 @@ class ToolEnvironment:
         if not calls:
             if "<tool_call>" in text:  # cut before its end (the turn's token limit)
                 return [{"content": "error: a <tool_call> without </tool_call>"}], \
-                    0.0, False, {"calls": 0}
-            return [], 0.0, True, {"calls": 0}
-        return [{"content": self.call(body)} for body in calls], 0.0, False, \
-            {"calls": len(calls)}
+                    0.0, False, {"calls": 1, "errors": 1}
+            return [], 0.0, True, {"calls": 0, "errors": 0}
+        results = [self.call(body) for body in calls]
+        # (a tool's own result that starts with "error: " counts as an error too)
+        errors = sum(result.startswith("error: ") for result in results)
+        return [{"content": result} for result in results], 0.0, False, \
+            {"calls": len(calls), "errors": errors}
 
     def call(self, body: str) -> str:
         """The text a tool call's JSON ``body`` returns to the model."""
@@ -149,6 +156,10 @@ class RolloutParams(StageParams):
                                              "{...}}</tool_call>, 'file.py:function' each")
     tool_timeout_s: Annotated[float, Field(
         gt=0, description="seconds a tool call may take; slower: an error message")] = 10.0
+    info: list[str] = Field([], description="keys of the info dict step returns: each "
+                            "key's numbers are summed over the episode into the column "
+                            "info_<key> (a step without the key adds 0), averaged in "
+                            "the run's metrics as info_<key>_mean")
     scores: bool = Field(False, description="also write env_reward as the scores (all "
                                             "valid) the advantages read, for a pipeline "
                                             "without a score stage")
@@ -171,6 +182,7 @@ class Episode:
     drawn: int = 0
     turns: int = 0
     reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
     done: bool = False
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
@@ -269,7 +281,8 @@ class RolloutStage(Stage):
                "policy_version": Column("int64"),
                "response_text": Column("str"),
                "env_reward": Column("float32"),
-               "turns": Column("int64")}
+               "turns": Column("int64"),
+               **{f"info_{key}": Column("float32") for key in params.info}}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
@@ -294,6 +307,10 @@ class RolloutStage(Stage):
             problem, _ = _imported(ref, base_dir)
             if problem:
                 return (f"params.tools[{i}]", problem)
+        for i, key in enumerate(params.info):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                return (f"params.info[{i}]", f"expected a name of letters, digits and _ "
+                                             f"(it names the column info_<key>), got {key!r}")
         if params.env_kwargs and params.env is None:
             return ("params.env_kwargs", "env_kwargs go with params.env")
         return None
@@ -365,9 +382,11 @@ class RolloutStage(Stage):
         episode ends there, for its reward)."""
         params = self.params
         said = episode.said
-        messages, reward, done, _info = episode.env.step(
+        messages, reward, done, info = episode.env.step(
             tok.decode(said, skip_special_tokens=True))
         episode.reward += float(reward)
+        for key in params.info:
+            episode.info[key] = episode.info.get(key, 0.0) + float(info.get(key, 0))
         if done or episode.turns >= params.max_turns or len(episode.tokens) >= params.max_tokens:
             episode.done = True
             return
@@ -399,7 +418,10 @@ class RolloutStage(Stage):
                                                  skip_special_tokens=True),
                "env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
                "turns": torch.tensor([e.turns for e in episodes], dtype=torch.long),
-               "policy_version": torch.full((rows,), version, dtype=torch.long)}
+               "policy_version": torch.full((rows,), version, dtype=torch.long),
+               **{f"info_{key}": torch.tensor([e.info.get(key, 0.0) for e in episodes],
+                                              dtype=torch.float32)
+                  for key in self.params.info}}
         if self.params.scores:
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
