@@ -29,9 +29,7 @@ import json
 import random
 from pathlib import Path
 
-SYSTEM = ("You have a calculator. To use it, write <tool_call>{\"name\": \"calculate\", "
-          "\"arguments\": {\"expression\": \"...\"}}</tool_call>; it replies with the "
-          "result. Then answer with the number only.")
+SYSTEM = "You have a calculator. Call it as shown, then answer with the number only."
 EXAMPLE = (123, 45)  # the worked call every prompt shows; never asked
 
 
