@@ -121,6 +121,11 @@ def test_guess_number_answers_and_reports_the_win() -> None:
     messages, reward, done, info = worded.step("Is it 10?")
     assert messages == [{"role": "user", "content": "My number is lower than 10."}]
     assert (reward, done, info["won"]) == (-0.1, False, 0)
+    # a turn without a number may cost more than a wrong guess
+    worded = GuessNumber(silent_penalty=0.3, role="user")
+    worded.reset({"secret": 4})
+    assert worded.step("well, hmm")[:2] == ([{"role": "user", "content": "say a number"}], -0.3)
+    assert worded.step("5")[1] == -0.1
 
 
 def test_tool_environment_counts_calls_and_errors() -> None:

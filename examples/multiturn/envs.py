@@ -13,13 +13,15 @@ import re
 
 class GuessNumber:
     """One episode of guessing ``record["secret"]``. Reward 1 for the right guess (which
-    ends the episode), ``-penalty`` for every other turn. ``hint`` words the answer to a
+    ends the episode), ``-penalty`` for every other turn (``-silent_penalty`` for a turn
+    without a number, when given: a denser signal for a model that rambles). ``hint`` words the answer to a
     wrong guess (``{word}``: higher or lower, ``{guess}``: the guess); ``role``: the role
     of the answers (None: the stage's, ``tool`` where the chat template renders it)."""
 
     def __init__(self, penalty: float = 0.1, hint: str = "{word}",
-                 role: str | None = None) -> None:
+                 role: str | None = None, silent_penalty: float | None = None) -> None:
         self.penalty = penalty
+        self.silent_penalty = penalty if silent_penalty is None else silent_penalty
         self.hint = hint
         self.role = role
         self.secret = 0
@@ -37,7 +39,7 @@ class GuessNumber:
         """Judge the first number in the model's turn."""
         found = re.search(r"\d+", text)
         if found is None:
-            return self.say("say a number"), -self.penalty, False, {"won": 0}
+            return self.say("say a number"), -self.silent_penalty, False, {"won": 0}
         guess = int(found.group())
         if guess == self.secret:
             return self.say("correct"), 1.0, True, {"guess": guess, "won": 1}

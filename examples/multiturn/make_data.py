@@ -66,7 +66,7 @@ def make_records(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list
 
 
 GUESS = ("I am thinking of a whole number from 1 to {top}. Guess it: reply with one "
-         "number, and I will tell you if my number is higher or lower.")
+         "number only, like 4, and I will tell you if my number is higher or lower.")
 
 
 def guess_records(n: int, top: int, rng: random.Random) -> list[dict]:
