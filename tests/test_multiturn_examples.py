@@ -152,8 +152,8 @@ def long_chat_lm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("config, rows", [
-    ("calculator.yaml", "4 prompts x 6 samples per prompt = 24 rows per iteration"),
-    ("guess.yaml", "4 prompts x 6 samples per prompt = 24 rows per iteration"),
+    ("calculator.yaml", "2 prompts x 4 samples per prompt = 8 rows per iteration"),
+    ("guess.yaml", "2 prompts x 4 samples per prompt = 8 rows per iteration"),
     ("guess-tiny.yaml", "4 prompts x 4 samples per prompt = 16 rows per iteration"),
 ])
 def test_the_configs_validate(tmp_path: Path, long_chat_lm_dir: Path, config: str,
