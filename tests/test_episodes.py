@@ -272,7 +272,7 @@ def _env() -> dict:
 
 
 def _guess_pipeline(tmp_path: Path, **params) -> Path:
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
     data["stages"]["rollout"]["params"].update(params)
     path = tmp_path / "guess.yaml"
@@ -305,7 +305,7 @@ def test_stage_test_prints_episodes_turn_by_turn_and_a_bad_step_exits_2(tmp_path
 def _algorithm_pipeline(tmp_path: Path, algorithm: str) -> Path:
     """The guessing example with ``algorithm``: per-turn credit for the estimators, a
     critic for PPO, a reference for online DPO."""
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data.update(iterations=2, output=str(tmp_path / "out"),
                 logging={"completions_every": 1})
     data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
@@ -422,7 +422,7 @@ def template_models(tmp_path_factory) -> dict[str, Path]:
 
 def _tool_pipeline(tmp_path: Path, model: Path, tools: list[str]) -> Path:
     (tmp_path / "tools.py").write_text(DOCUMENTED)
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data["data"].update(prompts=str(EXAMPLE / "prompts.jsonl"), chat_template=True)
     data["models"]["actor"] = {"path": str(model), "trainable": True}
     params = data["stages"]["rollout"]["params"]

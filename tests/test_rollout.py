@@ -233,8 +233,8 @@ def test_an_async_environment_step_is_awaited(chat_lm_dir):
 def test_the_planner_charges_a_rollout_for_each_model_turn():
     from rlhfflow.plan.auto.costmodel import CostModel
 
-    three = load_pipeline(EXAMPLE / "guess.yaml")
-    one = load_pipeline(EXAMPLE / "guess.yaml", {"stages.rollout.params.max_turns": 1})
+    three = load_pipeline(EXAMPLE / "guess-tiny.yaml")
+    one = load_pipeline(EXAMPLE / "guess-tiny.yaml", {"stages.rollout.params.max_turns": 1})
     assert three.graph.nodes["rollout"].turns == 3 and one.graph.nodes["rollout"].turns == 1
     assert CostModel(three).analytic("rollout", 16, 1) > CostModel(one).analytic(
         "rollout", 16, 1)
@@ -247,6 +247,47 @@ def test_the_task_timeline_draws_environment_time_under_its_task():
                                         [0, "rollout/env", 0, 10.5, 11.0, 0],
                                         [0, "train_actor", 0, 12.0, 13.0, 16]]}]
     assert gantt_plot(tasks, 0)
+
+
+def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
+    from rlhfflow.runtime.telemetry import episode_means
+    from rlhfflow.runtime.worker.host import partial_metrics
+
+    store = _chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _chat_batch(tok, TEXTS[:1], samples=4)
+    first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
+    # rows whose first number is the secret win on their first turn, the others never
+    said = [re.search(r"\d+", t) for t in first["response_text"]]
+    assert any(said), first["response_text"]
+    batch["prompt_fields"] = [json.dumps({"secret": int(s.group()) if s else 0})
+                              for s in said]
+    out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=64,
+                   info=["won", "guess", "absent"])
+    won = torch.tensor([1.0 if s else 0.0 for s in said])
+    assert out["info_won"].dtype == torch.float32
+    torch.testing.assert_close(out["info_won"], won)
+    torch.testing.assert_close(out["info_absent"], torch.zeros(4))  # never in info: 0
+    assert "info_calls" not in out
+    sums = partial_metrics({**batch, **out})
+    assert sums["episode_info_won_sum"] == float(won.sum())
+    assert sums["episode_turns_sum"] == float(out["turns"].sum())
+    assert sums["episode_env_reward_sum"] == pytest.approx(float(out["env_reward"].sum()))
+    # the iteration's record averages them over its rows
+    assert episode_means({"rows": 4.0, "length_sum": 0.0, **sums}) == {
+        "env_reward_mean": pytest.approx(float(out["env_reward"].mean())),
+        "info_absent_mean": 0.0,
+        "info_guess_mean": pytest.approx(float(out["info_guess"].mean())),
+        "info_won_mean": float(won.mean()),
+        "turns_mean": float(out["turns"].float().mean())}
+
+
+def test_info_keys_must_name_columns(tmp_path):
+    path = _pipeline(tmp_path, env="envs.py:GuessNumber", info=["won", "no-dash"])
+    with pytest.raises(SpecError) as info:
+        load_pipeline(path)
+    assert "stages.rollout.params.info[1]" in str(info.value)
+    assert "'no-dash'" in str(info.value) and "\n" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- tools
@@ -291,7 +332,7 @@ def test_tool_calls_and_their_mistakes_are_answered_in_the_tool_message():
     assert time.perf_counter() - started < 2
     assert env.step("<tool_call>{\"name\": \"add\"")[0][0]["content"] == \
         "error: a <tool_call> without </tool_call>"
-    assert env.step("no call: the answer is 5") == ([], 0.0, True, {"calls": 0})
+    assert env.step("no call: the answer is 5") == ([], 0.0, True, {"calls": 0, "errors": 0})
 
 
 TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -395,7 +436,7 @@ def test_the_policy_loss_takes_nothing_from_the_environment_s_tokens(chat_lm_dir
 
 
 def _pipeline(tmp_path, **params) -> Path:
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
     data["stages"]["rollout"]["params"] = {"max_tokens": 32, **params}
     path = tmp_path / "dag.yaml"
@@ -408,7 +449,7 @@ def _pipeline(tmp_path, **params) -> Path:
 def test_the_example_pipeline_loads_and_its_stage_runs_alone(tmp_path):
     from rlhfflow.runtime.stagetest import run_stage_alone
 
-    pipeline = load_pipeline(EXAMPLE / "guess.yaml")
+    pipeline = load_pipeline(EXAMPLE / "guess-tiny.yaml")
     result = run_stage_alone(pipeline, "rollout", 0, tmp_path)
     out = result.columns
     assert out["response_ids"].shape == (16, 32)
@@ -439,7 +480,7 @@ def test_a_bad_environment_or_tool_is_one_line_naming_the_file_and_key(tmp_path,
 def test_the_example_pipeline_trains_on_episodes(tmp_path):
     from rlhfflow.runtime.run import run_pipeline
 
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data.update(iterations=2, output=str(tmp_path / "out"))
     data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
     data["stages"]["rollout"]["params"]["env"] = GUESS

@@ -123,7 +123,7 @@ def test_without_a_pool_the_steps_run_in_the_task(chat_lm_dir, tmp_path):
 
 
 def _guess(tmp_path, cluster, **params) -> Path:
-    data = yaml.safe_load((EXAMPLE / "guess.yaml").read_text())
+    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
     data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
     data["cluster"] = cluster
     data["output"] = str(tmp_path / "out")

@@ -158,6 +158,7 @@ class Telemetry:
             **self._model_flops(total, iteration_s),
             **{f"reward_mean_{name}": total[k] / scored if scored else None
                for k, name in _function_sums(total)},
+            **episode_means(total),
             "train": train,
             **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
@@ -176,6 +177,14 @@ class Telemetry:
                 "mfu": round(mfu, 4) if mfu is not None else None,
                 "stage_flops": {stage: round(f) for stage, f in flops.items()},
                 "matmul_peak_flops_per_s": {k: round(v) for k, v in self.peaks.items()}}
+
+
+def episode_means(total: dict[str, float]) -> dict[str, float | None]:
+    """The rollout stage's per-episode columns (``episode_<column>_sum``: ``env_reward``,
+    ``turns``, ``info_<key>``) averaged over the iteration's rows, as ``<column>_mean``."""
+    n = total.get("rows", 0.0)
+    return {f"{k[len('episode_'):-len('_sum')]}_mean": total[k] / n if n else None
+            for k in sorted(total) if k.startswith("episode_") and k.endswith("_sum")}
 
 
 def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:

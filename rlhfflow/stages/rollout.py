@@ -19,7 +19,10 @@ model's tokens (0 elsewhere); ``env_reward`` is the episode's summed environment
 ``turns`` its model turns and ``env_seconds`` its time in the environment's ``step``;
 ``turn_rewards`` holds each ``step``'s reward on the last token of the model turn it
 answers (for ``advantages``' ``per_turn``); ``turns_json`` is the episode as a
-conversation, one JSON list per row (``Episode.log``).
+conversation, one JSON list per row (``Episode.log``); ``info_<key>`` (for each key of
+``params.info``) the sum over the episode of the number ``step`` returned under that key
+in its ``info``. The run's metrics average them over the iteration's episodes
+(``env_reward_mean``, ``turns_mean``, ``info_<key>_mean``).
 
 The episodes decode in one loop (:class:`EpisodeLoop`) with each one's KV cache kept
 across its turns (``rlhfflow.engine.turns``): a row whose turn ended leaves the decode
@@ -99,7 +102,8 @@ class EnvironmentNotShippable(RlhfflowError, TypeError):
 class ToolEnvironment:
     """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
-    (``str`` of a string, else JSON) comes back as one message. Mistakes come back as
+    (``str`` of a string, else JSON) comes back as one message; ``info`` counts the
+    turn's ``calls`` and those that came back as ``errors``. Mistakes come back as
     the message ``error: ...`` instead of raising: JSON that does not parse, an unknown
     tool, an exception, a call slower than ``timeout_s`` (whose thread is left to
     finish; Python cannot stop it). A turn with no tool call ends the episode; tools
@@ -119,10 +123,13 @@ class ToolEnvironment:
         if not calls:
             if "<tool_call>" in text:  # cut before its end (the turn's token limit)
                 return [{"content": "error: a <tool_call> without </tool_call>"}], \
-                    0.0, False, {"calls": 0}
-            return [], 0.0, True, {"calls": 0}
-        return [{"content": self.call(body)} for body in calls], 0.0, False, \
-            {"calls": len(calls)}
+                    0.0, False, {"calls": 1, "errors": 1}
+            return [], 0.0, True, {"calls": 0, "errors": 0}
+        results = [self.call(body) for body in calls]
+        # (a tool's own result that starts with "error: " counts as an error too)
+        errors = sum(result.startswith("error: ") for result in results)
+        return [{"content": result} for result in results], 0.0, False, \
+            {"calls": len(calls), "errors": errors}
 
     def call(self, body: str) -> str:
         """The text a tool call's JSON ``body`` returns to the model."""
@@ -175,6 +182,10 @@ class RolloutParams(StageParams):
                                              "{...}}</tool_call>, 'file.py:function' each")
     tool_timeout_s: Annotated[float, Field(
         gt=0, description="seconds a tool call may take; slower: an error message")] = 10.0
+    info: list[str] = Field([], description="keys of the info dict step returns: each "
+                            "key's numbers are summed over the episode into the column "
+                            "info_<key> (a step without the key adds 0), averaged in "
+                            "the run's metrics as info_<key>_mean")
     scores: bool = Field(False, description="also write env_reward as the scores (all "
                                             "valid) the advantages read, for a pipeline "
                                             "without a score stage")
@@ -221,6 +232,7 @@ class Episode:
     drawn: int = 0
     turns: int = 0
     reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
     done: bool = False
     env_seconds: float = 0.0
     log: list[dict[str, Any]] = field(default_factory=list)
@@ -419,7 +431,8 @@ class RolloutStage(Stage):
                "turns": Column("int64"),
                "env_seconds": Column("float32"),
                "turn_rewards": Column("float32", "response"),
-               "turns_json": Column("str")}
+               "turns_json": Column("str"),
+               **{f"info_{key}": Column("float32") for key in params.info}}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
@@ -452,6 +465,10 @@ class RolloutStage(Stage):
             problem, _ = _imported(ref, base_dir)
             if problem:
                 return (f"params.tools[{i}]", problem)
+        for i, key in enumerate(params.info):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                return (f"params.info[{i}]", f"expected a name of letters, digits and _ "
+                                             f"(it names the column info_<key>), got {key!r}")
         if params.env_kwargs and params.env is None:
             return ("params.env_kwargs", "env_kwargs go with params.env")
         return None
@@ -543,7 +560,9 @@ class RolloutStage(Stage):
         """Take the environment's ``answer`` (what ``step`` returned) to the model's last
         turn (it is asked even when the episode ends there, for its reward)."""
         params = self.params
-        messages, reward, done, _info = episode.took(answer)
+        messages, reward, done, info = episode.took(answer)
+        for key in params.info:
+            episode.info[key] = episode.info.get(key, 0.0) + float((info or {}).get(key, 0))
         if done or episode.turns >= params.max_turns or len(episode.tokens) >= params.max_tokens:
             episode.done = True
             return
@@ -588,7 +607,10 @@ class RolloutStage(Stage):
                                                  skip_special_tokens=True),
                "env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
                "turns": torch.tensor([e.turns for e in episodes], dtype=torch.long),
-               "policy_version": torch.full((rows,), version, dtype=torch.long)}
+               "policy_version": torch.full((rows,), version, dtype=torch.long),
+               **{f"info_{key}": torch.tensor([e.info.get(key, 0.0) for e in episodes],
+                                              dtype=torch.float32)
+                  for key in self.params.info}}
         if self.params.scores:
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)

@@ -457,6 +457,9 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
     for column in GENERATION_COLUMNS:  # decoding statistics of the generate stage
         if column in batch:
             out[f"{column}_sum"] = float(batch[column].double().sum())
+    for column, value in batch.items():  # per-episode figures of the rollout stage
+        if column in EPISODE_COLUMNS or column.startswith("info_"):
+            out[f"episode_{column}_sum"] = float(value.double().sum())
     if "score_error" in batch:
         out["score_errors"] = float(sum(1 for e in batch["score_error"] if e))
     if "score_retries" in batch:
@@ -467,6 +470,10 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
 GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds",
                       "gen_moved")
 """Per-row decoding statistics ``generate`` writes, summed for the iteration's record."""
+
+EPISODE_COLUMNS = ("env_reward", "turns")
+"""Per-episode columns of the ``rollout`` stage (and its ``info_<key>``), averaged over the
+iteration's rows in its record as ``<column>_mean``."""
 
 # the score stage's own columns; any other score_<name> is one reward function's score
 SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")
