@@ -68,6 +68,11 @@ class _Done:
                  retried: int = 0):
         self.key, self.value, self.error, self.retried = key, value, error, retried
 
+    @property
+    def status(self) -> str:
+        """As a Dask future's: "finished", or "error" for a failed task."""
+        return "finished" if self.error is None else "error"
+
 
 def _resolve(obj: Any) -> Any:
     if isinstance(obj, _Done):
@@ -230,6 +235,10 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # its nanny starts a new one), so the limit can be long. The pipeline's, over any
         # Dask config (Dask's default is 5 minutes).
         "distributed.scheduler.worker-ttl": f"{heartbeat_timeout_s}s",
+        # the dashboard's Task Stream page keeps its last tasks in the scheduler (this
+        # process) once opened: Dask's 100,000, ~0.5 KB each, is 7,000 iterations of
+        # ppo-tiny; 10,000 are 700 iterations, 5 MB
+        "distributed.scheduler.dashboard.tasks.task-stream-length": 10_000,
     }
     if config["distributed.worker.multiprocessing-method"] == "forkserver":
         # Dask gives each worker 30 s to start: not the fork server's imports
@@ -238,10 +247,23 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # a dashboard port taken (another run on this machine): Dask serves it on a free
         # port, which the run prints with its dashboard link, instead of a raw warning
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use")
+        for spec in specs.values():
+            # whole: a Nanny lays its config over Dask's one level deep only
+            spec["options"]["config"] = dask.config.merge(dask.config.config, WORKER_LOGS)
         # the scheduler runs in this process: a worker lost mid-run is the run's to report
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
+
+
+#: The embedded cluster's workers' own config: their developer logs (Dask's
+#: ``admin.low-level-log-length``, 1000 entries each) shorter. Each holds what a worker did
+#: last: the state machine's log and its stimuli (every task's arguments, the prompts
+#: inlined into them included), the transfers, and a profile per second (the dashboard's
+#: Profile page), the last filling for 1000 s, 3,000 iterations of ppo-tiny. 100 keep the
+#: last 100 s of profile. The scheduler's logs (this process) keep Dask's length: its
+#: events are the rlhfflow page's last 1000 iterations.
+WORKER_LOGS = {"distributed": {"admin": {"low-level-log-length": 100}}}
 
 
 #: The embedded cluster's timers, as Dask's defaults and as set instead. Each fires a
