@@ -5,6 +5,7 @@ processes' resident memory over thousands of iterations."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from distributed import Client, Event, LocalCluster, SchedulerPlugin
 
@@ -13,6 +14,7 @@ from rlhfflow.plan.tasks import AFTER, Task, Wait
 from rlhfflow.runtime.backend import WORKER_LOGS, DaskBackend, local_cluster
 from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
 from rlhfflow.runtime.run import run_pipeline
+from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import small_pipeline
 
 
@@ -125,3 +127,38 @@ def test_embedded_workers_keep_short_developer_logs_and_the_cluster_config():
     assert logs["profile_interval"] == "100ms"
     # the scheduler keeps Dask's length: the rlhfflow page shows the last 1000 iterations
     assert events == 1000
+
+
+@pytest.mark.slow
+def test_a_lineage_cut_changes_no_order_one_step_off_policy(cluster, tmp_path):
+    """Across a cut (iteration ``LINEAGE_EVERY``), with rollouts one update ahead, every
+    row is still sampled by the version before its iteration's, and the run computes
+    what the in-process run computes."""
+    iterations = LINEAGE_EVERY + 2
+
+    def run(name: str, inline: bool):
+        path = small_pipeline(tmp_path, iterations=iterations, batch_size=4,
+                              max_new_tokens=4, file_name=f"{name}.yaml", overrides={
+                                  "output": str(tmp_path / name), "data.micro_batches": 2,
+                                  "cluster.address": cluster.scheduler_address,
+                                  "placement.strategy": "interleaved",
+                                  "overlap.max_staleness": 1})
+        return run_pipeline(load_pipeline(path), progress=False, inline=inline)
+
+    result = run("dask", inline=False)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
+    for k in range(iterations):
+        versions = np.asarray(buffer.read(k, ["policy_version"])["policy_version"])
+        assert set(versions.tolist()) == {max(0, k - 1)}, k
+    keys = ("reward_mean", "kl_mean", "policy_loss", "value_loss", "clip_frac")
+    inline = run("inline", inline=True)
+    np.testing.assert_allclose(
+        np.array([[m[k] for k in keys] for m in inline.metrics], dtype=float),
+        np.array([[m[k] for k in keys] for m in result.metrics], dtype=float), rtol=1e-5)
+
+
+def test_a_wait_for_data_placed_as_it_is_is_left_out(threads_cluster):
+    with Client(threads_cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        inline = {"prompt_ids": [[1, 2]]}  # what DaskBackend.place returns for small data
+        assert dataflow.waits(_waiting(LINEAGE_EVERY, 0, dataflow, inline)) == []

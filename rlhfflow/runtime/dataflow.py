@@ -122,12 +122,12 @@ class Dataflow:
         out = []
         for i in spec.wait_ids():
             handle = self.handles[i]
-            if handle.status != "finished" and self._iteration.get(i, cut) < cut:
+            if _status(handle) != "finished" and self._iteration.get(i, cut) < cut:
                 try:
                     self.backend.wait([handle])
                 except (TaskFailed, WorkerLost):  # reported where the iteration waits
                     pass
-            if handle.status != "finished":
+            if _status(handle) != "finished":
                 out.append(handle)
         return out
 
@@ -177,3 +177,9 @@ class Dataflow:
     def _where(self, spec: Task) -> list[str] | None:
         """The addresses a task may run on (None: any worker)."""
         return [self.addresses[w] for w in spec.workers] or None
+
+
+def _status(handle: Any) -> str:
+    """A handle's status as a Dask future's; data placed as it is (a micro-batch that
+    rides inside its tasks' messages) is there: "finished"."""
+    return getattr(handle, "status", "finished")
