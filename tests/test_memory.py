@@ -11,7 +11,12 @@ from distributed import Client, Event, LocalCluster, SchedulerPlugin
 
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.tasks import AFTER, Task, Wait
-from rlhfflow.runtime.backend import WORKER_LOGS, DaskBackend, local_cluster
+from rlhfflow.runtime.backend import (
+    TASK_STREAM_LENGTH,
+    WORKER_LOGS,
+    DaskBackend,
+    local_cluster,
+)
 from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer
@@ -115,18 +120,22 @@ def _logs(dask_worker=None) -> dict[str, int | str]:
             "profile_interval": dask.config.get("distributed.worker.profile.interval")}
 
 
-def test_embedded_workers_keep_short_developer_logs_and_the_cluster_config():
+def test_embedded_workers_keep_short_developer_logs_and_the_task_stream_is_capped():
     length = WORKER_LOGS["distributed"]["admin"]["low-level-log-length"]
     with local_cluster(1, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster, \
             Client(cluster) as client:
         [logs] = client.run(_logs).values()
         events = client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler._broker._topics["rlhfflow"].events.maxlen)
+        # made as the Task Stream page is first opened, after the cluster started
+        stream = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler._task_stream_plugin().buffer.maxlen)
     assert logs["stimulus_log"] == logs["profile_history"] == length
     # the rest of the embedded cluster's config reached the worker too (quiet timers)
     assert logs["profile_interval"] == "100ms"
     # the scheduler keeps Dask's length: the rlhfflow page shows the last 1000 iterations
     assert events == 1000
+    assert stream == TASK_STREAM_LENGTH
 
 
 @pytest.mark.slow

@@ -235,11 +235,14 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # its nanny starts a new one), so the limit can be long. The pipeline's, over any
         # Dask config (Dask's default is 5 minutes).
         "distributed.scheduler.worker-ttl": f"{heartbeat_timeout_s}s",
-        # the dashboard's Task Stream page keeps its last tasks in the scheduler (this
-        # process) once opened: Dask's 100,000, ~0.5 KB each, is 7,000 iterations of
-        # ppo-tiny; 10,000 are 700 iterations, 5 MB
-        "distributed.scheduler.dashboard.tasks.task-stream-length": 10_000,
     }
+    # the dashboard's Task Stream page keeps its last tasks in the scheduler (this
+    # process) once opened: Dask's 100,000, ~0.5 KB each, are 7,000 iterations of
+    # ppo-tiny; 10,000 are 700 iterations, 5 MB. Set for the process, not only while the
+    # cluster starts: Dask reads it when the page is first opened. A value of one's own
+    # Dask config stays.
+    if dask.config.get(TASK_STREAM_KEY) == DASK_TASK_STREAM:
+        dask.config.set({TASK_STREAM_KEY: TASK_STREAM_LENGTH})
     if config["distributed.worker.multiprocessing-method"] == "forkserver":
         # Dask gives each worker 30 s to start: not the fork server's imports
         wait_fork_server()
@@ -255,6 +258,10 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
 
+
+TASK_STREAM_KEY = "distributed.scheduler.dashboard.tasks.task-stream-length"
+DASK_TASK_STREAM, TASK_STREAM_LENGTH = 100_000, 10_000
+"""The Task Stream page's length: Dask's default, and the embedded cluster's."""
 
 #: The embedded cluster's workers' own config: their developer logs (Dask's
 #: ``admin.low-level-log-length``, 1000 entries each) shorter. Each holds what a worker did
