@@ -23,7 +23,7 @@ from rlhfflow.plan.tasks import (
     StoreTask,
     Task,
 )
-from rlhfflow.runtime.backend import TaskFailed, WorkerLost
+from rlhfflow.runtime.backend import TaskFailed
 from rlhfflow.runtime.worker.host import (
     StoreRows,
     checkpoint_task,
@@ -117,15 +117,17 @@ class Dataflow:
         """The handles of what ``spec`` waits for (only to run after them), without those
         that have finished; at an iteration that cuts the lineage (``LINEAGE_EVERY``),
         the tasks of earlier iterations are first waited for here. A wait that failed
-        stays, for the task to fail with it as Dask reports it."""
+        stays, for the task to fail with it as Dask reports it; a lost worker is raised
+        (``WorkerLost``: the executor recovers)."""
         cut = spec.iteration - spec.iteration % LINEAGE_EVERY
         out = []
         for i in spec.wait_ids():
             handle = self.handles[i]
             if _status(handle) != "finished" and self._iteration.get(i, cut) < cut:
                 try:
-                    self.backend.wait([handle])
-                except (TaskFailed, WorkerLost):  # reported where the iteration waits
+                    # pinned: a task pinned to a worker that died would wait forever
+                    self.backend.wait([handle], pinned=self.addresses)
+                except TaskFailed:  # reported, with its stage, where the iteration waits
                     pass
             if _status(handle) != "finished":
                 out.append(handle)
