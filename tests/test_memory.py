@@ -92,9 +92,10 @@ class _LiveTasks(SchedulerPlugin):
         self.most = max(self.most, len(self.scheduler.tasks))
 
 
-def _live_tasks(dask_scheduler=None) -> tuple[int, int]:
+def _live_tasks(dask_scheduler=None) -> tuple[int, int, int]:
     plugin = dask_scheduler.plugins[_LiveTasks.name]
-    return plugin.most, len(plugin.keys)
+    groups = sum(len(c.groups) for c in dask_scheduler.computations)
+    return plugin.most, len(plugin.keys), groups
 
 
 @pytest.mark.slow
@@ -106,10 +107,13 @@ def test_a_long_run_keeps_the_tasks_of_a_few_iterations_not_of_all(cluster, tmp_
     with Client(cluster) as client:
         client.register_plugin(_LiveTasks())
         run_pipeline(load_pipeline(path), progress=False)
-        most, total = client.run_on_scheduler(_live_tasks)
+        most, total, groups = client.run_on_scheduler(_live_tasks)
     per_iteration = total / iterations
     # the lineage of every iteration would be ~iterations x per_iteration tasks at the end
     assert most < (LINEAGE_EVERY + 4) * per_iteration, (most, total)
+    # Dask's computations keep the task groups of the last graphs only, not ~10 a stage
+    # per iteration of every run on this cluster
+    assert groups < iterations, groups
 
 
 def _logs(dask_worker=None) -> dict[str, int | str]:

@@ -36,6 +36,8 @@ from rlhfflow.runtime.worker.host import (
 )
 from rlhfflow.runtime.worker.process import WORKER_LOG_VAR
 
+logger = logging.getLogger(__name__)
+
 WORKER_PRELOAD = "rlhfflow.runtime.worker.process"
 """What an embedded cluster's worker process runs as it starts (a Dask preload)."""
 
@@ -354,6 +356,31 @@ def _cuda_count() -> int:
         return 0
 
 
+def _computation_groups_plugin():
+    """A scheduler plugin (``distributed.SchedulerPlugin``, imported when needed) that
+    keeps the computations' task groups to those the scheduler still has.
+
+    Dask adds every task group a graph creates to the current "computation", and starts a
+    new one (of the last 100) only when the cluster was idle, which a pipelined run
+    rarely is. A group whose tasks were all forgotten leaves the scheduler but stays in
+    its computation, and the next iteration's tasks of that stage make a new group:
+    ~10 groups an iteration of ppo-tiny, kept for the whole run. The computations' totals
+    (the dashboard's, Dask's ``get_computations``) lose the forgotten groups."""
+    from distributed import SchedulerPlugin
+
+    class ForgetFinishedGroups(SchedulerPlugin):
+        name = "rlhfflow-computation-groups"
+
+        def update_graph(self, scheduler, **kwargs: Any) -> None:
+            live = scheduler.task_groups
+            for computation in scheduler.computations:
+                if computation.groups:
+                    computation.groups = {g for g in computation.groups
+                                          if live.get(g.name) is g}
+
+    return ForgetFinishedGroups()
+
+
 class DaskBackend:
     """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
 
@@ -370,6 +397,10 @@ class DaskBackend:
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
         self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
+        try:
+            client.register_plugin(_computation_groups_plugin(), idempotent=True)
+        except Exception as exc:  # noqa: BLE001 - a scheduler without rlhfflow: unbounded
+            logger.debug("rlhfflow: no computation-groups plugin on the scheduler: %s", exc)
 
     @staticmethod
     def _device_workers(info: dict[str, Any]) -> list[str]:
