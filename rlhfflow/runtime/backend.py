@@ -370,6 +370,7 @@ def _computation_groups_plugin():
 
     class ForgetFinishedGroups(SchedulerPlugin):
         name = "rlhfflow-computation-groups"
+        idempotent = True  # one per scheduler, however many runs connect
 
         def update_graph(self, scheduler, **kwargs: Any) -> None:
             live = scheduler.task_groups
@@ -398,7 +399,7 @@ class DaskBackend:
         self._submitted: weakref.WeakSet = weakref.WeakSet()
         self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
         try:
-            client.register_plugin(_computation_groups_plugin(), idempotent=True)
+            client.register_plugin(_computation_groups_plugin())
         except Exception as exc:  # noqa: BLE001 - a scheduler without rlhfflow: unbounded
             logger.debug("rlhfflow: no computation-groups plugin on the scheduler: %s", exc)
 
