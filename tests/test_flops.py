@@ -135,7 +135,7 @@ def test_a_run_counts_its_model_flops_from_its_tokens(tiny_run):
 def test_a_run_gives_its_mfu_in_the_closing_line_the_summary_and_the_report(tiny_run):
     _, result, lines, _ = tiny_run
     [closing] = [line for line in lines if line.startswith("rlhfflow: overlap")]
-    match = re.search(r"; MFU (\d\.\d{3}) \(model FLOPs ([\d.e+]+) GFLOP/s; matmul peak "
+    match = re.search(r"; MFU (\d+\.\d{3}) \(model FLOPs ([\d.e+]+) GFLOP/s; matmul peak "
                       r"float32 2, bfloat16 4 GFLOP/s\)$", closing)
     assert match, closing
     assert float(match[1]) == pytest.approx(result.summary["mfu"], abs=1e-3)
