@@ -117,10 +117,17 @@ def test_a_run_counts_its_model_flops_from_its_tokens(tiny_run):
     shape = model_shapes(pipeline)["actor"]  # ref is a copy: the same shape
     buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
     for record in MetricsLog(result.output_dir / "metrics.jsonl").read():
-        rows = buffer.read(record["iteration"], ["prompt_mask", "response_mask"])
-        lengths = [int(p.sum() + r.sum()) for p, r in zip(rows["prompt_mask"],
-                                                           rows["response_mask"], strict=True)]
-        one_forward = forward_flops(shape, lengths)
+        rows = buffer.read(record["iteration"], ["prompt_ids", "prompt_mask",
+                                                 "response_mask"])
+        # a prompt that several rows repeat is one forward: its tokens and attention
+        # count once, each row's response (attending to it) on its own
+        prompts = {tuple(ids[mask.astype(bool)].tolist())
+                   for ids, mask in zip(rows["prompt_ids"], rows["prompt_mask"], strict=True)}
+        assert len(prompts) < len(rows["prompt_ids"])  # the shared case is what is checked
+        one_forward = forward_flops(shape, [len(p) for p in prompts])
+        for p, r in zip(rows["prompt_mask"], rows["response_mask"], strict=True):
+            whole, alone = int(p.sum() + r.sum()), int(p.sum())
+            one_forward += forward_flops(shape, [whole]) - forward_flops(shape, [alone])
         assert record["stage_flops"] == {"generate": pytest.approx(one_forward),
                                          "ref_logprob": pytest.approx(one_forward),
                                          "train_actor": pytest.approx(6 * one_forward)}

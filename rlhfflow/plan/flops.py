@@ -12,7 +12,10 @@ by: the non-embedding weights and the output head, tied or not), ``L`` the layer
 A stage does ``Stage.model_passes`` such forwards per token: 1 for log-probs, values,
 scoring with a model and generation (a KV-cached generation does the same products: the
 prefill, then one token at a time over the cache), 3 per epoch for training (the
-backward pass is two forwards' worth of products).
+backward pass is two forwards' worth of products). Rows that repeat a prompt share its
+forward (``rlhfflow.engine.forward.shared_prompt_rows``): the prompt's tokens and its
+own attention pairs count once, each row's response and its attention to the prompt
+per row (``runtime.worker.host.partial_metrics``).
 
 What is not counted: padding, recomputation (gradient checkpointing, a drafter's
 rejected tokens), the embedding lookups, norms, activations, softmax and the optimizer

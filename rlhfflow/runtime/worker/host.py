@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from rlhfflow.engine.forward import shared_prompt_rows
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
 from rlhfflow.stages import (
@@ -440,9 +441,15 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
            "tokens": float(mask.sum())}
     if "prompt_mask" in batch:  # what the model FLOPs are counted on (rlhfflow.plan.flops)
         prompt = batch["prompt_mask"].float().sum(-1)
-        sequence = prompt + lengths
-        out.update(prompt_tokens=float(prompt.sum()),
-                   attention_pairs=float((sequence * (sequence + 1) / 2).sum()))
+        # rows that repeat a prompt share its forward (every forward of rlhfflow does):
+        # the prompt's tokens and their attention count once, the responses' per row
+        shared = shared_prompt_rows(batch["prompt_ids"], batch["prompt_mask"]) \
+            if "prompt_ids" in batch else None
+        distinct = prompt[shared[0]] if shared is not None else prompt
+        out.update(prompt_tokens=float(distinct.sum()),
+                   attention_pairs=float((distinct * (distinct + 1) / 2).sum()
+                                         + (lengths * prompt + lengths * (lengths + 1) / 2)
+                                         .sum()))
     if "scores" in batch:
         valid = batch["score_valid"].bool() if "score_valid" in batch else \
             torch.ones(len(batch["scores"]), dtype=torch.bool)
