@@ -7,7 +7,9 @@ Everything is real (transformers checkpoints on disk, zarr, Dask) and seeded.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +208,19 @@ def cluster():
 
     with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster
+
+
+@contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount``'s ``-o size=``, e.g. ``"6m"``) mounted at ``mount``
+    (made here) for the block, unmounted after; the test is skipped where mounting needs
+    a root this process lacks."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

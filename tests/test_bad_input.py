@@ -24,7 +24,7 @@ from rlhfflow.runtime.worker.host import partial_metrics
 from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import read_score_errors, truncate_score_errors
-from tests.conftest import DATA, small_pipeline
+from tests.conftest import DATA, small_pipeline, tmpfs
 
 
 def _prompts(tmp_path, *bad_lines: str):
@@ -243,16 +243,8 @@ def test_partial_sums_carry_errors_retries_and_each_functions_score(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 6 MiB filesystem: room for the first checkpoint, not for the run."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "6m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 @pytest.mark.slow
@@ -284,16 +276,8 @@ def test_a_full_disk_is_one_clear_line_and_the_run_resumes_after(tmp_path, small
 @pytest.fixture
 def buffer_disk(tmp_path):
     """A tmpfs to hold a run's experience buffer, resized by the test (``remount``)."""
-    mount = tmp_path / "buffer-disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "buffer-disk", "64m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 def _committed_iterations_read_whole(buffer: ExperienceBuffer) -> None:

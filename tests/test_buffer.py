@@ -7,7 +7,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from rlhfflow.storage import (
     split_rows,
     to_jsonable,
 )
+from tests.conftest import tmpfs
 
 ROWS, CHUNK, RESP = 64, 8, 16
 SPECS = {
@@ -433,13 +433,7 @@ def test_a_zarr_whose_internals_are_unknown_is_refused_in_one_line():
 
 def test_a_write_that_fills_the_disk_names_its_chunk_leaves_nothing_and_commits_nothing(
         tmp_path):
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as mount:
         buf = ExperienceBuffer(mount / "buffer.zarr")
         wide = {"logits": ColumnSpec("float32", (4096,))}  # 64 KiB per 4-row chunk
         buf.begin_iteration(0, 16, wide, chunk_rows=4)
@@ -461,5 +455,3 @@ def test_a_write_that_fills_the_disk_names_its_chunk_leaves_nothing_and_commits_
         ExperienceBuffer.write_rows(buf.path, 0, 0, {"logits": values})
         buf.commit(0)
         np.testing.assert_array_equal(buf.read(0)["logits"], values)
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
