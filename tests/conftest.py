@@ -6,6 +6,7 @@ Everything is real (transformers checkpoints on disk, zarr, Dask) and seeded.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ import yaml  # noqa: E402
 
 from rlhfflow.cli.common import configure_logging  # noqa: E402
 from rlhfflow.config.yamlfile import apply_overrides  # noqa: E402
-from rlhfflow.data.records import encode_prompts  # noqa: E402
+from rlhfflow.data.records import encode_prompts, pad_prompts, prompt_token_ids  # noqa: E402
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_model  # noqa: E402
 from rlhfflow.stages import Batch, ModelConfig, ModelStore  # noqa: E402
 
@@ -224,3 +225,27 @@ def tmpfs(mount: Path, size: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def chat_store(chat_lm_dir) -> ModelStore:
+    """A store with a trainable ``actor``: the chat model of ``chat_lm_dir``."""
+    return ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
+                                            optimizer={"lr": 1e-3})})
+
+
+def chat_batch(tok, texts, samples=2, secrets=None) -> dict:
+    """Source columns of chat prompts, rendered with the template as the data source
+    does; each prompt's record holds its ``secret`` (default 3, which a random model
+    does not say)."""
+    rows = [(i, s) for i in range(len(texts)) for s in range(samples)]
+    rendered = [tok.apply_chat_template([{"role": "user", "content": texts[i]}],
+                                        add_generation_prompt=True, tokenize=False)
+                for i, _ in rows]
+    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in rendered],
+                            tok.pad_token_id)
+    secrets = secrets or [3] * len(texts)
+    return {"prompt_ids": ids, "prompt_mask": mask,
+            "prompt_index": torch.tensor([i for i, _ in rows]),
+            "sample_index": torch.tensor([s for _, s in rows]),
+            "group_ids": torch.tensor([i for i, _ in rows]), "prompt_text": rendered,
+            "prompt_fields": [json.dumps({"secret": secrets[i]}) for i, _ in rows]}

@@ -17,35 +17,14 @@ import yaml
 
 from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
-from rlhfflow.data.records import pad_prompts, prompt_token_ids
-from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
+from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.stages.rollout import EnvironmentMisbehaved
+from tests.conftest import chat_batch, chat_store
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
-
-
-def _chat_store(chat_lm_dir) -> ModelStore:
-    return ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
-                                            optimizer={"lr": 1e-3})})
-
-
-def _chat_batch(tok, texts, samples=2) -> dict:
-    """Source columns of chat prompts, rendered with the template as the data source
-    does; secret 3, which a random model does not say."""
-    rows = [(i, s) for i in range(len(texts)) for s in range(samples)]
-    rendered = [tok.apply_chat_template([{"role": "user", "content": texts[i]}],
-                                        add_generation_prompt=True, tokenize=False)
-                for i, _ in rows]
-    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in rendered],
-                            tok.pad_token_id)
-    return {"prompt_ids": ids, "prompt_mask": mask,
-            "prompt_index": torch.tensor([i for i, _ in rows]),
-            "sample_index": torch.tensor([s for _, s in rows]),
-            "group_ids": torch.tensor([i for i, _ in rows]), "prompt_text": rendered,
-            "prompt_fields": [json.dumps({"secret": 3}) for _ in rows]}
 
 
 def _rollout(store, batch, **params):
@@ -158,8 +137,8 @@ def test_per_turn_credit_gives_a_model_turn_only_the_rewards_after_it():
 
 @pytest.fixture(scope="module")
 def episodes(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
-    batch = _chat_batch(store.get("actor").tokenizer, TEXTS, samples=2)
+    store = chat_store(chat_lm_dir)
+    batch = chat_batch(store.get("actor").tokenizer, TEXTS, samples=2)
     out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=120)
     return store, batch, out
 

@@ -15,7 +15,7 @@ import yaml
 
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import AlgorithmSpec, SpecError
-from rlhfflow.data.records import pad_prompts, prompt_token_ids
+from rlhfflow.data.records import prompt_token_ids
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import (
     DEFAULT_ALPHABET,
@@ -23,10 +23,10 @@ from rlhfflow.engine.models import (
     build_tiny_model,
     save_model,
 )
-from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
+from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.stages.inference import load_function
 from rlhfflow.stages.rollout import ToolEnvironment
-from tests.conftest import CHAT_TEMPLATE, make_prompt_batch
+from tests.conftest import CHAT_TEMPLATE, chat_batch, chat_store, make_prompt_batch
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "multiturn"
@@ -37,27 +37,6 @@ TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 
 def _ctx(store, iteration=0, seed=0) -> StageContext:
     return StageContext(iteration=iteration, seed=seed, models=store,
                         settings={"base_dir": str(EXAMPLE)})
-
-
-def _chat_batch(tok, texts, samples=2, secrets=None) -> dict:
-    """Source columns of chat prompts, rendered with the template as the data source does."""
-    rows = [(i, s) for i in range(len(texts)) for s in range(samples)]
-    rendered = [tok.apply_chat_template([{"role": "user", "content": texts[i]}],
-                                        add_generation_prompt=True, tokenize=False)
-                for i, _ in rows]
-    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in rendered],
-                            tok.pad_token_id)
-    secrets = secrets or [3] * len(texts)
-    return {"prompt_ids": ids, "prompt_mask": mask,
-            "prompt_index": torch.tensor([i for i, _ in rows]),
-            "sample_index": torch.tensor([s for _, s in rows]),
-            "group_ids": torch.tensor([i for i, _ in rows]), "prompt_text": rendered,
-            "prompt_fields": [json.dumps({"secret": secrets[i]}) for i, _ in rows]}
-
-
-def _chat_store(chat_lm_dir) -> ModelStore:
-    return ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
-                                            optimizer={"lr": 1e-3})})
 
 
 def _rollout(store, batch, **params):
@@ -96,9 +75,9 @@ def test_one_turn_without_an_environment_gives_generate_s_samples(store, tokeniz
 
 
 def test_guessing_episodes_mask_the_environment_and_keep_the_sampler_s_logprobs(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=2)
+    batch = chat_batch(tok, TEXTS, samples=2)
     out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=120)
 
     mask = out["response_mask"]
@@ -120,9 +99,9 @@ def test_guessing_episodes_mask_the_environment_and_keep_the_sampler_s_logprobs(
 
 
 def test_an_episode_ends_when_the_environment_says_done(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS[:1], samples=4)
+    batch = chat_batch(tok, TEXTS[:1], samples=4)
     first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
     # make each row's secret the first number its model said (none: 0, never guessed)
     said = [re.search(r"\d+", t) for t in first["response_text"]]
@@ -137,9 +116,9 @@ def test_an_episode_ends_when_the_environment_says_done(chat_lm_dir):
 
 
 def test_episodes_stop_at_max_tokens(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=1)
+    batch = chat_batch(tok, TEXTS, samples=1)
     out = _rollout(store, batch, env=GUESS, max_turns=8, max_new_tokens=6, max_tokens=20)
     assert out["response_ids"].shape == (3, 20)
     assert ((out["response_ids"] != tok.pad_token_id).sum(-1) <= 20).all()
@@ -178,9 +157,9 @@ class AsyncGuess(SlowGuess):
 
 def test_the_kv_cache_kept_across_turns_gives_the_tokens_of_a_fresh_prefill_each_turn(
         chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=2)
+    batch = chat_batch(tok, TEXTS, samples=2)
     params = dict(env=GUESS, max_turns=4, max_new_tokens=5, max_tokens=120, env_workers=0)
     kept = _rollout(store, batch, **params)
     again = _rollout(store, batch, kv_cache=False, **params)
@@ -193,9 +172,9 @@ def test_the_kv_cache_kept_across_turns_gives_the_tokens_of_a_fresh_prefill_each
 
 
 def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=2)
+    batch = chat_batch(tok, TEXTS, samples=2)
     # the first row's environment takes a second per step; the others answer at once
     batch["prompt_fields"] = [json.dumps({"secret": 3, "delay": 1.0 if row == 0 else 0.0})
                               for row in range(6)]
@@ -220,9 +199,9 @@ def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir
 
 
 def test_an_async_environment_step_is_awaited(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS[:1], samples=2)
+    batch = chat_batch(tok, TEXTS[:1], samples=2)
     params = dict(max_turns=2, max_new_tokens=5, max_tokens=60, env_workers=0)
     sync = _rollout(store, batch, env="tests.test_rollout:SlowGuess", **params)
     out = _rollout(store, batch, env="tests.test_rollout:AsyncGuess", **params)
@@ -253,9 +232,9 @@ def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
     from rlhfflow.runtime.telemetry import episode_means
     from rlhfflow.runtime.worker.host import partial_metrics
 
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS[:1], samples=4)
+    batch = chat_batch(tok, TEXTS[:1], samples=4)
     first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
     # rows whose first number is the secret win on their first turn, the others never
     said = [re.search(r"\d+", t) for t in first["response_text"]]
@@ -366,9 +345,9 @@ def tool_lm_dir(tmp_path_factory) -> Path:
 
 def test_a_model_that_calls_a_tool_gets_its_answer_and_the_sampler_s_logprobs_hold(
         tool_lm_dir):
-    store = _chat_store(tool_lm_dir)
+    store = chat_store(tool_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS[:1], samples=2)
+    batch = chat_batch(tok, TEXTS[:1], samples=2)
     tools = [str(EXAMPLE / "tools.py") + ":add"]
     out = _rollout(store, batch, tools=tools, greedy=True, max_turns=2,
                    max_new_tokens=60, max_tokens=160)
@@ -387,10 +366,10 @@ def test_a_model_that_calls_a_tool_gets_its_answer_and_the_sampler_s_logprobs_ho
 
 
 def test_the_policy_loss_takes_nothing_from_the_environment_s_tokens(chat_lm_dir):
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     resident = store.get("actor")
     tok = resident.tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=2)
+    batch = chat_batch(tok, TEXTS, samples=2)
     batch.update(_rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6,
                           max_tokens=48))
     gen = torch.Generator().manual_seed(0)

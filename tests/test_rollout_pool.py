@@ -17,7 +17,8 @@ import yaml
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.stages import StageContext, create_stage
-from tests.test_rollout import EXAMPLE, TEXTS, _chat_batch, _chat_store
+from tests.conftest import chat_batch, chat_store
+from tests.test_rollout import EXAMPLE, TEXTS
 
 #: A guessing game that notes the process of each hook in the file ``log``; a module of
 #: its own file, as a pipeline names it (imported under a name only the parent knows).
@@ -73,9 +74,9 @@ def _pids(log: Path) -> dict[str, set[int]]:
 
 def _run(chat_lm_dir, tmp_path, executor, env="PidGuess", name="run"):
     (tmp_path / "pidenv.py").write_text(PID_ENV)
-    store = _chat_store(chat_lm_dir)
+    store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
-    batch = _chat_batch(tok, TEXTS, samples=2, secrets=[3, 5, 7])
+    batch = chat_batch(tok, TEXTS, samples=2, secrets=[3, 5, 7])
     log = tmp_path / f"{name}.log"
     stage = create_stage("rollout", params={
         "env": f"pidenv.py:{env}", "env_kwargs": {"log": str(log)}, "max_turns": 3,
