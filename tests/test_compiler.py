@@ -21,6 +21,7 @@ from rlhfflow.plan.compiler import (
 )
 from rlhfflow.plan.explain import ExplainError, explain
 from rlhfflow.plan.tasks import (
+    AHEAD_RELEASE,
     CHECKPOINT_LEVEL,
     RULES,
     STORE_LEVEL,
@@ -202,6 +203,24 @@ def test_with_staleness_the_rollout_runs_ahead_and_only_the_install_waits_for_it
     # and iteration 2's rollout uses update 0's weights: one update old
     assert all(g.versions == {"actor": 1} for g in _tasks(specs, "generate", 2))
     assert all(install0.id in closure[g.id] for g in _tasks(specs, "generate", 2))
+
+
+@pytest.mark.parametrize("strategy", ["interleaved", "colocated"])
+def test_with_staleness_at_home_the_update_waits_for_the_rollout_ahead_of_it(strategy):
+    # a rollout that runs ahead on the trained copy itself (no shadow) uses the weights
+    # the next update overwrites: that update waits for it. generate is upstream of
+    # train_actor within an iteration, never across: once, the edge was left out and
+    # the worker ran them in either order (StaleWeights, found by a one-step off-policy
+    # run whose finished waits were dropped)
+    specs, plan = _compile(PPO, {"placement.strategy": strategy,
+                                 "overlap.max_staleness": 1}, iterations=4)
+    assert set(plan.stages["generate"].workers) & set(plan.homes["actor"])
+    for k in range(3):
+        ahead = _tasks(specs, "generate", k + 1)
+        for train in _tasks(specs, "train_actor", k):  # colocated: one per gang rank
+            waited = {w.task: w.rule for w in train.waits}
+            assert all(waited.get(g.id) is AHEAD_RELEASE for g in ahead), (k, waited)
+        assert all(g.versions == {"actor": k} for g in ahead)
 
 
 def test_stores_take_every_written_column_of_their_rows():

@@ -127,6 +127,14 @@ class TaskCompiler:
         self.releases: dict[str, list[str]] = defaultdict(list)  # trainer -> its users
         for user, trainer in self.graph.release_edges():
             self.releases[trainer].append(user)
+        # trainer -> the stages that run ahead (max_staleness) on its model: iteration
+        # k+lag's use of the weights of k must come before the update of k, upstream of
+        # it in the iteration or not (generate is upstream of train_actor in its own
+        # iteration, never in the next one's)
+        self.ahead_users: dict[str, list[str]] = {
+            t: [u for u in self.graph.users(self.graph.nodes[t].model, self.graph.loop_stages)
+                if u != t and plan.stages[u].lag > 0]
+            for t in self.graph.loop_stages if self.graph.nodes[t].trains}
         self.crossings: dict[str, list[str]] = defaultdict(list)  # user -> last trainers
         for trainer, user in self.graph.cross_iteration_edges():
             self.crossings[user].append(trainer)
@@ -221,11 +229,11 @@ class TaskCompiler:
         for n in group:
             node = self.graph.nodes[n]
             for user in self.releases[n]:  # a trainer waits for the users of its model
-                if user in group:  # fused before it: they run first in its own task
-                    continue
-                if self.plan.stages[user].lag == 0:
+                # fused before it (they run first in its own task), or run ahead (below)
+                if user not in group and self.plan.stages[user].lag == 0:
                     order += _waits(it.handles[user], RELEASE, node.model)
-                elif later is not None and self._at_home(user):
+            for user in self.ahead_users.get(n, ()):
+                if later is not None and self._at_home(user):
                     order += _waits(later.handles[user], AHEAD_RELEASE, node.model)
             if previous is not None:
                 order += [Wait(h, UPDATED, self.graph.nodes[t].model)
