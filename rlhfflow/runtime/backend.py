@@ -36,6 +36,8 @@ from rlhfflow.runtime.worker.host import (
 )
 from rlhfflow.runtime.worker.process import WORKER_LOG_VAR
 
+logger = logging.getLogger(__name__)
+
 WORKER_PRELOAD = "rlhfflow.runtime.worker.process"
 """What an embedded cluster's worker process runs as it starts (a Dask preload)."""
 
@@ -67,6 +69,11 @@ class _Done:
     def __init__(self, key: str, value: Any = None, error: BaseException | None = None,
                  retried: int = 0):
         self.key, self.value, self.error, self.retried = key, value, error, retried
+
+    @property
+    def status(self) -> str:
+        """As a Dask future's: "finished", or "error" for a failed task."""
+        return "finished" if self.error is None else "error"
 
 
 def _resolve(obj: Any) -> Any:
@@ -245,6 +252,13 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # Dask config (Dask's default is 5 minutes).
         "distributed.scheduler.worker-ttl": f"{heartbeat_timeout_s}s",
     }
+    # the dashboard's Task Stream page keeps its last tasks in the scheduler (this
+    # process) once opened: Dask's 100,000, ~0.5 KB each, are 7,000 iterations of
+    # ppo-tiny; 10,000 are 700 iterations, 5 MB. Set for the process, not only while the
+    # cluster starts: Dask reads it when the page is first opened. A value of one's own
+    # Dask config stays.
+    if dask.config.get(TASK_STREAM_KEY) == DASK_TASK_STREAM:
+        dask.config.set({TASK_STREAM_KEY: TASK_STREAM_LENGTH})
     if config["distributed.worker.multiprocessing-method"] == "forkserver":
         # Dask gives each worker 30 s to start: not the fork server's imports
         wait_fork_server()
@@ -252,10 +266,27 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # a dashboard port taken (another run on this machine): Dask serves it on a free
         # port, which the run prints with its dashboard link, instead of a raw warning
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use")
+        for spec in specs.values():
+            # whole: a Nanny lays its config over Dask's one level deep only
+            spec["options"]["config"] = dask.config.merge(dask.config.config, WORKER_LOGS)
         # the scheduler runs in this process: a worker lost mid-run is the run's to report
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
                            name="rlhfflow")
+
+
+TASK_STREAM_KEY = "distributed.scheduler.dashboard.tasks.task-stream-length"
+DASK_TASK_STREAM, TASK_STREAM_LENGTH = 100_000, 10_000
+"""The Task Stream page's length: Dask's default, and the embedded cluster's."""
+
+#: The embedded cluster's workers' own config: their developer logs (Dask's
+#: ``admin.low-level-log-length``, 1000 entries each) shorter. Each holds what a worker did
+#: last: the state machine's log and its stimuli (every task's arguments, the prompts
+#: inlined into them included), the transfers, and a profile per second (the dashboard's
+#: Profile page), the last filling for 1000 s, 3,000 iterations of ppo-tiny. 100 keep the
+#: last 100 s of profile. The scheduler's logs (this process) keep Dask's length: its
+#: events are the rlhfflow page's last 1000 iterations.
+WORKER_LOGS = {"distributed": {"admin": {"low-level-log-length": 100}}}
 
 
 #: The embedded cluster's timers, as Dask's defaults and as set instead. Each fires a
@@ -339,6 +370,32 @@ def _cuda_count() -> int:
         return 0
 
 
+def _computation_groups_plugin():
+    """A scheduler plugin (``distributed.SchedulerPlugin``, imported when needed) that
+    keeps the computations' task groups to those the scheduler still has.
+
+    Dask adds every task group a graph creates to the current "computation", and starts a
+    new one (of the last 100) only when the cluster was idle, which a pipelined run
+    rarely is. A group whose tasks were all forgotten leaves the scheduler but stays in
+    its computation, and the next iteration's tasks of that stage make a new group:
+    ~10 groups an iteration of ppo-tiny, kept for the whole run. The computations' totals
+    (the dashboard's, Dask's ``get_computations``) lose the forgotten groups."""
+    from distributed import SchedulerPlugin
+
+    class ForgetFinishedGroups(SchedulerPlugin):
+        name = "rlhfflow-computation-groups"
+        idempotent = True  # one per scheduler, however many runs connect
+
+        def update_graph(self, scheduler, **kwargs: Any) -> None:
+            live = scheduler.task_groups
+            for computation in scheduler.computations:
+                if computation.groups:
+                    computation.groups = {g for g in computation.groups
+                                          if live.get(g.name) is g}
+
+    return ForgetFinishedGroups()
+
+
 class DaskBackend:
     """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
 
@@ -356,6 +413,10 @@ class DaskBackend:
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
         self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
+        try:
+            client.register_plugin(_computation_groups_plugin())
+        except Exception as exc:  # noqa: BLE001 - a scheduler without rlhfflow: unbounded
+            logger.debug("rlhfflow: no computation-groups plugin on the scheduler: %s", exc)
 
     @staticmethod
     def _device_workers(info: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ from rlhfflow.plan.tasks import (
     StoreTask,
     Task,
 )
+from rlhfflow.runtime.backend import TaskFailed
 from rlhfflow.runtime.worker.host import (
     StoreRows,
     checkpoint_task,
@@ -35,6 +36,18 @@ from rlhfflow.runtime.worker.host import (
 from rlhfflow.stages import Batch, slice_batch
 
 logger = logging.getLogger(__name__)
+
+#: A task's ``waits`` (model edges: a trainer after the users of its model, the next
+#: generate after the trainer) are Dask dependencies, and Dask keeps every released task
+#: that a live task still depends on (its lineage, to recompute lost data). Iteration k's
+#: tasks wait for k-1's, so the lineage of the newest iteration reached back to iteration
+#: 0: a run's scheduler and workers kept every task's state and arguments, 0.3 MB an
+#: iteration on ppo-tiny's coordinator. A wait is only an order, so a wait for a task
+#: that has finished is left out; and every ``LINEAGE_EVERY`` iterations a task waits
+#: for the tasks of earlier iterations here, before it is submitted, so that no
+#: dependency crosses that iteration and what is older can be forgotten. rlhfflow does
+#: not use the lineage: a lost worker is recovered from the last checkpoint.
+LINEAGE_EVERY = 10
 
 
 class Dataflow:
@@ -100,10 +113,30 @@ class Dataflow:
         return self.backend.place(slice_batch(batch, *spec.rows), where,
                                   key=f"scatter-prompts-{spec.iteration}-{uuid.uuid4().hex[:8]}")
 
+    def waits(self, spec: Task) -> list[Any]:
+        """The handles of what ``spec`` waits for (only to run after them), without those
+        that have finished; at an iteration that cuts the lineage (``LINEAGE_EVERY``),
+        the tasks of earlier iterations are first waited for here. A wait that failed
+        stays, for the task to fail with it as Dask reports it; a lost worker is raised
+        (``WorkerLost``: the executor recovers)."""
+        cut = spec.iteration - spec.iteration % LINEAGE_EVERY
+        out = []
+        for i in spec.wait_ids():
+            handle = self.handles[i]
+            if _status(handle) != "finished" and self._iteration.get(i, cut) < cut:
+                try:
+                    # pinned: a task pinned to a worker that died would wait forever
+                    self.backend.wait([handle], pinned=self.addresses)
+                except TaskFailed:  # reported, with its stage, where the iteration waits
+                    pass
+            if _status(handle) != "finished":
+                out.append(handle)
+        return out
+
     @_submit.register
     def _(self, spec: StageTask, **context: Any) -> Any:
         task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
-        args = [task, spec.iteration, self._parts(spec.parts), self[spec.wait_ids()],
+        args = [task, spec.iteration, self._parts(spec.parts), self.waits(spec),
                 dict(spec.versions)]
         args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
         if spec.stores:
@@ -114,7 +147,7 @@ class Dataflow:
     @_submit.register
     def _(self, spec: StoreTask, **context: Any) -> Any:
         return self._task(spec, store_task, self.buffer_path, spec.iteration, spec.rows[0],
-                          self._parts(spec.parts), self.stored, self[spec.wait_ids()])
+                          self._parts(spec.parts), self.stored, self.waits(spec))
 
     @_submit.register
     def _(self, spec: ExportTask, **context: Any) -> Any:
@@ -125,12 +158,12 @@ class Dataflow:
     def _(self, spec: InstallTask, **context: Any) -> Any:
         [export] = self[spec.parts[0].refs]
         return self._task(spec, install_weights_task, export, spec.version, spec.iteration,
-                          self[spec.wait_ids()])
+                          self.waits(spec))
 
     @_submit.register
     def _(self, spec: CheckpointTask, *, directory: str | None, **context: Any) -> Any:
         return self._task(spec, checkpoint_task, spec.model, directory,
-                          self[spec.wait_ids()], spec.rank)
+                          self.waits(spec), spec.rank)
 
     def _task(self, spec: Task, fn, *args: Any) -> Any:
         key = f"{spec.id}-{uuid.uuid4().hex[:8]}"
@@ -146,3 +179,9 @@ class Dataflow:
     def _where(self, spec: Task) -> list[str] | None:
         """The addresses a task may run on (None: any worker)."""
         return [self.addresses[w] for w in spec.workers] or None
+
+
+def _status(handle: Any) -> str:
+    """A handle's status as a Dask future's; data placed as it is (a micro-batch that
+    rides inside its tasks' messages) is there: "finished"."""
+    return getattr(handle, "status", "finished")

@@ -386,7 +386,9 @@ class Executor:
         """Iterations ``first`` .. ``iterations - 1`` in the order of ``loop_steps``; then
         a checkpoint of the last one."""
         spec = self.pipeline.spec
-        records: list[dict[str, Any]] = []
+        # each record is appended to metrics.jsonl and published as it is made; none is
+        # kept here (a few KB each: 0.01 MB an iteration of a long run's coordinator)
+        last = first - 1
         unfinished: dict[int, IterationTasks] = {}
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
@@ -403,14 +405,15 @@ class Executor:
                 self._submit_main(step)
                 unfinished[step.it.index] = step.it
             else:
-                records.append(self._finish(unfinished.pop(step.it.index)))
+                last = self._finish(unfinished.pop(step.it.index))["iteration"]
                 self.dataflow.forget_before(step.it.index)
         for it in unfinished.values():  # stopped: the iteration in flight
-            records.append(self._finish(it))
-        last = records[-1]["iteration"] if records else first - 1
+            last = self._finish(it)["iteration"]
         if last > self.last_checkpoint:
             self.checkpointer.submit(last, self.compiler.checkpoint(last, {}))
             self._publish_checkpoint(last)
+        # the summaries, once, from the file: this loop's records
+        records = [r for r in self.log.read() if r.get("iteration", -1) >= first]
         evaluation = evaluation_summary(self.graph, records)
         if evaluation is not None:  # a run that only generates and scores
             self.summary["evaluation"], line = evaluation

@@ -1,0 +1,203 @@
+"""What a long run keeps in memory is bounded: the Dask lineage of its tasks (every
+``LINEAGE_EVERY`` iterations no dependency crosses back), the workers' developer logs
+(``WORKER_LOGS``), and the dashboard's task stream. ``benchmarks/memory.py`` measures the
+processes' resident memory over thousands of iterations."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, Event, LocalCluster, SchedulerPlugin
+
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.plan.tasks import AFTER, Task, Wait
+from rlhfflow.runtime.backend import (
+    TASK_STREAM_LENGTH,
+    WORKER_LOGS,
+    DaskBackend,
+    local_cluster,
+)
+from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
+from rlhfflow.runtime.run import run_pipeline
+from rlhfflow.storage import ExperienceBuffer
+from tests.conftest import small_pipeline
+
+
+@pytest.fixture(scope="module")
+def threads_cluster():
+    """One in-process worker: the waits are about futures, not about where they run."""
+    with LocalCluster(n_workers=1, threads_per_worker=4, processes=False,
+                      dashboard_address=":0") as cluster:
+        yield cluster
+
+
+def _hold(event_name: str) -> str:
+    Event(event_name).wait()
+    return "done"
+
+
+def _waiting(spec_iteration: int, target_iteration: int, dataflow: Dataflow, handle
+             ) -> Task:
+    dataflow.handles["target"] = handle
+    dataflow._iteration["target"] = target_iteration
+    return Task(id="waiter", iteration=spec_iteration, waits=(Wait("target", AFTER),))
+
+
+def test_a_wait_for_a_finished_task_is_left_out(threads_cluster):
+    with Client(threads_cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        done = client.submit(lambda: 1, key="finished-task")
+        done.result()
+        assert dataflow.waits(_waiting(3, 2, dataflow, done)) == []
+
+
+def test_a_wait_for_a_running_task_stays_between_lineage_cuts(threads_cluster):
+    with Client(threads_cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        running = client.submit(_hold, "between", key="running-task")
+        try:
+            iteration = LINEAGE_EVERY + 1  # not a multiple: no cut
+            assert dataflow.waits(_waiting(iteration, iteration - 1, dataflow, running)) \
+                == [running]
+        finally:
+            Event("between", client=client).set()
+        assert running.result() == "done"
+
+
+def test_at_a_lineage_cut_a_task_of_an_earlier_iteration_is_waited_for_and_left_out(
+        threads_cluster):
+    with Client(threads_cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        running = client.submit(_hold, "cut", key="earlier-task")
+        # set from a task: the cut blocks this thread until the earlier task is done
+        client.submit(lambda: Event("cut").set(), key="setter")
+        assert dataflow.waits(_waiting(2 * LINEAGE_EVERY, 2 * LINEAGE_EVERY - 1, dataflow,
+                                       running)) == []
+        assert running.status == "finished"
+
+
+class _LiveTasks(SchedulerPlugin):
+    """The most tasks the scheduler held at once, and how many it was given."""
+
+    name = "live-tasks"
+
+    def __init__(self) -> None:
+        self.most, self.keys = 0, set()
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        self.keys.add(key)
+        self.most = max(self.most, len(self.scheduler.tasks))
+
+
+def _live_tasks(dask_scheduler=None) -> tuple[int, int]:
+    plugin = dask_scheduler.plugins[_LiveTasks.name]
+    return plugin.most, len(plugin.keys)
+
+
+@pytest.mark.slow
+def test_a_long_run_keeps_the_tasks_of_a_few_iterations_not_of_all(cluster, tmp_path):
+    iterations = 3 * LINEAGE_EVERY
+    path = small_pipeline(tmp_path, "ppo", iterations=iterations, batch_size=4,
+                          max_new_tokens=4,
+                          overrides={"cluster.address": cluster.scheduler_address})
+    with Client(cluster) as client:
+        client.register_plugin(_LiveTasks())
+        run_pipeline(load_pipeline(path), progress=False)
+        most, total = client.run_on_scheduler(_live_tasks)
+    per_iteration = total / iterations
+    # the lineage of every iteration would be ~iterations x per_iteration tasks at the end
+    assert most < (LINEAGE_EVERY + 4) * per_iteration, (most, total)
+
+
+def _known(key: str, dask_scheduler=None) -> bool:
+    return key in dask_scheduler.tasks
+
+
+def _computation_groups(dask_scheduler=None) -> int:
+    return sum(len(c.groups) for c in dask_scheduler.computations)
+
+
+def test_a_busy_cluster_keeps_only_the_task_groups_it_still_has(threads_cluster):
+    with Client(threads_cluster) as client:
+        # a task that runs throughout: the cluster is never idle, so Dask adds every
+        # group to one computation (as in a pipelined run)
+        busy = client.submit(_hold, "busy", key="busy-task")
+        DaskBackend(client)  # registers the plugin, as a run does
+        for i in range(20):
+            # the "stage" group is forgotten with its task, and made again by the next
+            key = f"stage-{i}-{i:08x}"
+            future = client.submit(lambda x: x, i, key=key)
+            future.result()
+            del future
+            while client.run_on_scheduler(_known, key):
+                time.sleep(0.01)
+        groups = client.run_on_scheduler(_computation_groups)
+        Event("busy", client=client).set()
+        busy.result()
+    assert groups <= 3, groups  # busy's, the last stage's: not 20
+
+
+def _logs(dask_worker=None) -> dict[str, int | str]:
+    import dask
+
+    return {"stimulus_log": dask_worker.state.stimulus_log.maxlen,
+            "profile_history": dask_worker.profile_history.maxlen,
+            "profile_interval": dask.config.get("distributed.worker.profile.interval")}
+
+
+def test_embedded_workers_keep_short_developer_logs_and_the_task_stream_is_capped():
+    length = WORKER_LOGS["distributed"]["admin"]["low-level-log-length"]
+    with local_cluster(1, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster, \
+            Client(cluster) as client:
+        [logs] = client.run(_logs).values()
+        events = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler._broker._topics["rlhfflow"].events.maxlen)
+        # made as the Task Stream page is first opened, after the cluster started
+        stream = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler._task_stream_plugin().buffer.maxlen)
+    assert logs["stimulus_log"] == logs["profile_history"] == length
+    # the rest of the embedded cluster's config reached the worker too (quiet timers)
+    assert logs["profile_interval"] == "100ms"
+    # the scheduler keeps Dask's length: the rlhfflow page shows the last 1000 iterations
+    assert events == 1000
+    assert stream == TASK_STREAM_LENGTH
+
+
+@pytest.mark.slow
+def test_a_lineage_cut_changes_no_order_one_step_off_policy(cluster, tmp_path):
+    """Across a cut (iteration ``LINEAGE_EVERY``), with rollouts one update ahead, every
+    row is still sampled by the version before its iteration's, and the run computes
+    what the in-process run computes."""
+    iterations = LINEAGE_EVERY + 2
+
+    def run(name: str, inline: bool):
+        path = small_pipeline(tmp_path, iterations=iterations, batch_size=4,
+                              max_new_tokens=4, file_name=f"{name}.yaml", overrides={
+                                  "output": str(tmp_path / name), "data.micro_batches": 2,
+                                  "cluster.address": cluster.scheduler_address,
+                                  "placement.strategy": "interleaved",
+                                  "overlap.max_staleness": 1})
+        return run_pipeline(load_pipeline(path), progress=False, inline=inline)
+
+    result = run("dask", inline=False)
+    buffer = ExperienceBuffer(result.output_dir / "buffer.zarr", create=False)
+    for k in range(iterations):
+        versions = np.asarray(buffer.read(k, ["policy_version"])["policy_version"])
+        assert set(versions.tolist()) == {max(0, k - 1)}, k
+    keys = ("reward_mean", "kl_mean", "policy_loss", "value_loss", "clip_frac")
+    inline = run("inline", inline=True)
+    np.testing.assert_allclose(
+        np.array([[m[k] for k in keys] for m in inline.metrics], dtype=float),
+        np.array([[m[k] for k in keys] for m in result.metrics], dtype=float), rtol=1e-5)
+
+
+def test_a_wait_for_data_placed_as_it_is_is_left_out(threads_cluster):
+    with Client(threads_cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        inline = {"prompt_ids": [[1, 2]]}  # what DaskBackend.place returns for small data
+        assert dataflow.waits(_waiting(LINEAGE_EVERY, 0, dataflow, inline)) == []
