@@ -36,7 +36,7 @@ from rlhfflow.plan.compiler import (
     schedule,
 )
 from rlhfflow.plan.flops import stage_work
-from rlhfflow.plan.placement import ExecutionPlan
+from rlhfflow.plan.placement import ExecutionPlan, PlanError
 from rlhfflow.plan.shapes import model_shapes
 from rlhfflow.runtime.backend import (
     InlineBackend,
@@ -480,7 +480,14 @@ class Executor:
         cut_back(self.out, keep, self.buffer)
         self.last_checkpoint = keep
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
-        self._start_workers()
+        try:
+            self._start_workers()
+        except PlanError as err:  # fewer workers came back than the placement needs
+            raise RunError(
+                f"{exc}; {len(self.backend.workers)} worker(s) came back within "
+                f"cluster.worker_timeout_s={self.pipeline.spec.cluster.worker_timeout_s:g}, "
+                f"and {err.path}: {err.message}; the run can be resumed from its last "
+                "checkpoint") from None
         where = f"after iteration {keep}" if checkpoint else "from the start"
         self._say(f"rlhfflow: resuming {where} on {len(self.backend.workers)} worker(s)")
         if checkpoint is not None and inexact_resume(self.pipeline):
