@@ -131,6 +131,29 @@ def test_bad_merge_input_is_one_line_naming_the_argument(lora_run, tmp_path, arg
 
 
 @pytest.mark.slow
+def test_adapters_that_do_not_fit_the_base_are_one_line(lora_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    adapters = run / "checkpoints" / "iter_000001" / "models" / "actor"
+    from safetensors.torch import save_file
+
+    # adapters of another model; the state lists no sizes (as checkpoints made before)
+    save_file({"base_model.model.other.lora_A.weight": torch.zeros(4, 8)},
+              adapters / "adapter_model.safetensors")
+    state = run / "checkpoints" / "iter_000001" / "state.json"
+    state.write_text(state.read_text().replace('"files"', '"unlisted"'))
+    result = _merge(adapters.parent.parent, "--out", tmp_path / "merged")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(
+        f"Error: model 'actor' from {run / 'models' / 'actor' / 'init'} with the adapters "
+        f"of {adapters}: ")
+    assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.slow
 def test_overwrite_replaces_an_existing_output(lora_run, tmp_path):
     out = tmp_path / "merged"
     out.mkdir()

@@ -84,6 +84,6 @@ def models_merge(source: str, out_dir: str, model: str | None, iteration: int | 
 
     check_output(out_dir, overwrite)
     found = find_source(source, model, iteration)
-    click.echo(f"merging {found.model!r} of {found.checkpoint.path} into {found.base} ...",
-               err=True)
-    click.echo(f"wrote {merge(found, out_dir, overwrite)}")
+    written = merge(found, out_dir, overwrite)
+    click.echo(f"wrote {written}: model {found.model!r}, the adapters of "
+               f"{found.checkpoint.path} merged into {found.base}")

@@ -13,6 +13,7 @@ same merge (``engine.lora.merged_copy``) and the same atomic save.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,19 @@ def merge(source: MergeSource, out: str | Path, overwrite: bool = False) -> Path
                          init_path=source.base, trainable=True,
                          dtype=spec.get("dtype", "float32"),
                          lora=dict(spec["lora"]), adapter_path=str(source.adapters))
-    ModelStore({source.model: config}).get(source.model).export(out)
+    lora_log = logging.getLogger("rlhfflow.engine.lora")
+    level = lora_log.level
+    lora_log.setLevel(logging.WARNING)  # its line on the forward a run takes says nothing here
+    try:
+        resident = ModelStore({source.model: config}).get(source.model)
+    except (OSError, ValueError) as exc:  # the base or the adapters unusable
+        text = str(exc).strip().splitlines()
+        raise MergeError(f"model {source.model!r} from {source.base} with the adapters of "
+                         f"{source.adapters}: {text[0] if text else type(exc).__name__}"
+                         ) from None
+    finally:
+        lora_log.setLevel(level)
+    resident.export(out)
     return out
 
 
