@@ -22,8 +22,14 @@ from rlhfflow.engine.models import (
     tiny_matmul_parameters,
 )
 from rlhfflow.monitor.report import build_report
-from rlhfflow.plan.flops import attention_pairs, forward_flops, stage_work
-from rlhfflow.plan.shapes import model_shapes
+from rlhfflow.plan.flops import (
+    StageWork,
+    attention_pairs,
+    forward_flops,
+    stage_work,
+    weight_passes,
+)
+from rlhfflow.plan.shapes import ModelShape, model_shapes
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import small_pipeline
@@ -43,6 +49,62 @@ def test_the_flops_of_the_tiny_actor_match_a_hand_count(tmp_path):
     passes = {w.stage: w.passes for w in stage_work(pipeline, model_shapes(pipeline))}
     # the scorer has no model; train_actor runs 2 epochs of forward + backward
     assert passes == {"generate": 1.0, "ref_logprob": 1.0, "train_actor": 6.0}
+
+
+def test_a_lora_training_step_counts_no_weight_gradients_of_the_frozen_base(tmp_path):
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+    pipeline = load_pipeline(small_pipeline(tmp_path, "grpo",
+                                            overrides={"models.actor.lora": lora}))
+    shapes = model_shapes(pipeline)
+    base = shapes["actor"].matmul_params
+    # r x (in + out) per adapted Linear: q, k, v, o (64 -> 64), gate, up (64 -> 256),
+    # down (256 -> 64), in each of the 2 layers; the LM head has none
+    adapters = 2 * (4 * 4 * (64 + 64) + 3 * 4 * (64 + 256))
+    assert shapes["actor"].adapters == adapters
+    work = {w.stage: w for w in stage_work(pipeline, shapes)}
+    tokens = 10
+    # the forwards multiply by the adapters too; the reference is the base alone
+    assert work["generate"].flops(tokens, 0) == 2 * (base + adapters) * tokens
+    assert work["ref_logprob"].flops(tokens, 0) == 2 * base * tokens
+    # 2 epochs of a forward, input gradients through the base, and the adapters' own
+    # gradients: 4 N + 6 N_a per token, not 6 (N + N_a); attention as without LoRA
+    train = work["train_actor"]
+    assert train.passes == 6.0
+    assert train.flops(tokens, 0) == pytest.approx(2 * (4 * base + 6 * adapters) * tokens)
+    assert train.flops(0, 55) == 6 * 4 * 2 * 64 * 55
+    full = {w.stage: w for w in stage_work(pipeline, {**shapes, "actor": ModelShape(
+        shapes["actor"].params, 2, 64, shapes["actor"].vocab, 4, base, 64)})}
+    assert full["train_actor"].flops(tokens, 0) == 6 * 2 * base * tokens
+
+
+def test_the_lora_count_agrees_with_torch_on_a_real_backward():
+    """torch's FLOP counter on a forward and backward of a tiny LoRA model: what is counted,
+    less the input gradients of the first layer's q, k and v products (base and adapter
+    ``A``), which autograd skips: their input, the embedding's output, needs none."""
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    from rlhfflow.engine.lora import apply_lora
+
+    tokenizer = build_char_tokenizer()
+    layers, hidden, rank, length = 3, 32, 4, 12
+    model = build_tiny_model(tokenizer, arch="llama", n_layer=layers, hidden=hidden, n_head=4)
+    model.set_attn_implementation("eager")  # the counter has no rule for CPU SDPA
+    for p in model.parameters():
+        p.requires_grad_(False)
+    base = tiny_matmul_parameters(tokenizer, "lm", arch="llama", n_layer=layers, hidden=hidden)
+    model = apply_lora(model, {"r": rank, "target_modules": "all-linear"}, "lm")
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model.train(True)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(input_ids=torch.ones(1, length, dtype=torch.long), use_cache=False).logits
+        logits.log_softmax(-1)[..., 7].mean().backward()
+    shape = ModelShape(0, layers, hidden, len(tokenizer), 4, base, hidden, adapters)
+    work = StageWork("train", "actor", "float32", 3.0, 2.0 * (base + adapters),
+                     4.0 * layers * hidden, weight_passes(3.0, shape))
+    # eager attention multiplies every (query, key) pair, masked or not
+    counted = work.flops(length, length * length)
+    skipped = 2 * length * 3 * (hidden * hidden + rank * hidden)
+    assert counter.get_total_flops() == pytest.approx(counted - skipped, rel=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

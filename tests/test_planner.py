@@ -102,6 +102,31 @@ def test_the_analytic_model_grows_with_rows_tokens_layers_and_gangs():
     assert small.stage_seconds("train_actor", 64, 1, gang=2) < alone
 
 
+def test_gradient_checkpointing_charges_a_training_step_one_more_forward_of_the_layers():
+    plain = CostModel(load_pipeline(GRPO))
+    recompute = CostModel(load_pipeline(GRPO, {"models.actor.gradient_checkpointing": True}))
+    # the decoder layers' matrix weights: q, k, v, o and gate, up, down in 2 layers; the
+    # LM head is not recomputed
+    layers = 2 * (4 * 64 * 64 + 3 * 64 * 256)
+    assert recompute.recomputed_weights("actor") == layers
+    assert plain.recomputed_weights("actor") == 0
+
+    def per_row(cost, stage):  # fixed costs (task, optimizer steps) cancel out
+        return (cost.analytic(stage, 64, 1) - cost.analytic(stage, 32, 1)) / 32
+
+    # train_factor forwards' worth per token, and one forward of the layers more:
+    # a forward's share of the step's work, on each row
+    factor, params = plain.device["train_factor"], plain.shapes["actor"].params
+    assert per_row(recompute, "train_actor") / per_row(plain, "train_actor") == \
+        pytest.approx(1 + layers / params / factor)
+    assert 1.4 < 1 + layers / params / factor < 1.5
+    assert recompute.stage_seconds("train_actor", 32, 1) > \
+        plain.stage_seconds("train_actor", 32, 1)
+    # inference never builds a graph: nothing is recomputed
+    for stage in ("generate", "ref_logprob"):
+        assert recompute.analytic(stage, 32, 1) == plain.analytic(stage, 32, 1)
+
+
 def test_a_stage_that_decodes_greedily_is_costed_as_decoding():
     # ReMax's baseline decodes max_new_tokens steps: costed like one forward pass it was
     # predicted at a sixth of its measured time

@@ -14,8 +14,9 @@ def models() -> None:
     """Build local model checkpoints.
 
     \b
-    Example:
+    Examples:
       rlhfflow models import-gguf --smollm2 models/smollm2-135m
+      rlhfflow models merge runs/grpo --out models/grpo-merged
     """
 
 
@@ -53,3 +54,36 @@ def models_import_gguf(out_dir: str, gguf_file: str | None, smollm2: bool,
     except (FileNotFoundError, ModuleNotFoundError) as exc:
         raise UserError(first_line(exc)) from None
     click.echo(f"wrote {out_dir}")
+
+
+@models.command("merge")
+@click.argument("source", metavar="RUN_OR_CHECKPOINT")
+@click.option("--out", "out_dir", required=True, metavar="DIR",
+              type=click.Path(file_okay=False), help="Where to write the merged model.")
+@click.option("--model", "model", metavar="NAME",
+              help="The LoRA model to merge (default: the run's only trained LoRA model).")
+@click.option("--iteration", type=click.IntRange(min=0), metavar="K",
+              help="The checkpoint of iteration K (default: the newest whole one).")
+@click.option("--overwrite", is_flag=True, help="Replace DIR if it exists.")
+def models_merge(source: str, out_dir: str, model: str | None, iteration: int | None,
+                 overwrite: bool) -> None:
+    """Merge a LoRA checkpoint's adapters into the base weights and write a plain
+    transformers model to DIR (`save_pretrained` and the tokenizer), loadable without
+    peft: the model of any checkpoint, as the run's `models/NAME/final` is of the last.
+
+    RUN_OR_CHECKPOINT is a run directory (its newest whole checkpoint, or that of
+    `--iteration`) or one of its `checkpoints/iter_NNNNNN`. DIR is written atomically.
+
+    \b
+    Examples:
+      rlhfflow models merge runs/grpo --out models/grpo-merged
+      rlhfflow models merge runs/grpo --iteration 40 --model actor --out models/it40
+      rlhfflow models merge runs/grpo/checkpoints/iter_000040 --out models/it40
+    """
+    from rlhfflow.runtime.merge import check_output, find_source, merge
+
+    check_output(out_dir, overwrite)
+    found = find_source(source, model, iteration)
+    written = merge(found, out_dir, overwrite)
+    click.echo(f"wrote {written}: model {found.model!r}, the adapters of "
+               f"{found.checkpoint.path} merged into {found.base}")

@@ -12,7 +12,13 @@ by: the non-embedding weights and the output head, tied or not), ``L`` the layer
 A stage does ``Stage.model_passes`` such forwards per token: 1 for log-probs, values,
 scoring with a model and generation (a KV-cached generation does the same products: the
 prefill, then one token at a time over the cache), 3 per epoch for training (the
-backward pass is two forwards' worth of products). Rows that repeat a prompt share its
+backward pass is two forwards' worth of products: the gradients of the inputs and those
+of the weights). A LoRA model's frozen base weights get no weight gradient: its forward
+also multiplies by the adapters (``ModelShape.adapters``: ``N_a``), and a training step's
+weight products are ``2 N + 2 N_a`` forward, ``2 N`` for the input gradients through the
+base and ``4 N_a`` for the adapters' backward, ``4 N + 6 N_a`` per token in all instead
+of ``6 N`` (attention has no weights: its backward is still two forwards' worth); a
+frozen ``from:`` view of its base (``base_of``) is the base alone. Rows that repeat a prompt share its
 forward (``rlhfflow.engine.forward.shared_prompt_rows``): the prompt's tokens and its
 own attention pairs count once, each row's response and its attention to the prompt
 per row (``runtime.worker.host.partial_metrics``).
@@ -42,8 +48,12 @@ class StageWork:
         dtype: the model's compute dtype name (``float32``, ``bfloat16``, ``float16``):
             the peak its FLOPs are measured against.
         passes: forwards per token (``Stage.model_passes``).
-        per_token: FLOPs per token of one forward, ``2 N``.
+        per_token: FLOPs per token of one forward's products with the weights, ``2 N``
+            (a LoRA model's adapters included).
         per_pair: FLOPs per (query, key) pair of one forward's attention, ``4 L A``.
+        weight_passes: forwards' worth of the products with the weights per token:
+            ``passes``, less the weight gradients a LoRA model's frozen base does not
+            compute (``weight_passes``); None: ``passes``.
     """
 
     stage: str
@@ -52,11 +62,13 @@ class StageWork:
     passes: float
     per_token: float
     per_pair: float
+    weight_passes: float | None = None
 
     def flops(self, tokens: float, pairs: float) -> float:
         """The stage's FLOPs over ``tokens`` real tokens whose causal attention has
         ``pairs`` (query, key) pairs (``attention_pairs``)."""
-        return self.passes * (self.per_token * tokens + self.per_pair * pairs)
+        weights = self.passes if self.weight_passes is None else self.weight_passes
+        return weights * self.per_token * tokens + self.passes * self.per_pair * pairs
 
 
 def forward_flops(shape: ModelShape, lengths: list[int]) -> float:
@@ -83,11 +95,24 @@ def stage_work(pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
         shape = shapes.get(node.model) if node.model else None
         if shape is None or not shape.matmul_params or node.reports or node.every != 1:
             continue
+        adapters = shape.adapters or 0
         work.append(StageWork(
             stage=name, model=node.model, dtype=spec.models[node.model].dtype,
-            passes=node.passes, per_token=2.0 * shape.matmul_params,
-            per_pair=4.0 * shape.layers * shape.attention_width))
+            passes=node.passes, per_token=2.0 * (shape.matmul_params + adapters),
+            per_pair=4.0 * shape.layers * shape.attention_width,
+            weight_passes=weight_passes(node.passes, shape) if node.trains else None))
     return work
+
+
+def weight_passes(passes: float, shape: ModelShape) -> float:
+    """Forwards' worth of the weight products per token of a training stage that does
+    ``passes`` forwards' worth (3 per epoch: forward, input gradients, weight gradients)
+    on a model of ``shape``: a LoRA model's ``N`` frozen base weights skip the third,
+    its adapters do all three (``4 N + 6 N_a`` per epoch over ``2 (N + N_a)``)."""
+    if shape.adapters is None:
+        return passes
+    frozen = shape.matmul_params
+    return passes * (1.0 - frozen / (3.0 * (frozen + shape.adapters)))
 
 
 def utilisation(flops: Mapping[str, float], work: list[StageWork],

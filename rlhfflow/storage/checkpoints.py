@@ -139,6 +139,15 @@ class CheckpointStore:
         found = self.list()
         return found[-1] if found else None
 
+    def read(self, path: Path) -> Checkpoint:
+        """The checkpoint in directory ``path`` (``iter_NNNNNN``) as published;
+        ``CheckpointError`` when it is not one or its state cannot be read."""
+        match = _NAME.match(Path(path).name)
+        if not match:
+            raise CheckpointError(f"{path}: not a checkpoint directory (expected "
+                                  f"iter_NNNNNN)")
+        return self._read(Path(path), int(match.group(1)))
+
     def latest_whole(self) -> tuple[Checkpoint | None, list[tuple[str, str]]]:
         """The newest checkpoint that is whole (readable state, every listed file there
         at its size), or None; and, newest first, each newer checkpoint's name with what

@@ -3,7 +3,8 @@
 Two sources, the second refining the first:
 
 - an **analytic model** from the work itself: floating-point operations of the forward
-  and backward passes (parameters x tokens), per-step and per-layer overheads of
+  and backward passes (parameters x tokens; with gradient checkpointing, the decoder
+  layers' forward once more in the backward), per-step and per-layer overheads of
   generation, optimizer steps, all-reduces (ring, ``2 (n-1)/n`` of the gradient bytes),
   and Dask's per-task latency and transfer bandwidth; its constants describe a device
   (CPU core or GPU) and are measured by ``rlhfflow profile``;
@@ -350,7 +351,9 @@ class CostModel:
             factor = d["train_factor"]
             if shape.adapters is not None:  # LoRA: the backward computes no gradients
                 factor = 1.0 + (factor - 1.0) / 2  # of the frozen weights, half its work
-            compute = epochs * rows / gang * tokens * factor * flops_token / speed
+            # gradient checkpointing: the backward runs the decoder layers' forward again
+            work = factor * flops_token + 2.0 * self.recomputed_weights(node.model)
+            compute = epochs * rows / gang * tokens * work / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.trained / speed)
             allreduce = 0.0
             if gang > 1:
@@ -363,6 +366,18 @@ class CostModel:
         if not node.scores:
             tokens = self.prompt_tokens * self._prompt_share(1) + self.response_tokens
         return d["task_s"] + call + rows * tokens * flops_token / speed
+
+    def recomputed_weights(self, model: str) -> int:
+        """The matrix weights whose products gradient checkpointing
+        (``models.NAME.gradient_checkpointing``) runs a second time per token in a
+        training step of ``model``: the checkpointed decoder layers' (every matrix weight
+        but the output head's; ``engine.recompute``); 0 without it."""
+        shape = self.shapes.get(model)
+        if not self.pipeline.spec.models[model].gradient_checkpointing or shape is None:
+            return 0
+        head = shape.hidden * (shape.vocab if self.pipeline.spec.models[model].head == "lm"
+                               else 1)
+        return max(0, shape.matmul_params - head)
 
     def _row_share(self, stage: str) -> float:
         """The share of the batch's rows ``stage`` works on: those its ``row_filter``
