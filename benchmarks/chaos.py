@@ -10,8 +10,8 @@ follows ``OUT/metrics.jsonl`` and, a seeded uniform delay after the k-th line ap
 random in 1..N-2), does the fault:
 
 - ``worker``: SIGKILL one device worker process;
-- ``stop``: SIGSTOP one device worker past the run's heartbeat timeout (5 s), then SIGCONT
-  it (``--stop-s``);
+- ``stop``: SIGSTOP one device worker past the run's heartbeat timeout (``--heartbeat-s``,
+  5 s), then SIGCONT it (``--stop-s``);
 - ``coordinator``: SIGKILL the coordinator of a run started with ``--supervise`` (which
   restarts it, resuming from the last checkpoint).
 
@@ -25,7 +25,7 @@ Each faulted run must:
 
     python benchmarks/chaos.py [--faults 8] [--seed 0] [--iterations 8]
         [--configs configs/ppo-tiny.yaml] [--placements interleaved,colocated,...]
-        [--kinds worker,coordinator,stop] [--warm off,on] [--stop-s 8]
+        [--kinds worker,coordinator,stop] [--warm off,on] [--stop-s 8] [--heartbeat-s 5]
 
 Prints a table (fault, placement, warm server, outcome, time lost: by the run's own clock,
 ``stalled_s``, and against the reference: the seconds from the first metrics record to the
@@ -225,7 +225,8 @@ def stalled_s(seen: dict[int, float], last: int) -> float | None:
 
 def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
              fault: Fault | None, stopped_s: float, timeout: float, warm: str = "off",
-             pace_s: float = 1.0) -> tuple[int, float, str, dict[int, float]]:
+             pace_s: float = 1.0, heartbeat_s: float = HEARTBEAT_TIMEOUT_S
+             ) -> tuple[int, float, str, dict[int, float]]:
     """One run, with ``fault`` if given (a ``coordinator`` fault: under ``--supervise``;
     ``pace_s``: seconds an iteration, before the run shows its own), the warm server
     ``warm`` ("on" or "off"); returns its exit code, the seconds from its
@@ -236,7 +237,7 @@ def run_once(config: Path, out: Path, iterations: int, overrides: list[str],
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if fault is not None and fault.kind == "stop":
         # the scheduler (in the run's process) drops a worker silent this long
-        overrides = [*overrides, f"cluster.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+        overrides = [*overrides, f"cluster.heartbeat_timeout_s={heartbeat_s:g}"]
     supervise = fault is not None and fault.kind == "coordinator"
     start = time.monotonic()
     seen: dict[int, float] = {}
@@ -312,8 +313,8 @@ def lost_figures(lost: list[float]) -> dict[str, float | None]:
 def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
           iterations: int, kinds: list[str] = ("worker",), stopped_s: float = 8.0,
           timeout: float = 600, directory: Path | None = None, say=print,
-          after: int | None = None, warms: list[str] = ("off",), parallel: int = 1
-          ) -> dict[str, Any]:
+          after: int | None = None, warms: list[str] = ("off",), parallel: int = 1,
+          heartbeat_s: float = HEARTBEAT_TIMEOUT_S) -> dict[str, Any]:
     """The references (warm server off), then the faulted runs, ``parallel`` runs at a
     time; returns the figures (see the module docstring). ``say`` gets one table row per
     run, as it ends."""
@@ -343,7 +344,7 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         pace_s = statistics.median(r.get("iteration_s", 1.0) for r in expected)
         out = base / f"run-{i}"
         code, wall, log, seen = run_once(ROOT / config, out, iterations, overrides, fault,
-                                         stopped_s, timeout, warm, pace_s)
+                                         stopped_s, timeout, warm, pace_s, heartbeat_s)
         outcome = Outcome(config, placement, warm, fault, code, wall,
                           stalled_s=stalled_s(seen, fault.last))
         if fault.done:
@@ -406,7 +407,7 @@ def chaos(configs: list[str], placements: list[str], faults: int, seed: int,
         "by_warm": {w: counts([o for o in injected if o.warm == w]) for w in warms},
         "errors": sorted({o.error[:200] for o in outcomes if o.error}),
         "kinds": list(kinds), "warm": list(warms), "seed": seed, "iterations": iterations,
-        "parallel": parallel,
+        "parallel": parallel, "stop_s": stopped_s, "heartbeat_timeout_s": heartbeat_s,
         # each fault: kind@iteration+delay, placement, warm server, ok, seconds lost (by
         # the run's own clock, and against the reference)
         "runs": [[f"{o.fault.kind}@{o.fault.after}+{o.fault.delay_s:.2f}", o.placement,
@@ -431,7 +432,12 @@ def main() -> None:
                         help="comma-separated, of: off, on (the warm server, RLHFFLOW_WARM)")
     parser.add_argument("--stop-s", type=float, default=8.0, metavar="SECONDS",
                         help="a stop fault's SIGSTOP lasts this long before its SIGCONT; the "
-                             f"runs' heartbeat timeout is {HEARTBEAT_TIMEOUT_S} s")
+                             "runs' heartbeat timeout is --heartbeat-s")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="a stop fault's run has this cluster.heartbeat_timeout_s "
+                             f"(default {HEARTBEAT_TIMEOUT_S}; on a loaded machine a "
+                             "worker busy starting can be this silent too)")
     parser.add_argument("--after", type=int, default=None, metavar="K",
                         help="every fault after iteration K (default: a random one)")
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
@@ -450,6 +456,7 @@ def main() -> None:
     figures = chaos(args.configs.split(","), args.placements.split(","), args.faults,
                     args.seed, args.iterations, kinds, args.stop_s, directory=args.workdir,
                     after=args.after, warms=warms, parallel=args.parallel,
+                    heartbeat_s=args.heartbeat_s,
                     say=lambda line: print(line, flush=True))
     from benchmarks.shared import emit_result
 
