@@ -215,3 +215,119 @@ def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
     assert lean.output_cache_field(OldOutput) == "past_key_values"
     installed = lean.output_cache_field(CausalLMOutputWithPast)
     assert lean.cache_keyword(LlamaForCausalLM.forward) == installed
+
+
+# ---------------------------------------------------------------- peft's LoRA layers
+def _lora_pair(dropout: float = 0.0, **config):
+    """A tiny Llama with peft's LoRA adapters (B drawn, not zero: the adapters count) on
+    transformers' and peft's forward, and a deep copy of it with the lean one."""
+    peft = pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).eval()
+    settings = {"r": 4, "lora_alpha": 8, "lora_dropout": dropout,
+                "target_modules": "all-linear", "task_type": "CAUSAL_LM", **config}
+    torch.manual_seed(0)
+    slow = peft.get_peft_model(model, peft.LoraConfig(**settings)).eval()
+    with torch.no_grad():
+        for name, p in slow.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    fast = copy.deepcopy(slow)
+    return slow, fast
+
+
+def test_lean_lora_logits_and_adapter_gradients_equal_peft_bitwise():
+    slow, fast = _lora_pair(dropout=0.1)  # dropout: the same draws in the same order
+    assert lean.unsupported(fast) is None and lean.enable(fast)
+    assert type(fast.get_base_model())._lean_base is LlamaForCausalLM
+    ids, mask, pos = padded_ids()
+    real = mask.bool()
+    outs = []
+    for model in (slow, fast):
+        model.train()
+        torch.manual_seed(3)
+        outs.append(model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          use_cache=False).logits)
+        outs[-1].logsumexp(-1)[real].sum().backward()
+    assert torch.equal(outs[0][real], outs[1][real])
+    adapters = [(n, p, q) for (n, p), q in zip(slow.named_parameters(), fast.parameters(),
+                                               strict=True) if p.requires_grad]
+    assert {n.split(".")[-3] for n, _, _ in adapters} == {"lora_A", "lora_B"}
+    for name, p, q in adapters:
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_lean_lora_with_adapters_off_is_the_base_bitwise():
+    from rlhfflow.engine.lora import base_view
+
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    plain = base_view(fast)  # the reference: plain layers, lean on its own
+    assert lean.enable(plain)
+    ids, mask, pos = padded_ids()
+    with torch.no_grad():
+        with slow.disable_adapter():
+            off = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        with fast.disable_adapter():
+            assert torch.equal(off, fast(input_ids=ids, attention_mask=mask,
+                                         position_ids=pos).logits)
+        assert torch.equal(off, plain(input_ids=ids, attention_mask=mask,
+                                      position_ids=pos).logits)
+        on = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert (on - off).abs().max() > 1e-3  # the adapters count when on
+
+
+def test_lean_lora_decoding_with_cache_equals_peft():
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    ids, mask, pos = padded_ids(length=16)
+    caches = [DynamicCache(config=slow.config) for _ in range(2)]
+    with torch.no_grad():
+        for start, width in ((0, 10), (10, 3), (13, 1), (14, 2)):
+            outs = [m(input_ids=ids[:, start:start + width], attention_mask=mask[:, :start + width],
+                      position_ids=pos[:, start:start + width], use_cache=True, **{CACHE: c})
+                    for m, c in zip((slow, fast), caches, strict=True)]
+            assert torch.equal(outs[0].logits, outs[1].logits)
+            assert outs[1][OUTPUT_CACHE] is caches[1]
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_lean_lora_calls_peft_for_merged_adapters_and_per_row_adapter_names():
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    ids, mask, pos = padded_ids()
+    names = ["default", "__base__", "default", "__base__", "default"]
+    with torch.no_grad():
+        for model in (slow, fast):  # peft's adapter_names: hooks on each layer, per row
+            model.merge_adapter()
+        a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                for m in (slow, fast))
+        assert torch.equal(a, b)
+        for model in (slow, fast):
+            model.unmerge_adapter()
+        a, b = (m(input_ids=ids, attention_mask=mask, position_ids=pos,
+                  adapter_names=names).logits for m in (slow, fast))
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("config, reason", [
+    ({"use_dora": True}, "a LoRA variant"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "adapter on model.embed_tokens"),
+])
+def test_lora_shapes_the_lean_forward_does_not_cover_keep_peft(config, reason):
+    _, fast = _lora_pair(**config)
+    assert reason in lean.unsupported(fast)
+    assert not lean.enable(fast)
+    assert not hasattr(type(fast.get_base_model()), "_lean_base")
+
+
+def test_a_lora_model_in_the_store_is_lean_and_recomputes_in_its_loop(tmp_path):
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
+                                             trainable=True, optimizer={"lr": 1e-2},
+                                             lora=lora, gradient_checkpointing=True)})
+    inner = store.get("actor").module.get_base_model()
+    assert type(inner)._lean_base is LlamaForCausalLM
+    assert getattr(inner, "_rlhfflow_recompute", False)

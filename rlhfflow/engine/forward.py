@@ -261,10 +261,15 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
                           position_ids=position_ids(mask)[:, prompt_mask.shape[1]:],
                           use_cache=True, **cache_kwargs(module, cache))
             logits = torch.cat([logits, step.logits.float()], dim=1)
-        pieces.append(torch.nn.functional.pad(logits, (0, 0, 0, response_len - length)))
+        if length < response_len:  # a pad of nothing would still copy [rows, Lr, V]
+            logits = torch.nn.functional.pad(logits, (0, 0, 0, response_len - length))
+        pieces.append(logits)
         order.append(index)
     logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return logits[torch.argsort(torch.cat(order).to(device))]
+    rows = torch.cat(order)
+    if torch.equal(rows, torch.arange(len(rows))):  # already in order: no copy
+        return logits
+    return logits[torch.argsort(rows.to(device))]
 
 
 def _cache_rows(cache: object, rows: torch.Tensor) -> object:

@@ -26,6 +26,19 @@ What is the same, so nothing else changes:
   checkpointing while training, a model converted from float32 since, a call under
   autocast, parameters partitioned by DeepSpeed's ZeRO-3.
 
+**LoRA.** A model with peft's LoRA adapters (``engine.lora``) gets it too: ``enable`` gives
+the transformers model under peft's wrapper the lean forward (peft's ``PeftModel`` and
+``LoraModel`` forwards are a few calls per forward, not per layer, and stay), and where
+the lean forward reads a Linear that peft's LoRA ``Linear`` replaced it computes what that
+layer's forward computes, the same operations in the same order: the base layer, then
+``B(A(dropout(x))) * scaling`` added for each active adapter, the base alone with the
+adapters disabled (logits and the gradients of ``A`` and ``B`` bitwise peft's on CPU,
+``tests/test_lean.py``). A layer in a state it does not cover (adapters merged into the
+weights, forward hooks such as peft's per-row ``adapter_names``) is called as a module.
+Adapters of another shape keep peft's forward for the whole model (``unsupported`` says
+why): other peft methods, DoRA and other LoRA variants, adapters on layers other than the
+attention and MLP projections and the output head, ``fan_in_fan_out``.
+
 ``enable(module)`` switches a loaded model over by giving it a subclass of its class with
 this forward (``type(module).__name__`` stays ``LlamaForCausalLM``, so ``save_pretrained``
 writes the same ``architectures``, and ``copy.copy`` views such as the ``layers`` drafter
@@ -55,17 +68,32 @@ ENV = "RLHFFLOW_LEAN_FORWARD"
 #: RoPE types whose inverse frequencies change with the sequence length: their
 #: ``rotary_emb`` recomputes them in forward, so a fixed table would be wrong.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
-#: Keyword arguments transformers' forward takes that this one handles (others fall back).
+#: Keyword arguments transformers' forward takes that this one handles (others fall back,
+#: unless None: peft's wrapper passes ``output_attentions=None`` and the like).
 _HANDLED = frozenset({"return_dict"})
+#: The Linear layers of a Llama block the lean forward reads, and the output head.
+_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj", "lm_head"})
 #: Device types whose models get the lean forward: where it was checked against
 #: transformers (bitwise on CPU). Elsewhere a model keeps transformers' forward.
 DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
+def transformers_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model of ``module``: the base model under peft's wrapper
+    (``PeftModel``), else ``module`` itself."""
+    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+        return module.get_base_model()
+    return module
+
+
 def unsupported(module: torch.nn.Module) -> str | None:
-    """Why ``module`` cannot use the lean forward, or None when it can."""
+    """Why ``module`` (a transformers model, or one with peft's LoRA adapters) cannot use
+    the lean forward, or None when it can."""
     from transformers import LlamaForCausalLM
 
+    if module is not transformers_model(module):
+        return _unsupported_adapters(module) or unsupported(transformers_model(module))
     cls = type(module)
     if getattr(cls, "_lean_base", None) is not None:
         return None  # already lean
@@ -89,7 +117,50 @@ def unsupported(module: torch.nn.Module) -> str | None:
     if elsewhere:
         return (f"parameters on {', '.join(sorted(elsewhere))} (the lean forward is checked "
                 f"on {', '.join(sorted(DEVICES)) or 'no device'} only)")
+    for name, child in module.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf in _PROJECTIONS and type(child) is not torch.nn.Linear and not _is_lora(child):
+            return f"{name} is {type(child).__name__}, not a Linear or peft's LoRA Linear"
     return None
+
+
+def _unsupported_adapters(wrapper: torch.nn.Module) -> str | None:
+    """Why the adapters of peft model ``wrapper`` keep peft's forward, or None when
+    every adapted layer is a LoRA Linear of the default shape on a projection the lean
+    forward reads (what ``_adapted`` computes)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    kinds = {getattr(config.peft_type, "value", str(config.peft_type))
+             for config in wrapper.peft_config.values()}
+    if kinds != {"LORA"}:
+        return f"peft adapters of type {', '.join(sorted(kinds))} (only LoRA is lean)"
+    for name, layer in wrapper.get_base_model().named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        if not _is_lora(layer) or name.rpartition(".")[2] not in _PROJECTIONS:
+            return f"adapter on {name} ({type(layer).__name__}): lean covers LoRA Linears"
+        if layer.fan_in_fan_out:
+            return f"{name}: fan_in_fan_out"
+        if layer.lora_variant or any(layer.use_dora.values()):
+            return f"{name}: a LoRA variant (DoRA, aLoRA, ...)"
+        if type(layer.get_base_layer()) is not torch.nn.Linear:
+            return f"{name}: base layer {type(layer.get_base_layer()).__name__}"
+    return None
+
+
+def _is_lora(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is peft's LoRA ``Linear`` (not a subclass: quantized layers)."""
+    return type(layer) is _lora_linear()
+
+
+@functools.cache
+def _lora_linear() -> type | None:
+    """peft's LoRA ``Linear`` class, or None without peft (the ``lora`` extra)."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
 
 
 def enable(module: torch.nn.Module) -> bool:
@@ -99,6 +170,9 @@ def enable(module: torch.nn.Module) -> bool:
     if os.environ.get(ENV, "1") == "0" or "forward" in vars(module):
         return False
     if unsupported(module) is not None:
+        return False
+    module = transformers_model(module)  # under peft's wrapper: its forward calls this one
+    if "forward" in vars(module):
         return False
     base = type(module)
     if getattr(base, "_lean_base", None) is None:
@@ -133,7 +207,8 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
     if (input_ids is None or input_ids.numel() == 0 or inputs_embeds is not None
             or labels is not None
             or (attention_mask is not None and attention_mask.dim() != 2)
-            or not _HANDLED.issuperset(kwargs) or kwargs.get("return_dict") is False
+            or any(v is not None and k not in _HANDLED for k, v in kwargs.items())
+            or kwargs.get("return_dict") is False
             or not isinstance(logits_to_keep, int)
             or (cache is not None and type(cache) is not DynamicCache)
             or self.lm_head.weight.dtype != torch.float32  # converted after loading
@@ -172,7 +247,7 @@ def lean_forward(self, input_ids: torch.Tensor | None = None,
     hidden = _rms_norm(inner.norm, hidden)
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
-    logits = F.linear(hidden, self.lm_head.weight)
+    logits = _linear(self.lm_head, hidden)
     return CausalLMOutputWithPast(logits=logits, **{output_cache_field(CausalLMOutputWithPast):
                                                     cache})
 
@@ -206,8 +281,7 @@ def _layer(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin:
 
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``LlamaMLP``: ``down(silu(gate(x)) * up(x))``."""
-    return F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
-                    mlp.down_proj.weight)
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
 
 def _attention(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
@@ -219,9 +293,9 @@ def _attention(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
     x = _rms_norm(layer.input_layernorm, hidden)
     rows, length, _ = x.shape
     shape = (rows, length, -1, attn.head_dim)
-    query = F.linear(x, attn.q_proj.weight).view(shape).transpose(1, 2)
-    key = F.linear(x, attn.k_proj.weight).view(shape).transpose(1, 2)
-    value = F.linear(x, attn.v_proj.weight).view(shape).transpose(1, 2)
+    query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
+    key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
+    value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
     query = query * cos + _rotate_half(query) * sin
     key = key * cos + _rotate_half(key) * sin
     if cache is not None:
@@ -229,7 +303,34 @@ def _attention(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=attn.scaling,
         is_causal=mask is None and length > 1, enable_gqa=key.shape[1] != query.shape[1])
-    return F.linear(out.transpose(1, 2).reshape(rows, length, -1), attn.o_proj.weight)
+    return _linear(attn.o_proj, out.transpose(1, 2).reshape(rows, length, -1))
+
+
+def _linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for a Linear without bias, or peft's LoRA Linear on one."""
+    if type(layer) is torch.nn.Linear:
+        return F.linear(x, layer.weight)
+    return _adapted(layer, x)
+
+
+def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """peft's LoRA ``Linear.forward`` for the active adapters, the same operations in
+    the same order: ``W x + B(A(dropout(x))) * scaling`` each; the base alone with the
+    adapters disabled. States it does not cover (merged weights, forward hooks such as
+    peft's per-row ``adapter_names``, a variant) call the layer itself."""
+    if (not _is_lora(layer) or layer.merged or layer.lora_variant
+            or layer._forward_pre_hooks or layer._forward_hooks):
+        return layer(x)
+    result = F.linear(x, layer.base_layer.weight, layer.base_layer.bias)
+    if layer.disable_adapters:
+        return result
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        down, up = layer.lora_A[adapter], layer.lora_B[adapter]
+        hidden = F.linear(layer.lora_dropout[adapter](x), down.weight, down.bias)
+        result = result + F.linear(hidden, up.weight, up.bias) * layer.scaling[adapter]
+    return result
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ as its base). What follows from the base never changing:
   loadable with ``PeftModel.from_pretrained``) and the ``final`` export is the merged model
   (:func:`merged_copy`), plain transformers.
 
-The lean forward (``engine.lean``) reads Linear weights directly and would skip the
-adapters, so a LoRA model keeps transformers' forward through peft's layers; the base view
-has plain layers again and gets the lean forward like any model.
+A LoRA model of the default shape gets the lean forward (``engine.lean``), which
+computes peft's LoRA layers itself; the base view has plain layers again and gets it like
+any model.
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def apply_lora(module: torch.nn.Module, lora: Mapping[str, Any], head: str,
             wrapped = get_peft_model(module, lora_config(lora, head))
     except ValueError as exc:  # "Target modules {...} not found in the base model"
         raise ValueError(f"model {name!r}: lora.target_modules: {exc}") from None
-    logger.info("model %r: LoRA r=%s on %d layers; transformers' forward through peft's "
-                "layers (the lean forward reads Linear weights directly)", name, lora["r"],
+    logger.info("model %r: LoRA r=%s on %d layers", name, lora["r"],
                 sum(1 for m in wrapped.modules() if _is_adapted(m)))
     return wrapped
 

@@ -23,6 +23,8 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlhfflow.engine.lean import transformers_model
+
 log = logging.getLogger(__name__)
 #: The attribute the lean forward reads: checkpoint each layer of the loop.
 LEAN_FLAG = "_rlhfflow_recompute"
@@ -32,13 +34,14 @@ def enable(module: torch.nn.Module) -> str | None:
     """Checkpoint ``module``'s decoder layers from now on; how (``"lean"``: the lean
     forward's loop, ``"layers"``: transformers' layers wrapped), or None where no
     decoder layer was found (said once in the log; the model trains without it)."""
-    if getattr(type(module), "_lean_base", None) is not None:
-        setattr(module, LEAN_FLAG, True)
+    inner = transformers_model(module)  # under peft's wrapper, the lean one
+    if getattr(type(inner), "_lean_base", None) is not None:
+        setattr(inner, LEAN_FLAG, True)
     layers = decoder_layers(module)
     for layer in layers:  # the lean forward falls back to these in some calls
         if not getattr(layer.forward, "_recomputed", False):
             layer.forward = _checkpointed(layer.forward)
-    if getattr(module, LEAN_FLAG, False):
+    if getattr(inner, LEAN_FLAG, False):
         return "lean"
     if layers:
         return "layers"
