@@ -6,6 +6,7 @@ Everything is real (transformers checkpoints on disk, zarr, Dask) and seeded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -210,6 +211,16 @@ def cluster():
     with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster
 
+
+
+def example_module(example: str, name: str):
+    """Import ``examples/EXAMPLE/NAME.py`` (an example is no package) under a name of its
+    own, ``EXAMPLE_NAME``."""
+    path = REPO / "examples" / example / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{example}_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 @contextmanager
 def tmpfs(mount: Path, size: str) -> Iterator[Path]:

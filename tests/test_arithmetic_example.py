@@ -6,7 +6,6 @@ validated as written, next to a tiny chat model standing in for the checkpoint.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -16,21 +15,14 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
-from tests.conftest import REPO
+from tests.conftest import REPO, example_module
 
 EXAMPLE = REPO / "examples" / "arithmetic"
 
 
-def example_module(name: str):
-    """Import ``examples/arithmetic/NAME.py`` (the example is no package)."""
-    spec = importlib.util.spec_from_file_location(f"arithmetic_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_data_is_seeded_held_out_and_right() -> None:
-    make_data = example_module("make_data")
+    make_data = example_module("arithmetic", "make_data")
     train, test = make_data.make_records("add2", 300, 50, seed=3)
     assert (train, test) == make_data.make_records("add2", 300, 50, seed=3)
     assert train != make_data.make_records("add2", 300, 50, seed=4)[0]
@@ -55,7 +47,7 @@ def test_the_script_writes_both_files(tmp_path: Path) -> None:
 
 
 def test_exact_match_reads_the_last_number() -> None:
-    exact_match = example_module("reward").exact_match
+    exact_match = example_module("arithmetic", "reward").exact_match
     responses = ["23 + 58 = 81", "The answer is 81.", "81.5", "about 80", "", "1,081",
                  "81 or 82", " 81 "]
     answers = ["81", "81", "81", "81", "81", "1081", "81", "81"]

@@ -8,7 +8,6 @@ chat model standing in for the checkpoint.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -22,24 +21,17 @@ from click.testing import CliRunner
 from rlhfflow.cli.main import main
 from rlhfflow.engine.models import build_tiny_model, save_model
 from rlhfflow.stages.rollout import ToolEnvironment
-from tests.conftest import REPO, chat_tokenizer
+from tests.conftest import REPO, chat_tokenizer, example_module
 
 EXAMPLE = REPO / "examples" / "multiturn"
 
-
-def example_module(name: str):
-    """Import ``examples/multiturn/NAME.py`` (the example is no package)."""
-    spec = importlib.util.spec_from_file_location(f"multiturn_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- data
 
 
 def test_the_calculator_data_is_seeded_held_out_and_right() -> None:
-    make_data = example_module("make_data")
+    make_data = example_module("multiturn", "make_data")
     train, test = make_data.make_records(300, 50, seed=3)
     assert (train, test) == make_data.make_records(300, 50, seed=3)
     assert train != make_data.make_records(300, 50, seed=4)[0]
@@ -56,7 +48,7 @@ def test_the_calculator_data_is_seeded_held_out_and_right() -> None:
         assert record["answer"] == str(int(a) * int(b))
     # the worked call is one the tool environment runs
     demo = train[0]["messages"]
-    calculate = example_module("tools").calculate
+    calculate = example_module("multiturn", "tools").calculate
     env = ToolEnvironment({"calculate": calculate}, timeout_s=5)
     messages, _, done, info = env.step(demo[2]["content"])
     assert messages == [{"content": demo[3]["content"]}] and not done
@@ -99,7 +91,7 @@ EPISODE = ('<tool_call>{"name": "calculate", "arguments": {"expression": "347 * 
     ("", 0.0, 0.0),
 ])
 def test_the_calculator_rewards(response, exact, called) -> None:
-    reward = example_module("reward")
+    reward = example_module("multiturn", "reward")
     assert reward.exact_answer([""], [response], ["20126"]) == [exact]
     assert reward.tool_call([""], [response], ["20126"]) == [called]
 
@@ -108,7 +100,7 @@ def test_the_calculator_rewards(response, exact, called) -> None:
 
 
 def test_guess_number_answers_and_reports_the_win() -> None:
-    GuessNumber = example_module("envs").GuessNumber
+    GuessNumber = example_module("multiturn", "envs").GuessNumber
     env = GuessNumber(penalty=0.2)
     assert env.reset({"secret": 6, "prompt": "guess"}) == []
     assert env.step("I say 3") == ([{"content": "higher"}], -0.2, False, {"guess": 3, "won": 0})
@@ -129,7 +121,7 @@ def test_guess_number_answers_and_reports_the_win() -> None:
 
 
 def test_tool_environment_counts_calls_and_errors() -> None:
-    env = ToolEnvironment({"calculate": example_module("tools").calculate}, timeout_s=5)
+    env = ToolEnvironment({"calculate": example_module("multiturn", "tools").calculate}, timeout_s=5)
     call = '<tool_call>{{"name": "calculate", "arguments": {{"expression": "{}"}}}}</tool_call>'
     messages, reward, done, info = env.step(call.format("2 * 3") + call.format("1 +"))
     assert [m["content"] for m in messages][0] == "6" and not done and reward == 0.0

@@ -98,17 +98,23 @@ def test_guessing_episodes_mask_the_environment_and_keep_the_sampler_s_logprobs(
     assert "<|im_start|>assistant: " in tok.decode(out["response_ids"][0].tolist())
 
 
-def test_an_episode_ends_when_the_environment_says_done(chat_lm_dir):
-    store = chat_store(chat_lm_dir)
-    tok = store.get("actor").tokenizer
-    batch = chat_batch(tok, TEXTS[:1], samples=4)
+def _secrets_guessed_on_the_first_turn(store) -> tuple[dict, dict, list]:
+    """A batch of 4 samples of one prompt for the guessing game, each row's secret the
+    first number its model says in a first turn (none: 0, never guessed); that turn's
+    output, and those matches (a row's ``re.Match`` or None)."""
+    batch = chat_batch(store.get("actor").tokenizer, TEXTS[:1], samples=4)
     first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
-    # make each row's secret the first number its model said (none: 0, never guessed)
     said = [re.search(r"\d+", t) for t in first["response_text"]]
     assert any(said), first["response_text"]
-    rows = [r for r in range(4) if said[r]]
     batch["prompt_fields"] = [json.dumps({"secret": int(s.group()) if s else 0})
                               for s in said]
+    return batch, first, said
+
+
+def test_an_episode_ends_when_the_environment_says_done(chat_lm_dir):
+    store = chat_store(chat_lm_dir)
+    batch, first, said = _secrets_guessed_on_the_first_turn(store)
+    rows = [r for r in range(4) if said[r]]
     out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=64)
     for row in rows:
         assert out["turns"][row] == 1 and out["env_reward"][row] == 1.0
@@ -233,14 +239,8 @@ def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
     from rlhfflow.runtime.worker.host import partial_metrics
 
     store = chat_store(chat_lm_dir)
-    tok = store.get("actor").tokenizer
-    batch = chat_batch(tok, TEXTS[:1], samples=4)
-    first = _rollout(store, batch, env=GUESS, max_turns=1, max_new_tokens=6, max_tokens=64)
     # rows whose first number is the secret win on their first turn, the others never
-    said = [re.search(r"\d+", t) for t in first["response_text"]]
-    assert any(said), first["response_text"]
-    batch["prompt_fields"] = [json.dumps({"secret": int(s.group()) if s else 0})
-                              for s in said]
+    batch, _, said = _secrets_guessed_on_the_first_turn(store)
     out = _rollout(store, batch, env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=64,
                    info=["won", "guess", "absent"])
     won = torch.tensor([1.0 if s else 0.0 for s in said])
