@@ -19,7 +19,7 @@ from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.data.hub import HubDataError, locate
 from rlhfflow.data.records import DataError
-from rlhfflow.data.source import PromptSource
+from rlhfflow.data.source import KEEP_EPOCHS, KEEP_PICKS, PromptSource
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage.metrics import MetricsLog
 from tests.conftest import small_pipeline
@@ -175,6 +175,13 @@ def test_sources_mix_by_weight_in_a_fixed_order(hub_data, tmp_path) -> None:
     assert [sum(t in math for t in batch) for batch in batches] == [1] * 6  # 3:1 in each
     again = PromptSource.from_pipeline(pipeline, "actor")  # a resume: the same prompts
     assert [again.texts[i] for i in again.prompt_indices(5)] == batches[5]
+    # a long run keeps a few batches of the stream and a few epochs, not all of them; an
+    # earlier batch asked for again (a resume reading back) is the same
+    later = [again.prompt_indices(k) for k in range(6, 60)]
+    assert len(again._picks) <= KEEP_PICKS * again.batch_size
+    assert len(again._epochs) <= KEEP_EPOCHS * len(again.members)
+    assert [again.texts[i] for i in again.prompt_indices(5)] == batches[5]
+    assert [source.prompt_indices(k) for k in range(6, 60)] == later
     # every prompt of a source once per pass over it (4 math prompts in 4 batches)
     assert {t for batch in batches[:4] for t in batch if t in math} == math
     with pytest.raises(SpecError, match=r"data\.sources\[1\]\.subset: 'acme/math' has no "

@@ -14,10 +14,10 @@ from distributed import Client, Event, LocalCluster, SchedulerPlugin
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.tasks import AFTER, Task, Wait
 from rlhfflow.runtime.backend import (
+    COORDINATOR_LOGS,
     TASK_STREAM_LENGTH,
     WORKER_LOGS,
     DaskBackend,
-    local_cluster,
 )
 from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
 from rlhfflow.runtime.run import run_pipeline
@@ -125,21 +125,32 @@ def _computation_groups(dask_scheduler=None) -> int:
 def test_a_busy_cluster_keeps_only_the_task_groups_it_still_has(threads_cluster):
     with Client(threads_cluster) as client:
         # a task that runs throughout: the cluster is never idle, so Dask adds every
-        # group to one computation (as in a pipelined run)
-        busy = client.submit(_hold, "busy", key="busy-task")
+        # group to one computation and one span (as in a pipelined run); its group
+        # ("train") lives on, and its tasks depend on a group that does not ("stage")
+        busy = client.submit(_hold, "busy", key="train-0")
         DaskBackend(client)  # registers the plugin, as a run does
         for i in range(20):
             # the "stage" group is forgotten with its task, and made again by the next
             key = f"stage-{i}-{i:08x}"
             future = client.submit(lambda x: x, i, key=key)
-            future.result()
-            del future
+            follower = client.submit(lambda x: x, future, key=f"train-{i + 1}")
+            follower.result()
+            del future, follower
             while client.run_on_scheduler(_known, key):
                 time.sleep(0.01)
         groups = client.run_on_scheduler(_computation_groups)
+        spans, dependencies = client.run_on_scheduler(_span_and_dependency_groups)
         Event("busy", client=client).set()
         busy.result()
-    assert groups <= 3, groups  # busy's, the last stage's: not 20
+    assert groups <= 2, groups  # train's, the last stage's: not 20
+    assert spans <= 2, spans
+    assert dependencies <= 1, dependencies  # train's on the last stage: not 20
+
+
+def _span_and_dependency_groups(dask_scheduler=None) -> tuple[int, int]:
+    spans = dask_scheduler.extensions["spans"].spans.values()
+    return (sum(len(s.groups) for s in spans),
+            sum(len(g.dependencies) for g in dask_scheduler.task_groups.values()))
 
 
 def _logs(dask_worker=None) -> dict[str, int | str]:
@@ -150,22 +161,47 @@ def _logs(dask_worker=None) -> dict[str, int | str]:
             "profile_interval": dask.config.get("distributed.worker.profile.interval")}
 
 
-def test_embedded_workers_keep_short_developer_logs_and_the_task_stream_is_capped():
+def test_an_embedded_cluster_keeps_short_developer_logs_and_the_task_stream_is_capped():
+    import dask
+
+    from rlhfflow.monitor.dashboard import PAGE_ITERATIONS, MetricsPage
+
     length = WORKER_LOGS["distributed"]["admin"]["low-level-log-length"]
-    with local_cluster(1, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster, \
-            Client(cluster) as client:
+    assert COORDINATOR_LOGS["distributed.admin.low-level-log-length"] == length
+    before = dask.config.get("distributed.admin.low-level-log-length")
+    backend = DaskBackend.connect(None, 1, dashboard_address="127.0.0.1:0", torch_threads=1)
+    try:
+        client, scheduler = backend.client, backend.cluster.scheduler
         [logs] = client.run(_logs).values()
-        events = client.run_on_scheduler(
-            lambda dask_scheduler: dask_scheduler._broker._topics["rlhfflow"].events.maxlen)
+        # the coordinator's batched streams (the client's, the scheduler's to its worker
+        # and client) and its transition log: each entry a batch of whole task messages
+        streams = [client.scheduler_comm, *scheduler.stream_comms.values(),
+                   *scheduler.client_comms.values()]
+        assert [s.recent_message_log.maxlen for s in streams] == [length] * len(streams)
+        assert scheduler.transition_log.maxlen == length
         # made as the Task Stream page is first opened, after the cluster started
         stream = client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler._task_stream_plugin().buffer.maxlen)
+        # the rlhfflow page keeps its own iterations, more than the scheduler's topic
+        for i in range(length + 50):
+            client.log_event("rlhfflow", {"run": "r", "iteration": i, "reward_mean": 0.5})
+        deadline = time.monotonic() + 10
+        while len(scheduler.get_events("rlhfflow")) < length and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        page = MetricsPage(scheduler)
+        page.update()
+        assert len(scheduler.get_events("rlhfflow")) == length
+        assert page.source.data["iteration"] == list(range(length + 50))
+        assert PAGE_ITERATIONS >= 1000
+    finally:
+        backend.close()
     assert logs["stimulus_log"] == logs["profile_history"] == length
     # the rest of the embedded cluster's config reached the worker too (quiet timers)
     assert logs["profile_interval"] == "100ms"
-    # the scheduler keeps Dask's length: the rlhfflow page shows the last 1000 iterations
-    assert events == 1000
     assert stream == TASK_STREAM_LENGTH
+    # the caller's config is back once the run's cluster is closed
+    assert dask.config.get("distributed.admin.low-level-log-length") == before
 
 
 @pytest.mark.slow

@@ -54,6 +54,13 @@ def load_tokenizer(pipeline, model: str):
     return AutoTokenizer.from_pretrained(str(pipeline.model_dir(root.path)))
 
 
+KEEP_EPOCHS = 2
+"""Shuffled epochs a prompt source keeps per source (made again when asked again)."""
+KEEP_PICKS = 4
+"""Batches of mixed-source stream positions a prompt source keeps (replayed when asked
+again): a long run's memory stays flat."""
+
+
 class PromptSource:
     """The data stage: builds each iteration's batch of source columns. ``from_pipeline``
     reads and checks the prompts file up front; a plain prompt longer than
@@ -87,7 +94,9 @@ class PromptSource:
         self.members = [[i for i, g in enumerate(groups) if g == s]
                         for s in range(max(groups, default=0) + 1)]
         self.weights = list(weights) if weights is not None else None
-        self._picks: list[tuple[int, int]] = []  # position -> (source, its count so far)
+        # the stream's positions from _picks_start on -> (source, its count so far)
+        self._picks: list[tuple[int, int]] = []
+        self._picks_start = 0
         self._taken = [0] * len(self.members)
 
     @classmethod
@@ -151,30 +160,45 @@ class PromptSource:
 
     def _epoch(self, source: int, epoch: int) -> list[int]:
         """A permutation of ``source``'s prompts, seeded by ``(seed, epoch)`` (and the
-        source, when there are several)."""
-        if (source, epoch) not in self._epochs:
+        source, when there are several). The last ``KEEP_EPOCHS`` are kept: a run reads
+        its epochs in order, and one it asks for again is made again, the same."""
+        found = self._epochs.get((source, epoch))
+        if found is None:
             n = len(self.members[source])
             if self.shuffle:
                 key = "data" if self.weights is None else f"data{source}"
                 gen = torch.Generator().manual_seed(stage_seed(self.seed, key, epoch))
-                self._epochs[source, epoch] = torch.randperm(n, generator=gen).tolist()
+                found = torch.randperm(n, generator=gen).tolist()
             else:
-                self._epochs[source, epoch] = list(range(n))
-        return self._epochs[source, epoch]
+                found = list(range(n))
+            while len(self._epochs) >= KEEP_EPOCHS * len(self.members):
+                del self._epochs[next(iter(self._epochs))]  # the oldest made
+            self._epochs[source, epoch] = found
+        return found
 
     def _pick(self, position: int) -> tuple[int, int]:
         """``(source, count)`` of a stream position: smooth weighted round-robin, each
         position going to the source furthest behind its share (ties: the first), so
-        every stretch of the stream mixes the sources in proportion to their weights."""
+        every stretch of the stream mixes the sources in proportion to their weights.
+        The last ``KEEP_PICKS`` batches of positions are kept; an earlier position (a
+        resumed run reading back) replays the stream from its start."""
+        if position < self._picks_start:
+            self._picks, self._picks_start = [], 0
+            self._taken = [0] * len(self.members)
         total = sum(self.weights)
-        while len(self._picks) <= position:
-            p = len(self._picks)
+        while self._picks_start + len(self._picks) <= position:
+            p = self._picks_start + len(self._picks)
             behind = [(p + 1) * w / total - t
                       for w, t in zip(self.weights, self._taken, strict=True)]
             source = max(range(len(behind)), key=lambda s: (behind[s], -s))
             self._picks.append((source, self._taken[source]))
             self._taken[source] += 1
-        return self._picks[position]
+        found = self._picks[position - self._picks_start]
+        extra = len(self._picks) - KEEP_PICKS * self.batch_size
+        if extra > 0:
+            del self._picks[:extra]
+            self._picks_start += extra
+        return found
 
     def prompt_indices(self, iteration: int) -> list[int]:
         """Indices (into the prompts) of the prompts of ``iteration``."""

@@ -1,9 +1,9 @@
 """The rlhfflow page of the Dask dashboard (``/rlhfflow``, served by the scheduler).
 
 The coordinator publishes each iteration's figures as a scheduler event (topic
-``rlhfflow``, see ``rlhfflow.monitor.RunMonitor``); this page reads them from the
-scheduler's event log once a second and draws reward, KL, response length, per-stage time,
-worker busy fractions and staleness per iteration.
+``rlhfflow``, see ``rlhfflow.monitor.RunMonitor``); the preload's scheduler plugin keeps
+the last 1000, and this page reads them once a second and draws reward, KL, response
+length, per-stage time, worker busy fractions and staleness per iteration.
 
 The page is a Bokeh application added to the dashboard's own before the scheduler starts
 its HTTP server, so it has to be loaded as a scheduler preload: the embedded cluster does
@@ -17,6 +17,8 @@ Without bokeh (the ``dashboard`` extra) importing this module adds nothing.
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -74,7 +76,7 @@ def page_columns(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 class MetricsPage:
-    """The page's figures, redrawn from the scheduler's event log by ``update``."""
+    """The page's figures, redrawn from the published iterations by ``update``."""
 
     def __init__(self, scheduler) -> None:
         from bokeh.models import ColumnDataSource, Div
@@ -128,8 +130,8 @@ class MetricsPage:
                 f"{last['iteration'] + 1} of {total}; last iteration {seconds:.2f} s</p>")
 
     def update(self) -> None:
-        """Redraw from the scheduler's event log when a new iteration arrived."""
-        messages = latest_run(self.scheduler.get_events(TOPIC))
+        """Redraw from the published iterations when a new one arrived."""
+        messages = latest_run(page_events(self.scheduler))
         data = page_columns(messages)
         if data == dict(self.source.data):
             return
@@ -168,9 +170,31 @@ def rlhfflow_doc(scheduler, extra: dict[str, Any], doc) -> None:
 
 class DashboardPlugin(SchedulerPlugin):
     """Marks a scheduler that serves the page, so a run can tell whether to print its
-    URL (every ``SchedulerPlugin`` hook is left a no-op)."""
+    URL, and keeps the page's iterations: the last ``PAGE_ITERATIONS`` events of the
+    topic, where the scheduler's own event log of a topic may be shorter (the embedded
+    cluster's keeps 100 events, ``rlhfflow.runtime.backend.COORDINATOR_LOGS``)."""
 
     name = PLUGIN_NAME
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[float, Any]] = deque(maxlen=PAGE_ITERATIONS)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        if topic == TOPIC:
+            self.events.append((time.time(), msg))
+
+
+PAGE_ITERATIONS = 1000
+"""How many iteration events (of all runs on the scheduler) the page keeps."""
+
+
+def page_events(scheduler) -> list[tuple[float, Any]]:
+    """The events of the page's topic: the plugin's, or the scheduler's event log on a
+    scheduler without the plugin."""
+    plugin = getattr(scheduler, "plugins", {}).get(PLUGIN_NAME)
+    if isinstance(plugin, DashboardPlugin):
+        return list(plugin.events)
+    return list(scheduler.get_events(TOPIC))
 
 
 def _register() -> bool:

@@ -284,9 +284,18 @@ DASK_TASK_STREAM, TASK_STREAM_LENGTH = 100_000, 10_000
 #: last: the state machine's log and its stimuli (every task's arguments, the prompts
 #: inlined into them included), the transfers, and a profile per second (the dashboard's
 #: Profile page), the last filling for 1000 s, 3,000 iterations of ppo-tiny. 100 keep the
-#: last 100 s of profile. The scheduler's logs (this process) keep Dask's length: its
-#: events are the rlhfflow page's last 1000 iterations.
+#: last 100 s of profile.
 WORKER_LOGS = {"distributed": {"admin": {"low-level-log-length": 100}}}
+
+#: The coordinator's (this process's) Dask developer logs while it runs an embedded
+#: cluster, as short as the workers'. Each of Dask's batched streams (the client's to the
+#: scheduler, the scheduler's to each worker and client) keeps its last 1000 batches of
+#: messages, and a batch holds whole tasks: the pickled graphs the client sends, the task
+#: specs with the prompts and tensors inlined into them. Measured with ``tracemalloc`` in
+#: a ppo-tiny run: 27 MB of the client's pickled graphs alone by iteration 1,000, still
+#: filling there. The scheduler's transition log and its event topics take the same length;
+#: the rlhfflow page keeps its own iterations (``rlhfflow.monitor.dashboard``).
+COORDINATOR_LOGS = {"distributed.admin.low-level-log-length": 100}
 
 
 #: The embedded cluster's timers, as Dask's defaults and as set instead. Each fires a
@@ -372,15 +381,23 @@ def _cuda_count() -> int:
 
 def _computation_groups_plugin():
     """A scheduler plugin (``distributed.SchedulerPlugin``, imported when needed) that
-    keeps the computations' task groups to those the scheduler still has.
+    keeps the task groups the scheduler's records hold to those it still has.
 
-    Dask adds every task group a graph creates to the current "computation", and starts a
-    new one (of the last 100) only when the cluster was idle, which a pipelined run
-    rarely is. A group whose tasks were all forgotten leaves the scheduler but stays in
-    its computation, and the next iteration's tasks of that stage make a new group:
-    ~10 groups an iteration of ppo-tiny, kept for the whole run. The computations' totals
-    (the dashboard's, Dask's ``get_computations``) lose the forgotten groups."""
+    A stage's tasks form one task group (``train_actor-12`` and ``train_actor-13`` are
+    both ``train_actor``); when every task of a group was forgotten the group leaves the
+    scheduler, and the stage's next task makes a new one. Three records kept each group
+    for the run's life: the current "computation" (Dask starts a new one, of the last
+    100, only when the cluster was idle, which a pipelined run rarely is), the current
+    span (the default span lasts while tasks are in flight: all run long), and the
+    dependencies of a group that lives on (a stage whose next task was submitted before
+    the last one was forgotten). Measured in ppo-tiny: ~10 groups an iteration in the
+    computation, and 0.1 an iteration in the span, each keeping the groups it depended
+    on. The totals of computations and spans (the dashboard's, Dask's
+    ``get_computations``) lose the forgotten groups."""
     from distributed import SchedulerPlugin
+
+    def live_only(groups: set, live: dict) -> set:
+        return {g for g in groups if live.get(g.name) is g}
 
     class ForgetFinishedGroups(SchedulerPlugin):
         name = "rlhfflow-computation-groups"
@@ -390,8 +407,13 @@ def _computation_groups_plugin():
             live = scheduler.task_groups
             for computation in scheduler.computations:
                 if computation.groups:
-                    computation.groups = {g for g in computation.groups
-                                          if live.get(g.name) is g}
+                    computation.groups = live_only(computation.groups, live)
+            spans = scheduler.extensions.get("spans")
+            for span in getattr(spans, "spans", {}).values():
+                if span.groups:
+                    span.groups = live_only(span.groups, live)
+            for group in live.values():
+                group.dependencies = live_only(group.dependencies, live)
 
     return ForgetFinishedGroups()
 
@@ -413,6 +435,7 @@ class DaskBackend:
         self.dashboard_link = client.dashboard_link
         self._submitted: weakref.WeakSet = weakref.WeakSet()
         self._retries: dict[str, int] = {}  # key -> retries allowed, for tasks that have any
+        self._config = None  # the coordinator's Dask config while it runs (connect)
         try:
             client.register_plugin(_computation_groups_plugin())
         except Exception as exc:  # noqa: BLE001 - a scheduler without rlhfflow: unbounded
@@ -445,15 +468,21 @@ class DaskBackend:
             return cls(client)
         # following before the workers start: what a worker that fails to start says too
         output = WorkerOutput(log_dir) if log_dir is not None else None
+        # read as each stream opens, workers that replace lost ones later included: set
+        # for the backend's life (close() puts the caller's config back)
+        logs = dask.config.set(COORDINATOR_LOGS)
         try:
             cluster = local_cluster(workers, log_dir=log_dir, **cluster_options)
             client = Client(cluster)
             client.wait_for_workers(len(cluster.workers), timeout=120)
+            backend = cls(client, cluster, output)
         except BaseException:
+            logs.__exit__(None, None, None)
             if output is not None:
                 output.close()
             raise
-        return cls(client, cluster, output)
+        backend._config = logs
+        return backend
 
     def warm(self) -> list:
         """Start importing what the stages need on every worker (tasks; wait for them
@@ -661,3 +690,6 @@ class DaskBackend:
                 pass
         if self.output is not None:  # after the workers: their last words too
             self.output.close()
+        if self._config is not None:
+            self._config.__exit__(None, None, None)
+            self._config = None
