@@ -175,23 +175,37 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_merged(tmp_
 
 
 @pytest.mark.slow
-def test_deepspeed_trains_lora_adapters(tmp_path):
-    """DeepSpeed's engine (ZeRO-2, a gang of one worker) trains the adapters."""
+def test_deepspeed_trains_lora_adapters_on_a_gang_of_two_like_the_torch_backend(
+        cluster, tmp_path):
+    """DeepSpeed's engine (ZeRO-2, data-parallel over a gang of the two workers) trains the
+    adapters as the torch backend does, and each rank keeps its optimizer shard."""
     pytest.importorskip("deepspeed", reason="pip install 'rlhfflow[deepspeed]'")
-    path = small_pipeline(tmp_path, "ppo", iterations=2, overrides={
-        "placement.strategy": "colocated", "cluster.workers": 1,
-        "models.actor.lora": LORA, "stages.train_actor.backend": "deepspeed",
-        "stages.train_actor.deepspeed": {"zero_stage": 2}})
-    result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
-    assert all(torch.isfinite(torch.tensor(m["policy_loss"])) for m in result.metrics)
-    [checkpoint] = sorted((result.output_dir / "checkpoints").iterdir())
-    shards = sorted(p.name for p in (checkpoint / "optimizers").iterdir())
-    assert shards == ["actor.zero-rank0.pt", "critic.pt"]
-    assert (checkpoint / "models" / "actor" / "adapter_config.json").is_file()
     from safetensors.torch import load_file
 
-    adapters = load_file(checkpoint / "models" / "actor" / "adapter_model.safetensors")
-    assert any(k.endswith("lora_B.weight") and t.abs().max() > 0 for k, t in adapters.items())
+    runs = {}
+    for backend in ("torch", "deepspeed"):
+        (tmp_path / backend).mkdir()
+        overrides = {"placement.strategy": "colocated", "models.actor.lora": LORA,
+                     "cluster.address": cluster.scheduler_address}
+        if backend == "deepspeed":
+            overrides.update({"stages.train_actor.backend": "deepspeed",
+                              "stages.train_actor.deepspeed": {"zero_stage": 2}})
+        path = small_pipeline(tmp_path / backend, "ppo", iterations=2, overrides=overrides)
+        result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
+        [checkpoint] = sorted((result.output_dir / "checkpoints").iterdir())
+        adapters = load_file(checkpoint / "models" / "actor" / "adapter_model.safetensors")
+        runs[backend] = (result, checkpoint, adapters)
+    (torch_run, _, torch_adapters), (ds_run, checkpoint, ds_adapters) = \
+        runs["torch"], runs["deepspeed"]
+    assert [m["reward_mean"] for m in ds_run.metrics] == \
+        pytest.approx([m["reward_mean"] for m in torch_run.metrics], abs=1e-6)
+    assert sorted(ds_adapters) == sorted(torch_adapters)
+    assert any(k.endswith("lora_B.weight") and t.abs().max() > 0
+               for k, t in ds_adapters.items())
+    assert max((ds_adapters[k] - torch_adapters[k]).abs().max() for k in ds_adapters) < 1e-4
+    shards = sorted(p.name for p in (checkpoint / "optimizers").iterdir())
+    assert shards == ["actor.zero-rank0.pt", "actor.zero-rank1.pt", "critic.pt"]
+    assert (checkpoint / "models" / "actor" / "adapter_config.json").is_file()
 
 
 def test_the_planner_counts_adapters_and_a_shared_reference_costs_nothing(tmp_path):
