@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
+from rlhfflow.data import source as source_module
 from rlhfflow.data.hub import HubDataError, locate
 from rlhfflow.data.records import DataError
 from rlhfflow.data.source import KEEP_EPOCHS, KEEP_PICKS, PromptSource
@@ -161,7 +162,7 @@ def test_renames_and_the_messages_field_apply_to_every_record(hub_data, tmp_path
                                            "chat_template": False}))
 
 
-def test_sources_mix_by_weight_in_a_fixed_order(hub_data, tmp_path) -> None:
+def test_sources_mix_by_weight_in_a_fixed_order(hub_data, tmp_path, monkeypatch) -> None:
     local = tmp_path / "local.jsonl"
     local.write_text("".join(json.dumps({"prompt": f"say {w}:"}) + "\n"
                              for w in ("a", "b", "c", "d", "e", "f", "g")))
@@ -181,7 +182,10 @@ def test_sources_mix_by_weight_in_a_fixed_order(hub_data, tmp_path) -> None:
     assert len(again._picks) <= KEEP_PICKS * again.batch_size
     assert len(again._epochs) <= KEEP_EPOCHS * len(again.members)
     assert [again.texts[i] for i in again.prompt_indices(5)] == batches[5]
-    assert [source.prompt_indices(k) for k in range(6, 60)] == later
+    monkeypatch.setattr(source_module, "KEEP_PICKS", 10**6)  # a source that forgets nothing
+    monkeypatch.setattr(source_module, "KEEP_EPOCHS", 10**6)
+    keeping = PromptSource.from_pipeline(pipeline, "actor")
+    assert [keeping.prompt_indices(k) for k in range(60)][6:] == later
     # every prompt of a source once per pass over it (4 math prompts in 4 batches)
     assert {t for batch in batches[:4] for t in batch if t in math} == math
     with pytest.raises(SpecError, match=r"data\.sources\[1\]\.subset: 'acme/math' has no "

@@ -142,9 +142,24 @@ def test_a_busy_cluster_keeps_only_the_task_groups_it_still_has(threads_cluster)
         spans, dependencies = client.run_on_scheduler(_span_and_dependency_groups)
         Event("busy", client=client).set()
         busy.result()
+        del busy
+        while client.run_on_scheduler(_known, "train-0"):
+            time.sleep(0.01)
+        # the next graph starts a new span; the ended one keeps a group, and Dask's
+        # totals over all spans (the dashboard's Fine Performance Metrics) still add up
+        client.submit(lambda: 1, key="after-0").result()
+        totals = client.run_on_scheduler(_span_totals)
+    assert totals["spans"] >= 2 and totals["empty"] == 0, totals
     assert groups <= 2, groups  # train's, the last stage's: not 20
     assert spans <= 2, spans
     assert dependencies <= 1, dependencies  # train's on the last stage: not 20
+
+
+def _span_totals(dask_scheduler=None) -> dict[str, int]:
+    spans = dask_scheduler.extensions["spans"]
+    spans.merge_all().cumulative_worker_metrics  # noqa: B018 - raises on a span of no group
+    return {"spans": len(spans.spans),
+            "empty": sum(not s.groups for s in spans.spans.values())}
 
 
 def _span_and_dependency_groups(dask_scheduler=None) -> tuple[int, int]:
@@ -164,7 +179,7 @@ def _logs(dask_worker=None) -> dict[str, int | str]:
 def test_an_embedded_cluster_keeps_short_developer_logs_and_the_task_stream_is_capped():
     import dask
 
-    from rlhfflow.monitor.dashboard import PAGE_ITERATIONS, MetricsPage
+    from rlhfflow.monitor.dashboard import PAGE_ITERATIONS, PLUGIN_NAME, MetricsPage
 
     length = WORKER_LOGS["distributed"]["admin"]["low-level-log-length"]
     assert COORDINATOR_LOGS["distributed.admin.low-level-log-length"] == length
@@ -185,10 +200,10 @@ def test_an_embedded_cluster_keeps_short_developer_logs_and_the_task_stream_is_c
         # the rlhfflow page keeps its own iterations, more than the scheduler's topic
         for i in range(length + 50):
             client.log_event("rlhfflow", {"run": "r", "iteration": i, "reward_mean": 0.5})
-        deadline = time.monotonic() + 10
-        while len(scheduler.get_events("rlhfflow")) < length and time.monotonic() < deadline:
+        plugin = scheduler.plugins[PLUGIN_NAME]
+        deadline = time.monotonic() + 30
+        while len(plugin.events) < length + 50 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.2)
         page = MetricsPage(scheduler)
         page.update()
         assert len(scheduler.get_events("rlhfflow")) == length

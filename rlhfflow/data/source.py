@@ -171,8 +171,9 @@ class PromptSource:
                 found = torch.randperm(n, generator=gen).tolist()
             else:
                 found = list(range(n))
-            while len(self._epochs) >= KEEP_EPOCHS * len(self.members):
-                del self._epochs[next(iter(self._epochs))]  # the oldest made
+            own = [key for key in self._epochs if key[0] == source]  # oldest made first
+            for key in own[:len(own) - KEEP_EPOCHS + 1]:
+                del self._epochs[key]
             self._epochs[source, epoch] = found
         return found
 

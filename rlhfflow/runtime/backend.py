@@ -224,6 +224,8 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     config = {
         # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
         "distributed.worker.daemon": False,
+        # the scheduler's developer logs (connect() keeps them so for the run's life)
+        **COORDINATOR_LOGS,
         # workers are forks of a server that imported torch and the stages once
         # (start_fork_server), not fresh interpreters that each import them
         "distributed.worker.multiprocessing-method": (
@@ -399,6 +401,17 @@ def _computation_groups_plugin():
     def live_only(groups: set, live: dict) -> set:
         return {g for g in groups if live.get(g.name) is g}
 
+    def live_or_last(groups: set, live: dict) -> set:
+        # a span or computation with no group breaks Dask's totals (the "stop" of no
+        # group: the dashboard's Fine Performance Metrics page): one that ended keeps its
+        # last group, without the groups that one depended on
+        kept = live_only(groups, live)
+        if not kept and groups:
+            last = max(groups, key=lambda g: g.stop)
+            last.dependencies = set()
+            kept = {last}
+        return kept
+
     class ForgetFinishedGroups(SchedulerPlugin):
         name = "rlhfflow-computation-groups"
         idempotent = True  # one per scheduler, however many runs connect
@@ -406,12 +419,12 @@ def _computation_groups_plugin():
         def update_graph(self, scheduler, **kwargs: Any) -> None:
             live = scheduler.task_groups
             for computation in scheduler.computations:
-                if computation.groups:
-                    computation.groups = live_only(computation.groups, live)
+                if len(computation.groups) > 1:
+                    computation.groups = live_or_last(computation.groups, live)
             spans = scheduler.extensions.get("spans")
             for span in getattr(spans, "spans", {}).values():
-                if span.groups:
-                    span.groups = live_only(span.groups, live)
+                if len(span.groups) > 1:
+                    span.groups = live_or_last(span.groups, live)
             for group in live.values():
                 group.dependencies = live_only(group.dependencies, live)
 
@@ -674,6 +687,14 @@ class DaskBackend:
         """Cancel what is still queued (after a failure, the next iteration's tasks), free
         resident models, shut an embedded cluster down."""
         try:
+            self._close()
+        finally:
+            if self._config is not None:
+                self._config.__exit__(None, None, None)
+                self._config = None
+
+    def _close(self) -> None:
+        try:
             self.cancel_all()
             if self.cluster is None:
                 self.client.unregister_worker_plugin(PLUGIN_NAME)
@@ -690,6 +711,3 @@ class DaskBackend:
                 pass
         if self.output is not None:  # after the workers: their last words too
             self.output.close()
-        if self._config is not None:
-            self._config.__exit__(None, None, None)
-            self._config = None
