@@ -1,6 +1,6 @@
 """What a long run keeps in memory is bounded: the Dask lineage of its tasks (every
 ``LINEAGE_EVERY`` iterations no dependency crosses back), the workers' developer logs
-(``WORKER_LOGS``), and the dashboard's task stream. ``benchmarks/memory.py`` measures the
+(``DEVELOPER_LOGS``), and the dashboard's task stream. ``benchmarks/memory.py`` measures the
 processes' resident memory over thousands of iterations."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from distributed import Client, Event, LocalCluster, SchedulerPlugin
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.tasks import AFTER, Task, Wait
 from rlhfflow.runtime.backend import (
-    COORDINATOR_LOGS,
+    DEVELOPER_LOGS,
     TASK_STREAM_LENGTH,
-    WORKER_LOGS,
     DaskBackend,
 )
 from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
@@ -180,8 +179,7 @@ def test_an_embedded_cluster_keeps_short_developer_logs_and_the_task_stream_is_c
 
     from rlhfflow.monitor.dashboard import PAGE_ITERATIONS, PLUGIN_NAME, MetricsPage
 
-    length = WORKER_LOGS["distributed"]["admin"]["low-level-log-length"]
-    assert COORDINATOR_LOGS["distributed.admin.low-level-log-length"] == length
+    length = DEVELOPER_LOGS["distributed.admin.low-level-log-length"]
     before = dask.config.get("distributed.admin.low-level-log-length")
     backend = DaskBackend.connect(None, 1, dashboard_address="127.0.0.1:0", torch_threads=1)
     try:

@@ -224,8 +224,8 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     config = {
         # backends that start processes (DeepSpeed, vLLM) cannot run in daemonic workers
         "distributed.worker.daemon": False,
-        # the scheduler's developer logs (connect() keeps them so for the run's life)
-        **COORDINATOR_LOGS,
+        # the scheduler's and the workers' (connect() keeps them so for the run's life)
+        **DEVELOPER_LOGS,
         # workers are forks of a server that imported torch and the stages once
         # (start_fork_server), not fresh interpreters that each import them
         "distributed.worker.multiprocessing-method": (
@@ -269,8 +269,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         # port, which the run prints with its dashboard link, instead of a raw warning
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use")
         for spec in specs.values():
-            # whole: a Nanny lays its config over Dask's one level deep only
-            spec["options"]["config"] = dask.config.merge(dask.config.config, WORKER_LOGS)
+            # whole (DEVELOPER_LOGS included): a Nanny lays its config over Dask's one
+            # level deep only
+            spec["options"]["config"] = dask.config.merge(dask.config.config)
         # the scheduler runs in this process: a worker lost mid-run is the run's to report
         # (one line, then recovery), not Dask's ERROR lines about lost data on the terminal
         return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.CRITICAL,
@@ -281,23 +282,21 @@ TASK_STREAM_KEY = "distributed.scheduler.dashboard.tasks.task-stream-length"
 DASK_TASK_STREAM, TASK_STREAM_LENGTH = 100_000, 10_000
 """The Task Stream page's length: Dask's default, and the embedded cluster's."""
 
-#: The embedded cluster's workers' own config: their developer logs (Dask's
-#: ``admin.low-level-log-length``, 1000 entries each) shorter. Each holds what a worker did
-#: last: the state machine's log and its stimuli (every task's arguments, the prompts
-#: inlined into them included), the transfers, and a profile per second (the dashboard's
-#: Profile page), the last filling for 1000 s, 3,000 iterations of ppo-tiny. 100 keep the
-#: last 100 s of profile.
-WORKER_LOGS = {"distributed": {"admin": {"low-level-log-length": 100}}}
-
-#: The coordinator's (this process's) Dask developer logs while it runs an embedded
-#: cluster, as short as the workers'. Each of Dask's batched streams (the client's to the
-#: scheduler, the scheduler's to each worker and client) keeps its last 1000 batches of
-#: messages, and a batch holds whole tasks: the pickled graphs the client sends, the task
-#: specs with the prompts and tensors inlined into them. Measured with ``tracemalloc`` in
-#: a ppo-tiny run: 27 MB of the client's pickled graphs alone by iteration 1,000, still
-#: filling there. The scheduler's transition log and its event topics take the same length;
-#: the rlhfflow page keeps its own iterations (``rlhfflow.monitor.dashboard``).
-COORDINATOR_LOGS = {"distributed.admin.low-level-log-length": 100}
+#: The embedded cluster's Dask developer logs (``admin.low-level-log-length``, 1000 entries
+#: each by default), in its workers and in the coordinator (this process, which hosts the
+#: scheduler; ``DaskBackend.connect`` keeps the setting for the run's life). A worker's logs
+#: hold what it did last: the state machine's log and its stimuli (every task's
+#: arguments, the prompts inlined into them included), the transfers, and a profile per
+#: second (the dashboard's Profile page), the last filling for 1000 s, 3,000 iterations
+#: of ppo-tiny; 100 keep the last 100 s of profile. In the coordinator each of Dask's
+#: batched streams (the client's to the scheduler, the scheduler's to each worker and
+#: client) keeps its last batches of messages, and a batch holds whole tasks: the pickled
+#: graphs the client sends, the task specs with the prompts and tensors inlined into
+#: them. Measured with ``tracemalloc`` in a ppo-tiny run: 27 MB of the client's pickled
+#: graphs alone by iteration 1,000 at 1000 entries, still filling there. The scheduler's
+#: transition log and its event topics take the same length; the rlhfflow page keeps its
+#: own iterations (``rlhfflow.monitor.dashboard``).
+DEVELOPER_LOGS = {"distributed.admin.low-level-log-length": 100}
 
 
 #: The embedded cluster's timers, as Dask's defaults and as set instead. Each fires a
@@ -483,7 +482,7 @@ class DaskBackend:
         output = WorkerOutput(log_dir) if log_dir is not None else None
         # read as each stream opens, workers that replace lost ones later included: set
         # for the backend's life (close() puts the caller's config back)
-        logs = dask.config.set(COORDINATOR_LOGS)
+        logs = dask.config.set(DEVELOPER_LOGS)
         try:
             cluster = local_cluster(workers, log_dir=log_dir, **cluster_options)
             client = Client(cluster)
