@@ -212,6 +212,27 @@ def cluster():
         yield cluster
 
 
+def torch_and_deepspeed_runs(cluster, tmp_path: Path,
+                             overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The PPO pipeline (2 iterations, colocated on ``cluster``'s two workers) run twice,
+    its actor trained by the torch backend and by DeepSpeed ZeRO-2 over the gang:
+    ``{"torch": result, "deepspeed": result}``. Skips without DeepSpeed."""
+    from rlhfflow.config.loader import load_pipeline
+    from rlhfflow.runtime.run import run_pipeline
+
+    pytest.importorskip("deepspeed", reason="pip install 'rlhfflow[deepspeed]'")
+    runs = {}
+    for backend in ("torch", "deepspeed"):
+        (tmp_path / backend).mkdir()
+        settings = {"placement.strategy": "colocated",
+                    "cluster.address": cluster.scheduler_address, **(overrides or {})}
+        if backend == "deepspeed":
+            settings.update({"stages.train_actor.backend": "deepspeed",
+                             "stages.train_actor.deepspeed": {"zero_stage": 2}})
+        path = small_pipeline(tmp_path / backend, "ppo", iterations=2, overrides=settings)
+        runs[backend] = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
+    return runs
+
 
 def example_module(example: str, name: str):
     """Import ``examples/EXAMPLE/NAME.py`` (an example is no package) under a name of its
@@ -221,6 +242,7 @@ def example_module(example: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
 
 @contextmanager
 def tmpfs(mount: Path, size: str) -> Iterator[Path]:

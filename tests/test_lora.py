@@ -11,7 +11,7 @@ from rlhfflow.engine.recompute import decoder_layers
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.stages import ModelConfig, ModelStore
 from rlhfflow.storage import CheckpointStore, MetricsLog
-from tests.conftest import padded_ids, small_pipeline
+from tests.conftest import padded_ids, small_pipeline, torch_and_deepspeed_runs
 
 pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
 
@@ -179,19 +179,11 @@ def test_deepspeed_trains_lora_adapters_on_a_gang_of_two_like_the_torch_backend(
         cluster, tmp_path):
     """DeepSpeed's engine (ZeRO-2, data-parallel over a gang of the two workers) trains the
     adapters as the torch backend does, and each rank keeps its optimizer shard."""
-    pytest.importorskip("deepspeed", reason="pip install 'rlhfflow[deepspeed]'")
     from safetensors.torch import load_file
 
     runs = {}
-    for backend in ("torch", "deepspeed"):
-        (tmp_path / backend).mkdir()
-        overrides = {"placement.strategy": "colocated", "models.actor.lora": LORA,
-                     "cluster.address": cluster.scheduler_address}
-        if backend == "deepspeed":
-            overrides.update({"stages.train_actor.backend": "deepspeed",
-                              "stages.train_actor.deepspeed": {"zero_stage": 2}})
-        path = small_pipeline(tmp_path / backend, "ppo", iterations=2, overrides=overrides)
-        result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
+    for backend, result in torch_and_deepspeed_runs(cluster, tmp_path,
+                                                    {"models.actor.lora": LORA}).items():
         [checkpoint] = sorted((result.output_dir / "checkpoints").iterdir())
         adapters = load_file(checkpoint / "models" / "actor" / "adapter_model.safetensors")
         runs[backend] = (result, checkpoint, adapters)

@@ -19,7 +19,7 @@ from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.plan.placement import PlanError
 from rlhfflow.runtime.backend import start_fork_server
 from rlhfflow.runtime.run import run_pipeline
-from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline
+from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline, torch_and_deepspeed_runs
 
 PPO = CONFIGS / "ppo-tiny.yaml"
 
@@ -327,18 +327,8 @@ def test_deepspeed_zero2_trains_the_actor_like_the_torch_backend(cluster, tmp_pa
     """ZeRO-2 on a 2-worker gang inside a real run: same rewards as the torch backend,
     an actor within float rounding of it, ZeRO shards per rank in the checkpoint, and
     checkpoint weights that load back as a plain transformers model."""
-    pytest.importorskip("deepspeed", reason="pip install 'rlhfflow[deepspeed]'")
-    runs = {}
-    for backend in ("torch", "deepspeed"):
-        (tmp_path / backend).mkdir()
-        overrides = {"placement.strategy": "colocated",
-                     "cluster.address": cluster.scheduler_address}
-        if backend == "deepspeed":
-            overrides.update({"stages.train_actor.backend": "deepspeed",
-                              "stages.train_actor.deepspeed": {"zero_stage": 2}})
-        path = small_pipeline(tmp_path / backend, "ppo", iterations=2, overrides=overrides)
-        result = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
-        runs[backend] = (result, _actor_weights(result.output_dir))
+    runs = {backend: (result, _actor_weights(result.output_dir))
+            for backend, result in torch_and_deepspeed_runs(cluster, tmp_path).items()}
     (torch_run, torch_weights), (ds_run, ds_weights) = runs["torch"], runs["deepspeed"]
     assert [m["reward_mean"] for m in ds_run.metrics] == \
         pytest.approx([m["reward_mean"] for m in torch_run.metrics], abs=1e-6)
