@@ -48,11 +48,11 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 
 # The logging: targets' optional extras, for their tests only: MLflow alone brings pandas,
 # scikit-learn and SQLAlchemy, which the demo does not need. docs: MkDocs, so the tests
-# build the documentation site (tests/test_docs.py). data and wandb: Hub data sets written
-# as the Hub stores them, and an offline W&B run read back (tests/test_hub_data.py,
-# tests/test_trackers.py).
+# build the documentation site (tests/test_docs.py). data, wandb and trackio: Hub data
+# sets written as the Hub stores them, an offline W&B run and a local Trackio run read back
+# (tests/test_hub_data.py, tests/test_trackers.py).
 $(TEST_STAMP): $(STAMP)
-	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow,docs,data,wandb]"
+	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow,docs,data,wandb,trackio]"
 	@touch $@
 
 run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/

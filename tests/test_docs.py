@@ -59,7 +59,7 @@ def test_the_pipeline_reference_has_a_section_for_every_nested_model():
             "stages.NAME",
             "stages.NAME.deepspeed", "data", "data.sources[i]", "algorithm", "cluster", "placement", "overlap",
             "checkpoint", "logging", "logging.mlflow",
-            "logging.wandb"} == set(sections)
+            "logging.wandb", "logging.trackio"} == set(sections)
     page = docs.pipeline_reference()
     for model in sections.values():
         for name, info in model.model_fields.items():

@@ -1,10 +1,12 @@
 """Trackers beyond metrics.jsonl: an offline W&B run (read back from its ``.wandb`` file and
-its table files) and completions tables (``logging.completions_every``) read from the
+its table files), a local Trackio run (read back from its SQLite database, across a resume)
+and completions tables (``logging.completions_every``) read from the
 committed iterations of the buffer. Real inline runs of a tiny GRPO pipeline."""
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -88,25 +90,99 @@ def test_an_offline_wandb_run_holds_the_metrics_and_the_tables(tracked_run: Path
     assert len(table["data"]) == 16 and {row[0] for row in table["data"]} == {2}
 
 
+@pytest.fixture(scope="module")
+def trackio_run(tmp_path_factory) -> tuple[Path, list[dict], list[str]]:
+    """A 2-iteration GRPO run logging to a local Trackio run in ``tmp/trackio``
+    (``TRACKIO_DIR``, which Trackio reads when it is first imported) with a completions
+    table every 2nd iteration, then resumed to 3 iterations: its folder, the Trackio run's
+    logs and the project's runs."""
+    tmp = tmp_path_factory.mktemp("trackio")
+    before = os.environ.get("TRACKIO_DIR")
+    os.environ["TRACKIO_DIR"] = str(tmp / "trackio")
+    try:
+        utils = pytest.importorskip("trackio.utils")
+        from trackio.sqlite_storage import SQLiteStorage
+
+        assert utils.TRACKIO_DIR == tmp / "trackio", "trackio was imported before this test"
+        path = small_pipeline(tmp, "grpo", iterations=2, batch_size=4, overrides={
+            "logging": {"trackio": {"project": "rlhfflow-test", "run_name": "grpo-small"},
+                        "completions_every": 2}})
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+        run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
+        return tmp, SQLiteStorage.get_logs("rlhfflow-test", "grpo-small"), \
+            SQLiteStorage.get_runs("rlhfflow-test")
+    finally:
+        if before is None:
+            del os.environ["TRACKIO_DIR"]
+        else:
+            os.environ["TRACKIO_DIR"] = before
+
+
+def test_a_trackio_run_holds_the_metrics_and_the_tables_and_goes_on_after_a_resume(
+        trackio_run) -> None:
+    tmp, logs, runs = trackio_run
+    assert (tmp / "trackio" / "rlhfflow-test.db").is_file()
+    assert runs == ["grpo-small"]  # the resume went on in the same run
+    metrics = MetricsLog(tmp / "out" / "metrics.jsonl").read()
+    assert [r["iteration"] for r in metrics] == [0, 1, 2]
+    by_step: dict[int, dict] = {}
+    for row in logs:
+        by_step.setdefault(row["step"], {}).update(row)
+    assert sorted(by_step) == [0, 1, 2]
+    for record in metrics:
+        assert by_step[record["iteration"]]["reward"] == pytest.approx(record["reward_mean"])
+        assert by_step[record["iteration"]]["timing/step"] == pytest.approx(
+            record["iteration_s"])
+    assert [s for s, row in sorted(by_step.items()) if "completions" in row] == [0, 2]
+    table = by_step[2]["completions"]
+    assert table["_type"] == "trackio.table" and len(table["_value"]) == 16
+    rows = [json.loads(line) for line in (tmp / "out" / "completions.jsonl").read_text()
+            .splitlines() if json.loads(line)["iteration"] == 2]
+    assert [r["response"] for r in table["_value"]] == [r["response"] for r in rows]
+
+
+def test_trackio_is_not_left_as_the_current_run_after_close(trackio_run) -> None:
+    from trackio import context_vars
+
+    assert context_vars.current_run.get() is None  # nothing for trackio's atexit to redo
+
+
+def test_a_failed_run_leaves_an_error_alert_in_its_trackio_run(trackio_run) -> None:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from rlhfflow.monitor.sinks import TrackioSink
+
+    # trackio_run: TRACKIO_DIR is its folder for the rest of this process
+    sink = TrackioSink("rlhfflow-test", "failing", None, None, {}, resume=False)
+    assert "'failing'" in sink.line and "trackio show --project rlhfflow-test" in sink.line
+    sink.log({"iteration": 0, "reward_mean": 0.5})
+    sink.close(failed=True)
+    (alert,) = SQLiteStorage.get_alerts("rlhfflow-test", run_name="failing")
+    assert alert["title"] == "rlhfflow run failed" and alert["level"] == "error"
+    assert [row["reward"] for row in SQLiteStorage.get_logs("rlhfflow-test", "failing")] == [0.5]
+
+
 def test_markdown_tables_keep_a_cell_on_one_line() -> None:
     text = markdown_table([{"prompt": "a|b", "response": "x\ny", "scores": 0.123456}])
     assert text.splitlines() == ["| prompt | response | scores |", "|---|---|---|",
                                  "| a\\|b | x y | 0.1235 |"]
 
 
-def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("package", ["wandb", "trackio"])
+def test_a_tracker_without_its_package_is_one_line_naming_the_extra(
+        tmp_path, monkeypatch, package) -> None:
     import importlib.util
 
     from rlhfflow.config.spec import SpecError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))
-    path = small_pipeline(tmp_path, "grpo", overrides={"logging.wandb": {}})
+                        lambda name, *a: None if name == package else real(name, *a))
+    path = small_pipeline(tmp_path, "grpo", overrides={f"logging.{package}": {}})
     with pytest.raises(SpecError) as caught:
         load_pipeline(path)
-    assert str(caught.value) == (f"{path}: logging.wandb: needs the 'wandb' package, which is "
-                                 f"not installed: pip install 'rlhfflow[wandb]'")
+    assert str(caught.value) == (f"{path}: logging.{package}: needs the {package!r} package, "
+                                 f"which is not installed: pip install 'rlhfflow[{package}]'")
 
 
 def test_a_resumed_run_redoes_completions_rows_instead_of_doubling_them(tmp_path) -> None:

@@ -453,6 +453,27 @@ class WandbSpec(Strict):
         return self
 
 
+class TrackioSpec(Strict):
+    """A Trackio run of the per-iteration metrics (and completions tables). Local by
+    default: Trackio's SQLite database in ``TRACKIO_DIR`` (Trackio's own environment
+    variable; default ``~/.cache/huggingface/trackio``), shown by ``trackio show
+    --project PROJECT``. A resumed rlhfflow run goes on logging into its Trackio run."""
+
+    project: str = Field("rlhfflow", description="The Trackio project.")
+    run_name: str | None = Field(None, description=(
+        "The Trackio run's name; `null`: the pipeline's name."))
+    group: str | None = Field(None, description=(
+        "A group the dashboard can gather runs by; `null`: none."))
+    space_id: str | None = Field(None, description=(
+        "A Hugging Face Space (`USER/SPACE`) to log to as well (needs `hf auth login`; "
+        "created if missing); `null`: this machine only."))
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackioSpec:
+        _need_package("trackio", "trackio")
+        return self
+
+
 class LoggingSpec(Strict):
     """Where per-iteration metrics go besides ``OUTPUT/metrics.jsonl``, under the names
     TRL and veRL users know (``reward``, ``kl``, ``completions/mean_length``,
@@ -470,10 +491,13 @@ class LoggingSpec(Strict):
     wandb: WandbSpec | None = Field(None, description=(
         "Log each iteration's metrics (and completions tables) to a Weights & Biases run, "
         "offline by default; needs the `wandb` extra."))
+    trackio: TrackioSpec | None = Field(None, description=(
+        "Log each iteration's metrics (and completions tables) to a Trackio run, on this "
+        "machine by default; needs the `trackio` extra."))
     completions_every: NonNegInt = Field(0, description=(
         "Every N-th iteration (0, N, 2N, ...), write its samples (prompt, response, reward "
         "and each reward function's score, mean advantage) to `OUTPUT/completions.jsonl`, "
-        "and as a table to W&B (`completions`) and TensorBoard (text); `0`: never."))
+        "and as a table to W&B and Trackio (`completions`) and TensorBoard (text); `0`: never."))
 
     @field_validator("tensorboard")
     @classmethod

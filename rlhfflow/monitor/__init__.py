@@ -1,6 +1,6 @@
 """Watching a run: the rlhfflow page of the Dask dashboard (``dashboard``), the HTML
-report of a finished run (``report``), copies of the metrics in TensorBoard, MLflow and
-W&B (``sinks``), and completions tables (``completions``).
+report of a finished run (``report``), copies of the metrics in TensorBoard, MLflow,
+W&B and Trackio (``sinks``), and completions tables (``completions``).
 
 ``RunMonitor`` is what the executor calls: once when the run starts, once per iteration
 with the record it wrote to ``metrics.jsonl`` (the iteration is committed to the buffer
@@ -38,7 +38,8 @@ class RunMonitor:
     """
 
     def __init__(self, pipeline, backend, output_dir: Path,
-                 say: Callable[[str], None] = lambda line: None) -> None:
+                 say: Callable[[str], None] = lambda line: None,
+                 resumed: bool = False) -> None:
         self.name = pipeline.name
         self.iterations = pipeline.spec.iterations
         self.client = getattr(backend, "client", None)
@@ -47,9 +48,11 @@ class RunMonitor:
         self.completions_every = pipeline.spec.logging.completions_every
         self.rewards = reward_columns(pipeline) if self.completions_every else []
         self.sinks = []
-        for where, make in _sinks(pipeline, output_dir):
+        for where, make in _sinks(pipeline, output_dir, resumed):
             try:
                 self.sinks.append(make())
+                if getattr(self.sinks[-1], "line", None):
+                    say(self.sinks[-1].line)
             except Exception as exc:  # noqa: BLE001 - e.g. an unreachable tracking server
                 say(f"rlhfflow: warning: {where}: cannot log there, going on without it: "
                     f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
@@ -117,9 +120,11 @@ def page_line(client, dashboard_link: str) -> str:
             "`dask scheduler --preload rlhfflow.monitor.dashboard` to get one)")
 
 
-def _sinks(pipeline, output_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
-    """The sinks the ``logging:`` section asks for: (key, constructor) pairs."""
-    from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink, WandbSink
+def _sinks(pipeline, output_dir: Path,
+           resumed: bool) -> list[tuple[str, Callable[[], Any]]]:
+    """The sinks the ``logging:`` section asks for: (key, constructor) pairs. ``resumed``:
+    the run goes on from an earlier one (a Trackio run then goes on too)."""
+    from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink, TrackioSink, WandbSink
 
     spec = pipeline.spec.logging
     sinks: list[tuple[str, Callable[[], Any]]] = []
@@ -133,13 +138,18 @@ def _sinks(pipeline, output_dir: Path) -> list[tuple[str, Callable[[], Any]]]:
                   "iterations": pipeline.spec.iterations, "output": str(output_dir)}
         sinks.append(("logging.mlflow", lambda: MlflowSink(
             m.tracking_uri, m.experiment, m.run_name or pipeline.name, params)))
+    # the run's description in the trackers that keep one (W&B, Trackio)
+    config = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
+              "iterations": pipeline.spec.iterations, "seed": pipeline.spec.seed,
+              "output": str(output_dir)}
     if spec.wandb is not None:
         w = spec.wandb
-        config = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
-                  "iterations": pipeline.spec.iterations, "seed": pipeline.spec.seed,
-                  "output": str(output_dir)}
         directory = pipeline.resolve(w.dir) if w.dir else output_dir
         sinks.append(("logging.wandb", lambda: WandbSink(
             w.project, w.mode, directory, w.run_name or pipeline.name, w.entity, w.tags,
             config)))
+    if spec.trackio is not None:
+        t = spec.trackio
+        sinks.append(("logging.trackio", lambda: TrackioSink(
+            t.project, t.run_name or pipeline.name, t.group, t.space_id, config, resumed)))
     return sinks

@@ -1,4 +1,4 @@
-"""Per-iteration metrics to TensorBoard, MLflow and W&B (the ``logging:`` section), under
+"""Per-iteration metrics to TensorBoard, MLflow, W&B and Trackio (the ``logging:`` section), under
 the names TRL and veRL users know.
 
 ``metrics.jsonl`` stays the record of a run; these are copies for the tools people
@@ -8,6 +8,8 @@ one that shows tables also has ``completions(iteration, rows)`` (``completions.p
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import time
 from pathlib import Path
@@ -141,6 +143,58 @@ class WandbSink:
     def close(self, failed: bool = False) -> None:
         """Finish the run (exit code 1 when the rlhfflow run failed)."""
         self.run.finish(exit_code=1 if failed else 0)
+
+
+class TrackioSink:
+    """One Trackio run per rlhfflow run, in Trackio's local database (``TRACKIO_DIR``) or,
+    with ``space_id``, a Hugging Face Space. A resumed rlhfflow run (``resume=True``)
+    goes on in the newest Trackio run of that name instead of starting another.
+
+    Trackio keeps its current run in a context variable and finishes it at exit; the
+    sink clears it on close, so nothing is finished twice. Trackio's own start and end
+    banners are kept off the run's output: ``line`` says where the run went instead."""
+
+    def __init__(self, project: str, run_name: str, group: str | None,
+                 space_id: str | None, config: dict[str, Any], resume: bool) -> None:
+        import trackio
+        from trackio import context_vars, utils
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.run = trackio.init(project=project, name=run_name, group=group,
+                                    space_id=space_id, config=config,
+                                    resume="allow" if resume else "never")
+        self._context = context_vars.current_run
+        where = f"Space {space_id}" if space_id else str(utils.TRACKIO_DIR)
+        self.line = (f"rlhfflow: trackio: run {run_name!r} of project {project!r} in "
+                     f"{where} (view it with `trackio show --project {project}`)")
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log one iteration's metrics, step = iteration."""
+        self.run.log(flat_metrics(record), step=record["iteration"])
+
+    def completions(self, iteration: int, rows: list[dict[str, Any]]) -> None:
+        """The samples as a ``trackio.Table`` named ``completions``."""
+        import trackio
+
+        columns = list(rows[0])
+        table = trackio.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                     for row in rows])
+        self.run.log({"completions": table}, step=iteration)
+
+    def close(self, failed: bool = False) -> None:
+        """Write what is queued and finish the run (with an error alert when the
+        rlhfflow run failed)."""
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                if failed:
+                    import trackio
+
+                    self.run.alert("rlhfflow run failed", text="see the run's output and "
+                                   "logs/ for the error", level=trackio.AlertLevel.ERROR)
+                self.run.finish()
+        finally:
+            if self._context.get() is self.run:
+                self._context.set(None)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

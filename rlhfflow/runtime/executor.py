@@ -215,7 +215,8 @@ class Executor:
                                      self.backend.dashboard_link) \
                 if getattr(self.backend, "cluster", None) is not None else ""
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
-        self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say)
+        self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say,
+                                  resumed=self.start.resumed)
         if self.choice is not None:
             c = self.choice
             source = "profile" if c.cost.profiled else "analytic cost model"
