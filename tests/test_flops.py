@@ -64,9 +64,18 @@ def test_a_lora_training_step_counts_no_weight_gradients_of_the_frozen_base(tmp_
     assert shapes["actor"].adapters == adapters
     work = {w.stage: w for w in stage_work(pipeline, shapes)}
     tokens = 10
-    # the forwards multiply by the adapters too; the reference is the base alone
-    assert work["generate"].flops(tokens, 0) == 2 * (base + adapters) * tokens
+    # generation from merged weights and the reference are the base alone; the other
+    # forwards (and generation with merge_for_generation off) multiply by the adapters too
+    assert work["generate"].flops(tokens, 0) == 2 * base * tokens
     assert work["ref_logprob"].flops(tokens, 0) == 2 * base * tokens
+    assert shapes["actor"].merged == 2 * (4 * 64 * 64 + 3 * 64 * 256)
+    unmerged = load_pipeline(small_pipeline(tmp_path, "grpo", file_name="unmerged.yaml",
+                             overrides={"models.actor.lora": {**lora,
+                                                              "merge_for_generation": False}}))
+    unmerged_shapes = model_shapes(unmerged)
+    assert unmerged_shapes["actor"].merged == 0
+    generate = {w.stage: w for w in stage_work(unmerged, unmerged_shapes)}["generate"]
+    assert generate.flops(tokens, 0) == 2 * (base + adapters) * tokens
     # 2 epochs of a forward, input gradients through the base, and the adapters' own
     # gradients: 4 N + 6 N_a per token, not 6 (N + N_a); attention as without LoRA
     train = work["train_actor"]

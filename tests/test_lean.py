@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -331,3 +332,77 @@ def test_a_lora_model_in_the_store_is_lean_and_recomputes_in_its_loop(tmp_path):
     inner = store.get("actor").module.get_base_model()
     assert type(inner)._lean_base is LlamaForCausalLM
     assert getattr(inner, "_rlhfflow_recompute", False)
+
+
+def test_lean_lora_generates_from_merged_weights_remade_when_the_adapters_change():
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    ids, mask, pos = padded_ids()
+    layers = [m for m in fast.modules() if lean._is_lora(m)]
+
+    def logits(model, merged: bool) -> torch.Tensor:
+        with torch.no_grad(), (lean.merged_adapters(model) if merged else nullcontext()):
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+    real = mask.bool()
+    peft_out = logits(slow, merged=False)
+    merged_out = logits(fast, merged=True)
+    # one product with W + s B A: peft's values up to float rounding, not its bitwise path
+    torch.testing.assert_close(merged_out[real], peft_out[real], rtol=1e-5, atol=1e-5)
+    cache = fast.__dict__["_lean_merged"]
+    assert len(cache) == len(layers) == 14  # 2 layers x 7 projections (all-linear)
+    first = {name: entry.weight for name, entry in cache.items()}
+    logits(fast, merged=True)  # unchanged adapters: the same tensors, not merged again
+    assert all(cache[name].weight is w for name, w in first.items())
+    for w in first.values():  # the forward reads these weights, not the adapters
+        w.zero_()
+    assert not torch.allclose(logits(fast, merged=True), peft_out)
+    fast.__dict__["_lean_merged"] = {}
+    logits(fast, merged=True)  # merged again from the adapters as they are now
+    # an update that leaves no version behind (a shadow's .data copy, DeepSpeed)
+    with torch.no_grad():
+        for (name, p), q in zip(slow.named_parameters(), fast.parameters(), strict=True):
+            if "lora_B" in name:
+                p.add_(0.05)
+                q.data.copy_(p.data)
+    torch.testing.assert_close(logits(fast, merged=True)[real], logits(slow, False)[real],
+                               rtol=1e-5, atol=1e-5)
+    # taking gradients, or outside the context: the adapters' own path, bitwise peft's
+    fast.train(), slow.train()
+    with lean.merged_adapters(fast):
+        grad_out = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(grad_out[real], slow(input_ids=ids, attention_mask=mask,
+                                            position_ids=pos).logits[real])
+    assert torch.equal(logits(fast.eval(), False)[real], logits(slow.eval(), False)[real])
+
+
+def test_merged_generation_leaves_a_model_without_adapters_or_the_lean_forward_alone():
+    slow, fast = _lora_pair()  # slow: peft's forward (not lean)
+    ids, mask, pos = padded_ids()
+    with torch.no_grad():
+        outside = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        with lean.merged_adapters(slow):
+            inside = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(outside, inside) and "_lean_merged" not in slow.__dict__
+    plain = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).eval()
+    lean.enable(plain)
+    with lean.merged_adapters(plain):
+        assert "_lean_merged" not in plain.__dict__
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_path, merge):
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    from rlhfflow.stages.generate import GenerateParams, generate
+
+    save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
+            "merge_for_generation": merge}
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
+                                             trainable=True, lora=lora)})
+    resident = store.get("actor")
+    ids, mask, _ = padded_ids()
+    with resident.generating():
+        generate(resident.module, ids, mask, torch.rand(len(ids), 4),
+                 GenerateParams(max_new_tokens=4), None, 0)
+    assert len(resident.module.__dict__.get("_lean_merged", {})) == (14 if merge else 0)

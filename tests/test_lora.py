@@ -228,6 +228,17 @@ def test_the_planner_counts_adapters_and_a_shared_reference_costs_nothing(tmp_pa
     # no reference copy, and gradients and moments of the adapters only (which it holds)
     weights, adapters = shapes["actor"].params * 4, shapes["actor"].moved_bytes
     assert saved == weights + 3 * (weights - adapters) - adapters
+    # generating from merged weights: a copy of the adapted layers where generate runs
+    unmerged = CostModel(load_pipeline(small_pipeline(
+        tmp_path, "grpo", file_name="unmerged.yaml", overrides={
+            "models.actor.lora": {**LORA, "merge_for_generation": False},
+            "placement.strategy": "disaggregated"})))
+    extra = [a - b for a, b in zip(cost.memory(plan, rows), unmerged.memory(plan, rows),
+                                   strict=True)]
+    generating = set(plan.stages["generate"].workers)
+    assert generating and shapes["actor"].merged > 0
+    assert extra == [4 * shapes["actor"].merged if w in generating else 0
+                     for w in range(plan.n_workers)]
 
 
 def _tiny(tmp_path):

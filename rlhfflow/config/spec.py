@@ -83,6 +83,13 @@ class LoraSpec(Strict):
     target_modules: list[str] | Literal["all-linear"] = Field("all-linear", description=(
         "Names (or name suffixes) of the Linear layers that get adapters, e.g. `[q_proj, "
         "v_proj]`; `all-linear`: every Linear layer but the output head."))
+    merge_for_generation: bool = Field(True, description=(
+        "Generate (and evaluate) from merged weights `W + alpha / r * B A`, made again when "
+        "the adapters change (once per update): a decode step costs what the base model's "
+        "does, for one more copy of the adapted layers' weights in each worker that "
+        "generates; sampled log-probs equal the adapters' up to float rounding. `false`: "
+        "the adapters' two extra products in every step. Needs the lean forward (float32 "
+        "on CPU); elsewhere the adapters run as they are."))
 
 
 class TinyModelSpec(Strict):

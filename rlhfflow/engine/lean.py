@@ -55,9 +55,12 @@ checkpoints this forward's layer loop.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +80,9 @@ _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 #: Device types whose models get the lean forward: where it was checked against
 #: transformers (bitwise on CPU). Elsewhere a model keeps transformers' forward.
 DEVICES: frozenset[str] = frozenset({"cpu"})
+#: Inside ``merged_adapters``: the merged weight of each LoRA layer, by ``id(layer)``.
+_MERGED: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "rlhfflow_lean_merged", default=None)
 
 
 def transformers_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -321,6 +327,11 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (not _is_lora(layer) or layer.merged or layer.lora_variant
             or layer._forward_pre_hooks or layer._forward_hooks):
         return layer(x)
+    merged = _MERGED.get()
+    if merged is not None and not torch.is_grad_enabled():
+        weight = merged.get(id(layer))
+        if weight is not None:
+            return F.linear(x, weight, layer.base_layer.bias)
     result = F.linear(x, layer.base_layer.weight, layer.base_layer.bias)
     if layer.disable_adapters:
         return result
@@ -331,6 +342,76 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         hidden = F.linear(layer.lora_dropout[adapter](x), down.weight, down.bias)
         result = result + F.linear(hidden, up.weight, up.bias) * layer.scaling[adapter]
     return result
+
+
+@contextlib.contextmanager
+def merged_adapters(module: torch.nn.Module) -> Iterator[None]:
+    """Within, the lean forward of LoRA ``module`` computes each adapted layer, when no
+    gradients are taken, as one product with its merged weight ``W + scaling * B A``
+    instead of the base product plus the adapters' two: what a decode step costs is then
+    the base model's. The merged weights are made on entry where the adapters (or the
+    base) changed since the last entry, and kept on ``module`` until then: one more copy
+    of the adapted layers' weights. Outputs equal the adapters' path up to float
+    rounding (not bitwise). A model without the lean forward or adapters, and layers
+    whose dropout is active (train mode), compute as they would outside."""
+    base = transformers_model(module)
+    if module is base or getattr(type(base), "_lean_base", None) is None:
+        yield
+        return
+    token = _MERGED.set(_merged_weights(module, base))
+    try:
+        yield
+    finally:
+        _MERGED.reset(token)
+
+
+class _Merged:
+    """A LoRA layer's merged weight and what it was made from: the base weight's storage
+    and version, copies of the adapters (compared, not versioned: a ``.data`` copy from
+    a shadow or DeepSpeed leaves no version) and their scalings."""
+
+    def __init__(self, layer: torch.nn.Module, adapters: list[str],
+                 old: _Merged | None) -> None:
+        base = layer.base_layer.weight
+        self.key = (base.data_ptr(), base._version, tuple(adapters),
+                    tuple(layer.scaling[a] for a in adapters))
+        self.adapters = [(layer.lora_B[a].weight.detach().clone(),
+                          layer.lora_A[a].weight.detach().clone()) for a in adapters]
+        weight = old.weight if old is not None and old.weight.shape == base.shape else None
+        with torch.no_grad():
+            weight = base.detach().clone() if weight is None else weight.copy_(base)
+            for (up, down), scale in zip(self.adapters, self.key[3], strict=True):
+                weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=scale)
+        self.weight = weight
+
+    def current(self, layer: torch.nn.Module, adapters: list[str]) -> bool:
+        """Whether the layer is still what this weight was merged from."""
+        base = layer.base_layer.weight
+        key = (base.data_ptr(), base._version, tuple(adapters),
+               tuple(layer.scaling[a] for a in adapters))
+        return key == self.key and all(
+            torch.equal(layer.lora_B[a].weight, up) and torch.equal(layer.lora_A[a].weight, down)
+            for a, (up, down) in zip(adapters, self.adapters, strict=True))
+
+
+def _merged_weights(module: torch.nn.Module, base: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The merged weight of each LoRA layer of ``module`` the lean forward reads, made
+    again where its layer changed; kept in ``module.__dict__`` (not a parameter or
+    buffer: never saved, moved or trained)."""
+    cache: dict[str, _Merged] = module.__dict__.setdefault("_lean_merged", {})
+    weights = {}
+    for name, layer in base.named_modules():
+        if not _is_lora(layer) or layer.merged or layer.disable_adapters or layer.lora_variant:
+            continue
+        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+        if not adapters or (layer.training and any(
+                not isinstance(layer.lora_dropout[a], torch.nn.Identity) for a in adapters)):
+            continue
+        entry = cache.get(name)
+        if entry is None or not entry.current(layer, adapters):
+            entry = cache[name] = _Merged(layer, adapters, entry)
+        weights[id(layer)] = entry.weight
+    return weights
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -186,11 +186,12 @@ def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
     return merged
 
 
-def lora_parameter_count(config, lora: Mapping[str, Any], head: str) -> int:
+def lora_parameter_counts(config, lora: Mapping[str, Any], head: str) -> tuple[int, int]:
     """Parameters LoRA adds to a model built from transformers ``config`` with ``head``
     (on the meta device: nothing allocated), a value head's included: what trains, moves
-    to shadows and goes into checkpoints. Raises ``ValueError`` for a target module the
-    model lacks."""
+    to shadows and goes into checkpoints; and the parameters of the adapted layers' base
+    weights: what a merged copy for generation holds (``lean.merged_adapters``). Raises
+    ``ValueError`` for a target module the model lacks."""
     from peft import get_peft_model
 
     from rlhfflow.engine.models import _as_value_config, _auto_class, _quiet_transformers
@@ -202,4 +203,7 @@ def lora_parameter_count(config, lora: Mapping[str, Any], head: str) -> int:
         warnings.simplefilter("ignore", FutureWarning)
         model = _auto_class(head).from_config(config)
         wrapped = get_peft_model(model, lora_config(lora, head))
-    return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    adapted = sum(layer.get_base_layer().weight.numel() for layer in wrapped.modules()
+                  if _is_adapted(layer))
+    return adapters, adapted

@@ -13,6 +13,7 @@ Frozen models load in their dtype as they are.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import math
@@ -279,6 +280,14 @@ class ResidentModel:
             self._nonfinite(f"gradient norm is {float(norm)} even at loss scale "
                             f"{self.scaler.get_scale()}")
         return float("nan")
+
+    def generating(self) -> contextlib.AbstractContextManager:
+        """Where the model samples responses: a LoRA model with
+        ``lora.merge_for_generation`` computes its adapted layers from merged weights
+        within (``lean.merged_adapters``); any other model as it is."""
+        if self.config.lora is not None and self.config.lora.get("merge_for_generation", True):
+            return lean.merged_adapters(self.module)
+        return contextlib.nullcontext()
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors, to send to another worker's copy (a LoRA model's

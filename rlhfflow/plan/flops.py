@@ -18,7 +18,8 @@ also multiplies by the adapters (``ModelShape.adapters``: ``N_a``), and a traini
 weight products are ``2 N + 2 N_a`` forward, ``2 N`` for the input gradients through the
 base and ``4 N_a`` for the adapters' backward, ``4 N + 6 N_a`` per token in all instead
 of ``6 N`` (attention has no weights: its backward is still two forwards' worth); a
-frozen ``from:`` view of its base (``base_of``) is the base alone. Rows that repeat a prompt share its
+frozen ``from:`` view of its base (``base_of``) is the base alone, and so is its
+generation from merged weights (``lora.merge_for_generation``, ``ModelShape.merged``). Rows that repeat a prompt share its
 forward (``rlhfflow.engine.forward.shared_prompt_rows``): the prompt's tokens and its
 own attention pairs count once, each row's response and its attention to the prompt
 per row (``runtime.worker.host.partial_metrics``).
@@ -95,7 +96,8 @@ def stage_work(pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
         shape = shapes.get(node.model) if node.model else None
         if shape is None or not shape.matmul_params or node.reports or node.every != 1:
             continue
-        adapters = shape.adapters or 0
+        # a LoRA model generating from merged weights multiplies by the base's shapes only
+        adapters = 0 if node.generates and shape.merged else shape.adapters or 0
         work.append(StageWork(
             stage=name, model=node.model, dtype=spec.models[node.model].dtype,
             passes=node.passes, per_token=2.0 * (shape.matmul_params + adapters),

@@ -25,6 +25,10 @@ class ModelShape:
     adapters: int | None = None
     #: the LoRA model whose resident base this frozen model is (no weights of its own)
     base_of: str | None = None
+    #: parameters of the merged weights a LoRA model generates with
+    #: (``lora.merge_for_generation``): one more copy of its adapted layers' weights in
+    #: each worker that generates with it; 0: none
+    merged: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +61,16 @@ def _lora(pipeline, name: str, shape: ModelShape) -> ModelShape:
 
     model = pipeline.spec.models[name]
     if model.lora is not None and shape.params:
-        shape = replace(shape, adapters=_adapter_count(pipeline, name))
+        adapters, adapted = _adapter_counts(pipeline, name)
+        shape = replace(shape, adapters=adapters,
+                        merged=adapted if model.lora.merge_for_generation else 0)
     return replace(shape, base_of=pipeline.lora_base(name))
 
 
-def _adapter_count(pipeline, name: str) -> int:
-    """Parameters LoRA adds to model ``name`` (its model built on the meta device)."""
-    from rlhfflow.engine.lora import lora_parameter_count
+def _adapter_counts(pipeline, name: str) -> tuple[int, int]:
+    """Parameters LoRA adds to model ``name`` and those of the layers it adapts (its
+    model built on the meta device)."""
+    from rlhfflow.engine.lora import lora_parameter_counts
     from rlhfflow.engine.models import build_char_tokenizer, model_config, tiny_config
     from rlhfflow.errors import SpecError
 
@@ -76,7 +83,7 @@ def _adapter_count(pipeline, name: str) -> int:
     else:
         config = model_config(pipeline.model_dir(root.path))
     try:
-        return lora_parameter_count(config, model.lora.model_dump(), model.head)
+        return lora_parameter_counts(config, model.lora.model_dump(), model.head)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise SpecError(pipeline.source, f"models.{name}.lora.target_modules",
                         str(exc).split(". ")[0]) from None

@@ -151,15 +151,16 @@ class EvaluateStage(Stage):
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         texts: list[str] = []
         lengths = []
-        for start in range(0, len(token_ids), self.params.batch_size):
-            chunk = token_ids[start:start + self.params.batch_size]
-            ids, mask = pad_prompts(chunk, tok.pad_token_id)
-            uniforms = torch.rand(len(chunk), params.max_new_tokens, generator=gen)
-            out = generate(resident.module, ids, mask, uniforms, params, tok.eos_token_id,
-                           pad_id)
-            real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
-            texts += tok.batch_decode(real.tolist(), skip_special_tokens=True)
-            lengths.append(out["response_mask"].sum(-1))
+        with resident.generating():
+            for start in range(0, len(token_ids), self.params.batch_size):
+                chunk = token_ids[start:start + self.params.batch_size]
+                ids, mask = pad_prompts(chunk, tok.pad_token_id)
+                uniforms = torch.rand(len(chunk), params.max_new_tokens, generator=gen)
+                out = generate(resident.module, ids, mask, uniforms, params,
+                               tok.eos_token_id, pad_id)
+                real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
+                texts += tok.batch_decode(real.tolist(), skip_special_tokens=True)
+                lengths.append(out["response_mask"].sum(-1))
         return texts, torch.cat(lengths)
 
     def _metrics(self, ctx: StageContext, records: list[dict[str, Any]], prompts: list[str],

@@ -215,16 +215,18 @@ class GenerateStage(Stage):
         if params.drafter == "none" and not params.compact and handoff is None:
             uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
                                        batch["sample_index"], params.max_new_tokens)
-            out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"],
-                           uniforms, params, eos, pad_id)
+            with resident.generating():
+                out = generate(resident.module, batch["prompt_ids"], batch["prompt_mask"],
+                               uniforms, params, eos, pad_id)
             zeros = torch.zeros(rows, dtype=torch.long)
             out.update(gen_steps=zeros, gen_drafted=zeros, gen_accepted=zeros,
                        gen_k_sum=zeros, gen_moved=zeros)
         else:
             from rlhfflow.engine.speculative import decode
 
-            out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
-                                      self.acceptance, eos, handoff)
+            with resident.generating():
+                out, stats = decode_batch(resident, batch, ctx, params, self.history, decode,
+                                          self.acceptance, eos, handoff)
             self.last_stats = stats
             out.update(gen_steps=stats.steps, gen_drafted=stats.drafted,
                        gen_accepted=stats.accepted, gen_k_sum=stats.k_sum,
@@ -246,9 +248,10 @@ class GenerateStage(Stage):
 
         resident = ctx.models.get(self.model)
         tok = resident.tokenizer
-        out, stats = decode(resident.module, None, None, cont.streams, self.params,
-                            eos_ids(resident.module, tok), tok.pad_token_id or 0,
-                            sample_step, resume=cont)
+        with resident.generating():
+            out, stats = decode(resident.module, None, None, cont.streams, self.params,
+                                eos_ids(resident.module, tok), tok.pad_token_id or 0,
+                                sample_step, resume=cont)
         return out, stats.steps
 
 

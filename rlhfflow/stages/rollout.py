@@ -508,9 +508,10 @@ class RolloutStage(Stage):
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
             self.check_shippable(episodes)
-            loop.run(episodes, shipped, ships=True)
+            with resident.generating():
+                loop.run(episodes, shipped, ships=True)
         else:
-            with _env_pool(params.env_workers) as pool:
+            with _env_pool(params.env_workers) as pool, resident.generating():
                 loop.run(episodes, pool)
         self.last_timeline = loop.timeline
         if ctx.spans is not None:  # "env-pool": steps that took none of this task's time
