@@ -33,7 +33,9 @@ the lean forward reads a Linear that peft's LoRA ``Linear`` replaced it computes
 layer's forward computes, the same operations in the same order: the base layer, then
 ``B(A(dropout(x))) * scaling`` added for each active adapter, the base alone with the
 adapters disabled (logits and the gradients of ``A`` and ``B`` bitwise peft's on CPU,
-``tests/test_lean.py``). A layer in a state it does not cover (adapters merged into the
+``tests/test_lean.py``). Within ``merged_adapters`` (generation), a layer computed
+without gradients is one product with its merged weight ``W + scaling * B A`` instead,
+equal up to float rounding. A layer in a state it does not cover (adapters merged into the
 weights, forward hooks such as peft's per-row ``adapter_names``) is called as a module.
 Adapters of another shape keep peft's forward for the whole model (``unsupported`` says
 why): other peft methods, DoRA and other LoRA variants, adapters on layers other than the
