@@ -407,27 +407,39 @@ def steady(times: list[float]) -> float:
 def compare(name: str, iterations: int, threads: list[int], rounds: int, work: Path,
             recompute_logprobs: bool = False, device: str = "cpu",
             overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """rlhfflow, then TRL at each of ``threads``, on config ``name`` (changed by
-    ``overrides``), ``rounds`` times, alternating so that drift of the machine hits all
-    alike; the figures of the comparison, TRL's being those of its fastest thread count."""
+    """rlhfflow and TRL at each of ``threads`` on config ``name`` (changed by
+    ``overrides``), ``rounds`` times, alternating which runs first so that drift of the
+    machine hits all alike; the figures of the comparison, TRL's being those of its
+    fastest thread count."""
     # other processes on the machine skew TRL's OpenMP threads far more than rlhfflow's
     # single-threaded workers: keep the load beside the figures to judge them by
     load = os.getloadavg()[0]
     ours: list[dict[str, Any]] = []
     recomputed: list[dict[str, Any]] = []
     theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
-    for r in range(rounds):
-        out = work / f"rlhfflow-{r}"
-        base = describe_work(config_path(name), iterations,
-                             out / "models" / "actor" / "init", device, overrides)
-        ours.append(spawn("rlhfflow", {**base, "output": str(out)}, work / f"round-{r}"))
+    # TRL starts from the actor's initial weights that rlhfflow's first round writes (the
+    # same, seeded, in every round)
+    base = describe_work(config_path(name), iterations,
+                         work / "rlhfflow-0" / "models" / "actor" / "init", device, overrides)
+
+    def run_ours(r: int) -> None:
+        ours.append(spawn("rlhfflow", {**base, "output": str(work / f"rlhfflow-{r}")},
+                          work / f"round-{r}"))
         if recompute_logprobs:
             recomputed.append(spawn("rlhfflow", {**base, "recompute_logprobs": True,
                                                  "output": str(work / f"rlhfflow-old-{r}")},
                                     work / f"round-{r}" / "recompute"))
+
+    def run_theirs(r: int) -> None:
         for t in threads:
             theirs[t].append(spawn("trl", {**base, "output": str(work / f"trl-{t}-{r}"),
                                            "threads": t}, work / f"round-{r}" / f"trl-{t}"))
+
+    for r in range(rounds):
+        # rlhfflow first in even rounds, TRL first in odd ones: neither system always
+        # gets the machine as the other left it
+        for run in (run_ours, run_theirs) if r % 2 == 0 else (run_theirs, run_ours):
+            run(r)
     rows = base["rows"]
     by_threads = {t: summarize(runs, rows) for t, runs in theirs.items()}
     best = min(by_threads, key=lambda t: by_threads[t]["s"])
