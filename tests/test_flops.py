@@ -51,7 +51,8 @@ def test_the_flops_of_the_tiny_actor_match_a_hand_count(tmp_path):
     assert passes == {"generate": 1.0, "ref_logprob": 1.0, "train_actor": 6.0}
 
 
-def test_a_lora_training_step_counts_no_weight_gradients_of_the_frozen_base(tmp_path):
+def test_a_lora_training_step_counts_no_weight_gradients_of_the_frozen_base(tmp_path,
+                                                                          monkeypatch):
     pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
     lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
     pipeline = load_pipeline(small_pipeline(tmp_path, "grpo",
@@ -74,6 +75,13 @@ def test_a_lora_training_step_counts_no_weight_gradients_of_the_frozen_base(tmp_
                                                               "merge_for_generation": False}}))
     unmerged_shapes = model_shapes(unmerged)
     assert unmerged_shapes["actor"].merged == 0
+    # no lean forward, no merging: mixed precision, or the lean forward switched off
+    bf16 = load_pipeline(small_pipeline(tmp_path, "grpo", file_name="bf16.yaml", overrides={
+        "models.actor.lora": lora, "models.actor.dtype": "bfloat16"}))
+    assert model_shapes(bf16)["actor"].merged == 0
+    monkeypatch.setenv("RLHFFLOW_LEAN_FORWARD", "0")
+    assert model_shapes(pipeline)["actor"].merged == 0
+    monkeypatch.delenv("RLHFFLOW_LEAN_FORWARD")
     generate = {w.stage: w for w in stage_work(unmerged, unmerged_shapes)}["generate"]
     assert generate.flops(tokens, 0) == 2 * (base + adapters) * tokens
     # 2 epochs of a forward, input gradients through the base, and the adapters' own

@@ -393,7 +393,6 @@ def test_merged_generation_leaves_a_model_without_adapters_or_the_lean_forward_a
 @pytest.mark.parametrize("merge", [True, False])
 def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_path, merge):
     pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
-    from rlhfflow.stages.generate import GenerateParams, generate
 
     save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
     lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
@@ -401,8 +400,20 @@ def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_pat
     store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
                                              trainable=True, lora=lora)})
     resident = store.get("actor")
-    ids, mask, _ = padded_ids()
-    with resident.generating():
-        generate(resident.module, ids, mask, torch.rand(len(ids), 4),
-                 GenerateParams(max_new_tokens=4), None, 0)
+    with torch.no_grad():
+        for name, p in resident.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids, mask, pos = padded_ids()
+
+    def sampled() -> torch.Tensor:
+        with resident.generating():
+            assert not torch.is_grad_enabled()  # a rollout's own loop takes none either
+            return resident.module(input_ids=ids, attention_mask=mask,
+                                   position_ids=pos).logits
+
+    before = sampled()
     assert len(resident.module.__dict__.get("_lean_merged", {})) == (14 if merge else 0)
+    for entry in resident.module.__dict__.get("_lean_merged", {}).values():
+        entry.weight.zero_()  # what generation reads when merged
+    assert torch.equal(before, sampled()) is not merge

@@ -42,6 +42,8 @@ class StageNode:
     generates: bool = False
     scores: bool = False
     reports: bool = False
+    #: decodes from its model (a generator, an evaluation, a greedy baseline)
+    samples: bool = False
     response_tokens: int = 0
     temperature: float = 1.0
     #: a generator's model turns per response at most (``Stage.model_turns``)

@@ -107,16 +107,9 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return None  # already lean
     if cls is not LlamaForCausalLM:
         return f"{cls.__name__} is not LlamaForCausalLM"
-    config = module.config
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r}"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "attention or MLP biases"
-    if getattr(config, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp > 1"
-    attention = getattr(config, "_attn_implementation", None)
-    if attention not in (None, "sdpa"):
-        return f"attn_implementation {attention!r} (the lean forward is SDPA)"
+    problem = unsupported_config(module.config)
+    if problem is not None:
+        return problem
     if getattr(module.model.rotary_emb, "rope_type", "default") in _DYNAMIC_ROPE:
         return f"rope_type {module.model.rotary_emb.rope_type!r}"
     if any(p.dtype != torch.float32 for p in module.parameters()):
@@ -129,6 +122,24 @@ def unsupported(module: torch.nn.Module) -> str | None:
         leaf = name.rpartition(".")[2]
         if leaf in _PROJECTIONS and type(child) is not torch.nn.Linear and not _is_lora(child):
             return f"{name} is {type(child).__name__}, not a Linear or peft's LoRA Linear"
+    return None
+
+
+def unsupported_config(config) -> str | None:
+    """What in transformers ``config`` (a Llama's, as ``LlamaForCausalLM`` loads it) the
+    lean forward does not cover, or None: the checks of ``unsupported`` that need no
+    weights (the planner asks them of models it never loads)."""
+    if getattr(config, "model_type", "llama") != "llama":
+        return f"model_type {config.model_type!r} is not llama"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in (None, "sdpa"):
+        return f"attn_implementation {attention!r} (the lean forward is SDPA)"
     return None
 
 
@@ -406,7 +417,8 @@ def _merged_weights(module: torch.nn.Module, base: torch.nn.Module) -> dict[int,
     cache: dict[str, _Merged] = module.__dict__.setdefault("_lean_merged", {})
     weights = {}
     for name, layer in base.named_modules():
-        if not _is_lora(layer) or layer.merged or layer.disable_adapters or layer.lora_variant:
+        if not _is_lora(layer) or layer.merged or layer.disable_adapters or layer.lora_variant \
+                or hasattr(layer.base_layer.weight, "ds_id"):  # partitioned by ZeRO-3
             continue
         adapters = [a for a in layer.active_adapters if a in layer.lora_A]
         if not adapters or (layer.training and any(

@@ -20,7 +20,7 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,13 +281,16 @@ class ResidentModel:
                             f"{self.scaler.get_scale()}")
         return float("nan")
 
-    def generating(self) -> contextlib.AbstractContextManager:
-        """Where the model samples responses: a LoRA model with
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Where the model samples responses: no gradients, and a LoRA model with
         ``lora.merge_for_generation`` computes its adapted layers from merged weights
-        within (``lean.merged_adapters``); any other model as it is."""
-        if self.config.lora is not None and self.config.lora.get("merge_for_generation", True):
-            return lean.merged_adapters(self.module)
-        return contextlib.nullcontext()
+        (``lean.merged_adapters``)."""
+        merged = self.config.lora is not None and \
+            self.config.lora.get("merge_for_generation", True)
+        with torch.no_grad(), (lean.merged_adapters(self.module) if merged
+                               else contextlib.nullcontext()):
+            yield
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors, to send to another worker's copy (a LoRA model's

@@ -151,18 +151,23 @@ class TrackioSink:
     goes on in the newest Trackio run of that name instead of starting another.
 
     Trackio keeps its current run in a context variable and finishes it at exit; the
-    sink clears it on close, so nothing is finished twice. Trackio's own start and end
-    banners are kept off the run's output: ``line`` says where the run went instead."""
+    sink clears it on close, so nothing is finished twice. A local run's start and end
+    banners are kept off the run's output (``line`` says where the run went instead);
+    with a Space, Trackio's own lines about it (its URL, uploads) stay."""
 
     def __init__(self, project: str, run_name: str, group: str | None,
                  space_id: str | None, config: dict[str, Any], resume: bool) -> None:
         import trackio
         from trackio import context_vars, utils
 
-        with contextlib.redirect_stdout(io.StringIO()):
+        # redirect_stdout holds for the whole process: only around local, instant calls
+        quiet = contextlib.redirect_stdout(io.StringIO()) if space_id is None \
+            else contextlib.nullcontext()
+        with quiet:
             self.run = trackio.init(project=project, name=run_name, group=group,
                                     space_id=space_id, config=config,
                                     resume="allow" if resume else "never")
+        self._quiet = space_id is None
         self._context = context_vars.current_run
         where = f"Space {space_id}" if space_id else str(utils.TRACKIO_DIR)
         self.line = (f"rlhfflow: trackio: run {run_name!r} of project {project!r} in "
@@ -185,7 +190,8 @@ class TrackioSink:
         """Write what is queued and finish the run (with an error alert when the
         rlhfflow run failed)."""
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()) if self._quiet \
+                    else contextlib.nullcontext():
                 if failed:
                     import trackio
 

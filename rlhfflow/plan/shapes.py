@@ -61,27 +61,51 @@ def _lora(pipeline, name: str, shape: ModelShape) -> ModelShape:
 
     model = pipeline.spec.models[name]
     if model.lora is not None and shape.params:
-        adapters, adapted = _adapter_counts(pipeline, name)
+        config = _root_config(pipeline, name)
+        adapters, adapted = _adapter_counts(pipeline, name, config)
         shape = replace(shape, adapters=adapters,
-                        merged=adapted if model.lora.merge_for_generation else 0)
+                        merged=adapted if _generates_merged(pipeline, name, config) else 0)
     return replace(shape, base_of=pipeline.lora_base(name))
 
 
-def _adapter_counts(pipeline, name: str) -> tuple[int, int]:
-    """Parameters LoRA adds to model ``name`` and those of the layers it adapts (its
-    model built on the meta device)."""
-    from rlhfflow.engine.lora import lora_parameter_counts
+def _root_config(pipeline, name: str):
+    """The transformers config model ``name``'s weights come from."""
     from rlhfflow.engine.models import build_char_tokenizer, model_config, tiny_config
-    from rlhfflow.errors import SpecError
 
-    spec = pipeline.spec
-    model, root = spec.models[name], spec.models[pipeline.model_root(name)]
+    root = pipeline.spec.models[pipeline.model_root(name)]
     if root.tiny is not None:
         t = root.tiny
-        config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
-                             hidden=t.hidden, n_head=t.heads, max_positions=t.max_positions)
-    else:
-        config = model_config(pipeline.model_dir(root.path))
+        return tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
+                           hidden=t.hidden, n_head=t.heads, max_positions=t.max_positions)
+    return model_config(pipeline.model_dir(root.path))
+
+
+def _generates_merged(pipeline, name: str, config) -> bool:
+    """Whether LoRA model ``name`` generates from merged weights: asked to
+    (``lora.merge_for_generation``) and run by the lean forward, which merges
+    (``engine.lean``: a float32 Llama LM on CPU, not switched off)."""
+    import os
+
+    import torch
+
+    from rlhfflow.engine import lean
+
+    spec = pipeline.spec
+    model = spec.models[name]
+    device = "cpu" if spec.cluster.device == "cpu" or not torch.cuda.is_available() else "cuda"
+    return (model.lora.merge_for_generation and model.head == "lm"
+            and device in lean.DEVICES and os.environ.get(lean.ENV, "1") != "0"
+            and model.dtype == "float32" and model.attn_implementation in (None, "sdpa")
+            and lean.unsupported_config(config) is None)
+
+
+def _adapter_counts(pipeline, name: str, config) -> tuple[int, int]:
+    """Parameters LoRA adds to model ``name`` and those of the layers it adapts (its
+    model built from ``config`` on the meta device)."""
+    from rlhfflow.engine.lora import lora_parameter_counts
+    from rlhfflow.errors import SpecError
+
+    model = pipeline.spec.models[name]
     try:
         return lora_parameter_counts(config, model.lora.model_dump(), model.head)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"

@@ -225,16 +225,16 @@ class Executor:
                       f"`rlhfflow plan FILE --candidates 5` shows why)")
             if c.cost.warning:
                 self._say(f"rlhfflow: warning: {c.cost.warning}")
-        if self.graph.setup_stages and checkpoint is None:
-            result.setup_metrics = self._run_setup_with_recovery()
-        if self.graph.loop_stages and first < spec.iterations:
-            self._count_flops()
-            try:
+        try:
+            if self.graph.setup_stages and checkpoint is None:
+                result.setup_metrics = self._run_setup_with_recovery()
+            if self.graph.loop_stages and first < spec.iterations:
+                self._count_flops()
                 result.metrics = self._run_with_recovery(first)
-            except BaseException:  # the logging: sinks see the run fail (rlhfflow.monitor)
-                self.monitor.close(failed=True)
-                raise
-            self.monitor.close()
+        except BaseException:  # the logging: sinks see the run fail (rlhfflow.monitor)
+            self.monitor.close(failed=True)
+            raise
+        self.monitor.close()
         result.summary = self.summary
         if self.first_iteration_s is not None:
             self.summary["startup_s"] = round(self.clock.total, 3)

@@ -187,6 +187,7 @@ class RemaxBaselineStage(Stage):
     because those write fixed column names that would collide with the sampled ones."""
 
     type_name = "remax_baseline"
+    samples = True
     Params = RemaxBaselineParams
     model_head = "lm"
 
@@ -218,8 +219,10 @@ class RemaxBaselineStage(Stage):
         params = GenerateParams(max_new_tokens=self.params.max_new_tokens, greedy=True)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         unused = torch.zeros(len(first), params.max_new_tokens)  # greedy draws nothing
-        out = generate(resident.module, batch["prompt_ids"][first],
-                       batch["prompt_mask"][first], unused, params, tok.eos_token_id, pad_id)
+        with resident.generating():
+            out = generate(resident.module, batch["prompt_ids"][first],
+                           batch["prompt_mask"][first], unused, params, tok.eos_token_id,
+                           pad_id)
         real = out["response_ids"].masked_fill(out["response_mask"] == 0, pad_id)
         responses = tok.batch_decode(real.tolist(), skip_special_tokens=True)
         fn = load_function(self.params.function, ctx.settings.base_dir)

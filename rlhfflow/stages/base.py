@@ -166,6 +166,10 @@ class Stage:
         reports: whether the stage returns metrics for the iteration's record (under
             their own names, e.g. ``eval/reward_mean``) instead of columns, as an
             evaluation does; a training stage's metrics go under ``train`` instead.
+        samples: whether the stage decodes from its model for its own use (an
+            evaluation, a greedy baseline) without being a generator; a generator
+            samples too. Where it runs, a LoRA model holds its merged weights
+            (``ResidentModel.generating``), which the planner's memory counts.
     """
 
     type_name: ClassVar[str] = ""
@@ -178,6 +182,7 @@ class Stage:
     generates: ClassVar[bool] = False
     scores: ClassVar[bool] = False
     reports: ClassVar[bool] = False
+    samples: ClassVar[bool] = False
 
     def __init__(self, name: str, params: StageParams | Mapping[str, Any] | None = None,
                  algorithm: Any = None, model: str | None = None) -> None:

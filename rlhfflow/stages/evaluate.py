@@ -82,6 +82,7 @@ class EvaluateStage(Stage):
     model_head = "lm"
     per_batch = True  # one task per iteration, not one per micro-batch
     reports = True
+    samples = True
 
     @classmethod
     def runs_every(cls, params):

@@ -24,7 +24,7 @@ from rlhfflow.stages.base import (
     stage_type_path,
 )
 
-CAPABILITIES = ("generates", "scores", "trains", "reports", "once", "per_batch")
+CAPABILITIES = ("generates", "samples", "scores", "trains", "reports", "once", "per_batch")
 
 
 @dataclass(frozen=True)

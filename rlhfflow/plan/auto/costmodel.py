@@ -426,7 +426,7 @@ class CostModel:
         """Estimated peak bytes per worker of ``plan``: every model copy's weights; at a
         model's home the gradients and AdamW state (fp32, two moments) too (a LoRA
         model's: of its adapters); a frozen view of a LoRA model's base nothing where
-        that model is; a LoRA model's merged weights where it generates; plus the largest
+        that model is; a LoRA model's merged weights where it samples; plus the largest
         KV cache or activation footprint of a task on that worker."""
         per_worker = [0.0] * plan.n_workers
         peak = [0.0] * plan.n_workers
@@ -444,7 +444,7 @@ class CostModel:
                     extra = shape.trained * 4 * 3  # gradients + two AdamW moments
                 per_worker[w] += shape.nbytes + extra
         merged = {(self.graph.nodes[name].model, w) for name, sp in plan.stages.items()
-                  if self.graph.nodes[name].generates for w in sp.workers}
+                  if self.graph.nodes[name].samples for w in sp.workers}
         for model, w in merged:
             shape = self.shapes.get(model)
             if shape is not None:
