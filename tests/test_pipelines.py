@@ -270,5 +270,5 @@ def test_the_stage_reference_lists_the_new_roles():
     text = result.output
     for name in ("select", "train_sft", "train_dpo", "train_dpo_online", "evaluate"):
         assert f"\n{name}  (" in text or text.startswith(f"{name}  (")
-    assert "roles:   reports, per_batch" in text
+    assert "roles:   samples, reports, per_batch" in text  # evaluate
     assert "roles:   scores" in text
