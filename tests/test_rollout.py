@@ -98,6 +98,34 @@ def test_guessing_episodes_mask_the_environment_and_keep_the_sampler_s_logprobs(
     assert "<|im_start|>assistant: " in tok.decode(out["response_ids"][0].tolist())
 
 
+def test_a_lora_actor_s_episodes_decode_from_its_merged_weights(chat_lm_dir):
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    from rlhfflow.stages import ModelConfig, ModelStore
+
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir), trainable=True,
+                                             lora=lora)})
+    module = store.get("actor").module
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    batch = chat_batch(store.get("actor").tokenizer, TEXTS, samples=2)
+    grads = []  # every forward of the episodes decodes without gradients
+    hook = module.get_base_model().register_forward_pre_hook(
+        lambda *_: grads.append(torch.is_grad_enabled()))
+    out = _rollout(store, batch, env=GUESS, max_turns=2, max_new_tokens=6, max_tokens=80)
+    hook.remove()
+    assert len(grads) > 6 and not any(grads)
+    _check_logprobs_match_a_fresh_forward(store, batch, out)  # the adapters' own path
+    merged = module.__dict__["_lean_merged"]
+    assert merged  # made on entry; what follows shows the episodes' steps read it
+    for entry in merged.values():
+        entry.weight.mul_(0.5)
+    halved = _rollout(store, batch, env=GUESS, max_turns=2, max_new_tokens=6, max_tokens=80)
+    assert not torch.allclose(halved["sample_logprobs"], out["sample_logprobs"])
+
+
 def _secrets_guessed_on_the_first_turn(store) -> tuple[dict, dict, list]:
     """A batch of 4 samples of one prompt for the guessing game, each row's secret the
     first number its model says in a first turn (none: 0, never guessed); that turn's
