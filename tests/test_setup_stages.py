@@ -80,3 +80,23 @@ def test_sft_needs_exactly_one_data_source(tmp_path):
         "type": "sft", "model": "actor", "params": {}})
     with pytest.raises(SpecError, match=r"stages\.sft\.params: give exactly one of 'data'"):
         load_pipeline(path)
+
+
+def test_a_setup_stage_that_fails_marks_the_logging_run_failed(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database
+    from mlflow.tracking import MlflowClient
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text((DATA / "sft.jsonl").read_text())
+    uri = (tmp_path / "mlruns").as_uri()
+    path = _with_setup_stage(small_pipeline(tmp_path, iterations=1, overrides={
+        "logging.mlflow": {"tracking_uri": uri, "experiment": "tests"}}), {
+        "type": "sft", "model": "actor", "params": {"data": str(data), "batch_size": 16}})
+    pipeline = load_pipeline(path)
+    data.unlink()  # gone between validation and the stage's run
+    with pytest.raises(RunError):
+        run_pipeline(pipeline, progress=False, inline=True)
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.info.status == "FAILED"
