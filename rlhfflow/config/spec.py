@@ -19,7 +19,15 @@ from pydantic import (
 )
 
 from rlhfflow.config.algorithm import AlgorithmSpec
-from rlhfflow.config.fields import NonNegFloat, NonNegInt, PositiveFloat, PositiveInt, Strict
+from rlhfflow.config.fields import (
+    NonNegFloat,
+    NonNegInt,
+    PackageSpec,
+    PositiveFloat,
+    PositiveInt,
+    Strict,
+    need_package,
+)
 from rlhfflow.config.yamlfile import error_from_pydantic
 from rlhfflow.errors import SpecError  # noqa: F401  (the pipeline file's error, where callers find it)
 from rlhfflow.stages import StageParams
@@ -418,10 +426,12 @@ class OverlapSpec(Strict):
         "no streaming, fusion or overlap (the baseline). An error with `max_staleness` > 0."))
 
 
-class MlflowSpec(Strict):
+class MlflowSpec(PackageSpec):
     """Where per-iteration metrics go in MLflow: ``tracking_uri`` (default: MLflow's own,
     ``MLFLOW_TRACKING_URI`` or ``./mlruns``), the experiment (created if missing) and the
     run's name (default: the pipeline's name)."""
+
+    package = "mlflow"
 
     tracking_uri: str | None = Field(None, description=(
         "Where MLflow stores runs (`http://HOST:5000`, `sqlite:///mlflow.db`, ...); `null`: "
@@ -430,16 +440,13 @@ class MlflowSpec(Strict):
     run_name: str | None = Field(None, description=(
         "The MLflow run's name; `null`: the pipeline's name."))
 
-    @model_validator(mode="after")
-    def _installed(self) -> MlflowSpec:
-        _need_package("mlflow", "mlflow")
-        return self
 
-
-class WandbSpec(Strict):
+class WandbSpec(PackageSpec):
     """A Weights & Biases run of the per-iteration metrics (and completions tables). The
     default ``mode: offline`` writes the run under ``dir`` and contacts nobody; ``wandb
     sync DIR/wandb/offline-run-*`` uploads it later."""
+
+    package = "wandb"
 
     project: str = Field("rlhfflow", description="The W&B project.")
     mode: Literal["offline", "online", "disabled"] = Field("offline", description=(
@@ -454,17 +461,14 @@ class WandbSpec(Strict):
         "The W&B run's name; `null`: the pipeline's name."))
     tags: list[str] = Field([], description="Tags of the W&B run.")
 
-    @model_validator(mode="after")
-    def _installed(self) -> WandbSpec:
-        _need_package("wandb", "wandb")
-        return self
 
-
-class TrackioSpec(Strict):
+class TrackioSpec(PackageSpec):
     """A Trackio run of the per-iteration metrics (and completions tables). Local by
     default: Trackio's SQLite database in ``TRACKIO_DIR`` (Trackio's own environment
     variable; default ``~/.cache/huggingface/trackio``), shown by ``trackio show
     --project PROJECT``. A resumed rlhfflow run goes on logging into its Trackio run."""
+
+    package = "trackio"
 
     project: str = Field("rlhfflow", description="The Trackio project.")
     run_name: str | None = Field(None, description=(
@@ -474,11 +478,6 @@ class TrackioSpec(Strict):
     space_id: str | None = Field(None, description=(
         "A Hugging Face Space (`USER/SPACE`) to log to as well (needs `hf auth login`; "
         "created if missing); `null`: this machine only."))
-
-    @model_validator(mode="after")
-    def _installed(self) -> TrackioSpec:
-        _need_package("trackio", "trackio")
-        return self
 
 
 class LoggingSpec(Strict):
@@ -510,20 +509,10 @@ class LoggingSpec(Strict):
     @classmethod
     def _tensorboard_installed(cls, value: str | bool) -> str | bool:
         if value is not False:
-            _need_package("tensorboard", "tensorboard")
+            need_package("tensorboard", "tensorboard")
         if value == "":
             raise ValueError("expected a directory or true/false, got ''")
         return value
-
-
-def _need_package(module: str, extra: str) -> None:
-    """A logging target whose package is missing is a mistake in the file, found before
-    the run starts, not an ImportError at its first iteration."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"needs the {module!r} package, which is not installed: "
-                         f"pip install 'rlhfflow[{extra}]'")
 
 
 class PipelineSpec(Strict):
