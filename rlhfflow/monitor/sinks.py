@@ -135,10 +135,7 @@ class WandbSink:
         """The samples as a ``wandb.Table`` named ``completions``."""
         import wandb
 
-        columns = list(rows[0])
-        table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
-                                                   for row in rows])
-        self.run.log({"completions": table}, step=iteration)
+        self.run.log({"completions": wandb.Table(**table_data(rows))}, step=iteration)
 
     def close(self, failed: bool = False) -> None:
         """Finish the run (exit code 1 when the rlhfflow run failed)."""
@@ -160,18 +157,21 @@ class TrackioSink:
         import trackio
         from trackio import context_vars, utils
 
-        # redirect_stdout holds for the whole process: only around local, instant calls
-        quiet = contextlib.redirect_stdout(io.StringIO()) if space_id is None \
-            else contextlib.nullcontext()
-        with quiet:
+        self._local = space_id is None
+        with self._banners_off():
             self.run = trackio.init(project=project, name=run_name, group=group,
                                     space_id=space_id, config=config,
                                     resume="allow" if resume else "never")
-        self._quiet = space_id is None
         self._context = context_vars.current_run
         where = f"Space {space_id}" if space_id else str(utils.TRACKIO_DIR)
         self.line = (f"rlhfflow: trackio: run {run_name!r} of project {project!r} in "
                      f"{where} (view it with `trackio show --project {project}`)")
+
+    def _banners_off(self) -> contextlib.AbstractContextManager:
+        """Trackio's prints kept off the output, for a local run: ``redirect_stdout``
+        holds for the whole process, so only around its local, instant calls."""
+        return contextlib.redirect_stdout(io.StringIO()) if self._local \
+            else contextlib.nullcontext()
 
     def log(self, record: dict[str, Any]) -> None:
         """Log one iteration's metrics, step = iteration."""
@@ -181,17 +181,13 @@ class TrackioSink:
         """The samples as a ``trackio.Table`` named ``completions``."""
         import trackio
 
-        columns = list(rows[0])
-        table = trackio.Table(columns=columns, data=[[row.get(c) for c in columns]
-                                                     for row in rows])
-        self.run.log({"completions": table}, step=iteration)
+        self.run.log({"completions": trackio.Table(**table_data(rows))}, step=iteration)
 
     def close(self, failed: bool = False) -> None:
         """Write what is queued and finish the run (with an error alert when the
         rlhfflow run failed)."""
         try:
-            with contextlib.redirect_stdout(io.StringIO()) if self._quiet \
-                    else contextlib.nullcontext():
+            with self._banners_off():
                 if failed:
                     import trackio
 
@@ -201,6 +197,13 @@ class TrackioSink:
         finally:
             if self._context.get() is self.run:
                 self._context.set(None)
+
+
+def table_data(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Rows as a tracker's table takes them (W&B's and Trackio's ``Table``): ``columns``
+    (the first row's keys) and ``data`` (a list of values per row)."""
+    columns = list(rows[0])
+    return {"columns": columns, "data": [[row.get(c) for c in columns] for row in rows]}
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
