@@ -389,8 +389,7 @@ class _Merged:
     def __init__(self, layer: torch.nn.Module, adapters: list[str],
                  old: _Merged | None) -> None:
         base = layer.base_layer.weight
-        self.key = (base.data_ptr(), base._version, tuple(adapters),
-                    tuple(layer.scaling[a] for a in adapters))
+        self.key = self._key(layer, adapters)
         self.adapters = [(layer.lora_B[a].weight.detach().clone(),
                           layer.lora_A[a].weight.detach().clone()) for a in adapters]
         weight = old.weight if old is not None and old.weight.shape == base.shape else None
@@ -400,12 +399,17 @@ class _Merged:
                 weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=scale)
         self.weight = weight
 
+    @staticmethod
+    def _key(layer: torch.nn.Module, adapters: list[str]) -> tuple:
+        """The layer's state besides the adapters' values: the base weight's storage and
+        version, the adapters' names and scalings."""
+        base = layer.base_layer.weight
+        return (base.data_ptr(), base._version, tuple(adapters),
+                tuple(layer.scaling[a] for a in adapters))
+
     def current(self, layer: torch.nn.Module, adapters: list[str]) -> bool:
         """Whether the layer is still what this weight was merged from."""
-        base = layer.base_layer.weight
-        key = (base.data_ptr(), base._version, tuple(adapters),
-               tuple(layer.scaling[a] for a in adapters))
-        return key == self.key and all(
+        return self._key(layer, adapters) == self.key and all(
             torch.equal(layer.lora_B[a].weight, up) and torch.equal(layer.lora_A[a].weight, down)
             for a, (up, down) in zip(adapters, self.adapters, strict=True))
 
