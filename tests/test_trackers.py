@@ -47,6 +47,18 @@ def wandb_history(path: Path) -> list[dict]:
     return rows
 
 
+def _by_step(rows: list[dict], step: str, metrics: list[dict]) -> dict[int, dict]:
+    """A tracker's logged rows merged by their ``step`` key, checked to hold one step per
+    iteration of ``metrics`` with its ``reward``."""
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        by_step.setdefault(row[step], {}).update(row)
+    assert sorted(by_step) == [r["iteration"] for r in metrics]
+    for record in metrics:
+        assert by_step[record["iteration"]]["reward"] == pytest.approx(record["reward_mean"])
+    return by_step
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory) -> Path:
     """A 3-iteration GRPO run, inline, logging to an offline W&B run in ``tmp/wb`` and a
@@ -78,12 +90,7 @@ def test_an_offline_wandb_run_holds_the_metrics_and_the_tables(tracked_run: Path
     (run_dir,) = (tracked_run / "wb" / "wandb").glob("offline-run-*")
     history = wandb_history(next(run_dir.glob("run-*.wandb")))
     metrics = MetricsLog(tracked_run / "out" / "metrics.jsonl").read()
-    by_step: dict[int, dict] = {}
-    for row in history:
-        by_step.setdefault(row["_step"], {}).update(row)
-    assert sorted(by_step) == [0, 1, 2]
-    for record in metrics:
-        assert by_step[record["iteration"]]["reward"] == pytest.approx(record["reward_mean"])
+    by_step = _by_step(history, "_step", metrics)
     assert [s for s, row in sorted(by_step.items()) if "completions/path" in row] == [0, 2]
     table = json.loads((run_dir / "files" / by_step[2]["completions/path"]).read_text())
     assert table["columns"] == ["iteration", "prompt", "response", "scores", "advantage"]
@@ -125,12 +132,8 @@ def test_a_trackio_run_holds_the_metrics_and_the_tables_and_goes_on_after_a_resu
     assert runs == ["grpo-small"]  # the resume went on in the same run
     metrics = MetricsLog(tmp / "out" / "metrics.jsonl").read()
     assert [r["iteration"] for r in metrics] == [0, 1, 2]
-    by_step: dict[int, dict] = {}
-    for row in logs:
-        by_step.setdefault(row["step"], {}).update(row)
-    assert sorted(by_step) == [0, 1, 2]
+    by_step = _by_step(logs, "step", metrics)
     for record in metrics:
-        assert by_step[record["iteration"]]["reward"] == pytest.approx(record["reward_mean"])
         assert by_step[record["iteration"]]["timing/step"] == pytest.approx(
             record["iteration_s"])
     assert [s for s, row in sorted(by_step.items()) if "completions" in row] == [0, 2]
