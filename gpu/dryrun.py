@@ -4,10 +4,11 @@ that holds only what that machine has, as far as this one has it.
 ``make gpu-check GPU=0`` cannot import the kit's CPython 3.12 wheels on this Python, so
 it proves the rest: a virtual environment without site packages gets links to this
 machine's installed copies of the GPU machine's packages (``gpu/device.txt`` and what
-they require) and of the kit's packages *outside* the dry run's own few wheels, which
-are installed from their wheel files into a fresh folder as on the machine. A check
-that imports something neither the machine nor the kit has fails here as it would
-there; a kit wheel installed into the wrong place is not found.
+they require), of the fallback's (``gpu/requirements-fallback.txt``: the machine gets
+those where it lacks them) and of the kit's packages *outside* the dry run's own few
+wheels, which are installed from their wheel files into a fresh folder as on the
+machine. A check that imports something neither the machine nor the kit has fails here
+as it would there; a kit wheel installed into the wrong place is not found.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from kit import (
     DEVICE,
     DRY_RUN,
+    FALLBACK,
     PYTHON_VERSION,
     REQUIREMENTS,
     canonical,
@@ -83,7 +85,10 @@ def device_view(venv: Path) -> dict:
     # what the stand-ins require there is the machine's or the kit's (`make gpu-kit`
     # checks it); what they require only on this older Python comes along
     only_here = kit - closure(stand_ins, installed, PYTHON_VERSION)[0]
-    chosen = device | (set(stand_ins) & kit) | only_here
+    # the fallback's wheels go to the machine where its own copy is missing: with them
+    # (as far as they are installed here) the kit's requirements are met as there
+    fallback = set(pins(FALLBACK)) & set(installed)
+    chosen = device | (set(stand_ins) & kit) | only_here | fallback
     chosen -= {canonical(d) for d in DRY_RUN}
     for name in sorted(chosen):
         for entry in top_level_entries(installed[name]):
