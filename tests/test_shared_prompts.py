@@ -9,11 +9,13 @@ import itertools
 import pytest
 import torch
 
+from rlhfflow import ops
 from rlhfflow.engine.forward import (
     length_groups,
     position_ids,
     prefill,
     response_logits,
+    response_logprobs,
     response_values,
     sequence_inputs,
     shared_prompt_rows,
@@ -154,6 +156,33 @@ def test_responses_run_in_length_groups_cut_to_their_longest_row(tok):
     alike = _batch(tok, [0, 1, 2], response_len=8, lengths=[8, 8, 7])
     seen, _ = _forward_shapes(model, alike)
     assert seen == [(3, alike["prompt_ids"].shape[1] + 8)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_taken_group_by_group_equal_the_logprobs_of_the_batch_s_logits(
+        tok, temperature):
+    """``response_logprobs`` takes each length group's log-softmax on its own instead of
+    assembling the batch's logits: the same values, bitwise, and the same gradients up to
+    float rounding (a prompt's first-token log-softmax is taken once, not per row)."""
+    model = build_tiny_model(tok, seed=3).eval()
+    lengths = [3, 30, 2, 29, 3, 30, 1, 28]
+    batch = _batch(tok, [0, 1, 2, 0, 1, 2, 0, 1], response_len=30, lengths=lengths)
+    seen, _ = _forward_shapes(model, batch, response_logprobs)
+    assert seen == [(3, batch["prompt_ids"].shape[1]), (4, 2), (4, 29)]  # in groups
+
+    def with_grads(logprobs_fn):
+        model.zero_grad()
+        logprobs = logprobs_fn()
+        (logprobs * torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)).sum().backward()
+        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    grouped, grouped_grads = with_grads(lambda: response_logprobs(model, batch, temperature))
+    whole, whole_grads = with_grads(lambda: ops.logprobs_from_logits(
+        response_logits(model, batch, temperature), batch["response_ids"])
+        * batch["response_mask"])
+    assert torch.equal(grouped, whole)
+    for a, b in zip(grouped_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

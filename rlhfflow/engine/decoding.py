@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfflow import ops
 from rlhfflow.engine.forward import (
     cache_kwargs,
     last_logits_kwargs,
@@ -197,8 +198,8 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
     rows, width, _ = logits.shape
     device = logits.device
     arange = torch.arange(rows, device=device)
-    scaled = logits / params.temperature
-    logprobs_all = torch.log_softmax(scaled, -1)
+    tempered = ops.tempered(logits, params.temperature)
+    logprobs_all = torch.log_softmax(tempered, -1)
     k = width - 1
     accepted = torch.zeros(rows, dtype=torch.long, device=device)
     if k:
@@ -213,7 +214,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
                 # vocabulary in float64 per draft position costs as much as a forward)
                 p = logprobs_all[:, :k].gather(-1, drafts_d[..., None])[..., 0].double().exp()
             else:
-                filtered = filter_logits(scaled[:, :k].reshape(rows * k, -1), params.top_k,
+                filtered = filter_logits(tempered[:, :k].reshape(rows * k, -1), params.top_k,
                                          params.top_p).reshape(rows, k, -1)
                 p = torch.softmax(filtered.double(), -1).gather(-1, drafts_d[..., None])[..., 0]
             if draft_probs is None:
@@ -232,7 +233,7 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, draft_len: torch.Tensor,
         # the first rejected draft is replaced by a draw from norm(max(p - q, 0))
         idx = rejected.nonzero().squeeze(-1)
         pos = accepted[idx]
-        p = torch.softmax(filter_logits(scaled[idx, pos], params.top_k, params.top_p)
+        p = torch.softmax(filter_logits(tempered[idx, pos], params.top_k, params.top_p)
                           .double(), -1)
         if draft_probs is None:
             q = torch.zeros_like(p).scatter_(-1, drafts.to(device)[idx, pos][:, None], 1.0)

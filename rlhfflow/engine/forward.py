@@ -239,19 +239,31 @@ def output_cache(out: object) -> object:
 
 
 def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts,
-                     device: str | torch.device) -> torch.Tensor:
+                     device: str | torch.device, temperature: float | None = None
+                     ) -> torch.Tensor:
     """``response_logits`` run as ``parts`` says: each distinct prompt once, then each
-    response group on its rows' cache, cut to the group's length (see there)."""
+    response group on its rows' cache, cut to the group's length (see there). With a
+    ``temperature``, each group's logits become the log-probs ``[N, Lr]`` of its response
+    tokens at that temperature instead (``response_logprobs``): the logits of the whole
+    batch, ``[N, Lr, V]``, are never assembled (at a real vocabulary each copy of them,
+    and each copy's backward, is a few percent of a training step)."""
     prompt_mask = batch["prompt_mask"].long()
     response_len = batch["response_ids"].shape[1]
     prompt_cache, first_logits, inverse = _prompt_forward(
         module, batch["prompt_ids"], prompt_mask, parts.shared, device)
+    labels = batch["response_ids"].to(device)
+    if temperature is not None:  # token 0's log-probs, once per distinct prompt
+        first_logits = torch.log_softmax(ops.tempered(first_logits, temperature), -1)
     pieces, order = [], []
     for index, length in parts.groups:
         # response tokens 0 .. length-2 predict tokens 1 .. length-1; the prompt's last
         # position predicted token 0
         prompts = inverse[index.to(device)]  # each row's distinct prompt
-        logits = first_logits[prompts][:, None]
+        rows = index.to(device)
+        if temperature is None:
+            logits = first_logits[prompts][:, None]
+        else:
+            logits = first_logits[prompts].gather(-1, labels[rows, :1])
         if length > 1:
             cache = _cache_rows(prompt_cache, prompts)
             mask = torch.cat([prompt_mask[index], response_attention(
@@ -260,9 +272,15 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
                           attention_mask=mask,
                           position_ids=position_ids(mask)[:, prompt_mask.shape[1]:],
                           use_cache=True, **cache_kwargs(module, cache))
-            logits = torch.cat([logits, step.logits.float()], dim=1)
+            rest = step.logits.float()
+            if temperature is not None:
+                rest = ops.logprobs_from_logits(ops.tempered(rest, temperature),
+                                                labels[rows, 1:length])
+            logits = torch.cat([logits, rest], dim=1)
         if length < response_len:  # a pad of nothing would still copy [rows, Lr, V]
-            logits = torch.nn.functional.pad(logits, (0, 0, 0, response_len - length))
+            widths = (0, response_len - length)
+            logits = torch.nn.functional.pad(logits, widths if temperature is not None
+                                             else (0, 0, *widths))
         pieces.append(logits)
         order.append(index)
     logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -306,10 +324,18 @@ def _keeps_logits(module: torch.nn.Module) -> bool:
 
 def response_logprobs(module: torch.nn.Module, batch: Batch, temperature: float = 1.0
                       ) -> torch.Tensor:
-    """Per-token log-probs ``[N, Lr]`` of the response under ``module``; 0 on padding."""
-    logits = response_logits(module, batch, temperature)
-    labels = batch["response_ids"].to(logits.device)
-    logprobs = ops.logprobs_from_logits(logits, labels)
+    """Per-token log-probs ``[N, Lr]`` of the response under ``module`` at
+    ``temperature``; 0 on padding. The values of ``ops.logprobs_from_logits`` on
+    ``response_logits``, computed group by group where that splits the batch (the
+    log-softmax is per position, so they are the same values)."""
+    parts = response_parts(batch) if _takes_cache(module) else None
+    if parts is not None:
+        device = next(module.parameters()).device
+        logprobs = _logits_in_parts(module, batch, parts, device, temperature)
+    else:
+        logits = response_logits(module, batch, temperature)
+        labels = batch["response_ids"].to(logits.device)
+        logprobs = ops.logprobs_from_logits(logits, labels)
     return logprobs * batch["response_mask"].to(logprobs.device)
 
 

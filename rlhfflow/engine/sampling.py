@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from rlhfflow import ops
 from rlhfflow.engine.forward import stage_seed
 
 
@@ -54,7 +55,7 @@ def sample_step(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingPa
     """Sample one token per row from ``logits [N, V]`` with ``uniforms [N]``."""
     if params.greedy:
         return logits.argmax(-1)
-    filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    filtered = filter_logits(ops.tempered(logits, params.temperature), params.top_k, params.top_p)
     probs = torch.softmax(filtered.double(), dim=-1)
     cdf = probs.cumsum(-1)
     target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)

@@ -31,6 +31,7 @@ from rlhfflow.ops.core import (
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
+    tempered,
     token_rewards,
     value_loss,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "resolve_policy_loss",
     "signature_problem",
     "takes",
+    "tempered",
     "token_rewards",
     "turn_index",
     "turn_returns",

@@ -32,6 +32,12 @@ def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; ``logits`` itself at temperature 1 (the same values: a
+    division by 1 is exact, and a copy of ``(B, V)`` logits per decode step is not free)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of ``labels`` under ``softmax(logits)``.
 

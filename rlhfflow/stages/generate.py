@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
+from rlhfflow import ops
 from rlhfflow.engine.forward import cache_kwargs, output_cache, prefill
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
 from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
@@ -110,7 +111,7 @@ def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     for t in range(steps):
         token = sample_step(logits, uniforms[:, t], params).cpu()
         token = torch.where(alive, token, torch.full_like(token, pad_id))
-        lp = torch.log_softmax(logits / params.temperature, -1).cpu()
+        lp = torch.log_softmax(ops.tempered(logits, params.temperature), -1).cpu()
         logprobs[:, t] = lp.gather(-1, token[:, None]).squeeze(-1) * alive
         tokens[:, t] = token
         response_mask[:, t] = alive

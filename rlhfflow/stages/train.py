@@ -263,8 +263,11 @@ class TrainActorStage(_Trainer):
         agg, divisor = algo.loss_agg, self._divisor(counts)
         mask = _loss_mask(batch)
         temperature = ctx.settings.temperature
-        logits = response_logits(resident.module, batch, temperature)
-        logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
+        if algo.entropy_coef > 0:  # the entropy needs the logits themselves
+            logits = response_logits(resident.module, batch, temperature)
+            logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
+        else:  # the same log-probs (0 on padding), without the whole batch's logits
+            logprobs = response_logprobs(resident.module, batch, temperature)
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
         loss, stats = ops.call(policy_loss, {
             "logprobs": logprobs, "old_logprobs": batch[behaviour_column(self.params, batch)],
