@@ -417,3 +417,132 @@ def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_pat
     for entry in resident.module.__dict__.get("_lean_merged", {}).values():
         entry.weight.zero_()  # what generation reads when merged
     assert torch.equal(before, sampled()) is not merge
+
+
+# ---------------------------------------------------------------- oneDNN products, training
+def test_sampling_takes_its_products_from_onednn_with_mkl_s_values(monkeypatch):
+    """Within ``sampling`` the products without gradients go through oneDNN's kernel
+    (this torch build has it: the speed of generation on CPU depends on it), equal to
+    MKL's up to float rounding; outside it, and with ``RLHFFLOW_ONEDNN=0``, MKL's."""
+    assert lean._onednn() is not None
+    model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).eval()
+    assert lean.enable(model)
+    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
+    calls = []
+    real_linear = lean._onednn_linear
+    monkeypatch.setattr(lean, "_onednn_linear",
+                        lambda x, w: calls.append(w.shape) or real_linear(x, w))
+    ids, mask, pos = padded_ids()
+
+    def logits() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+    with torch.no_grad():
+        outside = logits()
+        assert not calls
+        with lean.sampling(model):
+            inside = logits()
+    assert len(calls) == 2 * 7 + 1  # every projection of both layers, and the head
+    real = mask.bool()
+    torch.testing.assert_close(inside[real], outside[real], rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with lean.sampling(model):  # taking gradients: MKL's, bitwise transformers'
+        assert torch.equal(logits(), outside) and not calls
+    monkeypatch.setenv(lean.ONEDNN_ENV, "0")
+    lean._onednn.cache_clear()
+    try:
+        with torch.no_grad(), lean.sampling(model):
+            assert torch.equal(logits(), outside)  # the op was asked for, MKL's answered
+    finally:
+        monkeypatch.delenv(lean.ONEDNN_ENV)
+        lean._onednn.cache_clear()
+
+
+def _step(model, ids, mask, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One loss and backward pass: the logits and the adapters' gradients."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    out.logsumexp(-1)[mask.bool()].sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompute):
+    """Within ``lean.training``, an adapted layer whose merged weight (made by sampling)
+    still matches its adapters is one product with it: the logits and the gradients of A
+    and B are peft's up to float rounding, with gradient checkpointing too. After an
+    update the weights are stale and nothing is merged again: the adapters' path."""
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    fast.get_base_model()._rlhfflow_recompute = recompute
+    ids, mask, pos = padded_ids()
+    real = mask.bool()
+    with torch.no_grad(), lean.sampling(fast):
+        fast(input_ids=ids, attention_mask=mask, position_ids=pos)
+    merged = {name: entry.weight for name, entry in fast.__dict__["_lean_merged"].items()}
+    slow.train(), fast.train()
+    expected, expected_grads = _step(slow, ids, mask, pos)
+    applied = []
+    real_apply = lean._MergedLoRA.apply
+    lean._MergedLoRA.apply = lambda *args: applied.append(args[1]) or real_apply(*args)
+    try:
+        with lean.training(fast):
+            assert len(lean._TRAINING.get()) == 14
+            got, grads = _step(fast, ids, mask, pos)
+    finally:
+        lean._MergedLoRA.apply = real_apply
+    # 14 layers, each once in the forward (and once more in the recomputation)
+    assert len(applied) == 14 * (2 if recompute else 1)
+    assert {id(w) for w in applied} == {id(w) for w in merged.values()}
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # an optimizer step: the merged weights are stale now
+        for p in fast.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    with lean.training(fast):
+        assert lean._TRAINING.get() == {}  # the adapters' path, nothing merged again
+        _step(fast, ids, mask, pos)
+    assert all(fast.__dict__["_lean_merged"][name].weight is w for name, w in merged.items())
+
+
+def test_a_training_step_refuses_a_merged_weight_remade_before_its_backward():
+    """The merged weight a forward read is saved for its backward pass: merging it again
+    in place before then (an update, then a sampling task) must fail, not give
+    gradients of other weights."""
+    _, fast = _lora_pair()
+    lean.enable(fast)
+    ids, mask, pos = padded_ids()
+    with torch.no_grad(), lean.sampling(fast):
+        fast(input_ids=ids, attention_mask=mask, position_ids=pos)
+    fast.train()
+    with lean.training(fast):
+        out = fast(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        with torch.no_grad():
+            for name, p in fast.named_parameters():
+                if "lora_B" in name:  # as a shadow's copy does: no version left behind
+                    p.data.add_(0.01)
+            with lean.sampling(fast):
+                fast(input_ids=ids[:1], attention_mask=mask[:1], position_ids=pos[:1])
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.logits.sum().backward()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_resident_lora_model_trains_from_its_merged_weights_unless_told_not_to(
+        tmp_path, merge):
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
+            "merge_for_generation": merge}
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
+                                             trainable=True, lora=lora)})
+    resident = store.get("actor")
+    ids, mask, pos = padded_ids()
+    with resident.generating():
+        resident.module(input_ids=ids, attention_mask=mask, position_ids=pos)
+    with resident.training():
+        assert len(lean._TRAINING.get()) == (14 if merge else 0)
+    assert lean._TRAINING.get() is None

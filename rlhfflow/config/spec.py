@@ -95,9 +95,11 @@ class LoraSpec(Strict):
         "Generate (and evaluate) from merged weights `W + alpha / r * B A`, made again when "
         "the adapters change (once per update): a decode step costs what the base model's "
         "does, for one more copy of the adapted layers' weights in each worker that "
-        "generates; sampled log-probs equal the adapters' up to float rounding. `false`: "
-        "the adapters' two extra products in every step. Needs the lean forward (float32 "
-        "on CPU); elsewhere the adapters run as they are."))
+        "generates; sampled log-probs equal the adapters' up to float rounding. A training "
+        "step on that worker reads the same merged weights while they match the adapters "
+        "(gradients equal the adapters' path up to float rounding). `false`: the adapters' "
+        "two extra products in every step. Needs the lean forward (float32 on CPU); "
+        "elsewhere the adapters run as they are."))
 
 
 class TinyModelSpec(Strict):

@@ -283,14 +283,28 @@ class ResidentModel:
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[None]:
-        """Where the model samples responses: no gradients, and a LoRA model with
-        ``lora.merge_for_generation`` computes its adapted layers from merged weights
-        (``lean.merged_adapters``)."""
-        merged = self.config.lora is not None and \
-            self.config.lora.get("merge_for_generation", True)
-        with torch.no_grad(), (lean.merged_adapters(self.module) if merged
-                               else contextlib.nullcontext()):
+        """Where the model samples responses: no gradients, the lean forward's products
+        through oneDNN, and a LoRA model with ``lora.merge_for_generation`` computes its
+        adapted layers from merged weights (``lean.sampling``)."""
+        with torch.no_grad(), lean.sampling(self.module, merge=self._merges()):
             yield
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Where the model takes a training step (its forward and backward passes): a
+        LoRA model computes its frozen products through oneDNN and, with
+        ``lora.merge_for_generation``, its adapted layers from the merged weights its
+        sampling made, where they still match the adapters (``lean.training``)."""
+        if self.config.lora is None:
+            yield
+            return
+        with lean.training(self.module, merged=self._merges()):
+            yield
+
+    def _merges(self) -> bool:
+        """Whether this is a LoRA model that merges its adapters where it samples."""
+        return self.config.lora is not None and \
+            self.config.lora.get("merge_for_generation", True)
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors, to send to another worker's copy (a LoRA model's

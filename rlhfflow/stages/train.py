@@ -162,8 +162,9 @@ class _Trainer(Stage):
                 # join the gradient all-reduce, with a zero loss on one row (weight 0)
                 empty = len(index) == 0
                 shard = _rows(batch, whole[:1] if empty else index)
-                loss, metrics = self.loss(resident, shard, ctx, counts)
-                metrics["grad_norm"] = resident.step(loss * 0.0 if empty else loss, gang)
+                with resident.training():
+                    loss, metrics = self.loss(resident, shard, ctx, counts)
+                    metrics["grad_norm"] = resident.step(loss * 0.0 if empty else loss, gang)
                 local = 0.0 if empty else float(self.loss_mask(shard).sum())
                 if counts is not None:
                     # a loss term here is this rank's share of the minibatch's; as a local
