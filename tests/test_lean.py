@@ -467,11 +467,14 @@ def _step(model, ids, mask, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompute):
+def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompute,
+                                                                         monkeypatch):
     """Within ``lean.training``, an adapted layer whose merged weight (made by sampling)
-    still matches its adapters is one product with it: the logits and the gradients of A
-    and B are peft's up to float rounding, with gradient checkpointing too. After an
-    update the weights are stale and nothing is merged again: the adapters' path."""
+    still matches its adapters is one product with it (oneDNN's, forward and input
+    gradient): the logits and the gradients of A and B are peft's up to float rounding,
+    with gradient checkpointing too. After an update the weights are stale and nothing
+    is merged again: the adapters' path."""
+    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
     slow, fast = _lora_pair()
     lean.enable(fast)
     fast.get_base_model()._rlhfflow_recompute = recompute
@@ -506,6 +509,45 @@ def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompu
         assert lean._TRAINING.get() == {}  # the adapters' path, nothing merged again
         _step(fast, ids, mask, pos)
     assert all(fast.__dict__["_lean_merged"][name].weight is w for name, w in merged.items())
+
+
+def test_a_lora_training_context_leaves_adapters_stepped_or_switched_off_inside_it():
+    """The merged weights are chosen on entering ``lean.training``: an adapter an
+    optimizer changed in place since, or adapters switched off, take the adapters' own
+    path (bitwise peft's), not a merged weight of other adapters."""
+    slow, fast = _lora_pair()
+    lean.enable(fast)
+    ids, mask, pos = padded_ids()
+    with torch.no_grad(), lean.sampling(fast):
+        fast(input_ids=ids, attention_mask=mask, position_ids=pos)
+    slow.train(), fast.train()
+    applied = []
+    real_apply = lean._MergedLoRA.apply
+    lean._MergedLoRA.apply = lambda *args: applied.append(1) or real_apply(*args)
+    try:
+        with lean.training(fast):
+            assert len(lean._TRAINING.get()) == 14
+            with torch.no_grad():  # as an optimizer step does, in place
+                for model in (slow, fast):
+                    for name, p in model.named_parameters():
+                        if "lora_A" in name:
+                            p.mul_(1.5)
+            got = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        assert not applied
+        with torch.no_grad(), lean.sampling(fast):  # merged again: current on entry
+            fast(input_ids=ids, attention_mask=mask, position_ids=pos)
+        with lean.training(fast):
+            assert len(lean._TRAINING.get()) == 14
+            with fast.disable_adapter(), slow.disable_adapter():
+                off = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                base = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    finally:
+        lean._MergedLoRA.apply = real_apply
+    assert not applied
+    real = mask.bool()
+    expected = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(off[real], base[real], rtol=1e-5, atol=1e-5)
 
 
 def test_a_training_step_refuses_a_merged_weight_remade_before_its_backward():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhfflow import ops
 from rlhfflow.engine.decoding import KVState, RowStreams
 from rlhfflow.engine.sampling import filter_logits, inverse_cdf
 
@@ -223,7 +224,7 @@ class ModelDrafter:
             if params.greedy:
                 token = logits.argmax(-1)
             else:
-                filtered = filter_logits(logits / params.temperature, params.top_k,
+                filtered = filter_logits(ops.tempered(logits, params.temperature), params.top_k,
                                          params.top_p)
                 q = torch.softmax(filtered, -1)
                 probs.append(q)

@@ -263,7 +263,7 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
         if temperature is None:
             logits = first_logits[prompts][:, None]
         else:
-            logits = first_logits[prompts].gather(-1, labels[rows, :1])
+            logits = first_logits[prompts, labels[rows, 0]][:, None]
         if length > 1:
             cache = _cache_rows(prompt_cache, prompts)
             mask = torch.cat([prompt_mask[index], response_attention(

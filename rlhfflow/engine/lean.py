@@ -62,9 +62,11 @@ the products taken without gradients go through oneDNN's linear kernel
 MKL's GEMM: measured on 2 cores of an AMD EPYC (Zen 4), a decode step's 32-row products
 run 1.05-1.4x faster and SmolLM2's 49152-token output head 1.9x (2.4x at 4 rows), as
 MKL takes a slower path on this CPU. Values equal MKL's up to float rounding (not bitwise
-transformers'). A LoRA model's training step (``training``) takes its frozen products
-through oneDNN as well; a full model's training and the inference stages (reference,
-rewards, values) keep MKL's. ``RLHFFLOW_ONEDNN=0`` keeps MKL's everywhere.
+transformers'). A LoRA model's training step (``training``) takes its frozen plain
+Linears and its merged products through oneDNN as well; a full model's training and the
+inference stages (reference, rewards, values) keep MKL's. Products with fewer than
+``ONEDNN_MIN_FEATURES`` output features keep MKL's everywhere; ``RLHFFLOW_ONEDNN=0``
+keeps MKL's for all.
 """
 
 from __future__ import annotations
@@ -92,21 +94,24 @@ _HANDLED = frozenset({"return_dict"})
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj", "lm_head"})
 #: Device types whose models get the lean forward: where it was checked against
-#: transformers (bitwise on CPU). Elsewhere a model keeps transformers' forward.
+#: transformers (bitwise on CPU). Elsewhere a model keeps transformers' forward. The
+#: contexts that change its products (``sampling``'s oneDNN, ``training``) act on the CPU
+#: only.
 DEVICES: frozenset[str] = frozenset({"cpu"})
 #: Inside ``merged_adapters``: the merged weight of each LoRA layer, by ``id(layer)``.
 _MERGED: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
     "rlhfflow_lean_merged", default=None)
-#: Inside ``training``: the merged weights that match their adapters, by ``id(layer)``.
-_TRAINING: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+#: Inside ``training``: the merged weights that match their adapters, by ``id(layer)``,
+#: with the versions of ``A`` and ``B`` they were chosen at.
+_TRAINING: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
     "rlhfflow_lean_training", default=None)
 #: Inside ``sampling``: products without gradients go through oneDNN (``_product``).
 _SAMPLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "rlhfflow_lean_sampling", default=False)
 #: Environment switch: "0" keeps MKL's products where the model samples (``sampling``).
 ONEDNN_ENV = "RLHFFLOW_ONEDNN"
-#: Products with fewer output features keep MKL's kernel while sampling: at SmolLM2's
-#: 192-wide key and value projections oneDNN's was not faster (0.6-1.0x, 32 rows).
+#: Products with fewer output features keep MKL's kernel: at SmolLM2's 192-wide key
+#: and value projections oneDNN's was not faster (0.6-1.0x, 32 rows).
 ONEDNN_MIN_FEATURES = 512
 
 
@@ -365,17 +370,18 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
              ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; within ``sampling`` and without gradients, through
     oneDNN's kernel where it is faster (see the module docstring)."""
-    if (bias is None and _SAMPLING.get() and not torch.is_grad_enabled()
-            and weight.shape[0] >= ONEDNN_MIN_FEATURES):
+    if bias is None and _SAMPLING.get() and not torch.is_grad_enabled():
         return _onednn_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no gradients) through oneDNN's kernel, where torch has it
-    and ``RLHFFLOW_ONEDNN`` is not 0; else MKL's."""
+    """``F.linear(x, weight)`` (no gradients) through oneDNN's kernel, where torch has it,
+    ``RLHFFLOW_ONEDNN`` is not 0 and ``weight`` has ``ONEDNN_MIN_FEATURES`` rows (output
+    features) at least; else MKL's."""
     op = _onednn()
-    if op is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if (op is None or weight.shape[0] < ONEDNN_MIN_FEATURES or x.dtype != torch.float32
+            or x.device.type != "cpu"):
         return F.linear(x, weight)
     return op(x, weight, None, "none", [], "")
 
@@ -383,14 +389,18 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _onednn():
     """oneDNN's linear op, when this torch build has it, it gives ``F.linear``'s values
-    (checked once on a small product) and ``RLHFFLOW_ONEDNN`` is not 0; else None."""
+    (checked once on a small product, with a weight and with a transposed view of one) and
+    ``RLHFFLOW_ONEDNN`` is not 0; else None."""
     if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return None
     try:
         op = torch.ops.mkldnn._linear_pointwise
         x = torch.linspace(-1, 1, 3 * 40).reshape(3, 40)
         w = torch.linspace(-2, 2, 40 * 24).reshape(24, 40)
-        if not torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4):
+        g = torch.linspace(-3, 1, 3 * 24).reshape(3, 24)
+        # a contiguous weight (forward passes) and a transposed view (backward passes)
+        if not (torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4)
+                and torch.allclose(op(g, w.t(), None, "none", [], ""), g @ w, atol=1e-4)):
             return None
     except (AttributeError, RuntimeError):
         return None
@@ -405,12 +415,17 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (not _is_lora(layer) or layer.merged or layer.lora_variant
             or layer._forward_pre_hooks or layer._forward_hooks):
         return layer(x)
-    if torch.is_grad_enabled():
-        weight = (_TRAINING.get() or {}).get(id(layer))
-        if weight is not None:
+    if layer.disable_adapters:  # switched off since the weights were chosen
+        weight = None
+    elif torch.is_grad_enabled():
+        chosen = (_TRAINING.get() or {}).get(id(layer))
+        if chosen is not None:
+            weight, down_version, up_version = chosen
             [adapter] = [a for a in layer.active_adapters if a in layer.lora_A]
-            return _MergedLoRA.apply(x, weight, layer.lora_A[adapter].weight,
-                                     layer.lora_B[adapter].weight, layer.scaling[adapter])
+            down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            # an optimizer step since the weights were chosen (in place: versions move)
+            if (down._version, up._version) == (down_version, up_version):
+                return _MergedLoRA.apply(x, weight, down, up, layer.scaling[adapter])
     else:
         weight = (_MERGED.get() or {}).get(id(layer))
         if weight is not None:
@@ -463,19 +478,23 @@ def sampling(module: torch.nn.Module, merge: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
-    """Where LoRA ``module`` takes a training step (its forward and backward passes), its
-    lean forward computes the products whose weights do not train through oneDNN's kernel
-    (``_product``; the gradients they pass on too): the frozen output head, and with
-    ``merged`` each adapted layer whose merged weight, made for sampling
-    (``merged_adapters``), still matches its adapters, as one product with it: the
-    adapters' two products and their sum are not computed, and the gradients of ``x``,
-    ``A`` and ``B`` come from ``_MergedLoRA``, equal to the adapters' path up to float
-    rounding. Nothing is merged here: a layer without a current merged weight (none made
-    on this worker, or the adapters stepped since, as after a minibatch's update) takes
-    the adapters' path, which costs less than merging again for one forward. A model
-    without adapters or the lean forward computes as it would outside."""
+    """Where LoRA ``module`` takes one training step: the forward and backward passes of
+    a loss, the optimizer step last. Its lean forward computes every plain Linear whose
+    weight does not train (the output head, layers without adapters) through oneDNN's
+    kernel, forward and input gradient (``_FrozenLinear``); and, with ``merged``, each
+    adapted layer whose merged weight, made for sampling (``merged_adapters``), still
+    matches its adapters as one product with it: the adapters' two products and their
+    sum are not computed, and the gradients of ``x``, ``A`` and ``B`` come from
+    ``_MergedLoRA``, equal to the adapters' path up to float rounding. Nothing is merged
+    here: a layer without a current merged weight (none made on this worker, or the
+    adapters stepped since, as after a minibatch's update) takes the adapters' path
+    (the base product as MKL computes it), which costs less than merging again for one
+    forward; so does a layer whose adapters an optimizer step changed in place since
+    entry. A model without adapters or the lean forward, or not on the CPU (where
+    autograd's device threads would not see this context), computes as outside."""
     base = transformers_model(module)
-    if module is base or getattr(type(base), "_lean_base", None) is None:
+    if (module is base or getattr(type(base), "_lean_base", None) is None
+            or base.lm_head.weight.device.type != "cpu"):
         yield
         return
     cache = module.__dict__.get("_lean_merged", {}) if merged else {}
@@ -486,7 +505,8 @@ def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
             continue
         adapters = _mergeable(layer)
         if len(adapters) == 1 and entry.current(layer, adapters):
-            weights[id(layer)] = entry.weight
+            down, up = layer.lora_A[adapters[0]].weight, layer.lora_B[adapters[0]].weight
+            weights[id(layer)] = (entry.weight, down._version, up._version)
     token = _TRAINING.set(weights)
     try:
         yield

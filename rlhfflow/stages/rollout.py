@@ -66,6 +66,7 @@ from typing import Annotated, Any, Literal, Protocol
 import torch
 from pydantic import Field
 
+from rlhfflow import ops
 from rlhfflow.data.records import pad_prompts
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
 from rlhfflow.errors import RlhfflowError, UserError
@@ -712,7 +713,7 @@ class EpisodeLoop:
         drawn = torch.tensor([self.episodes[r].drawn + len(self.turn[r][0]) for r in rows])
         uniforms = self.uniforms[torch.tensor(rows), drawn]
         token = sample_step(logits, uniforms, params).to(logits.device)
-        logprob = torch.log_softmax(logits / params.temperature, -1).gather(
+        logprob = torch.log_softmax(ops.tempered(logits, params.temperature), -1).gather(
             -1, token[:, None])[:, 0].cpu()
         ended = []
         for row, t, lp in zip(rows, token.cpu().tolist(), logprob.tolist(), strict=True):

@@ -266,7 +266,8 @@ class TrainActorStage(_Trainer):
         temperature = ctx.settings.temperature
         if algo.entropy_coef > 0:  # the entropy needs the logits themselves
             logits = response_logits(resident.module, batch, temperature)
-            logprobs = ops.logprobs_from_logits(logits, batch["response_ids"])
+            logprobs = ops.logprobs_from_logits(logits, batch["response_ids"]) \
+                * batch["response_mask"]
         else:  # the same log-probs (0 on padding), without the whole batch's logits
             logprobs = response_logprobs(resident.module, batch, temperature)
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
