@@ -258,8 +258,8 @@ def _logits_in_parts(module: torch.nn.Module, batch: Batch, parts: ResponseParts
     for index, length in parts.groups:
         # response tokens 0 .. length-2 predict tokens 1 .. length-1; the prompt's last
         # position predicted token 0
-        prompts = inverse[index.to(device)]  # each row's distinct prompt
         rows = index.to(device)
+        prompts = inverse[rows]  # each row's distinct prompt
         if temperature is None:
             logits = first_logits[prompts][:, None]
         else:

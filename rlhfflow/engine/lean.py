@@ -37,8 +37,9 @@ adapters disabled (logits and the gradients of ``A`` and ``B`` bitwise peft's on
 without gradients is one product with its merged weight ``W + scaling * B A`` instead,
 equal up to float rounding. Within ``training`` (a training step), a layer whose merged
 weight still matches its adapters is one product with it too, its gradients those of the
-adapters' path up to float rounding (``_MergedLoRA``). A layer in a state it does not cover (adapters merged into the
-weights, forward hooks such as peft's per-row ``adapter_names``) is called as a module.
+adapters' path up to float rounding (``_MergedLoRA``). A layer in a state it does not
+cover (adapters merged into the weights, forward hooks such as peft's per-row
+``adapter_names``) is called as a module.
 Adapters of another shape keep peft's forward for the whole model (``unsupported`` says
 why): other peft methods, DoRA and other LoRA variants, adapters on layers other than the
 attention and MLP projections and the output head, ``fan_in_fan_out``.
@@ -415,21 +416,10 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (not _is_lora(layer) or layer.merged or layer.lora_variant
             or layer._forward_pre_hooks or layer._forward_hooks):
         return layer(x)
-    if layer.disable_adapters:  # switched off since the weights were chosen
-        weight = None
-    elif torch.is_grad_enabled():
-        chosen = (_TRAINING.get() or {}).get(id(layer))
-        if chosen is not None:
-            weight, down_version, up_version = chosen
-            [adapter] = [a for a in layer.active_adapters if a in layer.lora_A]
-            down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-            # an optimizer step since the weights were chosen (in place: versions move)
-            if (down._version, up._version) == (down_version, up_version):
-                return _MergedLoRA.apply(x, weight, down, up, layer.scaling[adapter])
-    else:
-        weight = (_MERGED.get() or {}).get(id(layer))
-        if weight is not None:
-            return _product(x, weight, layer.base_layer.bias)
+    # adapters switched off since the merged weights were chosen: the base alone
+    merged = None if layer.disable_adapters else _from_merged(layer, x)
+    if merged is not None:
+        return merged
     result = F.linear(x, layer.base_layer.weight, layer.base_layer.bias)
     if layer.disable_adapters:
         return result
@@ -440,6 +430,24 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         hidden = F.linear(layer.lora_dropout[adapter](x), down.weight, down.bias)
         result = result + F.linear(hidden, up.weight, up.bias) * layer.scaling[adapter]
     return result
+
+
+def _from_merged(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """LoRA ``layer``'s output from its merged weight, where the context chose one for
+    it: ``merged_adapters`` without gradients, ``training`` with them (unless an
+    optimizer step changed its adapters in place since); else None."""
+    if not torch.is_grad_enabled():
+        weight = (_MERGED.get() or {}).get(id(layer))
+        return None if weight is None else _product(x, weight, layer.base_layer.bias)
+    chosen = (_TRAINING.get() or {}).get(id(layer))
+    if chosen is None:
+        return None
+    weight, down_version, up_version = chosen
+    [adapter] = [a for a in layer.active_adapters if a in layer.lora_A]
+    down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if (down._version, up._version) != (down_version, up_version):  # stepped in place
+        return None
+    return _MergedLoRA.apply(x, weight, down, up, layer.scaling[adapter])
 
 
 @contextlib.contextmanager
@@ -499,11 +507,10 @@ def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
         return
     cache = module.__dict__.get("_lean_merged", {}) if merged else {}
     weights = {}
-    for name, layer in base.named_modules():
+    for name, layer, adapters in _mergeable_layers(base) if cache else ():
         entry = cache.get(name)
-        if entry is None or not _is_lora(layer) or layer.base_layer.weight.requires_grad:
+        if entry is None or layer.base_layer.weight.requires_grad:
             continue
-        adapters = _mergeable(layer)
         if len(adapters) == 1 and entry.current(layer, adapters):
             down, up = layer.lora_A[adapters[0]].weight, layer.lora_B[adapters[0]].weight
             weights[id(layer)] = (entry.weight, down._version, up._version)
@@ -595,17 +602,22 @@ def _merged_weights(module: torch.nn.Module, base: torch.nn.Module) -> dict[int,
     buffer: never saved, moved or trained)."""
     cache: dict[str, _Merged] = module.__dict__.setdefault("_lean_merged", {})
     weights = {}
-    for name, layer in base.named_modules():
-        if not _is_lora(layer):
-            continue
-        adapters = _mergeable(layer)
-        if not adapters:
-            continue
+    for name, layer, adapters in _mergeable_layers(base):
         entry = cache.get(name)
         if entry is None or not entry.current(layer, adapters):
             entry = cache[name] = _Merged(layer, adapters, entry)
         weights[id(layer)] = entry.weight
     return weights
+
+
+def _mergeable_layers(base: torch.nn.Module
+                      ) -> Iterator[tuple[str, torch.nn.Module, list[str]]]:
+    """``(name, layer, adapters)`` for each LoRA layer of transformers model ``base`` with
+    active adapters a merged weight can compute (``_mergeable``)."""
+    for name, layer in base.named_modules():
+        adapters = _mergeable(layer) if _is_lora(layer) else []
+        if adapters:
+            yield name, layer, adapters
 
 
 def _mergeable(layer: torch.nn.Module) -> list[str]:

@@ -294,10 +294,8 @@ class ResidentModel:
         """Where the model takes a training step (its forward and backward passes): a
         LoRA model computes its frozen products through oneDNN and, with
         ``lora.merge_for_generation``, its adapted layers from the merged weights its
-        sampling made, where they still match the adapters (``lean.training``)."""
-        if self.config.lora is None:
-            yield
-            return
+        sampling made, where they still match the adapters (``lean.training``; a model
+        without adapters computes as outside)."""
         with lean.training(self.module, merged=self._merges()):
             yield
 
