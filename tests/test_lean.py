@@ -390,16 +390,21 @@ def test_merged_generation_leaves_a_model_without_adapters_or_the_lean_forward_a
         assert "_lean_merged" not in plain.__dict__
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_path, merge):
+def _resident_lora(tmp_path, merge: bool):
+    """A tiny trainable LoRA actor (r=4, every Linear) resident in a ``ModelStore``, with
+    ``lora.merge_for_generation: merge``."""
     pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
-
     save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
     lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
             "merge_for_generation": merge}
     store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
                                              trainable=True, lora=lora)})
-    resident = store.get("actor")
+    return store.get("actor")
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_resident_lora_model_generates_merged_unless_its_spec_says_not(tmp_path, merge):
+    resident = _resident_lora(tmp_path, merge)
     with torch.no_grad():
         for name, p in resident.module.named_parameters():
             if "lora_B" in name:
@@ -575,13 +580,7 @@ def test_a_training_step_refuses_a_merged_weight_remade_before_its_backward():
 @pytest.mark.parametrize("merge", [True, False])
 def test_a_resident_lora_model_trains_from_its_merged_weights_unless_told_not_to(
         tmp_path, merge):
-    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
-    save_tiny_model(tmp_path / "m", n_layer=2, hidden=32, n_head=4)
-    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear",
-            "merge_for_generation": merge}
-    store = ModelStore({"actor": ModelConfig("actor", "lm", str(tmp_path / "m"),
-                                             trainable=True, lora=lora)})
-    resident = store.get("actor")
+    resident = _resident_lora(tmp_path, merge)
     ids, mask, pos = padded_ids()
     with resident.generating():
         resident.module(input_ids=ids, attention_mask=mask, position_ids=pos)
