@@ -51,7 +51,7 @@ class SlowGuess:
     """The example's ``GuessNumber`` with a sleep in every step (a slow environment)."""
 
     def __init__(self, delay: float = 0.0) -> None:
-        from rlhfflow.stages.inference import load_function
+        from rlhfflow.engine.usercode import load_function
 
         self.delay = delay
         self.game = load_function("envs.py:GuessNumber", EXAMPLE)()

@@ -290,7 +290,8 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhfflow.stages.inference import load_function, record_columns, reward_inputs
+    from rlhfflow.engine.rewardfns import record_columns, reward_inputs
+    from rlhfflow.engine.usercode import load_function
 
     tokenizer = AutoTokenizer.from_pretrained(job["init_path"])
     # rlhfflow puts BOS before every plain prompt; TRL tokenizes the text as it is, and

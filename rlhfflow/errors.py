@@ -9,7 +9,9 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+import difflib
 import errno
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -51,3 +53,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text
                                               or "CUDA out of memory" in text)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` when a close match exists, else ``""``: the hint every
+    one-line error about a misspelt name ends with."""
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""

@@ -21,7 +21,7 @@ from rlhfflow.cli import docs
 from rlhfflow.cli.main import main
 from rlhfflow.config import spec
 from rlhfflow.config.spec import AlgorithmSpec
-from rlhfflow.stages.reference import describe_stage_types, render_markdown
+from rlhfflow.sdk.reference import describe_stage_types, render_markdown
 from tests.conftest import REPO
 
 DOCS = REPO / "docs"
@@ -188,7 +188,7 @@ def test_the_site_builds_strictly_without_a_warning(tmp_path):
 
 
 def test_the_models_the_reference_walks_are_the_spec_models():
-    from rlhfflow.config import algorithm
+    from rlhfflow.spec import algorithm
 
     walked = {m for _, m in docs.spec_sections()}
     defined = {obj for module in (spec, algorithm) for obj in vars(module).values()

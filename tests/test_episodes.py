@@ -17,8 +17,8 @@ import yaml
 
 from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
+from rlhfflow.engine.environments import EnvironmentMisbehaved
 from rlhfflow.stages import StageContext, create_stage
-from rlhfflow.stages.rollout import EnvironmentMisbehaved
 from tests.conftest import chat_batch, chat_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,7 +204,7 @@ class _Env:
     (("x", 0.0, True, [1]), "info [1]"),
 ])
 def test_a_step_of_the_wrong_shape_is_one_line_naming_the_class(result, expected):
-    from rlhfflow.stages.rollout import Episode
+    from rlhfflow.engine.environments import Episode
 
     episode = Episode(_Env(result))
     with pytest.raises(EnvironmentMisbehaved) as info:
@@ -217,7 +217,7 @@ def test_a_step_of_the_wrong_shape_is_one_line_naming_the_class(result, expected
 def test_a_good_step_passes_and_numpy_and_tensor_values_are_taken():
     import numpy as np
 
-    from rlhfflow.stages.rollout import Episode
+    from rlhfflow.engine.environments import Episode
 
     episode = Episode(_Env(None))
     episode.add([1, 2], [0.0, 0.0])
@@ -228,7 +228,7 @@ def test_a_good_step_passes_and_numpy_and_tensor_values_are_taken():
 
 
 def test_an_environment_turn_without_messages_still_covers_its_tokens():
-    from rlhfflow.stages.rollout import Episode
+    from rlhfflow.engine.environments import Episode
 
     episode = Episode(_Env(None))
     episode.add([1, 2], [-0.5, -0.5])

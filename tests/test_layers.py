@@ -23,11 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("rlhfflow.plan.auto", "rlhfflow.monitor"),  # the auto-planner; watching a run
     ("rlhfflow.plan",),                        # placement and the compiled schedule
     ("rlhfflow.config",),                      # what the user wrote
-    ("rlhfflow.stages",),                      # the stage SDK and the stage types
+    ("rlhfflow.stages",),                      # the built-in stage types
+    ("rlhfflow.sdk",),                         # the stage SDK plugin authors write against
     ("rlhfflow.data",),                        # data sets and the prompt stream
-    ("rlhfflow.engine",),                      # models, decoding, training engines
+    ("rlhfflow.engine",),                      # models, decoding, episodes, user code
+    ("rlhfflow.spec",),                        # typed settings the SDK names (algorithm)
     ("rlhfflow.ops", "rlhfflow.storage", "rlhfflow.launch"),  # leaves
-    ("rlhfflow",),                             # the package root: version, errors
+    ("rlhfflow",),                             # the package root: version, errors, types
 ]
 
 
@@ -171,3 +173,28 @@ def test_every_error_of_the_package_is_one_family():
                 strays.append(f"{name}.{cls_name}")
     assert strays == []
     assert UserError.exit_code == 2 and RunError.exit_code == 1
+
+
+def test_the_sdk_imports_no_built_in_stage_and_no_torch():
+    """A plugin author's package depends on the SDK alone: importing it must not import
+    torch or the built-in stage types (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhfflow.sdk, rlhfflow.sdk.reference; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') "
+            "or m.startswith('rlhfflow.stages') or m.startswith('rlhfflow.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_stage_module_imports_another_built_in_stage():
+    """The built-in stage modules share code through the engine, the SDK and
+    ``rlhfflow.stages.trainers``, never by importing each other."""
+    graph = import_graph()
+    stage_modules = {m for m in graph if m.startswith("rlhfflow.stages.")
+                     and m not in ("rlhfflow.stages.trainers",)}
+    crossing = sorted(f"{m} -> {t}" for m in stage_modules for t in graph[m]
+                      if t in stage_modules)
+    assert crossing == []

@@ -19,8 +19,8 @@ import yaml
 from click.testing import CliRunner
 
 from rlhfflow.cli.main import main
+from rlhfflow.engine.environments import ToolEnvironment
 from rlhfflow.engine.models import build_tiny_model, save_model
-from rlhfflow.stages.rollout import ToolEnvironment
 from tests.conftest import REPO, chat_tokenizer, example_module
 
 EXAMPLE = REPO / "examples" / "multiturn"

@@ -23,8 +23,8 @@ from rlhfflow.config.spec import AlgorithmSpec, SpecError
 from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.runtime.backend import local_cluster
 from rlhfflow.runtime.run import run_pipeline
-from rlhfflow.stages import base
-from rlhfflow.stages.reference import describe_stage_types
+from rlhfflow.sdk import registry as base
+from rlhfflow.sdk.reference import describe_stage_types
 from rlhfflow.storage import ExperienceBuffer
 from tests.conftest import REPO, small_pipeline
 
@@ -90,10 +90,10 @@ def installed(plugin_dir, registry, monkeypatch):
                                  "did you mean 'length_penalty'?"),
     ({"type": "nosuch.module:Stage"}, "stages.extra.type: cannot import module "
                                       "'nosuch.module': ModuleNotFoundError"),
-    ({"type": "rlhfflow.stages.base:NoSuch"}, "stages.extra.type: module "
-                                              "'rlhfflow.stages.base' has no 'NoSuch'"),
-    ({"type": "rlhfflow.stages.base:Column"}, "stages.extra.type: "
-                                              "'rlhfflow.stages.base:Column' is not a subclass"),
+    ({"type": "rlhfflow.sdk.stage:NoSuch"}, "stages.extra.type: module "
+                                              "'rlhfflow.sdk.stage' has no 'NoSuch'"),
+    ({"type": "rlhfflow.sdk.stage:Column"}, "stages.extra.type: "
+                                              "'rlhfflow.sdk.stage:Column' is not a subclass"),
     ({**PENALTY, "params": {"budget": -1}}, "stages.extra.params.budget: "),
     ({**PENALTY, "params": {"output": "scores"}},
      "stages.extra: writes column 'scores', which stage 'reward' writes too"),
@@ -127,7 +127,7 @@ def test_a_plugin_that_fails_to_import_breaks_only_its_own_type(registry, tmp_pa
                                                                  monkeypatch):
     site = tmp_path / "site"
     _dist_info(site, "broken-plugin", {"broken": "nosuch_module_xyz:Stage",
-                                       "not_a_stage": "rlhfflow.stages.base:Column"})
+                                       "not_a_stage": "rlhfflow.sdk.stage:Column"})
     monkeypatch.syspath_prepend(str(site))
     path = _with(tmp_path, {"extra": {"type": "broken", "after": ["reward"]}})
     with pytest.raises(SpecError, match=r"stages\.extra\.type: plugin stage type 'broken': "
@@ -139,17 +139,17 @@ def test_a_plugin_that_fails_to_import_breaks_only_its_own_type(registry, tmp_pa
     listing = CliRunner().invoke(main, ["stages"])
     assert listing.exit_code == 0
     assert "broken  BROKEN: nosuch_module_xyz:Stage (broken-plugin) failed" in listing.output
-    assert "not_a_stage  BROKEN: rlhfflow.stages.base:Column (broken-plugin) is not a " \
+    assert "not_a_stage  BROKEN: rlhfflow.sdk.stage:Column (broken-plugin) is not a " \
            "Stage subclass" in listing.output
     assert "generate  (rlhfflow.stages.generate:GenerateStage, built-in)" in listing.output
 
 
 def test_a_bad_type_is_exit_2_from_the_command(tmp_path):
-    path = _with(tmp_path, {"extra": {"type": "rlhfflow.stages.base:NoSuch"}})
+    path = _with(tmp_path, {"extra": {"type": "rlhfflow.sdk.stage:NoSuch"}})
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == (
-        f"Error: {path}: stages.extra.type: module 'rlhfflow.stages.base' has no 'NoSuch'\n")
+        f"Error: {path}: stages.extra.type: module 'rlhfflow.sdk.stage' has no 'NoSuch'\n")
 
 
 # --------------------------------------------------------------------------- capabilities

@@ -16,6 +16,7 @@ import yaml
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import AlgorithmSpec, SpecError
 from rlhfflow.data.records import prompt_token_ids
+from rlhfflow.engine.environments import ToolEnvironment
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import (
     DEFAULT_ALPHABET,
@@ -23,9 +24,8 @@ from rlhfflow.engine.models import (
     build_tiny_model,
     save_model,
 )
+from rlhfflow.engine.usercode import load_function
 from rlhfflow.stages import StageContext, create_stage
-from rlhfflow.stages.inference import load_function
-from rlhfflow.stages.rollout import ToolEnvironment
 from tests.conftest import CHAT_TEMPLATE, chat_batch, chat_store, make_prompt_batch
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ from rlhfflow.engine.forward import (
     sequence_inputs,
     shared_prompt_rows,
 )
+from rlhfflow.engine.generation import generate
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model
-from rlhfflow.stages.generate import GenerateParams, generate
+from rlhfflow.stages.generate import GenerateParams
 
 PROMPTS = ["speak of the star:", "a", "talk about a fire and a rain:"]
 
@@ -245,7 +246,7 @@ def test_length_groups_are_the_cheapest_cuts_of_at_most_four_groups():
 
 def test_gang_ranks_get_whole_prompt_groups_with_balanced_tokens(tok):
     from rlhfflow.engine.parallel import Gang
-    from rlhfflow.stages.train import _rank_rows
+    from rlhfflow.stages.trainers import _rank_rows
 
     # prompt 0's four samples are long, the others short: equal row counts would give
     # one rank most of the tokens

@@ -11,17 +11,17 @@ import torch
 from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
 from rlhfflow.data.records import prompt_problem, prompt_token_ids, render_prompt
+from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.models import load_model, sequence_scores
-from rlhfflow.engine.sampling import filter_logits
-from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
-from rlhfflow.stages.generate import eos_ids
-from rlhfflow.stages.inference import (
+from rlhfflow.engine.rewardfns import (
     RewardError,
     check_signature,
     record_columns,
     reward_fields,
     reward_inputs,
 )
+from rlhfflow.engine.sampling import filter_logits
+from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
 from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
 

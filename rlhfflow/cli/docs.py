@@ -2,7 +2,7 @@
 
 Three sources, one page each: the pipeline file's keys from the pydantic models of
 ``rlhfflow.config.spec`` and their ``Field(description=...)``; the built-in stage types
-from ``rlhfflow.stages.reference``; the commands from the click group
+from ``rlhfflow.sdk.reference``; the commands from the click group
 ``rlhfflow.cli.main:main``, their options and help. ``tests/test_docs.py`` keeps the pages
 in the repository equal to what these functions return, so a field or an option changed
 without regenerating fails there.
@@ -243,7 +243,7 @@ def stage_reference() -> str:
     """``docs/reference/stages.md``: the built-in stage types, as ``rlhfflow stages
     --format markdown --builtin-only`` prints them."""
     from rlhfflow.config.spec import AlgorithmSpec
-    from rlhfflow.stages.reference import describe_stage_types, render_markdown
+    from rlhfflow.sdk.reference import describe_stage_types, render_markdown
 
     body = render_markdown(describe_stage_types(AlgorithmSpec(), builtin_only=True))
     return "\n".join([

@@ -25,7 +25,7 @@ def stages(fmt: str, builtin_only: bool) -> None:
       rlhfflow stages
     """
     from rlhfflow.config.spec import AlgorithmSpec
-    from rlhfflow.stages.reference import (
+    from rlhfflow.sdk.reference import (
         describe_stage_types,
         render_markdown,
         render_text,

@@ -16,7 +16,7 @@ from rlhfflow.config.spec import (
     SpecError,
 )
 from rlhfflow.config.yamlfile import did_you_mean
-from rlhfflow.stages import (
+from rlhfflow.sdk import (
     resolve_stage_type,
 )
 
@@ -173,7 +173,7 @@ def check_tokenizers(file: Path, pipeline: Pipeline) -> None:
     """Each stage's own checks against its model's tokenizer (``Stage.check_tokenizer``:
     tools rendered by the chat template), for the stage types that have some, when the
     prompts may be rendered with the chat template."""
-    from rlhfflow.stages.base import Stage
+    from rlhfflow.sdk import Stage
 
     data = pipeline.spec.data
     if data is None or data.chat_template is False:
@@ -215,7 +215,8 @@ def check_prompts(file: Path, pipeline: Pipeline) -> None:
     """Read the prompts file as the run will (records, chat template, token counts), and
     check that every record has the fields the reward functions ask for."""
     from rlhfflow.data.source import PromptSource
-    from rlhfflow.stages.inference import load_function, reward_fields, trial_call
+    from rlhfflow.engine.rewardfns import reward_fields, trial_call
+    from rlhfflow.engine.usercode import load_function
 
     generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rlhfflow.errors import UserError
-from rlhfflow.stages import SOURCE_COLUMNS, Column
+from rlhfflow.sdk import SOURCE_COLUMNS, Column
 
 SOURCE = "data"
 """Name of the pseudo-stage that provides prompts (``SOURCE_COLUMNS``)."""
@@ -46,22 +46,22 @@ class StageNode:
     samples: bool = False
     response_tokens: int = 0
     temperature: float = 1.0
-    #: a generator's model turns per response at most (``Stage.model_turns``)
+    #: a generator's model turns per response at most (``PlanHints.turns``)
     turns: int = 1
     #: its environment steps run on the CPU pool, not on its model worker
-    #: (``Stage.env_on_pool``)
+    #: (``PlanHints.env_on_pool``)
     env_on_pool: bool = False
     impl: str = ""
     #: other models the stage reads besides ``model`` (a generator's draft model): they
     #: order the stage after their trainers as ``model`` does
     uses: tuple[str, ...] = ()
-    #: the column whose nonzero rows the stage works on (``Stage.row_filter``), and the
-    #: most of a batch's rows the stage keeps when it marks rows (``Stage.kept_share``)
+    #: the column whose nonzero rows the stage works on (``PlanHints.row_filter``), and the
+    #: most of a batch's rows the stage keeps when it marks rows (``PlanHints.kept_per_prompt``)
     row_filter: str | None = None
     kept_share: float = 1.0
-    #: the stage works in one iteration of this many (``Stage.runs_every``)
+    #: the stage works in one iteration of this many (``PlanHints.every``)
     every: int = 1
-    #: its model's work per token, in forward passes (``Stage.model_passes``)
+    #: its model's work per token, in forward passes (``PlanHints.passes``)
     passes: float = 1.0
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+import rlhfflow.stages  # noqa: F401  (importing it registers the built-in stage types)
 from rlhfflow.config.checks import (
     check_attention,
     check_auxiliary_models,
@@ -35,7 +36,7 @@ from rlhfflow.config.spec import (
     parse_spec,
 )
 from rlhfflow.config.yamlfile import apply_overrides, did_you_mean, read_yaml
-from rlhfflow.stages import (
+from rlhfflow.sdk import (
     SOURCE_COLUMNS,
     Column,
     Stage,
@@ -218,7 +219,7 @@ def _check_stages(file: Path, spec: PipelineSpec
         if problem:
             raise SpecError(file, f"{where}.{problem[0]}", problem[1])
         if spec.cluster.address is None and spec.cluster.env_workers == 0 and \
-                _plugin_call(file, where, cls.env_on_pool, params[name]):
+                _plugin_call(file, where, cls.plan_hints, params[name]).env_on_pool:
             raise SpecError(file, f"{where}.params.env_placement",
                             "'pool' runs environment steps on the CPU pool, and the embedded "
                             "cluster has none: set cluster.env_workers (1 or more)")
@@ -314,28 +315,20 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
         cls = classes[name]
         reads, writes = _stage_columns(file, f"stages.{name}.type", cls, params[name],
                                        spec.algorithm, stage.model is not None)
+        hints = _plugin_call(file, f"stages.{name}.params", cls.plan_hints, params[name])
+        kept = hints.kept_per_prompt
         nodes[name] = StageNode(
             name=name, type=stage.type, model=stage.model, after=tuple(stage.after),
             reads=reads, writes=writes, trains=cls.trains, once=cls.once,
             per_batch=cls.per_batch, generates=cls.generates, scores=cls.scores,
             reports=cls.reports, samples=cls.samples or cls.generates,
-            response_tokens=_plugin_call(file, f"stages.{name}.params", cls.response_tokens,
-                                         params[name]),
-            temperature=_plugin_call(file, f"stages.{name}.params", cls.sampling_temperature,
-                                     params[name]),
-            turns=_plugin_call(file, f"stages.{name}.params", cls.model_turns, params[name]),
-            env_on_pool=bool(_plugin_call(file, f"stages.{name}.params", cls.env_on_pool,
-                                          params[name])),
+            response_tokens=hints.response_tokens, temperature=hints.temperature,
+            turns=hints.turns, env_on_pool=bool(hints.env_on_pool),
             impl=stage_type_path(cls),
             uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())),
-            row_filter=_plugin_call(file, f"stages.{name}.params", cls.row_filter,
-                                    params[name]),
-            kept_share=float(_plugin_call(file, f"stages.{name}.params", cls.kept_share,
-                                          params[name], samples)),
-            every=max(1, int(_plugin_call(file, f"stages.{name}.params", cls.runs_every,
-                                          params[name]))),
-            passes=float(_plugin_call(file, f"stages.{name}.params", cls.model_passes,
-                                      params[name])))
+            row_filter=hints.row_filter,
+            kept_share=1.0 if kept is None else min(kept, samples) / max(samples, 1),
+            every=max(1, int(hints.every)), passes=float(hints.passes))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

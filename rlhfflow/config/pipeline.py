@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlhfflow.config.graph import StageGraph
 from rlhfflow.config.spec import PipelineSpec
-from rlhfflow.stages import StageParams
+from rlhfflow.sdk import StageParams
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,11 @@ from pydantic import (
     model_validator,
 )
 
-from rlhfflow.config.algorithm import AlgorithmSpec
-from rlhfflow.config.fields import (
+from rlhfflow.config.yamlfile import error_from_pydantic
+from rlhfflow.errors import SpecError  # noqa: F401  (the pipeline file's error, where callers find it)
+from rlhfflow.sdk import StageParams
+from rlhfflow.spec.algorithm import AlgorithmSpec
+from rlhfflow.spec.fields import (
     NonNegFloat,
     NonNegInt,
     PackageSpec,
@@ -28,9 +31,6 @@ from rlhfflow.config.fields import (
     Strict,
     need_package,
 )
-from rlhfflow.config.yamlfile import error_from_pydantic
-from rlhfflow.errors import SpecError  # noqa: F401  (the pipeline file's error, where callers find it)
-from rlhfflow.stages import StageParams
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 MODEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

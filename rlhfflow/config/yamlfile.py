@@ -5,7 +5,6 @@ is close to a known one."""
 
 from __future__ import annotations
 
-import difflib
 import re
 import types
 import typing
@@ -16,7 +15,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlhfflow.errors import SpecError
+from rlhfflow.errors import SpecError, did_you_mean
 
 # --------------------------------------------------------------------------- YAML
 
@@ -141,12 +140,6 @@ def key_path(loc: tuple[Any, ...]) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out
-
-
-def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` when a close match exists, else ``""``."""
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 def _field_names(model: type[BaseModel]) -> list[str]:

@@ -4,12 +4,12 @@ prompts (plain text or chat turns) into the batch layout stages share."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhfflow.engine.batch import pad_prompts
 from rlhfflow.errors import UserError
 
 
@@ -178,20 +178,6 @@ def prompt_token_ids(tokenizer: Any, text: str, templated: bool = False) -> list
 def prompt_length(tokenizer: Any, text: str) -> int:
     """Tokens a plain prompt takes in a batch: its own plus the BOS token, if any."""
     return len(prompt_token_ids(tokenizer, text))
-
-
-def pad_prompts(encoded: Sequence[Sequence[int]], pad_id: int | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)``; L is the longest."""
-    width = max(len(ids) for ids in encoded)
-    ids = torch.full((len(encoded), width), pad_id if pad_id is not None else 0,
-                     dtype=torch.long)
-    mask = torch.zeros(len(encoded), width, dtype=torch.int8)
-    for row, seq in enumerate(encoded):
-        if seq:
-            ids[row, width - len(seq):] = torch.tensor(list(seq))
-            mask[row, width - len(seq):] = 1
-    return ids, mask
 
 
 def encode_prompts(tokenizer: Any, texts: list[str], max_tokens: int

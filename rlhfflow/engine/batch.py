@@ -1,17 +1,16 @@
 """The batch every stage and engine passes around: named columns, one row per sample.
 
-Stages read and write these columns (``rlhfflow.stages.base.Stage``); the runtime splits
+Stages read and write these columns (``rlhfflow.sdk.Stage``); the runtime splits
 a batch into micro-batches and joins them back with the functions here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-Batch = dict[str, Any]
-"""Columns of a (micro-)batch: tensors with the row dimension first, or lists of str."""
+from rlhfflow.types import Batch
 
 
 def concat_batches(parts: list[Batch]) -> Batch:
@@ -39,3 +38,25 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Rows ``[start, stop)`` of every column."""
     return {k: v[start:stop] for k, v in batch.items()}
+
+
+def score_valid(batch: Batch) -> torch.Tensor:
+    """``[N]`` bool: samples with a usable score. A batch built by hand, without the
+    ``score_valid`` column the score stage writes, has all samples valid."""
+    if "score_valid" in batch:
+        return batch["score_valid"].bool()
+    return torch.ones(len(batch["response_mask"]), dtype=torch.bool)
+
+
+def pad_prompts(encoded: Sequence[Sequence[int]], pad_id: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(prompt_ids [N, L], prompt_mask [N, L] int8)``; L is the longest."""
+    width = max(len(ids) for ids in encoded)
+    ids = torch.full((len(encoded), width), pad_id if pad_id is not None else 0,
+                     dtype=torch.long)
+    mask = torch.zeros(len(encoded), width, dtype=torch.int8)
+    for row, seq in enumerate(encoded):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(list(seq))
+            mask[row, width - len(seq):] = 1
+    return ids, mask

@@ -9,7 +9,7 @@ A forward pass over a sequence of ``S`` real tokens costs
 where ``N`` is ``ModelShape.matmul_params`` (every matrix weight a token is multiplied
 by: the non-embedding weights and the output head, tied or not), ``L`` the layers and
 ``A`` the attention width (query heads x head width); token ``t`` attends to ``t`` keys.
-A stage does ``Stage.model_passes`` such forwards per token: 1 for log-probs, values,
+A stage does ``PlanHints.passes`` such forwards per token: 1 for log-probs, values,
 scoring with a model and generation (a KV-cached generation does the same products: the
 prefill, then one token at a time over the cache), 3 per epoch for training (the
 backward pass is two forwards' worth of products: the gradients of the inputs and those
@@ -48,7 +48,7 @@ class StageWork:
         model: its model's name.
         dtype: the model's compute dtype name (``float32``, ``bfloat16``, ``float16``):
             the peak its FLOPs are measured against.
-        passes: forwards per token (``Stage.model_passes``).
+        passes: forwards per token (``PlanHints.passes``).
         per_token: FLOPs per token of one forward's products with the weights, ``2 N``
             (a LoRA model's adapters included).
         per_pair: FLOPs per (query, key) pair of one forward's attention, ``4 L A``.

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhfflow.engine.lora import ADAPTER_CONFIG
+from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.errors import RunError
 from rlhfflow.plan.tasks import CheckpointTask
 from rlhfflow.runtime.telemetry import TASKS_FILE
-from rlhfflow.stages import ModelConfig
 from rlhfflow.storage import Checkpoint, CheckpointStore, ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import truncate_score_errors
 

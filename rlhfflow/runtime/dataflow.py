@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from functools import singledispatchmethod
 from typing import Any
 
+from rlhfflow.engine.batch import slice_batch
 from rlhfflow.plan.tasks import (
     CheckpointTask,
     ExportTask,
@@ -33,7 +34,7 @@ from rlhfflow.runtime.worker.host import (
     stage_task,
     store_task,
 )
-from rlhfflow.stages import Batch, slice_batch
+from rlhfflow.sdk import Batch
 
 logger = logging.getLogger(__name__)
 

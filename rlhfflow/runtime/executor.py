@@ -24,6 +24,7 @@ from typing import Any
 from rlhfflow.config.graph import SOURCE
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.data.source import PromptSource
+from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.monitor import RunMonitor
 from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
 from rlhfflow.plan.compiler import (
@@ -94,7 +95,7 @@ from rlhfflow.runtime.workers import (
     rows_topic,
     stage_defs,
 )
-from rlhfflow.stages import ModelConfig, RunSettings
+from rlhfflow.sdk import RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)

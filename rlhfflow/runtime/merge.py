@@ -73,7 +73,7 @@ def merge(source: MergeSource, out: str | Path, overwrite: bool = False) -> Path
     ``save_pretrained`` and the tokenizer), atomically: assembled in a hidden sibling and
     renamed into place, so a crash leaves no directory that looks like a model. An
     existing ``out`` is a ``MergeError`` unless ``overwrite``."""
-    from rlhfflow.stages import ModelConfig, ModelStore
+    from rlhfflow.engine.resident import ModelConfig, ModelStore
 
     out = check_output(out, overwrite)
     spec = source.spec

@@ -9,7 +9,7 @@ from typing import Any
 
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.engine.models import save_tiny_model
-from rlhfflow.stages import ModelConfig
+from rlhfflow.engine.resident import ModelConfig
 
 
 def tiny_models(pipeline: Pipeline, out: Path) -> dict[str, dict[str, Any]]:

@@ -18,9 +18,10 @@ import torch
 from rlhfflow.config.loader import Pipeline
 from rlhfflow.config.yamlfile import did_you_mean
 from rlhfflow.data.source import PromptSource
+from rlhfflow.engine.resident import ModelStore
 from rlhfflow.errors import SpecError
 from rlhfflow.runtime.models import model_configs
-from rlhfflow.stages import Batch, ModelStore, RunSettings, StageContext, create_stage
+from rlhfflow.sdk import Batch, RunSettings, StageContext, create_stage
 
 
 @dataclass

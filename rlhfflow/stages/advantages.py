@@ -27,17 +27,10 @@ import torch
 from pydantic import Field
 
 from rlhfflow import ops
-from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.generate import GenerateParams, generate
-from rlhfflow.stages.inference import load_function
-
-
-def score_valid(batch: Batch) -> torch.Tensor:
-    """``[N]`` bool: samples with a usable score. A batch built by hand, without the
-    ``score_valid`` column the score stage writes, has all samples valid."""
-    if "score_valid" in batch:
-        return batch["score_valid"].bool()
-    return torch.ones(len(batch["response_mask"]), dtype=torch.bool)
+from rlhfflow.engine.batch import score_valid
+from rlhfflow.engine.generation import Sampling, generate
+from rlhfflow.engine.usercode import load_function
+from rlhfflow.sdk import Batch, Column, Stage, StageContext, StageParams, register_stage
 
 
 def _kl_in_reward(algorithm) -> bool:
@@ -216,7 +209,7 @@ class RemaxBaselineStage(Stage):
         tok = resident.tokenizer
         # the samples of one prompt share its greedy response: decode each prompt once
         prompts, first = _first_rows(batch["prompt_index"])
-        params = GenerateParams(max_new_tokens=self.params.max_new_tokens, greedy=True)
+        params = Sampling(max_new_tokens=self.params.max_new_tokens, greedy=True)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         unused = torch.zeros(len(first), params.max_new_tokens)  # greedy draws nothing
         with resident.generating():

@@ -9,6 +9,7 @@ while an evaluation has other prompts and must leave the training batch alone.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,16 +25,16 @@ from rlhfflow.data.records import (
     render_prompt,
 )
 from rlhfflow.engine.forward import stage_seed
-from rlhfflow.stages.base import Batch, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.generate import GenerateParams, generate
-from rlhfflow.stages.inference import (
+from rlhfflow.engine.generation import Sampling, generate
+from rlhfflow.engine.rewardfns import (
     RewardFunctionSpec,
-    ScoreParams,
     check_reward_function,
-    load_function,
     record_columns,
+    reward_functions,
     reward_inputs,
 )
+from rlhfflow.engine.usercode import load_function
+from rlhfflow.sdk import Batch, PlanHints, Stage, StageContext, StageParams, register_stage
 
 
 class EvaluateParams(StageParams):
@@ -67,7 +68,7 @@ class EvaluateParams(StageParams):
 
     def reward_functions(self) -> list[RewardFunctionSpec]:
         """The functions the stage calls: ``functions``, or ``function`` alone."""
-        return ScoreParams.reward_functions(self)  # same rule as the score stage
+        return reward_functions(self)  # same rule as the score stage
 
 
 @register_stage
@@ -85,8 +86,8 @@ class EvaluateStage(Stage):
     samples = True
 
     @classmethod
-    def runs_every(cls, params):
-        return params.every
+    def plan_hints(cls, params) -> PlanHints:
+        return replace(super().plan_hints(params), every=params.every)
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
@@ -145,9 +146,8 @@ class EvaluateStage(Stage):
         resident = ctx.models.get(self.model)
         tok = resident.tokenizer
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        params = GenerateParams(max_new_tokens=self.params.max_new_tokens,
-                                greedy=self.params.greedy,
-                                temperature=self.params.temperature)
+        params = Sampling(max_new_tokens=self.params.max_new_tokens, greedy=self.params.greedy,
+                          temperature=self.params.temperature)
         # its own random stream: sampling here never shifts the training's draws
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         texts: list[str] = []

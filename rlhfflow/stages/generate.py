@@ -25,10 +25,9 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from rlhfflow import ops
-from rlhfflow.engine.forward import cache_kwargs, output_cache, prefill
+from rlhfflow.engine.generation import cut_at_stop, eos_ids, generate
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
-from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
+from rlhfflow.sdk import Batch, Column, Stage, StageContext, StageParams, register_stage
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -86,46 +85,6 @@ class GenerateParams(StageParams):
     verify_cost: list[Annotated[float, Field(ge=0)]] | None = Field(
         None, description="adaptive's [seconds, seconds_per_token] of a forward; unset: "
                           "measured once per worker (sampled tokens then depend on it)")
-
-
-@torch.no_grad()
-def generate(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             uniforms: torch.Tensor, params: GenerateParams,
-             eos_id: int | Sequence[int] | None, pad_id: int) -> dict[str, torch.Tensor]:
-    """Sample up to ``max_new_tokens`` per left-padded prompt with a KV cache.
-
-    Returns ``response_ids [N, max_new_tokens]`` (right-padded with ``pad_id``),
-    ``response_mask`` (1 up to and including EOS) and ``sample_logprobs``: the log-prob
-    of each sampled token under ``log_softmax(logits / temperature)`` (unfiltered, the
-    distribution the policy loss uses).
-    """
-    device = next(module.parameters()).device
-    rows, steps = prompt_ids.shape[0], params.max_new_tokens
-    mask = prompt_mask.long().to(device)
-    cache, logits = prefill(module, prompt_ids, prompt_mask, device)
-    next_pos = mask.sum(-1, keepdim=True)
-    tokens = torch.full((rows, steps), pad_id, dtype=torch.long)
-    logprobs = torch.zeros(rows, steps)
-    response_mask = torch.zeros(rows, steps, dtype=torch.int8)
-    alive = torch.ones(rows, dtype=torch.bool)  # no EOS yet: this step's token is real
-    for t in range(steps):
-        token = sample_step(logits, uniforms[:, t], params).cpu()
-        token = torch.where(alive, token, torch.full_like(token, pad_id))
-        lp = torch.log_softmax(ops.tempered(logits, params.temperature), -1).cpu()
-        logprobs[:, t] = lp.gather(-1, token[:, None]).squeeze(-1) * alive
-        tokens[:, t] = token
-        response_mask[:, t] = alive
-        if eos_id is not None:
-            alive &= ~torch.isin(token, torch.as_tensor(eos_id))
-        if not alive.any() or t == steps - 1:
-            break
-        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = module(input_ids=token[:, None].to(device), attention_mask=mask,
-                     position_ids=next_pos, use_cache=True, **cache_kwargs(module, cache))
-        cache, logits = output_cache(out), out.logits[:, -1].float()
-        next_pos = next_pos + 1
-    return {"response_ids": tokens, "response_mask": response_mask,
-            "sample_logprobs": logprobs}
 
 
 #: Per-row decoding figures the stage writes (sum them over rows to aggregate).
@@ -374,43 +333,3 @@ def check_same_vocabulary(actor_tok, draft_tok, draft_name: str) -> None:
     if actor_tok.get_vocab() != draft_tok.get_vocab():
         raise ValueError(f"draft model {draft_name!r} has another tokenizer than the actor "
                          f"({len(draft_tok)} vs {len(actor_tok)} tokens or other ids)")
-
-# ---------------------------------------------------------------------------------------
-# Where a response ends (owned by the data side): EOS ids and stop strings.
-
-
-def eos_ids(module: torch.nn.Module, tokenizer) -> list[int] | None:
-    """Every EOS id of a model: the tokenizer's and its ``generation_config``'s (an int or
-    a list: chat models often end a turn with a token that is not the tokenizer's EOS,
-    e.g. ``<|im_end|>``)."""
-    ids = [tokenizer.eos_token_id]
-    config_eos = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
-    ids += config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]
-    ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
-    return ids or None
-
-
-def cut_at_stop(out: dict[str, torch.Tensor], tokenizer, stops: Sequence[str],
-                pad_id: int) -> None:
-    """End each response at the token that completes its first stop string (kept, as
-    transformers' ``stop_strings`` does): later tokens are padded and masked out. Done
-    after sampling: tokens after a stop never influence those before it, so the kept
-    tokens, log-probs and mask are those of a loop that had stopped there."""
-    for row in range(out["response_ids"].shape[0]):
-        length = int(out["response_mask"][row].sum())
-        ids = out["response_ids"][row, :length].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if not any(stop in text for stop in stops):
-            continue
-        # the shortest prefix whose text holds a stop string (decoded prefixes grow)
-        low, high = 1, length
-        while low < high:
-            mid = (low + high) // 2
-            prefix = tokenizer.decode(ids[:mid], skip_special_tokens=True)
-            if any(stop in prefix for stop in stops):
-                high = mid
-            else:
-                low = mid + 1
-        out["response_ids"][row, low:] = pad_id
-        out["response_mask"][row, low:] = 0
-        out["sample_logprobs"][row, low:] = 0.0

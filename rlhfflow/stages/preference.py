@@ -9,6 +9,7 @@ summed log-probs under the frozen reference.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -17,11 +18,19 @@ from pydantic import Field
 
 from rlhfflow import ops
 from rlhfflow.data.records import DataError, encode_prompts, encode_responses, read_jsonl
+from rlhfflow.engine.batch import score_valid
 from rlhfflow.engine.forward import response_logprobs
-from rlhfflow.stages.advantages import score_valid
-from rlhfflow.stages.base import Batch, Column, Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.inference import RESPONSE_INPUTS
-from rlhfflow.stages.train import OnceParams, TrainParams, _OnceTrainer, _resolve, _Trainer
+from rlhfflow.sdk import (
+    RESPONSE_INPUTS,
+    Batch,
+    Column,
+    PlanHints,
+    Stage,
+    StageContext,
+    StageParams,
+    register_stage,
+)
+from rlhfflow.stages.trainers import OnceParams, OnceTrainer, Trainer, TrainParams, resolve_path
 
 
 class SelectParams(StageParams):
@@ -52,8 +61,8 @@ class SelectStage(Stage):
         return {"selected": Column("int8")}
 
     @classmethod
-    def kept_share(cls, params, samples_per_prompt):
-        return min(params.top_k, samples_per_prompt) / max(samples_per_prompt, 1)
+    def plan_hints(cls, params) -> PlanHints:
+        return replace(super().plan_hints(params), kept_per_prompt=params.top_k)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         keep = ops.best_in_group(batch["scores"], batch["group_ids"], score_valid(batch),
@@ -107,7 +116,7 @@ class TrainDPOParams(OnceParams, DPOParams):
 
 
 @register_stage
-class TrainDPOStage(_OnceTrainer):
+class TrainDPOStage(OnceTrainer):
     """Offline DPO (Rafailov et al., 2023): trains the stage's model once, before the
     loop, on a file of preference pairs, against the frozen ``ref`` model.
 
@@ -126,7 +135,7 @@ class TrainDPOStage(_OnceTrainer):
         if problem:
             return problem
         try:  # a bad record stops the pipeline before anything starts
-            read_jsonl(_resolve(params.data, base_dir), cls.fields)
+            read_jsonl(resolve_path(params.data, base_dir), cls.fields)
         except DataError as exc:
             return ("params.data", str(exc))
         return None
@@ -136,7 +145,7 @@ class TrainDPOStage(_OnceTrainer):
         return {"params.ref": params.ref}
 
     def examples(self, resident, base_dir: Path, ctx: StageContext) -> Batch:
-        records = read_jsonl(_resolve(self.params.data, base_dir), self.fields)
+        records = read_jsonl(resolve_path(self.params.data, base_dir), self.fields)
         tok = resident.tokenizer
         prompt_ids, prompt_mask = encode_prompts(tok, [r["prompt"] for r in records],
                                                  self.params.max_prompt_tokens)
@@ -165,7 +174,7 @@ class TrainDPOOnlineParams(TrainParams, DPOParams):
 
 
 @register_stage
-class TrainDPOOnlineStage(_Trainer):
+class TrainDPOOnlineStage(Trainer):
     """Online DPO: every iteration, pairs each prompt's best and worst scored response
     (``ops.preference_pairs``; prompts whose responses all score the same are skipped
     and counted as ``ties``) and takes DPO steps on the pairs. The reference log-probs

@@ -10,38 +10,33 @@ of the update must match those the rollout was scored with.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 
 from rlhfflow import ops
-from rlhfflow.data.records import DataError, encode_prompts, encode_responses, read_jsonl
-from rlhfflow.engine.batch import Batch, concat_batches
+from rlhfflow.data.records import DataError, encode_prompts, encode_responses
+from rlhfflow.engine.batch import Batch, concat_batches, score_valid
 from rlhfflow.engine.forward import (
-    minibatch_indices,
     response_logits,
     response_logprobs,
     response_values,
-    shared_prompt_rows,
-    stage_seed,
 )
-from rlhfflow.engine.parallel import allreduce_sum
-from rlhfflow.stages.advantages import score_valid
-from rlhfflow.stages.base import Stage, StageContext, StageParams, register_stage
-from rlhfflow.stages.inference import RESPONSE_INPUTS
+from rlhfflow.sdk import RESPONSE_INPUTS, PlanHints, StageContext, register_stage
+from rlhfflow.stages.trainers import (
+    OnceParams,
+    OnceTrainer,
+    Trainer,
+    TrainParams,
+    loss_mask_of,
+    resolve_path,
+    take_rows,
+)
 from rlhfflow.storage import ExperienceBuffer
-
-
-class TrainParams(StageParams):
-    """Passes over the batch and optimizer steps per pass."""
-
-    epochs: Annotated[int, Field(gt=0, description="passes over the iteration's batch")] = 1
-    minibatches: Annotated[int, Field(gt=0, description="optimizer steps per pass (the "
-                                                        "batch split evenly)")] = 1
-    shuffle: bool = Field(True, description="shuffle the rows before each pass")
 
 
 class TrainActorParams(TrainParams):
@@ -64,168 +59,12 @@ def behaviour_column(params: TrainActorParams, written: Collection[str]) -> str:
     return "old_logprobs" if "old_logprobs" in written else "sample_logprobs"
 
 
-def _rows(batch: Batch, index: torch.Tensor) -> Batch:
-    return {k: (v[index] if isinstance(v, torch.Tensor) else [v[i] for i in index.tolist()])
-            for k, v in batch.items()}
-
-
-def _rank_rows(batch: Batch, index: torch.Tensor, gang) -> torch.Tensor:
-    """This gang rank's rows of the minibatch ``index``: whole groups of one prompt's
-    samples (whose prompt it then runs once, ``response_logits``), dealt so that the
-    ranks get about the same number of tokens, since the rank with the most decides when
-    the gradient all-reduce can start. Every rank computes the same deal; the minibatch
-    and its summed gradient are the same whichever rank takes a row."""
-    groups = _prompt_groups(batch, index)
-    if len(groups) < gang.size:  # too few groups to go round: near-equal row counts
-        return index[gang.shard(len(index))]
-    mask = batch.get("response_mask")
-    tokens = mask[index].sum(-1).tolist() if mask is not None else [1] * len(index)
-    prompt_tokens = batch["prompt_mask"][index].sum(-1).tolist() \
-        if "prompt_mask" in batch else [0] * len(index)
-    costs = [prompt_tokens[g[0]] + sum(tokens[r] for r in g) for g in groups]
-    # longest processing time first: the largest group to the least loaded rank
-    loads, mine = [0.0] * gang.size, []
-    for g in sorted(range(len(groups)), key=lambda g: (-costs[g], groups[g][0])):
-        rank = min(range(gang.size), key=lambda r: (loads[r], r))
-        loads[rank] += costs[g]
-        if rank == gang.rank:
-            mine += groups[g]
-    return index[sorted(mine)]
-
-
-def _prompt_groups(batch: Batch, index: torch.Tensor) -> list[list[int]]:
-    """Positions in ``index`` grouped by prompt (each row alone without prompts)."""
-    if "prompt_ids" not in batch:
-        return [[r] for r in range(len(index))]
-    shared = shared_prompt_rows(batch["prompt_ids"][index], batch["prompt_mask"][index])
-    if shared is None:
-        return [[r] for r in range(len(index))]
-    groups: list[list[int]] = [[] for _ in range(len(shared[0]))]
-    for position, group in enumerate(shared[1].tolist()):
-        groups[group].append(position)
-    return groups
-
-
-def _mean_metrics(history: list[dict[str, float]], weights: list[float] | None = None,
-                  gang=None) -> dict[str, float]:
-    """Mean of each metric over the steps, weighted by ``weights`` and taken over the
-    whole gang (every rank gets the same numbers)."""
-    keys = list(history[0]) if history else []
-    weights = weights or [1.0] * len(history)
-    sums = [sum(w * h[k] for h, w in zip(history, weights, strict=True)) for k in keys]
-    totals = allreduce_sum([*sums, float(sum(weights))], gang)
-    return {k: v / max(totals[-1], 1e-12) for k, v in zip(keys, totals, strict=False)}
-
-
-_LOSS_TERMS = {"policy_loss", "kl_loss", "entropy", "value_loss"}
-
-
-class _Trainer(Stage):
-    """Shared loop: epochs x shuffled minibatches, one optimizer step per minibatch.
-
-    In a data-parallel gang (``ctx.gang``) every rank sees the whole batch, draws the same
-    minibatches and trains on its shard of each; losses are divided by the minibatch's
-    own counts (``ops.loss_count``), so the summed gradients equal one worker's update
-    on the whole minibatch. ``backend`` is ``"torch"`` or ``"deepspeed"`` (set by the
-    executor from the stage's ``backend:``/``deepspeed:`` keys).
-    """
-
-    Params = TrainParams
-    trains = True
-    per_batch = True
-    backend: str = "torch"
-    deepspeed: Any = None
-
-    def run(self, batch: Batch, ctx: StageContext) -> Batch:
-        resident = ctx.models.get(self.model)
-        gang = ctx.gang
-        if self.backend == "deepspeed" and resident.engine is None:
-            options = self.deepspeed or {}
-            resident.use_deepspeed(options.get("zero_stage", 2), options.get("config", {}),
-                                   gang.rank if gang else 0)
-        batch = {k: v.to(resident.device) for k, v in batch.items()
-                 if isinstance(v, torch.Tensor)}
-        rows = len(next(iter(batch.values()))) if batch else 0
-        gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
-        history, weights = [], []
-        for _ in range(self.params.epochs):
-            for index in minibatch_indices(rows, self.params.minibatches, gen,
-                                           self.params.shuffle):
-                counts = None
-                if gang is not None:
-                    mask = self.loss_mask(_rows(batch, index))
-                    counts = {"tokens": ops.loss_count(mask),
-                              "agg": ops.loss_count(mask, self._agg(),
-                                                    self.algorithm.loss_scale_factor)}
-                    whole, index = index, _rank_rows(batch, index, gang)
-                # a minibatch smaller than the gang leaves some ranks nothing; they still
-                # join the gradient all-reduce, with a zero loss on one row (weight 0)
-                empty = len(index) == 0
-                shard = _rows(batch, whole[:1] if empty else index)
-                with resident.training():
-                    loss, metrics = self.loss(resident, shard, ctx, counts)
-                    metrics["grad_norm"] = resident.step(loss * 0.0 if empty else loss, gang)
-                local = 0.0 if empty else float(self.loss_mask(shard).sum())
-                if counts is not None:
-                    # a loss term here is this rank's share of the minibatch's; as a local
-                    # mean it averages back (token-weighted) to the minibatch's value
-                    for key in _LOSS_TERMS & metrics.keys():
-                        metrics[key] *= counts["tokens"] / max(local, 1.0)
-                history.append(metrics)
-                weights.append(local)
-        stats = _mean_metrics(history, weights, gang)
-        if len(batch.get("policy_version", ())):  # how many updates behind the rollout was
-            staleness = (resident.version - batch["policy_version"]).float()
-            stats.update(staleness_mean=float(staleness.mean()),
-                         staleness_max=int(staleness.max()))
-        # the learning rate the last step used, and the non-finite steps skipped so far
-        # (optimizer.skip_nonfinite): reported by the model's optimizer (resident.py)
-        stats["lr"] = resident.last_lr
-        if resident.skipped_steps:
-            stats["nonfinite_steps"] = resident.skipped_steps
-        if resident.overflow_steps:  # fp16: steps the loss scaler skipped so far
-            stats["overflow_steps"] = resident.overflow_steps
-        resident.version += 1
-        return {**stats, "version": resident.version}
-
-    def _agg(self) -> str:
-        """How this stage's loss aggregates tokens (``ops.LOSS_AGGS``)."""
-        return "token-mean"
-
-    def loss_mask(self, batch: Batch) -> torch.Tensor:
-        """What the loss counts in a minibatch (its tokens, or one entry per pair): the
-        weights of the steps' metrics and, in a gang, the minibatch's divisor."""
-        return _loss_mask(batch)
-
-    def _divisor(self, counts: dict[str, float] | None) -> float | None:
-        """The ``count`` to pass to the loss: the whole minibatch's divisor when this is a
-        shard of it; else None (the batch's own), except that Dr. GRPO's constant
-        normaliser comes from the config when it sets one."""
-        if counts:
-            return counts["agg"]
-        if self._agg() == "seq-mean-token-sum-norm":
-            return self.algorithm.loss_scale_factor
-        return None
-
-    def loss(self, resident, batch: Batch, ctx: StageContext,
-             counts: dict[str, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one minibatch (or of this rank's shard of it: ``counts`` then holds
-        the whole minibatch's ``tokens`` and ``agg`` divisors) and its metrics."""
-        raise NotImplementedError
-
-
-def _loss_mask(batch: Batch) -> torch.Tensor:
-    """Response tokens that count in a loss: not those of samples whose score was
-    skipped (``score_valid`` 0)."""
-    return batch["response_mask"].float() * score_valid(batch).float()[:, None]
-
-
 def _kl_in_loss(algorithm) -> bool:
     return algorithm.kl_coef > 0 and algorithm.kl_in == "loss"
 
 
 @register_stage
-class TrainActorStage(_Trainer):
+class TrainActorStage(Trainer):
     """Policy update of the actor: the policy loss ``algorithm.policy_loss`` names (PPO's
     clipped surrogate by default, token or sequence ratios, optionally dual-clip), optional
     KL to the reference in the loss, optional entropy bonus, all aggregated with
@@ -262,7 +101,7 @@ class TrainActorStage(_Trainer):
     def loss(self, resident, batch, ctx, counts=None):
         algo = self.algorithm
         agg, divisor = algo.loss_agg, self._divisor(counts)
-        mask = _loss_mask(batch)
+        mask = loss_mask_of(batch)
         temperature = ctx.settings.temperature
         if algo.entropy_coef > 0:  # the entropy needs the logits themselves
             logits = response_logits(resident.module, batch, temperature)
@@ -294,7 +133,7 @@ class TrainActorStage(_Trainer):
 
 
 @register_stage
-class DistillDraftStage(_Trainer):
+class DistillDraftStage(Trainer):
     """Online distillation of a draft model (``generate``'s ``draft_model``) towards the
     actor, on the responses the actor just sampled: next-token cross-entropy of the
     draft at the rollout temperature, so its acceptance follows the actor as RL moves it.
@@ -328,7 +167,7 @@ class DistillDraftStage(_Trainer):
 
 
 @register_stage
-class TrainCriticStage(_Trainer):
+class TrainCriticStage(Trainer):
     """Critic update: clipped value loss against the GAE returns."""
 
     type_name = "train_critic"
@@ -342,27 +181,12 @@ class TrainCriticStage(_Trainer):
         return self.algorithm.value_loss_agg
 
     def loss(self, resident, batch, ctx, counts=None):
-        mask = _loss_mask(batch)
+        mask = loss_mask_of(batch)
         values = response_values(resident.module, batch)
         loss, stats = ops.value_loss(values, batch["values"], batch["returns"], mask,
                                      self.algorithm.value_clip, self._divisor(counts),
                                      self.algorithm.value_loss_agg)
         return loss, {"value_loss": loss.item(), "value_clip_frac": stats["value_clip_frac"]}
-
-
-class OnceParams(StageParams):
-    """Training once before the loop: the JSONL file (relative to the pipeline file),
-    passes over it, rows per optimizer step, and truncation lengths."""
-
-    data: str | None = Field(None, description="JSONL training file, relative to the "
-                                               "pipeline file")
-    epochs: Annotated[int, Field(gt=0, description="passes over the data")] = 1
-    batch_size: Annotated[int, Field(gt=0, description="rows per optimizer step")] = 16
-    max_prompt_tokens: Annotated[int, Field(gt=0, description="prompts are truncated to "
-                                                              "this many tokens")] = 64
-    max_response_tokens: Annotated[int, Field(gt=0, description="responses are truncated "
-                                                                "to this many tokens")] = 64
-    shuffle: bool = Field(True, description="shuffle the rows before each pass")
 
 
 class SFTParams(OnceParams):
@@ -380,60 +204,8 @@ class SFTParams(OnceParams):
         None, description="with buffer: only its last N iterations")
 
 
-def _resolve(path: str, base_dir: Path) -> Path:
-    return Path(path) if Path(path).is_absolute() else base_dir / path
-
-
-def _take(examples: Batch | list, index: torch.Tensor) -> Batch | list:
-    if isinstance(examples, dict):
-        return _rows(examples, index)
-    return [examples[i] for i in index.tolist()]
-
-
-class _OnceTrainer(Stage):
-    """A stage that trains its model once, before the loop, on a data set."""
-
-    Params = OnceParams
-    trains = True
-    once = True
-    per_batch = True
-    fields: tuple[str, ...] = ()
-
-    @classmethod
-    def check_params(cls, params, has_model, base_dir):
-        if params.data is None:
-            return ("params.data", "required key is missing")
-        path = _resolve(params.data, base_dir)
-        if not path.is_file():
-            return ("params.data", f"file not found: {path}")
-        return None
-
-    def examples(self, resident, base_dir: Path, ctx: StageContext) -> Batch | list:
-        """The training set: JSONL records (or a batch of tensors)."""
-        return read_jsonl(_resolve(self.params.data, base_dir), self.fields)
-
-    def run(self, batch: Batch, ctx: StageContext) -> Batch:
-        resident = ctx.models.get(self.model)
-        examples = self.examples(resident, Path(ctx.settings.base_dir), ctx)
-        count = len(next(iter(examples.values()))) if isinstance(examples, dict) \
-            else len(examples)
-        gen = torch.Generator().manual_seed(stage_seed(ctx.seed, self.name))
-        history = []
-        steps = max(1, -(-count // self.params.batch_size))
-        for _ in range(self.params.epochs):
-            for index in minibatch_indices(count, steps, gen, self.params.shuffle):
-                chunk = _take(examples, index)
-                if isinstance(chunk, dict):
-                    chunk = {k: v.to(resident.device) for k, v in chunk.items()}
-                loss, metrics = self.loss(resident, chunk)
-                metrics["grad_norm"] = resident.step(loss)
-                history.append(metrics)
-        resident.version += 1
-        return {**_mean_metrics(history), "version": resident.version, "records": count}
-
-
 @register_stage
-class SFTStage(_OnceTrainer):
+class SFTStage(OnceTrainer):
     """Supervised fine-tuning of a causal LM, once before the loop (a warm start), on a
     JSONL file or on the best responses of an experience buffer."""
 
@@ -448,7 +220,7 @@ class SFTStage(_OnceTrainer):
             return ("params", "give exactly one of 'data' (a JSONL file) or 'buffer' "
                               "(an experience buffer)")
         if params.buffer is not None:
-            path = _resolve(params.buffer, base_dir)
+            path = resolve_path(params.buffer, base_dir)
             if not path.is_dir():
                 return ("params.buffer", f"experience buffer not found: {path}")
             return None
@@ -457,7 +229,7 @@ class SFTStage(_OnceTrainer):
     def examples(self, resident, base_dir: Path, ctx: StageContext) -> Batch | list:
         if self.params.buffer is None:
             return super().examples(resident, base_dir, ctx)
-        return buffer_examples(_resolve(self.params.buffer, base_dir), self.params.min_score,
+        return buffer_examples(resolve_path(self.params.buffer, base_dir), self.params.min_score,
                                self.params.last_iterations)
 
     def loss(self, resident, examples):
@@ -494,7 +266,7 @@ class TrainSFTParams(TrainParams):
 
 
 @register_stage
-class TrainSFTStage(_Trainer):
+class TrainSFTStage(Trainer):
     """Supervised fine-tuning of the actor on the iteration's responses, every
     iteration: with a ``select`` stage before it, rejection-sampling / best-of-N fine-tuning
     (the ``sft`` stage's loss, on sampled instead of given responses)."""
@@ -504,8 +276,9 @@ class TrainSFTStage(_Trainer):
     model_head = "lm"
 
     @classmethod
-    def row_filter(cls, params):
-        return "selected" if params.selected else None
+    def plan_hints(cls, params) -> PlanHints:
+        return replace(super().plan_hints(params),
+                       row_filter="selected" if params.selected else None)
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
@@ -519,7 +292,7 @@ class TrainSFTStage(_Trainer):
         if self.params.selected:
             keep = keep & batch["selected"].bool()
         rows = torch.nonzero(keep).flatten()
-        stats = super().run(_rows({k: v for k, v in batch.items() if k != "selected"}, rows),
+        stats = super().run(take_rows({k: v for k, v in batch.items() if k != "selected"}, rows),
                             ctx)
         return {**stats, "rows_trained": int(len(rows))}
 
@@ -567,7 +340,7 @@ class RewardModelParams(OnceParams):
 
 
 @register_stage
-class RewardModelStage(_OnceTrainer):
+class RewardModelStage(OnceTrainer):
     """Bradley-Terry reward model: ``-log sigmoid(r(chosen) - r(rejected))``, once before
     the loop. Scores are the value head at the last token of prompt + response."""
 

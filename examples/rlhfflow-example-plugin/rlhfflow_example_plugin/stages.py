@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from rlhfflow.stages import Batch, Column, Stage, StageContext, StageParams
+from rlhfflow.sdk import Batch, Column, Stage, StageContext, StageParams
 
 
 class LengthPenaltyParams(StageParams):

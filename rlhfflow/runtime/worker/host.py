@@ -21,20 +21,12 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from rlhfflow.engine.batch import concat_batches, slice_batch
 from rlhfflow.engine.forward import shared_prompt_rows
+from rlhfflow.engine.resident import ModelConfig, ModelStore
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
-from rlhfflow.stages import (
-    Batch,
-    ModelConfig,
-    ModelStore,
-    RunSettings,
-    Stage,
-    StageContext,
-    concat_batches,
-    create_stage,
-    slice_batch,
-)
+from rlhfflow.sdk import Batch, RunSettings, Stage, StageContext, create_stage
 from rlhfflow.storage import ExperienceBuffer
 from rlhfflow.storage.errors import write_score_errors
 
@@ -366,7 +358,8 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
         inputs = {c: out[c] if c in out else batch[c] for c in defs[n].reads
                   if c in out or c in batch}
         ctx.spans = functools.partial(host.record_part, iteration, n)
-        ctx.env_executor = host.env_executor() if stage.env_on_pool(stage.params) else None
+        ctx.env_executor = host.env_executor() if stage.plan_hints(stage.params).env_on_pool \
+            else None
         with host.timed(iteration, n, rows):
             try:
                 out.update(stage.run(inputs, ctx))

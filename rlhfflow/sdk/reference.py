@@ -15,14 +15,13 @@ from typing import Any
 
 from pydantic_core import PydanticUndefined
 
-from rlhfflow.stages.base import (
+from rlhfflow.sdk.registry import (
     BROKEN_PLUGINS,
     PLUGIN_SOURCES,
-    Column,
-    Stage,
     known_stage_types,
     stage_type_path,
 )
+from rlhfflow.sdk.stage import Column, Stage
 
 CAPABILITIES = ("generates", "samples", "scores", "trains", "reports", "once", "per_batch")
 

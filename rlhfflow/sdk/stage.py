@@ -1,4 +1,5 @@
-"""The stage abstraction: a reusable unit with declared inputs, outputs and parameters.
+"""The stage SDK: what a stage is (``Stage``), what it is given (``StageContext``,
+``RunSettings``) and what it declares (``StageParams``, ``Column``, ``PlanHints``).
 
 A stage reads named columns of a batch (a ``dict`` of tensors with one row per sample),
 computes, and returns new columns. It knows nothing of Dask: the executor decides where
@@ -8,32 +9,26 @@ and when it runs, and the same stage runs alone from Python::
     stage = create_stage("generate", params={"max_new_tokens": 8}, model="actor")
     out = stage.run(batch, StageContext(iteration=0, seed=0, models=store))
 
-Stage types are found three ways, all through ``resolve_stage_type``: the built-ins
-register themselves when ``rlhfflow.stages`` is imported (so they work even where the
-package's metadata is stale), installed packages contribute types through the
-``rlhfflow.stages`` entry-point group (the built-ins are declared there too), and a
-pipeline may name any ``Stage`` subclass by import path (``mypkg.stages:CodeReward``).
-Workers create stages by import path (``stage_type_path``), so a plugin type needs only
-to be importable on the workers, not registered there.
+This module imports neither torch nor any built-in stage (a test keeps it so): a plugin
+author's package depends on the SDK alone. The types it names from the engine
+(``ModelStore``, ``Gang``) are for annotations only.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.metadata
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from rlhfflow.engine.batch import Batch
-from rlhfflow.engine.parallel import Gang
-from rlhfflow.engine.resident import ModelStore
-from rlhfflow.errors import UserError
+from rlhfflow.types import Batch
+
+if TYPE_CHECKING:
+    from rlhfflow.engine.parallel import Gang
+    from rlhfflow.engine.resident import ModelStore
+    from rlhfflow.spec.algorithm import AlgorithmSpec
 
 
 class StageParams(BaseModel):
@@ -65,6 +60,9 @@ SOURCE_COLUMNS: dict[str, Column] = {
     # the record's other fields (answer, tests, ...) as a JSON object, for reward functions
     "prompt_fields": Column("str"),
 }
+
+#: The columns a forward over the responses reads (log-probs, values, training).
+RESPONSE_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ class StageContext:
     iteration: int
     seed: int
     models: ModelStore | None = None
-    algorithm: Any = None
+    algorithm: AlgorithmSpec | None = None
     settings: RunSettings = field(default_factory=RunSettings)
     gang: Gang | None = None
     peers: Any = None
@@ -138,6 +136,47 @@ class StageContext:
 
     def __post_init__(self) -> None:
         self.settings = RunSettings.of(self.settings)
+
+
+@dataclass(frozen=True)
+class PlanHints:
+    """What a stage tells the planner (and the runtime) beyond its columns, from its
+    params (``Stage.plan_hints``).
+
+    Attributes:
+        response_tokens: a generator's most new tokens per response (the buffer's
+            response width); 0 for a stage that generates nothing.
+        temperature: a generator's sampling temperature, which the log-prob stages and
+            training must score responses at.
+        turns: a generator's model turns per response at most (a multi-turn ``rollout``'s
+            ``max_turns``): each turn after the first adds a forward over the tokens
+            that came between, which the cost model charges; 1 for a single response.
+        env_on_pool: the stage's environment steps run as tasks of their own on the
+            run's CPU pool (a ``rollout`` with ``env_placement: pool``): the planner then
+            does not charge their time to the stage's model worker, and the pipeline
+            needs a pool.
+        every: the stage does its work in one iteration of this many (``evaluate``'s
+            ``every``); the planner charges it that share of its cost per iteration.
+        row_filter: the column whose nonzero rows the stage works on (a trainer that
+            learns from the rows a selection marked), or None: every row. The planner
+            costs such a stage on the share of rows the column's producer keeps.
+        kept_per_prompt: for a stage that marks rows for others (``select``), the most
+            of each prompt's samples it keeps; None for every other stage. The loader
+            turns it into the share of a batch's rows kept (``StageNode.kept_share``).
+        passes: the model work the stage does per token of the iteration, in forward
+            passes: 1 for a forward (log-probs, values, a reward model, generation), 3
+            per epoch for training (the backward costs about two forwards). What
+            ``model_flops`` and MFU count (``rlhfflow.plan.flops``).
+    """
+
+    response_tokens: int = 0
+    temperature: float = 1.0
+    turns: int = 1
+    env_on_pool: bool = False
+    every: int = 1
+    row_filter: str | None = None
+    kept_per_prompt: int | None = None
+    passes: float = 1.0
 
 
 class Stage:
@@ -247,193 +286,16 @@ class Stage:
         return {}
 
     @classmethod
-    def response_tokens(cls, params: StageParams) -> int:
-        """A generator's most new tokens per response (``params.max_new_tokens`` unless
-        overridden); 0 for a stage that generates nothing."""
-        return int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0
-
-    @classmethod
-    def model_turns(cls, params: StageParams) -> int:
-        """A generator's model turns per response at most (a multi-turn ``rollout``'s
-        ``max_turns``): each turn after the first adds a forward over the tokens that came
-        between (the planner's cost model charges them); 1 for a single response."""
-        return 1
-
-    @classmethod
-    def env_on_pool(cls, params: StageParams) -> bool:
-        """Whether the stage's environment steps run as tasks of their own on the run's
-        CPU pool (a ``rollout`` with ``env_placement: pool``): the planner then does not
-        charge their time to the stage's model worker, and the pipeline needs a pool."""
-        return False
-
-    @classmethod
-    def runs_every(cls, params: StageParams) -> int:
-        """The stage does its work in one iteration of this many (``evaluate``'s
-        ``every``); the planner charges it that share of its cost per iteration."""
-        return 1
-
-    @classmethod
-    def row_filter(cls, params: StageParams) -> str | None:
-        """The column whose nonzero rows the stage works on (a trainer that learns from
-        the rows a selection marked), or None: every row. The planner costs such a stage
-        on the share of rows the column's producer keeps (``kept_share``)."""
-        return None
-
-    @classmethod
-    def kept_share(cls, params: StageParams, samples_per_prompt: int) -> float:
-        """For a stage that marks rows for others (``select``): the most of a batch's
-        rows it keeps, as a share; 1 for every other stage."""
-        return 1.0
-
-    @classmethod
-    def model_passes(cls, params: StageParams) -> float:
-        """The model work the stage does per token of the iteration, in forward passes:
-        1 for a forward (log-probs, values, a reward model, generation: a prefill and one
-        step per new token), 3 per epoch for training (the backward pass costs about two
-        forwards). What ``model_flops`` and MFU count (``rlhfflow.plan.flops``)."""
-        return 3.0 * float(getattr(params, "epochs", 1)) if cls.trains else 1.0
-
-    @classmethod
-    def sampling_temperature(cls, params: StageParams) -> float:
-        """A generator's sampling temperature (``params.temperature``, default 1)."""
-        return float(getattr(params, "temperature", 1.0))
+    def plan_hints(cls, params: StageParams) -> PlanHints:
+        """What the planner and the runtime need to know of the stage beyond its
+        columns (``PlanHints``); the defaults follow the class attributes and the
+        params' ``max_new_tokens``, ``temperature`` and ``epochs`` where they exist.
+        Override to change some, e.g. ``replace(super().plan_hints(params), turns=4)``."""
+        return PlanHints(
+            response_tokens=int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0,
+            temperature=float(getattr(params, "temperature", 1.0)),
+            passes=3.0 * float(getattr(params, "epochs", 1)) if cls.trains else 1.0)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         """Compute the stage's columns for ``batch``. Returns only the new columns."""
         raise NotImplementedError
-
-
-STAGE_TYPES: dict[str, type[Stage]] = {}
-"""Registered stage types by name: the built-ins and the installed plugins that loaded."""
-
-ENTRY_POINT_GROUP = "rlhfflow.stages"
-BROKEN_PLUGINS: dict[str, str] = {}
-"""Entry-point names whose plugin failed to load, with the cause (one line)."""
-PLUGIN_SOURCES: dict[str, str] = {}
-"""Registered name -> the distribution that declared it (``rlhfflow`` for built-ins)."""
-
-_plugins_loaded = False
-_plugins_lock = threading.Lock()
-
-
-class StageTypeError(UserError, ValueError):
-    """A stage type that cannot be used: unknown, not importable, or not a ``Stage``."""
-
-
-def register_stage(cls: type[Stage]) -> type[Stage]:
-    """Class decorator: make a stage type available to pipelines by its ``type_name``."""
-    if not cls.type_name:
-        raise ValueError(f"{cls.__name__} has no type_name")
-    if cls.type_name in STAGE_TYPES and STAGE_TYPES[cls.type_name] is not cls:
-        raise ValueError(f"stage type {cls.type_name!r} is registered twice")
-    STAGE_TYPES[cls.type_name] = cls
-    # a plugin may register by decorator too; only our own modules are "built-in"
-    PLUGIN_SOURCES.setdefault(cls.type_name, cls.__module__.partition(".")[0])
-    return cls
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def load_plugins() -> None:
-    """Register the stage types of the ``rlhfflow.stages`` entry-point group (once).
-
-    A plugin that fails to import, or names something that is not a ``Stage``, is kept
-    in ``BROKEN_PLUGINS`` with its cause instead of raising, so one broken package does
-    not hide the other types; a pipeline that uses it gets that cause as its error.
-    """
-    global _plugins_loaded
-    with _plugins_lock:
-        if _plugins_loaded:
-            return
-        _plugins_loaded = True
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist is not None else "?"
-            try:
-                cls = ep.load()
-            except Exception as exc:  # noqa: BLE001  (any import error is the plugin's)
-                BROKEN_PLUGINS[ep.name] = f"{ep.value} ({dist}) failed to import: " \
-                                          f"{_one_line(exc)}"
-                continue
-            if not (isinstance(cls, type) and issubclass(cls, Stage)):
-                BROKEN_PLUGINS[ep.name] = f"{ep.value} ({dist}) is not a Stage subclass"
-                continue
-            existing = STAGE_TYPES.get(ep.name)
-            if existing is cls and PLUGIN_SOURCES.get(ep.name) != "rlhfflow":
-                PLUGIN_SOURCES[ep.name] = dist  # registered on import, declared here too
-            if existing is not None and existing is not cls:
-                # stale metadata of an editable install can point at the same class by
-                # another route; only a different class under one name is a conflict
-                if stage_type_path(existing) != stage_type_path(cls):
-                    BROKEN_PLUGINS[ep.name] = (f"{ep.value} ({dist}) clashes with "
-                                               f"{stage_type_path(existing)}, registered "
-                                               f"under the same name")
-                continue
-            STAGE_TYPES[ep.name] = cls
-            PLUGIN_SOURCES[ep.name] = dist
-
-
-def known_stage_types() -> dict[str, type[Stage]]:
-    """Every registered stage type (built-ins and installed plugins), by name."""
-    load_plugins()
-    return dict(STAGE_TYPES)
-
-
-def stage_type_path(cls: type[Stage]) -> str:
-    """The import path ``module:Class`` that workers use to create a stage of ``cls``."""
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def resolve_stage_type(ref: str) -> type[Stage]:
-    """The stage class ``ref`` names: a registered name (built-in or entry point) or an
-    import path ``package.module:Class``. ``StageTypeError`` (one line) otherwise."""
-    if ":" in ref:
-        return _import_stage(ref)
-    if ref in STAGE_TYPES:  # a built-in (or loaded) type: no need to import every plugin
-        return STAGE_TYPES[ref]
-    load_plugins()
-    if ref in STAGE_TYPES:
-        return STAGE_TYPES[ref]
-    if ref in BROKEN_PLUGINS:
-        raise StageTypeError(f"plugin stage type {ref!r}: {BROKEN_PLUGINS[ref]}")
-    match = difflib.get_close_matches(ref, list(STAGE_TYPES), n=1, cutoff=0.6)
-    hint = (f"; did you mean {match[0]!r}?" if match
-            else f"; known: {', '.join(sorted(STAGE_TYPES))}")
-    raise StageTypeError(f"unknown stage type {ref!r}{hint}")
-
-
-def _import_stage(ref: str) -> type[Stage]:
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise StageTypeError(f"expected a registered name or 'package.module:Class', got {ref!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001  (a plugin's import error is reported, not raised)
-        raise StageTypeError(f"cannot import module {module_name!r}: {_one_line(exc)}") \
-            from None
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if obj is None:
-        raise StageTypeError(f"module {module_name!r} has no {attr!r}")
-    if not (isinstance(obj, type) and issubclass(obj, Stage)):
-        raise StageTypeError(f"{ref!r} is not a subclass of rlhfflow.stages.Stage")
-    return obj
-
-
-def get_stage_type(type_name: str) -> type[Stage]:
-    """The stage class ``type_name`` names (see ``resolve_stage_type``); KeyError if none."""
-    try:
-        return resolve_stage_type(type_name)
-    except StageTypeError as exc:
-        raise KeyError(str(exc)) from None
-
-
-def create_stage(type_name: str, name: str | None = None,
-                 params: Mapping[str, Any] | None = None, algorithm: Any = None,
-                 model: str | None = None) -> Stage:
-    """Instantiate a stage by registered name or import path, validating ``params``."""
-    cls = get_stage_type(type_name)
-    return cls(name or cls.type_name or type_name, params, algorithm, model)

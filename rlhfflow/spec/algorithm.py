@@ -14,8 +14,8 @@ from pydantic import (
 )
 
 from rlhfflow import ops
-from rlhfflow.config.fields import NonNegFloat, PositiveFloat, Strict
-from rlhfflow.config.yamlfile import did_you_mean
+from rlhfflow.errors import did_you_mean
+from rlhfflow.spec.fields import NonNegFloat, PositiveFloat, Strict
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "token-sum", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm"]

@@ -1,0 +1,333 @@
+"""What answers the model in a multi-turn episode: an environment (:class:`Environment`,
+with ``reset`` and ``step``) or plain tool functions (:class:`ToolEnvironment`), the checks
+of what they return, an episode's record (:class:`Episode`), and how their messages become
+tokens (:class:`TurnFormat`). The loop that plays episodes is
+:mod:`rlhfflow.engine.episodes`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlhfflow.engine.usercode import load_function
+from rlhfflow.errors import RlhfflowError, UserError
+
+Message = dict[str, str]
+
+
+class Environment(Protocol):
+    """What an environment class provides. One instance plays one episode (the stage
+    creates it with ``params.env_kwargs``)."""
+
+    def reset(self, record: dict[str, Any]) -> list[Message] | str:
+        """Start an episode for a prompt record (its fields, and ``prompt``: the prompt's
+        text as the model sees it). Returns messages shown after the prompt, before the
+        model's first turn; usually none (``[]`` or ``""``)."""
+
+    def step(self, text: str) -> tuple[list[Message] | str, float, bool, dict]:
+        """Answer the model's turn ``text``: ``(messages, reward, done, info)``. The
+        messages (a string is one message) are shown to the model unless ``done``; the
+        rewards of an episode are summed into ``env_reward``."""
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class EnvironmentNotShippable(RlhfflowError, TypeError):
+    """An environment that cannot be pickled to the pool (``env_placement: pool``)."""
+
+
+class ToolEnvironment:
+    """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
+    (``str`` of a string, else JSON) comes back as one message; ``info`` counts the
+    turn's ``calls`` and those that came back as ``errors``. Mistakes come back as
+    the message ``error: ...`` instead of raising: JSON that does not parse, an unknown
+    tool, an exception, a call slower than ``timeout_s`` (whose thread is left to
+    finish; Python cannot stop it). A turn with no tool call ends the episode; tools
+    give no reward (a ``score`` stage judges the episode)."""
+
+    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float) -> None:
+        self.tools = tools
+        self.timeout_s = timeout_s
+
+    def reset(self, record: dict[str, Any]) -> list[Message]:
+        """Tools need no opening."""
+        return []
+
+    def step(self, text: str) -> tuple[list[Message], float, bool, dict]:
+        """Run the turn's tool calls, in order."""
+        calls = TOOL_CALL.findall(text)
+        if not calls:
+            if "<tool_call>" in text:  # cut before its end (the turn's token limit)
+                return [{"content": "error: a <tool_call> without </tool_call>"}], \
+                    0.0, False, {"calls": 1, "errors": 1}
+            return [], 0.0, True, {"calls": 0, "errors": 0}
+        results = [self.call(body) for body in calls]
+        # (a tool's own result that starts with "error: " counts as an error too)
+        errors = sum(result.startswith("error: ") for result in results)
+        return [{"content": result} for result in results], 0.0, False, \
+            {"calls": len(calls), "errors": errors}
+
+    def call(self, body: str) -> str:
+        """The text a tool call's JSON ``body`` returns to the model."""
+        try:
+            request = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return f"error: the tool call is not JSON: {exc.msg}"
+        if not isinstance(request, dict) or not isinstance(request.get("name"), str):
+            return 'error: expected {"name": "...", "arguments": {...}}'
+        name, arguments = request["name"], request.get("arguments", {})
+        if name not in self.tools:
+            return f"error: unknown tool {name!r} (known: {', '.join(sorted(self.tools))})"
+        if not isinstance(arguments, dict):
+            return "error: 'arguments' must be a JSON object"
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            result = pool.submit(self.tools[name], **arguments).result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            return f"error: tool {name!r} took more than {self.timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001  (the tool's failure is the model's answer)
+            return f"error: {type(exc).__name__}: {exc}"
+        finally:
+            pool.shutdown(wait=False)
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+class EnvironmentMisbehaved(UserError):
+    """An environment's ``reset`` or ``step`` returned something of the wrong shape: one
+    line naming its file and class, the hook and what was expected."""
+
+
+@dataclass
+class Episode:
+    """One row's episode so far: its response tokens, which are the model's, their
+    log-probs, the model's last turn, the uniforms it used, the model turns taken, the
+    reward, and ``log``: the turns as who said what (``add``, ``took``)."""
+
+    env: Any
+    tokens: list[int] = field(default_factory=list)
+    said: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    drawn: int = 0
+    turns: int = 0
+    reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    env_seconds: float = 0.0
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
+            messages: Sequence[Message] = (), role: str = "env") -> None:
+        """Append the model's tokens (with log-probs) or the environment's (None, with
+        the ``messages`` they render, whose role defaults to ``role``), and log the turn
+        with its span of response tokens."""
+        start = len(self.tokens)
+        self.tokens += tokens
+        self.mask += [1 if logprobs is not None else 0] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        span = [start, len(self.tokens)]
+        if logprobs is not None:
+            self.log.append({"role": "assistant", "span": span, "reward": 0.0})
+        elif messages:
+            self.log += [{"role": m.get("role", role), "text": m["content"], "span": span}
+                         for m in messages]
+        elif tokens:  # no message, but the template's turn markers
+            self.log.append({"role": role, "text": "", "span": span})
+
+    def took(self, result: Any) -> tuple[list[Message] | str, float, bool, dict]:
+        """The environment's ``step`` result, checked (``EnvironmentMisbehaved``), its
+        reward added to the episode's and to the model turn it answers."""
+        problem = step_problem(result)
+        if problem:
+            raise EnvironmentMisbehaved(f"{env_name(self.env)}.step returned {problem}")
+        messages, reward, done, info = result
+        reward = float(reward)
+        self.reward += reward
+        turn = next((t for t in reversed(self.log) if t["role"] == "assistant"), None)
+        if turn is not None:
+            turn["reward"] += reward
+            if info:
+                turn["info"] = json.loads(json.dumps(info, default=str))
+        return messages, reward, bool(done), info
+
+    def opened(self, messages: Any) -> list[Message] | str:
+        """The environment's ``reset`` result, checked (``EnvironmentMisbehaved``)."""
+        problem = messages_problem(messages)
+        if problem:
+            raise EnvironmentMisbehaved(
+                f"{env_name(self.env)}.reset returned {problem}; expected a string or a "
+                "list of {'role', 'content': str} dicts (the messages before the model's "
+                "first turn)")
+        return messages
+
+
+def env_name(env: Any) -> str:
+    """``file.py:Class`` of an environment instance, for messages."""
+    cls = type(env)
+    try:
+        where = Path(inspect.getsourcefile(cls) or cls.__module__).name
+    except TypeError:
+        where = cls.__module__
+    return f"{where}:{cls.__qualname__}"
+
+
+def messages_problem(messages: Any) -> str | None:
+    """Why ``messages`` (what ``reset`` or ``step`` shows the model) is not a string or
+    a list of ``{"role": ..., "content": str}`` dicts, or None."""
+    if isinstance(messages, str):
+        return None
+    if not isinstance(messages, list | tuple):
+        return f"messages of type {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) \
+                or not isinstance(m.get("role", ""), str):
+            return f"message {i} {m!r:.60}"
+    return None
+
+
+EXPECTED_STEP = ("expected a tuple (messages, reward, done, info): messages a string or "
+                 "a list of {'role', 'content': str} dicts, reward a number, done a "
+                 "bool, info a dict or None")
+
+
+def step_problem(result: Any) -> str | None:
+    """What is wrong with a ``step`` result (``"..., expected ..."``), or None."""
+    if not isinstance(result, tuple | list) or len(result) != 4:
+        shown = f"a {len(result)}-tuple" if isinstance(result, tuple | list) \
+            else type(result).__name__
+        return f"{shown} {result!r:.60}; {EXPECTED_STEP}"
+    messages, reward, done, info = result
+    problem = messages_problem(messages)
+    if problem is None and (isinstance(reward, bool) or not _is_number(reward)):
+        problem = f"reward {reward!r:.40}"
+    if problem is None and not (isinstance(done, bool | int)  # numpy's bool too
+                                or getattr(getattr(done, "dtype", None), "kind", "") == "b"):
+        problem = f"done {done!r:.40}"
+    if problem is None and info is not None and not isinstance(info, dict):
+        problem = f"info {info!r:.40}"
+    return None if problem is None else f"{problem}; {EXPECTED_STEP}"
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+class TurnFormat:
+    """How environment messages become tokens after a model turn: the chat template's
+    rendering of them, or plain text. Built once per call from the tokenizer."""
+
+    PLACEHOLDER = "\x00turn\x00"
+
+    def __init__(self, tokenizer, separator: str) -> None:
+        self.tokenizer = tokenizer
+        self.separator = separator
+        self.template = bool(getattr(tokenizer, "chat_template", None))
+        if self.template:
+            self.role = "tool" if self._renders("tool") else "user"
+            opening = [{"role": "user", "content": "x"}]
+            ended = self._render([*opening, self._said(self.PLACEHOLDER)], False)
+            self.base = ended
+            # what closes an assistant turn after its text (e.g. "<|im_end|>")
+            self.close = ended[ended.index(self.PLACEHOLDER) + len(self.PLACEHOLDER):]
+            self.opening = opening
+            asked = self._render(opening, True)
+            self.generation_prompt = asked[len(self._render(opening, False)):]
+
+    def _said(self, text: str) -> Message:
+        return {"role": "assistant", "content": text}
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _renders(self, role: str) -> bool:
+        try:
+            text = self._render([{"role": "user", "content": "x"}, self._said("y"),
+                                 {"role": role, "content": self.PLACEHOLDER}], True)
+        except Exception:  # noqa: BLE001  (a template may raise on a role it lacks)
+            return False
+        return self.PLACEHOLDER in text
+
+    def templated(self, prompt_text: str) -> bool:
+        """Whether a prompt was rendered with the chat template: it ends with the
+        template's generation prompt (the assistant's header)."""
+        return self.template and bool(self.generation_prompt) and \
+            prompt_text.endswith(self.generation_prompt)
+
+    def tokens(self, messages: list[Message] | str, templated: bool,
+               ended_at: int | None) -> list[int]:
+        """Tokens of the environment's ``messages`` after a model turn, up to the start
+        of the model's next turn. ``ended_at``: the token that ended the model's turn,
+        if it ended at an EOS (the template's own end of turn is then not repeated)."""
+        if isinstance(messages, str):
+            messages = [{"content": messages}] if messages else []
+        if not templated:
+            text = "".join(self.separator + m["content"] for m in messages) + self.separator
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        turns = [{"role": m.get("role", self.role), "content": m["content"]} for m in messages]
+        full = self._render([*self.opening, self._said(self.PLACEHOLDER), *turns], True)
+        if not full.startswith(self.base):
+            raise ValueError("the chat template renders an earlier turn differently once "
+                             "later turns follow; the rollout stage cannot join its turns")
+        close = self.close
+        if ended_at is not None:
+            said = self.tokenizer.decode([ended_at], skip_special_tokens=False)
+            close = close.removeprefix(said) if said else close
+        return self.tokenizer(close + full[len(self.base):],
+                              add_special_tokens=False)["input_ids"]
+
+
+def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | None
+                        ) -> tuple[str, str] | None:
+    """``(key, message)`` if the chat template, when it shows tools to the model (its
+    rendering changes with a ``tools`` argument), cannot be given the tools: a function
+    whose JSON schema cannot be built from its type hints and docstring
+    (``transformers.utils.get_json_schema``), or a template that fails on them."""
+    from transformers.utils import get_json_schema
+
+    opening = [{"role": "user", "content": "x"}]
+
+    def render(tools):
+        return tokenizer.apply_chat_template(opening, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+
+    probe = {"type": "function", "function": {
+        "name": "probe", "description": "a probe",
+        "parameters": {"type": "object", "properties": {}}}}
+    try:
+        if render([probe]) == render(None):
+            return None  # the template shows no tools: the prompt must describe them
+    except Exception:  # noqa: BLE001  (checked below with the real schemas)
+        pass
+    schemas = []
+    for i, ref in enumerate(refs):
+        try:
+            schemas.append(get_json_schema(load_function(ref, base_dir)))
+        except Exception as exc:  # noqa: BLE001  (transformers' parsing exceptions)
+            return (f"params.tools[{i}]", f"the chat template shows tools to the model, "
+                    f"but {ref!r} has no JSON schema: {_first_line(exc)} (give it type "
+                    "hints and a docstring with an Args: section)")
+    try:
+        render(schemas)
+    except Exception as exc:  # noqa: BLE001  (the template's own error)
+        return ("params.tools", f"the model's chat template cannot render these tools: "
+                                f"{type(exc).__name__}: {_first_line(exc)}")
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
