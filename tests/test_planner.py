@@ -148,6 +148,21 @@ def test_a_profile_of_other_model_shapes_falls_back_to_the_analytic_model():
         "generate", 8, 1)
 
 
+def test_the_prediction_says_which_stages_no_profile_measured():
+    """A profile that measured some stage types and not others (a rollout's environment,
+    a stage added since) predicts those from the analytic model, and says so."""
+    pipeline = load_pipeline(GRPO)
+    assert CostModel(pipeline).source() == "analytic cost model, no profile of this machine"
+    assert CostModel(pipeline).unmeasured() == ["generate", "ref_logprob", "train_actor"]
+    obs = [Observation(stage, rows, 1, 1, 0.01 * rows) for rows in (4, 8)
+           for stage in ("generate", "ref_logprob")]
+    cost = CostModel(pipeline, _profile(pipeline, obs))
+    assert cost.unmeasured() == ["train_actor"]
+    assert cost.source() == "profile; analytic for train_actor, which it did not measure"
+    everything = obs + [Observation("train_actor", 8, 1, 1, 0.2)]
+    assert CostModel(pipeline, _profile(pipeline, everything)).source() == "profile"
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "profile file not found"),
     ("{not json", "not a readable profile"),
@@ -436,7 +451,7 @@ def test_a_run_far_from_its_analytic_prediction_says_how_to_profile(tmp_path, mo
     path = small_pipeline(tmp_path, "grpo", iterations=4)
     run_pipeline(load_pipeline(path), progress=True)  # planned: the embedded cluster
     [line] = [x for x in capsys.readouterr().err.splitlines() if "iteration time:" in x]
-    assert "chosen with the analytic cost model: `rlhfflow profile" in line
+    assert "train_actor costed by the analytic model: `rlhfflow profile" in line
     assert f"--from-run {tmp_path / 'out'}` makes a profile" in line
 
 

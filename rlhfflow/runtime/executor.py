@@ -220,9 +220,8 @@ class Executor:
                                   resumed=self.start.resumed)
         if self.choice is not None:
             c = self.choice
-            source = "profile" if c.cost.profiled else "analytic cost model"
             self._say(f"rlhfflow: plan (placement auto): {c.best.describe()}; predicted "
-                      f"{c.best.predicted_s:.3f} s/iteration ({source}; "
+                      f"{c.best.predicted_s:.3f} s/iteration ({c.cost.source()}; "
                       f"`rlhfflow plan FILE --candidates 5` shows why)")
             if c.cost.warning:
                 self._say(f"rlhfflow: warning: {c.cost.warning}")
@@ -429,9 +428,11 @@ class Executor:
                 self.summary["predicted_iteration_s"] = round(predicted, 4)
                 error = measured / predicted - 1
                 hint = ""
-                if abs(error) > 0.15 and not self.choice.cost.profiled:
-                    # the analytic model's constants are another machine's: measure this one
-                    hint = (f"; chosen with the analytic cost model: `rlhfflow profile "
+                if abs(error) > 0.15 and self.choice.cost.unmeasured():
+                    # the analytic model's constants are another machine's (and have no
+                    # profile of some stage types, e.g. a multi-turn rollout's environment)
+                    hint = (f"; {', '.join(self.choice.cost.unmeasured())} costed by the "
+                            f"analytic model: `rlhfflow profile "
                             f"{shown_path(self.pipeline.source)} --from-run {shown_path(self.out)}` "
                             f"makes a profile of this machine from this run")
                 self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "

@@ -226,6 +226,22 @@ class CostModel:
                 self._fit(profile.observations)
         self.profiled = profile is not None and self.warning is None
 
+    def unmeasured(self) -> list[str]:
+        """The loop stages with a model that the profile holds no measurement of: their
+        time is the analytic model's (with no profile, every such stage)."""
+        return [name for name in self.graph.loop_stages
+                if self.graph.nodes[name].model is not None and name not in self._ratios]
+
+    def source(self) -> str:
+        """Where the predictions come from, in a few words, for the plan's line: the
+        profile, saying which stages it did not measure, or the analytic model."""
+        if not self.profiled:
+            return "analytic cost model, no profile of this machine"
+        missing = self.unmeasured()
+        if not missing:
+            return "profile"
+        return f"profile; analytic for {', '.join(missing)}, which it did not measure"
+
     def _shape_mismatch(self, profile: Profile) -> str | None:
         for name, shape in self.shapes.items():
             theirs = profile.shapes.get(name)

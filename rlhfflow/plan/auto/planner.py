@@ -376,8 +376,11 @@ def describe_choice(choice: PlanChoice, profile: Profile | None, candidates: int
     if best.simulation is None:
         return ["predicted: nothing to predict (no iterations, setup stages only)"]
     if cost.profiled:
+        missing = cost.unmeasured()
         source = (f"the profile of {len(profile.observations)} measured task(s) on "
-                  f"{profile.machine.get('cpu')}")
+                  f"{profile.machine.get('cpu')}" + (
+                      f"; no measurement of {', '.join(missing)}, costed by the analytic "
+                      f"model" if missing else ""))
     else:
         source = "the analytic cost model" + (f" ({cost.warning})" if cost.warning else
                                               "; measure with `rlhfflow profile FILE`")
