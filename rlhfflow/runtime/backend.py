@@ -430,6 +430,15 @@ def _computation_groups_plugin():
     return ForgetFinishedGroups()
 
 
+def _workers_now(client) -> dict[str, Any]:
+    """The scheduler's workers as it knows them now (address -> identity: name,
+    resources), asked directly. Not ``Client.scheduler_info()``: it returns an attribute
+    that the client's event loop overwrites every 2 s with a summary that lists no
+    workers, and a reader whose thread waits for the cores after the answer came (a
+    loaded machine) reads that summary instead: every worker "left the cluster"."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 class DaskBackend:
     """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
 
@@ -439,7 +448,7 @@ class DaskBackend:
         self.client = client
         self.cluster = cluster
         self.output = output
-        info = client.scheduler_info()["workers"]
+        info = _workers_now(client)
         if not info:
             raise RuntimeError(f"the Dask cluster at {client.scheduler.address} has no workers")
         self.workers = self._device_workers(info)
@@ -621,14 +630,33 @@ class DaskBackend:
             return
         deadline = time.monotonic() + grace
         while True:
-            alive = set(self.client.scheduler_info()["workers"])
+            alive = set(_workers_now(self.client))
             gone = [w for w in pinned if w not in alive]
             if gone:
                 raise WorkerLost(f"worker {gone[0]} left the cluster while it held "
-                                 f"resident models")
+                                 f"resident models{self._timed_out(gone[0])}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.25)
+
+    def _timed_out(self, worker: str) -> str:
+        """What to say of a lost ``worker`` that its scheduler removed for sending no
+        heartbeat within its ``worker-ttl``: that it may have been late, not dead, and
+        what sets the limit (a cluster the user started keeps its own Dask config,
+        which ``cluster.heartbeat_timeout_s`` does not reach); "" otherwise."""
+        try:
+            events = self.client.get_events("scheduler")
+        except Exception:  # noqa: BLE001 - the reason is a courtesy; the loss stands
+            return ""
+        for _, event in reversed(events):
+            if isinstance(event, dict) and event.get("action") == "worker-ttl-timed-out" \
+                    and worker in event.get("workers", ()):
+                limit = ("cluster.heartbeat_timeout_s" if self.cluster is not None else
+                         "distributed.scheduler.worker-ttl in its scheduler's Dask config")
+                return (f": the scheduler heard no heartbeat from it for {event['ttl']:g} s "
+                        f"and removed it; a worker whose machine is loaded is late, not "
+                        f"dead: set {limit} longer")
+        return ""
 
     def gather(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> list[Any]:
         """Bring small results (metrics) to the coordinator. A result held by a worker
@@ -674,7 +702,7 @@ class DaskBackend:
         one). Then use whatever device workers there are; False if there are none."""
         deadline = time.monotonic() + timeout
         while True:
-            workers = self._device_workers(self.client.scheduler_info()["workers"])
+            workers = self._device_workers(_workers_now(self.client))
             if len(workers) >= count or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
