@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -408,6 +411,49 @@ def test_a_model_that_calls_a_tool_gets_its_answer_and_the_sampler_s_logprobs_ho
     assert out["response_mask"][:, :first_turn].all()
     assert (out["response_mask"][:, first_turn] == 0).all()
     _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+HANGING_TOOL = """import time
+
+
+def add(a: float, b: float) -> float:
+    \"\"\"The sum of two numbers, some day.
+
+    Args:
+        a: the first number
+        b: the second number
+    \"\"\"
+    time.sleep(600)
+    return a + b
+"""
+
+
+def test_stage_test_exits_after_printing_when_a_tool_hangs(tool_lm_dir, tmp_path):
+    # the call past tool_timeout_s is abandoned; the command printed its episodes, then
+    # waited for the abandoned call (600 s here) before it exited
+    (tmp_path / "hang.py").write_text(HANGING_TOOL)
+    (tmp_path / "prompts.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": TEXTS[0]}]}) + "\n")
+    pipeline = {
+        "name": "hanging-tool", "iterations": 1,
+        "data": {"prompts": "prompts.jsonl", "batch_size": 1, "samples_per_prompt": 2,
+                 "max_prompt_tokens": 48},
+        "models": {"actor": {"path": str(tool_lm_dir), "trainable": True}},
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "stages": {"rollout": {"type": "rollout", "model": "actor", "params": {
+            "tools": ["hang.py:add"], "tool_timeout_s": 1, "greedy": True, "max_turns": 2,
+            "max_new_tokens": 60, "max_tokens": 160, "scores": True}},
+            "advantages": {"type": "advantages", "after": ["rollout"]},
+            "train_actor": {"type": "train_actor", "model": "actor",
+                            "after": ["advantages"]}}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    done = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "stage", "test",
+                           str(path), "rollout"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "RLHFFLOW_WARM": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "tool: error: tool 'add' took more than 1 s" in done.stdout, done.stdout
 
 
 # --------------------------------------------------------------------------- training

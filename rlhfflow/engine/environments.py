@@ -12,6 +12,7 @@ import inspect
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,16 +91,32 @@ class ToolEnvironment:
             return f"error: unknown tool {name!r} (known: {', '.join(sorted(self.tools))})"
         if not isinstance(arguments, dict):
             return "error: 'arguments' must be a JSON object"
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         try:
-            result = pool.submit(self.tools[name], **arguments).result(self.timeout_s)
+            result = _call_abandoning(self.tools[name], arguments, self.timeout_s)
         except concurrent.futures.TimeoutError:
             return f"error: tool {name!r} took more than {self.timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001  (the tool's failure is the model's answer)
             return f"error: {type(exc).__name__}: {exc}"
-        finally:
-            pool.shutdown(wait=False)
         return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def _call_abandoning(fn: Callable[..., Any], arguments: dict[str, Any],
+                     timeout_s: float) -> Any:
+    """``fn(**arguments)``, or ``concurrent.futures.TimeoutError`` after ``timeout_s``,
+    the call left running in a daemon thread: a thread pool's threads are joined when
+    the interpreter exits, so an abandoned call that never returns held the process
+    (``rlhfflow stage test`` printed its result, then waited for a hung tool)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            future.set_result(fn(**arguments))
+        except BaseException as exc:  # noqa: BLE001 - the caller's to judge
+            future.set_exception(exc)
+
+    threading.Thread(target=call, name=f"tool-{getattr(fn, '__name__', 'call')}",
+                     daemon=True).start()
+    return future.result(timeout_s)
 
 
 class EnvironmentMisbehaved(UserError):
