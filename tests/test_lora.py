@@ -307,3 +307,22 @@ def test_a_target_module_the_model_lacks_is_refused_before_the_run(tmp_path):
                                         r"modules \{'no_such_proj'\} not found"):
         run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert not (tmp_path / "out" / "buffer.zarr").exists()
+
+
+@pytest.mark.parametrize(("targets", "warned"), [
+    ("all-linear", True), (["q_proj", "v_proj"], True),
+    (DEMO_LORA["target_modules"], False)])
+def test_lora_below_a_tiny_model_s_frozen_head_is_one_warning_line(tmp_path, targets, warned):
+    from click.testing import CliRunner
+
+    from rlhfflow.cli.main import main
+
+    path = small_pipeline(tmp_path, "grpo", overrides={
+        "models.actor.lora": {"r": 8, "target_modules": targets}})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        f"warning: {path}: models.actor.lora.target_modules: the output head of a tiny "
+        f"random model gets no adapters, and frozen at its random start it caps what the "
+        f"adapters below it learn (the demo's reward stops near 0.18); list the layers "
+        f"with lm_head among them (docs/how-to/lora.md)\n" if warned else "")

@@ -22,6 +22,7 @@ from rlhfflow.config.checks import (
     check_model_shapes,
     check_prompts,
     check_tokenizers,
+    warn_lora_below_a_tiny_head,
     warn_slow_dtypes,
 )
 from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
@@ -73,6 +74,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     check_prompts(file, pipeline)
     warn_slow_dtypes(file, pipeline)
+    warn_lora_below_a_tiny_head(file, pipeline)
     return pipeline
 
 
