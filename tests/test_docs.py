@@ -12,6 +12,7 @@ import subprocess
 import sys
 import typing
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -119,6 +120,54 @@ def test_the_readme_links_only_to_pages_that_exist():
 @pytest.mark.parametrize("page", [README, *doc_pages()], ids=lambda p: str(p.relative_to(REPO)))
 def test_no_page_reads_like_a_lab_notebook(page):
     assert "this session" not in page.read_text(encoding="utf-8").lower()
+
+
+def _options(command: click.Command) -> set[str]:
+    return {o for p in command.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+
+
+def _all_commands(command: click.Command):
+    yield command
+    for sub in getattr(command, "commands", {}).values():
+        yield from _all_commands(sub)
+
+
+def test_every_flag_the_docs_show_on_an_rlhfflow_command_is_an_option_of_it():
+    """``rlhfflow run X.yaml --inline`` in a page (a code block, its continued lines
+    joined, or a code span) names a flag that ``rlhfflow run`` must have."""
+    wrong = []
+    for page in [README, *doc_pages()]:
+        text = re.sub(r"\\\n\s*", " ", page.read_text(encoding="utf-8"))
+        for shown in re.finditer(r"\brlhfflow((?:[ \t]+[^\s`|;&)#]+)+)", text):
+            words, command, path = shown.group(1).split(), main, ["rlhfflow"]
+            while isinstance(command, click.Group) and words and words[0] in command.commands:
+                path.append(words[0])
+                command = command.commands[words.pop(0)]
+            wrong += [f"{page.relative_to(REPO)}: {' '.join(path)} {flag}"
+                      for flag in (w.split("=")[0] for w in words if w.startswith("--"))
+                      if flag not in _options(command)]
+    assert wrong == []
+
+
+def test_a_flag_the_docs_show_alone_is_an_option_of_a_command_they_document():
+    """A flag in a code span of its own (`--inline`) is an option of an ``rlhfflow``
+    command, of Dask's scheduler or worker, or of a script in the repository."""
+    from distributed.cli import dask_scheduler, dask_worker
+
+    known = set().union(*map(_options, _all_commands(main)))
+    known |= _options(dask_scheduler.main) | _options(dask_worker.main)
+    for script in [*REPO.glob("benchmarks/*.py"), *REPO.glob("examples/**/*.py"),
+                   *REPO.glob("gpu/*.py")]:
+        known |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", script.read_text()))
+    wrong = []
+    for page in [README, *doc_pages()]:
+        for span in re.findall(r"`(--[^`]*)`", page.read_text(encoding="utf-8")):
+            for flag in (w.split("=")[0] for w in span.split() if w.startswith("--")):
+                prefix = flag.removesuffix("*")  # `--tls-*`: any of them
+                if not any(k == flag or (prefix != flag and k.startswith(prefix))
+                           for k in known):
+                    wrong.append(f"{page.relative_to(REPO)}: {flag}")
+    assert wrong == []
 
 
 def test_the_nav_holds_every_page_and_every_page_is_in_the_nav():
