@@ -169,3 +169,23 @@ def test_the_configs_validate(tmp_path: Path, long_chat_lm_dir: Path, config: st
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 0, result.output
     assert rows in result.stdout
+
+
+@pytest.mark.parametrize("example, config", [("multiturn", "calculator.yaml"),
+                                             ("multiturn", "guess.yaml"),
+                                             ("arithmetic", "grpo.yaml")])
+def test_a_config_whose_data_is_not_made_yet_names_the_script_that_makes_it(
+        tmp_path: Path, long_chat_lm_dir: Path, monkeypatch, example: str,
+        config: str) -> None:
+    # as the missing model names `rlhfflow models import-gguf`
+    copy = tmp_path / "examples" / example
+    shutil.copytree(REPO / "examples" / example, copy,
+                    ignore=shutil.ignore_patterns("data", "runs", "__pycache__"))
+    shutil.copytree(long_chat_lm_dir, tmp_path / "models" / "smollm2-135m")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["validate", str(copy / config)])
+    assert result.exit_code == 2
+    prompts = yaml.safe_load((copy / config).read_text())["data"]["prompts"]
+    assert result.output.strip().splitlines() == [
+        f"Error: {copy / config}: data.prompts: file not found: {copy / prompts}; make it "
+        f"with `python examples/{example}/make_data.py`"]

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlhfflow.data.records import DataError
+from rlhfflow.data.records import DataError, missing_file
 from rlhfflow.engine.hub import hub_cache_dir, is_hub_id
 
 #: Files a Hub data set may keep its rows in that ``read_records`` reads.
@@ -177,5 +177,5 @@ def locate(prompts: str, base_dir: Path, split: str = "train",
     if local.exists():
         return [local]
     if not is_hub_id(prompts) or local.suffix in (*DATA_SUFFIXES, ".csv"):
-        raise HubDataError("prompts", f"file not found: {local}")
+        raise HubDataError("prompts", missing_file(local))
     return split_files(prompts, dataset_snapshot(prompts, subset), subset, split)

@@ -4,6 +4,7 @@ prompts (plain text or chat turns) into the batch layout stages share."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,23 @@ from rlhfflow.errors import UserError
 
 class DataError(UserError, ValueError):
     """A problem with a data file: names the file, the line and what was expected."""
+
+
+def missing_file(path: Path) -> str:
+    """"file not found: PATH", and the command that makes the file when a script writes
+    it: a ``make_data.py`` beside it, or beside its folder (an example's ``data/``), that
+    names it."""
+    for folder in (path.parent, path.parent.parent):
+        script = folder / "make_data.py"
+        try:
+            writes = path.name in script.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if writes:
+            shown = os.path.relpath(script)
+            shown = shown if not shown.startswith("..") else str(script)
+            return f"file not found: {path}; make it with `python {shown}`"
+    return f"file not found: {path}"
 
 
 def read_jsonl(path: str | Path, fields: tuple[str, ...], skipped: list[str] | None = None,
