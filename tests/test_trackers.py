@@ -195,3 +195,46 @@ def test_a_resumed_run_redoes_completions_rows_instead_of_doubling_them(tmp_path
     for k in (0, 2, 4, 2, 4):  # a run that stopped after 4 resumes from 2
         append_rows(path, k, [{"iteration": k, "response": f"r{k}"}])
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_tensorboard_stays_in_its_directory_beside_wandb_and_a_resume_goes_on_in_the_same_runs(
+        tmp_path) -> None:
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = small_pipeline(tmp_path, "grpo", iterations=2, batch_size=4, overrides={
+        "logging": {"tensorboard": True, "wandb": {"project": "rlhfflow-test"}}})
+    run_pipeline(load_pipeline(path), progress=False, inline=True)
+    run_pipeline(load_pipeline(path, {"iterations": 3}), progress=False, inline=True)
+    out = tmp_path / "out"
+    assert not list(out.glob("events.out.tfevents.*"))  # W&B's directory is not TB's
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    metrics = MetricsLog(out / "metrics.jsonl").read()
+    assert [(e.step, e.value) for e in board.Scalars("reward")] == [
+        (r["iteration"], pytest.approx(r["reward_mean"])) for r in metrics]
+    # one W&B run: the resume's offline directory has the first one's id
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
+    rows = [row for r in runs for row in wandb_history(next(r.glob("run-*.wandb")))]
+    _by_step(rows, "_step", metrics)
+    assert sorted(row["_step"] for row in rows) == [0, 1, 2]
+
+
+def test_a_resumed_tensorboard_run_drops_the_steps_it_redoes(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhfflow.monitor.sinks import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path)
+    for k in range(4):  # stopped after iteration 3, checkpointed after 1
+        first.log({"iteration": k, "reward_mean": float(k)})
+    first.close()
+    resumed = TensorBoardSink(tmp_path, purge_step=2)
+    for k in (2, 3):
+        resumed.log({"iteration": k, "reward_mean": 10.0 + k})
+    resumed.close()
+    board = EventAccumulator(str(tmp_path))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("reward")] == [
+        (0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rlhfflow.monitor.completions import (
     conversation_lines,
     reward_columns,
 )
+from rlhfflow.monitor.sinks import WANDB_RUN_FILE
 from rlhfflow.storage import ExperienceBuffer
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class RunMonitor:
 
     def __init__(self, pipeline, backend, output_dir: Path,
                  say: Callable[[str], None] = lambda line: None,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, first: int = 0) -> None:
         self.name = pipeline.name
         self.iterations = pipeline.spec.iterations
         self.client = getattr(backend, "client", None)
@@ -48,7 +50,7 @@ class RunMonitor:
         self.completions_every = pipeline.spec.logging.completions_every
         self.rewards = reward_columns(pipeline) if self.completions_every else []
         self.sinks = []
-        for where, make in _sinks(pipeline, output_dir, resumed):
+        for where, make in _sinks(pipeline, output_dir, resumed, first):
             try:
                 self.sinks.append(make())
                 if getattr(self.sinks[-1], "line", None):
@@ -120,36 +122,41 @@ def page_line(client, dashboard_link: str) -> str:
             "`dask scheduler --preload rlhfflow.monitor.dashboard` to get one)")
 
 
-def _sinks(pipeline, output_dir: Path,
-           resumed: bool) -> list[tuple[str, Callable[[], Any]]]:
+def _sinks(pipeline, output_dir: Path, resumed: bool,
+           first: int = 0) -> list[tuple[str, Callable[[], Any]]]:
     """The sinks the ``logging:`` section asks for: (key, constructor) pairs. ``resumed``:
-    the run goes on from an earlier one (a Trackio run then goes on too)."""
+    the run goes on from an earlier one at iteration ``first`` (the trackers' runs then
+    go on too)."""
     from rlhfflow.monitor.sinks import MlflowSink, TensorBoardSink, TrackioSink, WandbSink
 
     spec = pipeline.spec.logging
     sinks: list[tuple[str, Callable[[], Any]]] = []
+    # partial, not lambda: each constructor keeps its own arguments (a lambda reads a
+    # name shared with the later sinks when it is called, after they rebound it)
     if spec.tensorboard is not False:
         directory = output_dir / "tensorboard" if spec.tensorboard is True \
             else pipeline.resolve(spec.tensorboard)
-        sinks.append(("logging.tensorboard", lambda: TensorBoardSink(directory)))
+        sinks.append(("logging.tensorboard", partial(
+            TensorBoardSink, directory, purge_step=first if resumed else None)))
     if spec.mlflow is not None:
         m = spec.mlflow
         params = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
                   "iterations": pipeline.spec.iterations, "output": str(output_dir)}
-        sinks.append(("logging.mlflow", lambda: MlflowSink(
-            m.tracking_uri, m.experiment, m.run_name or pipeline.name, params)))
+        sinks.append(("logging.mlflow", partial(
+            MlflowSink, m.tracking_uri, m.experiment, m.run_name or pipeline.name, params)))
     # the run's description in the trackers that keep one (W&B, Trackio)
     config = {"pipeline": pipeline.name, "algorithm": pipeline.spec.algorithm.name,
               "iterations": pipeline.spec.iterations, "seed": pipeline.spec.seed,
               "output": str(output_dir)}
     if spec.wandb is not None:
         w = spec.wandb
-        directory = pipeline.resolve(w.dir) if w.dir else output_dir
-        sinks.append(("logging.wandb", lambda: WandbSink(
-            w.project, w.mode, directory, w.run_name or pipeline.name, w.entity, w.tags,
-            config)))
+        sinks.append(("logging.wandb", partial(
+            WandbSink, w.project, w.mode, pipeline.resolve(w.dir) if w.dir else output_dir,
+            w.run_name or pipeline.name, w.entity, w.tags, config,
+            run_file=output_dir / WANDB_RUN_FILE, resume=resumed)))
     if spec.trackio is not None:
         t = spec.trackio
-        sinks.append(("logging.trackio", lambda: TrackioSink(
-            t.project, t.run_name or pipeline.name, t.group, t.space_id, config, resumed)))
+        sinks.append(("logging.trackio", partial(
+            TrackioSink, t.project, t.run_name or pipeline.name, t.group, t.space_id, config,
+            resumed)))
     return sinks

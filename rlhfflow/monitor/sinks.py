@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import time
 from pathlib import Path
 from typing import Any
+
+WANDB_RUN_FILE = "wandb-run.json"
+"""The output directory's record of its W&B run (``{"id": ..., "project": ...}``)."""
 
 # rlhfflow's metrics.jsonl key -> the name TRL's GRPOTrainer/PPOTrainer (or, where TRL has
 # none, veRL) logs the same figure under
@@ -59,12 +63,17 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars into an event file under ``directory``, step = iteration."""
+    """Scalars into an event file under ``directory``, step = iteration.
 
-    def __init__(self, directory: Path) -> None:
+    A resumed run goes on in the same directory, which is one run to TensorBoard: an event
+    file cannot be appended to, so the resume writes a second one beside the first, and
+    ``purge_step`` (the first iteration it computes) has TensorBoard drop what the first
+    file holds from that step on (the iterations redone after the last checkpoint)."""
+
+    def __init__(self, directory: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(directory))
+        self.writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one iteration's scalars and flush them (a crash keeps what was logged)."""
@@ -115,17 +124,26 @@ class MlflowSink:
 class WandbSink:
     """One W&B run per rlhfflow run (``mode: offline`` by default: a local run directory
     that ``wandb sync`` uploads later). ``reinit="create_new"`` keeps runs in one process
-    apart instead of reusing wandb's process-global run."""
+    apart instead of reusing wandb's process-global run.
+
+    The W&B run's id is kept in ``run_file`` (in the run's output directory): a resumed
+    rlhfflow run (``resume=True``) goes on in that W&B run (offline: a second run
+    directory with the same id, which ``wandb sync`` uploads into the same run)."""
 
     def __init__(self, project: str, mode: str, directory: Path, run_name: str,
-                 entity: str | None, tags: list[str], config: dict[str, Any]) -> None:
+                 entity: str | None, tags: list[str], config: dict[str, Any],
+                 run_file: Path | None = None, resume: bool = False) -> None:
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
+        run_id = _saved_run_id(run_file) if resume else None
         self.run = wandb.init(project=project, mode=mode, dir=str(directory), name=run_name,
                               entity=entity, tags=list(tags) or None, config=config,
-                              reinit="create_new",
+                              id=run_id,
+                              resume="allow" if run_id else "never", reinit="create_new",
                               settings=wandb.Settings(silent=True, console="off"))
+        if run_file is not None and run_id is None:
+            run_file.write_text(json.dumps({"id": self.run.id, "project": project}) + "\n")
 
     def log(self, record: dict[str, Any]) -> None:
         """Log one iteration's metrics, step = iteration."""
@@ -140,6 +158,14 @@ class WandbSink:
     def close(self, failed: bool = False) -> None:
         """Finish the run (exit code 1 when the rlhfflow run failed)."""
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def _saved_run_id(run_file: Path | None) -> str | None:
+    """The W&B run id an earlier run of the output directory kept, or None."""
+    try:
+        return str(json.loads(run_file.read_text())["id"])
+    except (AttributeError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class TrackioSink:

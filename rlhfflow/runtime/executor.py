@@ -217,7 +217,7 @@ class Executor:
                 if getattr(self.backend, "cluster", None) is not None else ""
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
         self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say,
-                                  resumed=self.start.resumed)
+                                  resumed=self.start.resumed, first=first)
         if self.choice is not None:
             c = self.choice
             self._say(f"rlhfflow: plan (placement auto): {c.best.describe()}; predicted "
