@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from rlhfflow.cli.main import main
 from rlhfflow.config.loader import SpecError, load_pipeline
 from rlhfflow.engine.recompute import decoder_layers
 from rlhfflow.runtime.run import run_pipeline
@@ -300,13 +302,18 @@ def test_bad_lora_settings_are_refused_at_the_edge(tmp_path, lora, expected):
         load_pipeline(path)
 
 
-def test_a_target_module_the_model_lacks_is_refused_before_the_run(tmp_path):
+@pytest.mark.parametrize("targets", [["no_such_proj"], ["q_proj", "no_such_proj"]])
+def test_a_target_module_the_model_lacks_is_refused_at_validation(tmp_path, targets):
+    # a list with no name that matches was refused by plan and run only, and a wrong
+    # name beside a right one by nothing: peft leaves it out
     path = small_pipeline(tmp_path, "grpo", iterations=1, overrides={
-        "models.actor.lora": {"r": 4, "target_modules": ["no_such_proj"]}})
-    with pytest.raises(SpecError, match=r"models\.actor\.lora\.target_modules: Target "
-                                        r"modules \{'no_such_proj'\} not found"):
-        run_pipeline(load_pipeline(path), progress=False, inline=True)
-    assert not (tmp_path / "out" / "buffer.zarr").exists()
+        "models.actor.lora": {"r": 4, "target_modules": targets}})
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: {path}: models.actor.lora.target_modules: no layer of the model is named "
+        f"'no_such_proj'; its Linear layers are q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        f"up_proj, down_proj, lm_head"]
 
 
 @pytest.mark.parametrize(("targets", "warned"), [

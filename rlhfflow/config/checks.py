@@ -187,6 +187,32 @@ def check_model_shapes(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"stages.{name}.{key}", message)
 
 
+def check_lora_targets(file: Path, pipeline: Pipeline) -> None:
+    """Refuse a name in a LoRA ``target_modules`` list that no layer of the model
+    matches: peft refuses a list with no name that matches only when the model loads,
+    and leaves out a wrong name beside a right one without a word."""
+    from rlhfflow.engine.models import build_char_tokenizer, model_config, tiny_config
+
+    for name, model in pipeline.spec.models.items():
+        if model.lora is None or not isinstance(model.lora.target_modules, list):
+            continue
+        root = pipeline.spec.models[pipeline.model_root(name)]
+        if root.tiny is not None:
+            t = root.tiny
+            config = tiny_config(build_char_tokenizer(), arch=t.arch, n_layer=t.layers,
+                                 hidden=t.hidden, n_head=t.heads,
+                                 max_positions=t.max_positions)
+        else:
+            config = model_config(pipeline.model_dir(root.path))
+        from rlhfflow.engine.lora import unknown_target_modules
+
+        unknown, layers = unknown_target_modules(config, model.lora.model_dump(), model.head)
+        if unknown:
+            raise SpecError(file, f"models.{name}.lora.target_modules",
+                            f"no layer of the model is named {', '.join(map(repr, unknown))}; "
+                            f"its Linear layers are {', '.join(layers)}")
+
+
 def check_tokenizers(file: Path, pipeline: Pipeline) -> None:
     """Each stage's own checks against its model's tokenizer (``Stage.check_tokenizer``:
     tools rendered by the chat template), for the stage types that have some, when the

@@ -19,6 +19,7 @@ from rlhfflow.config.checks import (
     check_attention,
     check_auxiliary_models,
     check_files,
+    check_lora_targets,
     check_model_shapes,
     check_prompts,
     check_tokenizers,
@@ -70,6 +71,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     check_attention(file, pipeline)
     check_auxiliary_models(file, pipeline)
     check_model_shapes(file, pipeline)
+    check_lora_targets(file, pipeline)
     check_tokenizers(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
     check_prompts(file, pipeline)

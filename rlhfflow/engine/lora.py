@@ -192,18 +192,53 @@ def lora_parameter_counts(config, lora: Mapping[str, Any], head: str) -> tuple[i
     to shadows and goes into checkpoints; and the parameters of the adapted layers' base
     weights: what a merged copy for generation holds (``lean.merged_adapters``). Raises
     ``ValueError`` for a target module the model lacks."""
-    from peft import get_peft_model
+    wrapped = _meta_lora_model(_meta_model(config, head), lora, head)
+    adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    adapted = sum(layer.get_base_layer().weight.numel() for layer in wrapped.modules()
+                  if _is_adapted(layer))
+    return adapters, adapted
 
+
+def unknown_target_modules(config, lora: Mapping[str, Any], head: str
+                           ) -> tuple[list[str], list[str]]:
+    """The names in ``lora["target_modules"]`` (a list) that match no layer peft adapts
+    in a model built from ``config`` with ``head`` (on the meta device), and the names of
+    that model's Linear layers, each once: what the list could name. peft refuses a list
+    none of whose names matches, but leaves out a wrong name beside a right one. Nothing
+    for ``all-linear``."""
+    targets = lora.get("target_modules", "all-linear")
+    if not isinstance(targets, list):
+        return [], []
+    model = _meta_model(config, head)
+    skipped = _VALUE_HEADS if head == "value" else ()
+    layers = list(dict.fromkeys(
+        name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"))
+    layers = [name for name in layers if name not in skipped]
+    try:
+        wrapped = _meta_lora_model(model, lora, head)
+    except ValueError:  # "Target modules {...} not found in the base model"
+        return list(targets), layers
+    adapted = [name for name, module in wrapped.named_modules() if _is_adapted(module)]
+    return [t for t in targets
+            if not any(name == t or name.endswith("." + t) for name in adapted)], layers
+
+
+def _meta_model(config, head: str) -> torch.nn.Module:
+    """A model built from ``config`` with ``head`` on the meta device (no memory)."""
     from rlhfflow.engine.models import _as_value_config, _auto_class, _quiet_transformers
 
     config = copy.deepcopy(config)
     if head == "value":
         _as_value_config(config)
-    with torch.device("meta"), _quiet_transformers(), warnings.catch_warnings():
+    with torch.device("meta"), _quiet_transformers():
+        return _auto_class(head).from_config(config)
+
+
+def _meta_lora_model(model: torch.nn.Module, lora: Mapping[str, Any], head: str):
+    """``model`` (on the meta device) with peft's adapters."""
+    from peft import get_peft_model
+
+    with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        model = _auto_class(head).from_config(config)
-        wrapped = get_peft_model(model, lora_config(lora, head))
-    adapters = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    adapted = sum(layer.get_base_layer().weight.numel() for layer in wrapped.modules()
-                  if _is_adapted(layer))
-    return adapters, adapted
+        return get_peft_model(model, lora_config(lora, head))
