@@ -129,6 +129,24 @@ def test_report_reward_band_stays_within_the_rewards_seen(tmp_path):
     assert low == pytest.approx([-0.4]) and high == pytest.approx([0.6])
 
 
+def test_report_plots_each_reward_function_and_the_multi_turn_metrics_when_logged(tmp_path):
+    import json
+
+    plain = build_report(_made_run(tmp_path / "a", [0.5, 0.6]), samples=0)
+    run = _made_run(tmp_path / "b", [0.5, 0.6])
+    log = MetricsLog(run / "metrics.jsonl")
+    records = log.read()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({
+        **r, "reward_mean_format": 0.25 * k, "reward_mean_correct": 0.5, "turns_mean": 2.0,
+        "env_reward_mean": 0.5, "info_calls_mean": 1.5, "info_errors_mean": 0.5 - 0.25 * k})
+        + "\n" for k, r in enumerate(records)))
+    page = build_report(run, samples=0)
+    alts = re.findall(r"<img src='data:image/png;base64,[A-Za-z0-9+/=]+' alt='([^']*)'", page)
+    assert "<h2>Reward functions</h2>" in page and "<h2>Multi-turn episodes</h2>" in page
+    assert alts[:3] == ["curves", "reward functions", "multi-turn episodes"]
+    assert "Reward functions" not in plain and "Multi-turn" not in plain
+
+
 def test_report_sample_prompts_show_the_users_last_turn(tmp_path):
     import json
 
@@ -163,6 +181,20 @@ def test_metric_names_are_the_ones_trl_users_know():
         "reward": 0.5, "kl": 0.01, "completions/mean_length": 12.0, "timing/step": 2.0,
         "timing/generate": 1.5, "perf/busy_w0": 0.5, "perf/busy_w1": 0.25,
         "rewards/vowels/mean": 0.2}
+
+
+def test_every_other_number_of_a_record_reaches_the_sinks_under_its_own_key():
+    # a multi-turn run's means (the tool-error rate is the curve tool RL watches), the
+    # stages' own statistics nested in the record, an evaluation's
+    record = {"iteration": 3, "reward_mean": 0.5, "turns_mean": 2.5,
+              "info_calls_mean": 1.25, "info_errors_mean": 0.5, "samples": 16,
+              "train": {"train_actor": {"grad_norm": 1.5, "version": 2}},
+              "stage_flops": {"generate": 10}, "eval/reward_mean": 0.75,
+              "gen_acceptance": None, "note": "text", "finished": True}
+    assert flat_metrics(record) == {
+        "reward": 0.5, "turns_mean": 2.5, "info_calls_mean": 1.25, "info_errors_mean": 0.5,
+        "samples": 16.0, "train/train_actor/grad_norm": 1.5, "train/train_actor/version": 2.0,
+        "stage_flops/generate": 10.0, "eval/reward_mean": 0.75}
 
 
 def test_tensorboard_gets_every_iteration_under_trl_names(tmp_path):

@@ -103,6 +103,72 @@ def curves_plot(metrics: list[dict[str, Any]], reward_range: tuple[float, float]
     return _png(fig)
 
 
+#: the multi-turn rollout's per-episode means (``rollout``'s ``env_reward``, ``turns`` and
+#: ``env_seconds`` columns averaged; ``info_KEY_mean`` for each of its ``params.info``)
+EPISODE_METRICS = ("turns_mean", "env_reward_mean", "env_seconds_mean")
+
+
+def reward_function_keys(metrics: list[dict[str, Any]]) -> list[str]:
+    """The per-reward-function means the run logged (``reward_mean_NAME``)."""
+    return sorted({k for r in metrics for k in r if k.startswith("reward_mean_")})
+
+
+def episode_keys(metrics: list[dict[str, Any]]) -> list[str]:
+    """The multi-turn metrics the run logged: turns, environment reward and time, then
+    each ``info_KEY_mean`` (a tool's calls, its errors); [] for a single-turn run."""
+    logged = {k for r in metrics for k in r}
+    return [k for k in EPISODE_METRICS if k in logged] + sorted(
+        k for k in logged if k.startswith("info_") and k.endswith("_mean"))
+
+
+def panels_plot(metrics: list[dict[str, Any]], keys: Sequence[str],
+                titles: Sequence[str]) -> str:
+    """One panel per key of ``keys`` (titled by ``titles``), its value per iteration, up
+    to four panels a row."""
+    import matplotlib.pyplot as plt
+
+    columns = min(len(keys), 4)
+    rows = -(-len(keys) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(13, 3.2 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= len(keys):
+            ax.set_visible(False)
+            continue
+        x, y = _series(metrics, keys[i])
+        ax.plot(x, y, marker="o", markersize=3, color=f"C{i % 10}")
+        ax.set_title(titles[i])
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _component_sections(metrics: list[dict[str, Any]]) -> list[str]:
+    """The report's sections for each reward function's mean and for the multi-turn
+    metrics, where the run logged them."""
+    parts = []
+    functions = reward_function_keys(metrics)
+    if functions:
+        names = [k[len("reward_mean_"):] for k in functions]
+        parts += ["<h2>Reward functions</h2>", "<p class='note'>Each function's mean "
+                  "score (before its weight) per iteration.</p>",
+                  _img(panels_plot(metrics, functions, names), "reward functions")]
+    episodes = episode_keys(metrics)
+    if episodes:
+        titles = [EPISODE_TITLES.get(k, k.removesuffix("_mean") + " per episode")
+                  for k in episodes]
+        parts += ["<h2>Multi-turn episodes</h2>", "<p class='note'>Means over each "
+                  "iteration's episodes; <code>info_KEY</code> sums what the environment "
+                  "returned under KEY in its steps' info.</p>",
+                  _img(panels_plot(metrics, episodes, titles), "multi-turn episodes")]
+    return parts
+
+
+EPISODE_TITLES = {"turns_mean": "model turns per episode",
+                  "env_reward_mean": "environment reward per episode",
+                  "env_seconds_mean": "environment seconds per episode"}
+
+
 def reward_band(mean: list[float], std: list[float], seen: tuple[float, float] | None
                 ) -> tuple[list[float], list[float]]:
     """``mean -/+ std`` per iteration, clipped to ``seen`` (the lowest and highest reward
@@ -381,6 +447,7 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
              *([] if _series(metrics, "kl_mean")[1] else
                [f"<p class='note'>KL: {html.escape(kl_absent(kl_coef).replace(chr(10), ' '))}"
                 f".</p>"]),
+             *_component_sections(metrics),
              "<h2>Time per stage</h2>", _img(stage_time_plot(metrics), "stage time"),
              "<h2>Worker busy fractions</h2>", _img(busy_plot(metrics), "busy fractions"),
              "<h2>Timeline</h2>"]

@@ -44,11 +44,18 @@ METRIC_NAMES = {
 }
 
 
+#: record keys that are no metric of their own: the step, and those ``flat_metrics``
+#: renames (``METRIC_NAMES``, ``stage_s``, ``busy_frac``, ``reward_mean_NAME``)
+_NAMED = frozenset({"iteration", "stage_s", "busy_frac", *METRIC_NAMES})
+
+
 def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """One metrics.jsonl record as ``{name: value}`` under TRL/veRL names: the table
+    """One metrics.jsonl record as ``{name: value}``: under TRL/veRL names the table
     above, ``timing/STAGE`` per stage (seconds of compute), ``perf/busy_wN`` per worker,
-    ``rewards/FN/mean`` per reward function. Missing and non-finite values are left out."""
-    out: dict[str, float] = {}
+    ``rewards/FN/mean`` per reward function; every other number of the record under its
+    own key (``turns_mean``, ``info_KEY_mean``), nested ones under their path
+    (``train/train_actor/grad_norm``). Missing and non-finite values are left out."""
+    out: dict[str, Any] = {}
     for key, name in METRIC_NAMES.items():
         out[name] = record.get(key)
     for stage, seconds in (record.get("stage_s") or {}).items():
@@ -58,8 +65,21 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
     for key, value in record.items():
         if key.startswith("reward_mean_"):
             out[f"rewards/{key[len('reward_mean_'):]}/mean"] = value
+        elif key not in _NAMED:
+            out.update(_paths(key, value))
     return {k: float(v) for k, v in out.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _paths(key: str, value: Any) -> dict[str, Any]:
+    """``value`` under ``key``; a dict's or list's items under ``key/ITEM``, at any depth."""
+    if isinstance(value, dict):
+        return {path: v for item, inner in value.items()
+                for path, v in _paths(f"{key}/{item}", inner).items()}
+    if isinstance(value, list):
+        return {path: v for i, inner in enumerate(value)
+                for path, v in _paths(f"{key}/{i}", inner).items()}
+    return {key: value}
 
 
 class TensorBoardSink:
