@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from contextlib import nullcontext
 
 import pytest
@@ -460,6 +461,60 @@ def test_sampling_takes_its_products_from_onednn_with_mkl_s_values(monkeypatch):
             assert torch.equal(logits(), outside)  # the op was asked for, MKL's answered
     finally:
         monkeypatch.delenv(lean.ONEDNN_ENV)
+        lean._onednn.cache_clear()
+
+
+def test_each_kind_of_product_takes_the_kernel_measured_faster_on_the_machine():
+    assert lean.choose_kernels({"layer": (1.0, 0.9), "head": (1.0, 0.97)}) == {
+        "layer": True, "head": False}  # a tie within the margin keeps MKL's
+    assert lean.choose_kernels({"layer": (1.0, 1.2), "head": (3.0, 2.0)}) == {
+        "layer": False, "head": True}  # as measured on an Intel Xeon
+    assert lean.product_kind(49152) == "head" and lean.product_kind(14336) == "layer"
+
+
+def _kernels_run(x: torch.Tensor, weight: torch.Tensor) -> set[str]:
+    """The matmul ops ``lean._onednn_linear(x, weight)`` ran (torch's profiler)."""
+    lean._onednn(), lean._kernels()  # their self-check and choice, before profiling
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        lean._onednn_linear(x, weight)
+    return {e.key for e in prof.key_averages()} & {"mkldnn::_linear_pointwise",
+                                                     "aten::linear"}
+
+
+def test_the_kernel_choice_is_measured_once_cached_and_forced_by_the_environment(
+        tmp_path, monkeypatch):
+    from rlhfflow.engine import machine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(lean.ONEDNN_ENV, raising=False)
+    shapes = {"layer": (4, 8, 16), "head": (4, 8, 64)}
+    first = lean.kernel_timings(1, shapes)
+    assert set(first) == {"layer", "head"} and all(t > 0 for ts in first.values() for t in ts)
+    cache = tmp_path / "rlhfflow" / lean.KERNEL_CACHE
+    [key] = json.loads(cache.read_text())
+    assert "x1 threads" in key and "mkldnn" in key
+    # timings put in the cache are what a process chooses from: nothing measured again
+    key = machine.machine_key("F.linear vs mkldnn._linear_pointwise", torch.get_num_threads())
+    cache.write_text(json.dumps({key: {"layer": [1.0, 2.0], "head": [2.0, 1.0]}}))
+    assert lean.kernel_timings(torch.get_num_threads(), shapes) == {
+        "layer": [1.0, 2.0], "head": [2.0, 1.0]}
+    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)
+    monkeypatch.setattr(lean, "HEAD_FEATURES", 64)
+    x, layer, head = torch.randn(4, 8), torch.randn(16, 8), torch.randn(64, 8)
+    lean._kernels.cache_clear()
+    try:
+        assert lean._kernels() == {"layer": False, "head": True}
+        assert _kernels_run(x, layer) == {"aten::linear"}
+        assert _kernels_run(x, head) == {"mkldnn::_linear_pointwise"}
+        monkeypatch.setenv(lean.ONEDNN_ENV, "1")  # forced: oneDNN's for every kind
+        lean._kernels.cache_clear()
+        assert _kernels_run(x, layer) == {"mkldnn::_linear_pointwise"}
+        monkeypatch.setenv(lean.ONEDNN_ENV, "0")  # forced off: MKL's for every kind
+        lean._onednn.cache_clear()
+        assert _kernels_run(x, head) == {"aten::linear"}
+    finally:
+        monkeypatch.delenv(lean.ONEDNN_ENV, raising=False)
+        lean._kernels.cache_clear()
         lean._onednn.cache_clear()
 
 

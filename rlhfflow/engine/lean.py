@@ -58,16 +58,22 @@ keeps transformers' forward too; gradient checkpointing (``rlhfflow.engine.recom
 checkpoints this forward's layer loop.
 
 **Sampling.** Within ``sampling`` (every stage that samples: ``ResidentModel.generating``)
-the products taken without gradients go through oneDNN's linear kernel
+the products taken without gradients may go through oneDNN's linear kernel
 (``torch.ops.mkldnn._linear_pointwise``, the one torch's compiler uses on CPU) instead of
-MKL's GEMM: measured on 2 cores of an AMD EPYC (Zen 4), a decode step's 32-row products
-run 1.05-1.4x faster and SmolLM2's 49152-token output head 1.9x (2.4x at 4 rows), as
-MKL takes a slower path on this CPU. Values equal MKL's up to float rounding (not bitwise
-transformers'). A LoRA model's training step (``training``) takes its frozen plain
-Linears and its merged products through oneDNN as well; a full model's training and the
-inference stages (reference, rewards, values) keep MKL's. Products with fewer than
-``ONEDNN_MIN_FEATURES`` output features keep MKL's everywhere; ``RLHFFLOW_ONEDNN=0``
-keeps MKL's for all.
+MKL's GEMM. Which is faster depends on the CPU: on 2 cores of an AMD EPYC (Zen 4), where
+MKL takes a slower path, oneDNN ran a decode step's 32-row products 1.05-1.4x faster and
+SmolLM2's 49152-token output head 1.9x (2.4x at 4 rows); on an Intel Xeon the layer
+products ran 0.9-1.0x (slower) and the head 1.3-1.4x. So the kernel is chosen per kind
+of product (an output head, ``HEAD_FEATURES`` output features or more, or a layer's) by
+timing both kernels once on the machine at hand (``KERNEL_SHAPES``, at the process's
+torch thread count; ``kernel_timings``), kept beside the matmul peak
+(``rlhfflow.engine.machine``): oneDNN's is taken where it was faster by
+``ONEDNN_MARGIN``. ``RLHFFLOW_ONEDNN=1`` takes oneDNN's for every kind, ``0`` keeps MKL's
+for all. Values equal MKL's up to float rounding (not bitwise transformers'). A LoRA
+model's training step (``training``) takes its frozen plain Linears and its merged
+products through the same choice; a full model's training and the inference stages
+(reference, rewards, values) keep MKL's. Products with fewer than
+``ONEDNN_MIN_FEATURES`` output features keep MKL's everywhere.
 """
 
 from __future__ import annotations
@@ -77,7 +83,8 @@ import contextvars
 import functools
 import inspect
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +116,22 @@ _TRAINING: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.Context
 #: Inside ``sampling``: products without gradients go through oneDNN (``_product``).
 _SAMPLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "rlhfflow_lean_sampling", default=False)
-#: Environment switch: "0" keeps MKL's products where the model samples (``sampling``).
+#: Environment switch: "0" keeps MKL's products where the model samples (``sampling``),
+#: "1" takes oneDNN's for every kind of product; unset, each kind takes the kernel
+#: measured faster on this machine (``kernel_timings``).
 ONEDNN_ENV = "RLHFFLOW_ONEDNN"
+#: Output features from which a product is an output head's (a vocabulary; the largest
+#: layer products of common models, 14336 wide, stay below): MKL and oneDNN rank
+#: differently on it than on a layer's products.
+HEAD_FEATURES = 16384
+#: The products timed to choose a kernel, (rows, input features, output features): a
+#: 32-row decode step's layer product and output head, SmolLM2-135M's MLP and vocabulary.
+KERNEL_SHAPES = {"layer": (32, 576, 1536), "head": (32, 576, 49152)}
+#: oneDNN's kernel is taken where its best time is below this fraction of MKL's: a tie
+#: (within the timings' noise) keeps MKL's, the default of torch.
+ONEDNN_MARGIN = 0.95
+#: The cache file (``rlhfflow.engine.machine``) of the kernels' timings.
+KERNEL_CACHE = "cpu_kernels.json"
 #: Products with fewer output features keep MKL's kernel: at SmolLM2's 192-wide key
 #: and value projections oneDNN's was not faster (0.6-1.0x, 32 rows).
 ONEDNN_MIN_FEATURES = 512
@@ -378,13 +399,89 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no gradients) through oneDNN's kernel, where torch has it,
-    ``RLHFFLOW_ONEDNN`` is not 0 and ``weight`` has ``ONEDNN_MIN_FEATURES`` rows (output
-    features) at least; else MKL's."""
+    ``RLHFFLOW_ONEDNN`` is not 0, ``weight`` has ``ONEDNN_MIN_FEATURES`` rows (output
+    features) at least and oneDNN's is the kernel for its kind of product
+    (``_kernels``); else MKL's."""
     op = _onednn()
     if (op is None or weight.shape[0] < ONEDNN_MIN_FEATURES or x.dtype != torch.float32
-            or x.device.type != "cpu"):
+            or x.device.type != "cpu" or not _kernels()[product_kind(weight.shape[0])]):
         return F.linear(x, weight)
     return op(x, weight, None, "none", [], "")
+
+
+def product_kind(features: int) -> str:
+    """The kind of a product with ``features`` output features: ``head`` or ``layer``."""
+    return "head" if features >= HEAD_FEATURES else "layer"
+
+
+def choose_kernels(timings: Mapping[str, Sequence[float]]) -> dict[str, bool]:
+    """Whether each kind of product takes oneDNN's kernel, from the best times
+    ``(mkl_s, onednn_s)`` of each: where oneDNN's is faster by ``ONEDNN_MARGIN``."""
+    return {kind: onednn_s < ONEDNN_MARGIN * mkl_s
+            for kind, (mkl_s, onednn_s) in timings.items()}
+
+
+@functools.cache
+def _kernels() -> dict[str, bool]:
+    """Whether each kind of product takes oneDNN's kernel in this process: all with
+    ``RLHFFLOW_ONEDNN=1``, else as this machine's timings at this process's torch
+    thread count choose (``kernel_timings``; measured on the first use, then cached)."""
+    if os.environ.get(ONEDNN_ENV) == "1":
+        return dict.fromkeys(KERNEL_SHAPES, True)
+    return choose_kernels(kernel_timings(torch.get_num_threads(), KERNEL_SHAPES))
+
+
+def kernel_timings(threads: int, shapes: Mapping[str, tuple[int, int, int]] = KERNEL_SHAPES
+                   ) -> dict[str, list[float]]:
+    """MKL's and oneDNN's best times of each product of ``shapes`` with ``threads`` torch
+    threads, ``{kind: [mkl_s, onednn_s]}``: from the cache (``KERNEL_CACHE``, one entry
+    per machine, thread count and torch version, as the matmul peak), or measured now
+    (a few tenths of a second, once) and cached."""
+    from rlhfflow.engine.machine import cache_path, machine_key, read_cache, write_cache
+
+    path = cache_path(KERNEL_CACHE)
+    cached = read_cache(path)
+    key = machine_key("F.linear vs mkldnn._linear_pointwise", threads)
+    entry = cached.get(key)
+    if not (isinstance(entry, dict) and set(entry) >= set(shapes) and all(
+            isinstance(entry[k], list) and len(entry[k]) == 2 for k in shapes)):
+        entry = measure_kernels(shapes, threads)
+        cached[key] = entry
+        write_cache(path, cached)
+    return {kind: [float(t) for t in entry[kind]] for kind in shapes}
+
+
+def measure_kernels(shapes: Mapping[str, tuple[int, int, int]], threads: int = 1,
+                    rounds: int = 2) -> dict[str, list[float]]:
+    """Time ``F.linear`` (MKL) and oneDNN's kernel on a product of each shape (rows,
+    input features, output features) with ``threads`` torch threads: after one warm-up
+    each, ``rounds`` products each in turn; each kernel's best time (on a shared machine
+    the others' work only ever slows a product down). An output head's product is
+    bound by reading its weight (113 MB at SmolLM2's): ~0.15 s in all on one core."""
+    op = torch.ops.mkldnn._linear_pointwise
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = {}
+        for kind, (rows, inputs, features) in shapes.items():
+            # constant operands: the values do not change the time, and a random
+            # 49152 x 576 weight takes longer to draw than the products take to time
+            x = torch.full((rows, inputs), 0.01)
+            w = torch.full((features, inputs), 0.02)
+            best = [float("inf")] * 2
+            for round_ in range(rounds + 1):
+                for onednn in (False, True):
+                    start = time.perf_counter()
+                    if onednn:
+                        op(x, w, None, "none", [], "")
+                    else:
+                        F.linear(x, w)
+                    if round_:  # the first round warms up
+                        best[onednn] = min(best[onednn], time.perf_counter() - start)
+            out[kind] = best
+        return out
+    finally:
+        torch.set_num_threads(previous)
 
 
 @functools.cache

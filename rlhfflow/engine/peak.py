@@ -5,20 +5,18 @@ sized so one product takes a few tens of milliseconds and timed for about half a
 second; the best product's rate is the peak (on a shared machine the others' work only
 ever slows a product down). Measured once per machine, device, thread count, dtype and
 torch version, and kept in ``$XDG_CACHE_HOME/rlhfflow/matmul_peak.json`` (default
-``~/.cache``; delete the file to measure again).
+``~/.cache``; delete the file to measure again), through ``rlhfflow.engine.machine``, as
+the lean forward's choice of CPU kernel is (``rlhfflow.engine.lean``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import socket
 import time
 from pathlib import Path
 
 import torch
 
+from rlhfflow.engine import machine
 from rlhfflow.engine.resident import DTYPES
 
 CACHE_FILE = "matmul_peak.json"
@@ -28,8 +26,7 @@ PEAK_DTYPES = ("float32", "bfloat16")
 
 def cache_path() -> Path:
     """Where measured peaks are kept."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "rlhfflow" / CACHE_FILE
+    return machine.cache_path(CACHE_FILE)
 
 
 def matmul_peaks(dtypes: tuple[str, ...] = PEAK_DTYPES, threads: int | None = None,
@@ -39,10 +36,7 @@ def matmul_peaks(dtypes: tuple[str, ...] = PEAK_DTYPES, threads: int | None = No
     now and cached."""
     threads = threads or torch.get_num_threads()
     path = cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = machine.read_cache(path)
     peaks, measured = {}, False
     for dtype in dtypes:
         key = _key(dtype, threads, device)
@@ -51,13 +45,7 @@ def matmul_peaks(dtypes: tuple[str, ...] = PEAK_DTYPES, threads: int | None = No
             measured = True
         peaks[dtype] = float(cached[key])
     if measured:
-        try:  # write a sibling and rename: concurrent runs never see half a file
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staged = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            staged.write_text(json.dumps(cached, indent=1, sort_keys=True) + "\n")
-            staged.replace(path)
-        except OSError:
-            pass  # an unwritable cache: measured again next time
+        machine.write_cache(path, cached)
     return peaks
 
 
@@ -97,18 +85,4 @@ def _time(a: torch.Tensor, b: torch.Tensor, device: str) -> float:
 
 def _key(dtype: str, threads: int, device: str) -> str:
     """The machine, device, threads, dtype and torch version a peak holds for."""
-    if device.startswith("cuda"):
-        where = f"cuda {torch.cuda.get_device_name(torch.device(device))}"
-    else:
-        where = f"cpu {_cpu_model()} x{threads} threads"
-    return f"{socket.gethostname()} | {where} | {dtype} | torch {torch.__version__}"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return machine.machine_key(dtype, threads, device)
