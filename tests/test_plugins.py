@@ -182,6 +182,25 @@ def test_stage_test_runs_one_stage_and_its_upstream_in_process(tmp_path):
     assert bad.exit_code == 2 and "did you mean 'reward'?" in bad.output
 
 
+def test_stage_test_takes_overrides_as_run_and_validate_do(tmp_path):
+    # one file, two settings (two checkpoints to evaluate): --set and KEY=VALUE after STAGE
+    path = small_pipeline(tmp_path, "grpo")
+    result = CliRunner().invoke(main, ["stage", "test", str(path), "reward",
+                                       "data.batch_size=2", "--set",
+                                       "data.samples_per_prompt=3"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"scores\s+float32 \[6\]", result.output)
+    spaced = CliRunner().invoke(main, ["stage", "test", str(path), "reward", "--set",
+                                       "data.batch_size", "2"])
+    assert spaced.exit_code == 2
+    assert spaced.output.strip().splitlines() == [
+        "Error: --set expects KEY=VALUE; got 'data.batch_size' (did you mean --set "
+        "data.batch_size=2?)"]
+    wrong = CliRunner().invoke(main, ["stage", "test", str(path), "reward",
+                                      "data.batch_size=zero"])
+    assert wrong.exit_code == 2 and "data.batch_size" in wrong.output, wrong.output
+
+
 def test_stage_test_shows_a_failing_stage_with_its_traceback(tmp_path):
     path = _with(tmp_path, {"extra": {"type": "tests.bad_plugin:Fails", "after": ["reward"]}})
     result = CliRunner().invoke(main, ["stage", "test", str(path), "extra"])

@@ -98,6 +98,18 @@ def check_set_spacing(args: list[str]) -> None:
         raise UserError(f"--set expects KEY=VALUE; got {value!r}{hint}")
 
 
+class SetsGroup(click.Group):
+    """A group of commands that take ``--set``: ``--set KEY VALUE`` (a space for the
+    ``=``) is one line with the fix, before the command's parser reads VALUE as one of
+    its arguments."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and any(p.name == "sets" for p in command.params):
+            check_set_spacing(rest)
+        return name, command, rest
+
+
 def merge_options(sets: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """``--set`` overrides plus the dedicated options (``--iterations``...); one key given
     both ways is a mistake, not a silent choice of one of them."""

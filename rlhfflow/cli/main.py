@@ -29,18 +29,18 @@ from rlhfflow.cli import (
     validate,
     warm,
 )
-from rlhfflow.cli.common import UserError, check_set_spacing, configure_logging, first_line
+from rlhfflow.cli.common import SetsGroup, UserError, configure_logging, first_line
 from rlhfflow.errors import RlhfflowError
 
 #: the group's own flags, which may stand before the command
 GROUP_FLAGS = ("-q", "--quiet", "-v", "--verbose")
 
 
-class _Commands(click.Group):
+class _Commands(SetsGroup):
     """The ``rlhfflow`` group: from the command line, ``rlhfflow run`` is handed to a
     warm server when one is up (``rlhfflow.launch.warm``). Every command's rlhfflow
     error (``rlhfflow.errors``) becomes its one line and exit code here: 2 for a user's
-    mistake, 1 for a run that cannot go on."""
+    mistake, 1 for a run that cannot go on. ``--set KEY VALUE`` is caught (``SetsGroup``)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -49,12 +49,6 @@ class _Commands(click.Group):
             error = click.ClickException(first_line(exc))
             error.exit_code = exc.exit_code
             raise error from None
-
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
-        name, command, rest = super().resolve_command(ctx, args)
-        if command is not None and any(p.name == "sets" for p in command.params):
-            check_set_spacing(rest)  # before the command's parser misreads the value
-        return name, command, rest
 
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         if args is None:  # the command line (an explicit list: a test, or the warm fork)

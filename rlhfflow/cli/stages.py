@@ -7,7 +7,15 @@ from pathlib import Path
 import click
 
 from rlhfflow import errors
-from rlhfflow.cli.common import first_line, load, pipeline_errors
+from rlhfflow.cli.common import (
+    OVERRIDES_ARGUMENT,
+    SET_OPTION,
+    SetsGroup,
+    first_line,
+    load,
+    parse_sets,
+    pipeline_errors,
+)
 
 
 @click.command("stages")
@@ -35,7 +43,7 @@ def stages(fmt: str, builtin_only: bool) -> None:
     click.echo((render_markdown if fmt == "markdown" else render_text)(docs), nl=False)
 
 
-@click.group()
+@click.group(cls=SetsGroup)
 def stage() -> None:
     """Work with one stage of a pipeline.
 
@@ -48,23 +56,29 @@ def stage() -> None:
 @stage.command("test")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("stage_name", metavar="STAGE")
+@OVERRIDES_ARGUMENT
 @click.option("--iteration", type=click.IntRange(min=0), default=0, show_default=True,
               metavar="K", help="The iteration whose prompts (and seeds) to use.")
-def stage_test(file: str, stage_name: str, iteration: int) -> None:
+@SET_OPTION
+def stage_test(file: str, stage_name: str, overrides: tuple[str, ...], iteration: int,
+               sets: tuple[str, ...]) -> None:
     """Run STAGE of FILE in this process on one iteration's batch, running the stages
     it waits for first, and print the columns it wrote (like ``airflow tasks test``);
     a multi-turn stage (rollout) also prints its first episodes turn by turn.
 
     Models start from their initial weights; nothing is written to the run's output.
+    KEY=VALUE arguments after STAGE override keys of the file, like --set (e.g. one
+    file, two checkpoints to evaluate).
 
     \b
     Example:
       rlhfflow stage test configs/grpo-tiny.yaml reward --iteration 1
+      rlhfflow stage test eval.yaml evaluate models.actor.path=runs/a/models/actor/final
     """
     import tempfile
     import traceback
 
-    pipeline = load(file)
+    pipeline = load(file, parse_sets(sets, overrides))
     from rlhfflow.runtime.stagetest import format_columns, format_episodes, run_stage_alone
 
     with tempfile.TemporaryDirectory(prefix="rlhfflow-stage-test-") as tmp:
