@@ -58,7 +58,8 @@ def test_the_pipeline_reference_has_a_section_for_every_nested_model():
     sections = dict(docs.spec_sections())
     assert {"", "models.NAME", "models.NAME.tiny", "models.NAME.optimizer", "models.NAME.lora",
             "stages.NAME",
-            "stages.NAME.deepspeed", "data", "data.sources[i]", "algorithm", "cluster", "placement", "overlap",
+            "stages.NAME.deepspeed", "data", "data.sources[i]", "algorithm", "algorithm.off_policy",
+            "cluster", "placement", "overlap",
             "checkpoint", "logging", "logging.mlflow",
             "logging.wandb", "logging.trackio"} == set(sections)
     page = docs.pipeline_reference()

@@ -2,7 +2,8 @@
 advantage estimators (GAE, GRPO, RLOO, Dr. GRPO, REINFORCE++, ReMax), PPO/GSPO policy
 and value losses with veRL's loss aggregations, entropy, the DPO loss and the pairing
 and best-of-N selection of responses by score (:mod:`rlhfflow.ops.preference`); per-turn
-credit for multi-turn episodes (:mod:`rlhfflow.ops.turns`); and the
+credit for multi-turn episodes (:mod:`rlhfflow.ops.turns`); off-policy correction
+(:mod:`rlhfflow.ops.offpolicy`); and the
 registries through which configs pick an estimator and a policy loss.
 
 Use as ``from rlhfflow import ops; adv, ret = ops.gae(rewards, values, mask, 1.0, 0.95)``.
@@ -35,6 +36,7 @@ from rlhfflow.ops.core import (
     token_rewards,
     value_loss,
 )
+from rlhfflow.ops.offpolicy import CORRECTIONS, OFF_POLICY_LEVELS, off_policy_weights
 from rlhfflow.ops.preference import best_in_group, dpo_loss, preference_pairs
 from rlhfflow.ops.registry import (
     ADVANTAGE_ESTIMATORS,
@@ -65,12 +67,14 @@ from rlhfflow.ops.turns import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CORRECTIONS",
     "ESTIMATOR_INPUTS",
     "ESTIMATOR_NEEDS",
     "GROUP_MODES",
     "IS_LEVELS",
     "KL_KINDS",
     "LOSS_AGGS",
+    "OFF_POLICY_LEVELS",
     "POLICY_LOSSES",
     "POLICY_LOSS_INPUTS",
     "SCALE_REWARDS",
@@ -94,6 +98,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "off_policy_weights",
     "per_turn_rewards",
     "per_turn_token_rewards",
     "policy_loss",

@@ -414,6 +414,7 @@ def policy_loss(
     agg: str = "token-mean",
     count: float | None = None,
     level: str = "token",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss (Schulman et al., 2017), optionally dual-clipped (Ye et al.).
 
@@ -441,6 +442,9 @@ def policy_loss(
         count: the divisor of ``agg`` over the whole batch when this is one data-parallel
             shard of it (``loss_count``); None divides by this batch's own
         level: ``"token"`` or ``"sequence"`` importance ratios
+        weights: `(torch.Tensor)` shape: (bs, response_length), an off-policy correction's
+            importance weights (``rlhfflow.ops.offpolicy``), each token's loss multiplied
+            by its (detached) weight; None: 1 everywhere
 
     Returns:
         loss: scalar tensor
@@ -473,6 +477,8 @@ def policy_loss(
         capped = torch.minimum(loss_tok, cap)
         dual_active = (advantages < 0) & (loss_tok > cap)
         loss_tok = torch.where(advantages < 0, capped, loss_tok)
+    if weights is not None:
+        loss_tok = loss_tok * weights.detach()
 
     loss = aggregate_loss(loss_tok, mask, agg, count)
     with torch.no_grad():

@@ -23,7 +23,9 @@ Estimator inputs (``ESTIMATOR_INPUTS``; only samples with a valid score are pass
 and it returns ``(advantages (N, T), returns (N, T) or None)``.
 
 Policy-loss inputs (``POLICY_LOSS_INPUTS``): ``logprobs``, ``old_logprobs``,
-``advantages``, ``mask`` (B, T); ``agg`` and ``count`` (see ``aggregate_loss``); ``config``.
+``advantages``, ``mask`` (B, T); ``agg`` and ``count`` (see ``aggregate_loss``); ``config``;
+``weights`` (B, T), an off-policy correction's importance weights (``ops.offpolicy``,
+1 everywhere without one), which a loss must take for ``algorithm.off_policy`` to apply.
 It returns ``(loss scalar, stats: dict of python floats)``; every stat is logged.
 """
 
@@ -51,7 +53,7 @@ ESTIMATOR_INPUTS = ("scores", "token_rewards", "mask", "group_ids", "values",
 # Inputs an estimator must declare in ``needs``: each is a column an upstream stage writes.
 ESTIMATOR_NEEDS = ("values", "baseline_scores")
 POLICY_LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "mask", "agg", "count",
-                      "config")
+                      "config", "weights")
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
@@ -263,9 +265,10 @@ def _remax_estimator(token_rewards, baseline_scores, mask):
 
 
 @register_policy_loss("ppo")
-def _ppo_policy_loss(logprobs, old_logprobs, advantages, mask, agg, count, config):
+def _ppo_policy_loss(logprobs, old_logprobs, advantages, mask, agg, count, config,
+                     weights=None):
     """``policy_loss`` with the config's clip range, dual clip and importance-sampling
-    level (``sequence`` is GSPO)."""
+    level (``sequence`` is GSPO), and an off-policy correction's ``weights``."""
     return policy_loss(logprobs, old_logprobs, advantages, mask, config.clip_low,
                        config.clip_high, config.dual_clip, agg, count,
-                       getattr(config, "importance_sampling_level", "token"))
+                       getattr(config, "importance_sampling_level", "token"), weights)

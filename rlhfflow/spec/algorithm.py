@@ -40,6 +40,47 @@ def _resolve_problem(ref: str, kind: str, registry: Mapping[str, Any],
     return f"{kind} {ref!r}: {problem}" if problem else None
 
 
+class OffPolicySpec(Strict):
+    """How the actor's loss corrects for tokens sampled by another policy than the one the
+    update is measured against (``rlhfflow.ops.offpolicy``): asynchronous rollouts
+    (``overlap.max_staleness``), or a sampler whose numerics differ from the trainer's.
+    The proximal log-probs cost the trainer one forward pass over the batch, without
+    gradients, before its first step."""
+
+    correction: Literal["none", "tis", "mis", "decoupled"] = Field("none", description=(
+        "`none`: the PPO ratio divides by the behaviour policy's log-probs (`train_actor`'s "
+        "`old_logprobs` column) as they are. Otherwise the trainer recomputes the proximal "
+        "policy's (the actor before the iteration's first step), takes the ratio against "
+        "them and weights each token's loss by `w = pi_prox / pi_behaviour`: `tis` "
+        "(truncated IS) by `min(w, cap)`; `mis` (masked IS) by `w` where it lies in "
+        "`[low, high]`, else 0; `decoupled` (AReaL's decoupled PPO) by `w`, 0 above `cap`."))
+    level: Literal["token", "sequence", "geometric"] = Field("token", description=(
+        "What one weight covers: each `token`, the whole `sequence` (the product of its "
+        "tokens' ratios) or its `geometric` mean (a length-independent sequence weight)."))
+    cap: PositiveFloat = Field(2.0, description=(
+        "`tis`: the weights' truncation; `decoupled`: the weight above which a token "
+        "leaves the loss."))
+    low: PositiveFloat = Field(0.5, description="`mis`: the lowest weight kept.")
+    high: PositiveFloat = Field(2.0, description="`mis`: the highest weight kept.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> OffPolicySpec:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.correction in ("tis", "decoupled") and self.cap < 1.0:
+            raise ValueError(f"cap {self.cap} is below 1: on-policy tokens (weight 1) "
+                             f"would be cut; use 1 or more")
+        if self.correction == "mis" and not self.low <= 1.0 <= self.high:
+            raise ValueError(f"[low, high] = [{self.low}, {self.high}] leaves out "
+                             f"on-policy tokens (weight 1); it must contain 1")
+        return self
+
+    @property
+    def on(self) -> bool:
+        """Whether a correction applies."""
+        return self.correction != "none"
+
+
 class AlgorithmSpec(Strict):
     """The RL algorithm: a preset ``name`` whose parts (advantage estimator, policy loss,
     reward scaling) can each be overridden, plus KL penalty, clipping and aggregation."""
@@ -98,6 +139,9 @@ class AlgorithmSpec(Strict):
         "(`max_new_tokens` of the generate stage)."))
     entropy_coef: NonNegFloat = Field(0.0, description=(
         "Weight of the entropy bonus in the actor loss."))
+    off_policy: OffPolicySpec = Field(default_factory=OffPolicySpec, description=(
+        "Off-policy correction of the actor's loss (`correction`, `level`, `cap`, `low`, "
+        "`high`); off by default."))
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -124,6 +168,12 @@ class AlgorithmSpec(Strict):
                 and self.estimator not in _SCALED_ESTIMATORS:
             raise ValueError(f"scale_rewards applies to the grpo and dr_grpo estimators, not "
                              f"{self.estimator!r}; remove it")
+        if self.off_policy.on and not ops.takes(ops.resolve_policy_loss(self.policy_loss),
+                                                "weights"):
+            raise ValueError(f"off_policy.correction {self.off_policy.correction!r} weights "
+                             f"the policy loss, and {self.policy_loss!r} takes no 'weights' "
+                             f"input; add a weights=None parameter that multiplies each "
+                             f"token's loss")
         norm = "seq-mean-token-sum-norm"
         if self.loss_scale_factor is not None and norm not in (self.loss_agg,
                                                                self.value_loss_agg):

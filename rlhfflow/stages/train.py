@@ -59,6 +59,10 @@ def behaviour_column(params: TrainActorParams, written: Collection[str]) -> str:
     return "old_logprobs" if "old_logprobs" in written else "sample_logprobs"
 
 
+#: The column the trainer adds under an off-policy correction (``before_steps``).
+PROXIMAL = "proximal_logprobs"
+
+
 def _kl_in_loss(algorithm) -> bool:
     return algorithm.kl_coef > 0 and algorithm.kl_in == "loss"
 
@@ -98,6 +102,23 @@ class TrainActorStage(Trainer):
     def _agg(self) -> str:
         return self.algorithm.loss_agg
 
+    def before_steps(self, resident, batch: Batch, ctx: StageContext) -> Batch:
+        """With an off-policy correction, the proximal policy's log-probs: the model's
+        before this iteration's first step (AReaL's decoupled PPO recomputes them in the
+        trainer), whatever version sampled the rows; computed without gradients, a
+        minibatch's rows at a time."""
+        if not self.algorithm.off_policy.on:
+            return batch
+        rows = len(batch["response_ids"])
+        size = max(1, -(-rows // self.params.minibatches))
+        parts = []
+        with torch.no_grad(), resident.generating():
+            for start in range(0, rows, size):
+                part = {k: v[start:start + size] for k, v in batch.items()}
+                parts.append(response_logprobs(resident.module, part,
+                                               ctx.settings.temperature))
+        return {**batch, PROXIMAL: torch.cat(parts)}
+
     def loss(self, resident, batch, ctx, counts=None):
         algo = self.algorithm
         agg, divisor = algo.loss_agg, self._divisor(counts)
@@ -110,11 +131,19 @@ class TrainActorStage(Trainer):
         else:  # the same log-probs (0 on padding), without the whole batch's logits
             logprobs = response_logprobs(resident.module, batch, temperature)
         policy_loss = ops.resolve_policy_loss(algo.policy_loss)
-        loss, stats = ops.call(policy_loss, {
-            "logprobs": logprobs, "old_logprobs": batch[behaviour_column(self.params, batch)],
-            "advantages": batch["advantages"], "mask": mask, "agg": agg, "count": divisor,
-            "config": algo})
-        metrics = {"policy_loss": loss.item(), **stats}
+        inputs = {"logprobs": logprobs,
+                  "old_logprobs": batch[behaviour_column(self.params, batch)],
+                  "advantages": batch["advantages"], "mask": mask, "agg": agg,
+                  "count": divisor, "config": algo}
+        correction: dict[str, float] = {}
+        if algo.off_policy.on:  # the ratio against the proximal policy, weighted
+            off = algo.off_policy
+            inputs["weights"], correction = ops.off_policy_weights(
+                batch[PROXIMAL], inputs["old_logprobs"], mask, off.correction, off.level,
+                off.cap, off.low, off.high)
+            inputs["old_logprobs"] = batch[PROXIMAL]
+        loss, stats = ops.call(policy_loss, inputs)
+        metrics = {"policy_loss": loss.item(), **stats, **correction}
         # the KL and entropy terms aggregate like the policy term (veRL, TRL), so a
         # seq-mean loss does not pair with a token-mean penalty
         if _kl_in_loss(algo):

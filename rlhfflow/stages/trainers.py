@@ -117,6 +117,7 @@ class Trainer(Stage):
                                    gang.rank if gang else 0)
         batch = {k: v.to(resident.device) for k, v in batch.items()
                  if isinstance(v, torch.Tensor)}
+        batch = self.before_steps(resident, batch, ctx)
         rows = len(next(iter(batch.values()))) if batch else 0
         gen = torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, self.name))
         history, weights = [], []
@@ -159,6 +160,11 @@ class Trainer(Stage):
             stats["overflow_steps"] = resident.overflow_steps
         resident.version += 1
         return {**stats, "version": resident.version}
+
+    def before_steps(self, resident, batch: Batch, ctx: StageContext) -> Batch:
+        """Columns the loss needs that the model computes once, before the iteration's
+        first step (the batch on the model's device); the batch as it is by default."""
+        return batch
 
     def _agg(self) -> str:
         """How this stage's loss aggregates tokens (``ops.LOSS_AGGS``)."""
