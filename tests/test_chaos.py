@@ -136,6 +136,62 @@ def test_a_worker_removed_for_missing_heartbeats_is_said_so_with_the_setting():
             backend.check_alive(backend.workers)
 
 
+def _hog_memory() -> None:
+    """Stands for a stage that outgrows its worker's memory limit (500 MB)."""
+    block = bytearray(600 * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])  # touched: resident, not just reserved
+    time.sleep(60)
+
+
+def test_a_lost_worker_s_log_and_the_run_s_error_say_why_its_process_ended(tmp_path):
+    # a worker killed by the OOM killer or ended by its nanny's memory limit writes
+    # nothing itself: its nanny says why, in the log and in the WorkerLost line
+    from distributed import Scheduler, SpecCluster
+
+    from rlhfflow.runtime.nanny import WatchedNanny
+    from rlhfflow.runtime.worker.process import WORKER_LOG_VAR
+
+    log = tmp_path / "worker-0.log"
+    spec = {"device-0": {"cls": WatchedNanny, "options": {
+        "nthreads": 1, "memory_limit": "500MB", "env": {WORKER_LOG_VAR: str(log)}}}}
+    with SpecCluster(workers=spec, scheduler={"cls": Scheduler, "options": {
+            "dashboard_address": ":0"}}) as cluster, Client(cluster) as client:
+        backend = DaskBackend(client)
+        [worker] = backend.workers
+        pid = client.run(os.getpid)[worker]
+        time.sleep(1.2)  # the nanny samples the worker's memory every 0.5 s
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match=r"\(killed by SIGKILL; its memory was "):
+            _wait_for(lambda: backend.check_alive([worker]))
+        [line] = log.read_text().splitlines()
+        assert line.startswith(f"rlhfflow: worker device-0 (pid {pid}) ended: killed by "
+                               f"SIGKILL; its memory was ")
+        assert "kernel's OOM killer or a `kill -9`" in line
+
+        client.wait_for_workers(1)
+        [worker] = list(client.scheduler_info()["workers"])
+        hog = client.submit(_hog_memory, pure=False)  # noqa: F841 - runs until ended
+        with pytest.raises(WorkerLost, match=r"the nanny ended it \(SIGTERM\) as its "
+                                             r"memory, .* passed 95% of the worker's "
+                                             r"0.47 GiB limit \(cluster.memory_limit\)"):
+            _wait_for(lambda: backend.check_alive([worker]))
+        assert len(log.read_text().splitlines()) == 2
+
+
+def test_a_worker_killed_near_its_memory_limit_is_said_to_be_the_oom_killer_s():
+    from rlhfflow.runtime.nanny import exit_reason
+
+    gib = 2**30
+    said = exit_reason(-9, rss=int(3.9 * gib), limit=4 * gib, available=gib // 4,
+                       total=16 * gib, sampled_s=0.3)
+    assert said.startswith("killed by SIGKILL; its memory was 3.90 GiB of its 4.00 GiB "
+                           "limit 0.3 s before it ended; the machine had 0.25 GiB of 16.00 "
+                           "GiB available; near the limit: most likely the kernel's OOM "
+                           "killer")
+    assert exit_reason(3) == "exited with status 3"
+    assert exit_reason(-11, rss=gib) == "killed by SIGSEGV; its memory was 1.00 GiB"
+
+
 @pytest.mark.slow
 def test_workers_killed_at_random_moments_cost_time_not_results(tmp_path):
     # the harness of benchmarks/chaos.py, short: an untouched run, then two runs each

@@ -147,6 +147,20 @@ def test_report_plots_each_reward_function_and_the_multi_turn_metrics_when_logge
     assert "Reward functions" not in plain and "Multi-turn" not in plain
 
 
+def test_report_marks_each_recovery_from_a_lost_worker_with_its_cause(tmp_path):
+    from rlhfflow.monitor.workerlogs import record_recovery
+
+    run = _made_run(tmp_path, [0.1, 0.2, 0.3, 0.4])
+    assert "recovery 1" not in build_report(run, samples=0)
+    record_recovery(run, 2, 1, "worker tcp://x left the cluster while it held resident "
+                    "models (killed by SIGKILL; <its memory>)", 1795862026.5)
+    page = build_report(run, samples=0)
+    assert ("<li>recovery 1, 2026-11-28 10:33:46 UTC, with iterations up to 2 logged: "
+            "worker tcp://x left the cluster while it held resident models (killed by "
+            "SIGKILL; &lt;its memory&gt;); resumed after iteration 1 (its checkpoint), "
+            "redoing what followed</li>") in page
+
+
 def test_report_sample_prompts_show_the_users_last_turn(tmp_path):
     import json
 

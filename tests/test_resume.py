@@ -265,6 +265,15 @@ def test_a_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     assert proc.returncode == 0, stderr
     assert "recovering from the last checkpoint" in stderr
     _assert_each_iteration_once(out, iterations)
+    # why it was lost: in the run's line, in the worker's log, marked in the report
+    assert "left the cluster while it held resident models (killed by SIGKILL; " in stderr
+    logs = "".join(p.read_text() for p in (out / "logs").glob("worker-*.log"))
+    assert f"(pid {workers[0].pid}) ended: killed by SIGKILL; its memory was " in logs
+    [recovery] = MetricsLog(out / "recoveries.jsonl").read()
+    assert "killed by SIGKILL" in recovery["cause"] and recovery["logged"] >= 1
+    from rlhfflow.monitor.report import build_report
+
+    assert "<li>recovery 1, " in build_report(out, samples=0)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlhfflow.errors import UserError
 from rlhfflow.monitor.completions import episode_turns
-from rlhfflow.monitor.workerlogs import LOG_DIRECTORY, log_tails
+from rlhfflow.monitor.workerlogs import LOG_DIRECTORY, log_tails, recoveries
 from rlhfflow.storage import MetricsLog
 
 TASKS_FILE = "tasks.jsonl"
@@ -226,8 +226,11 @@ def _kl_coef(run_dir: Path) -> float | None:
         return None
 
 
-def stage_time_plot(metrics: list[dict[str, Any]]) -> str:
-    """Compute seconds per stage per iteration (stacked), with the iteration's wall time."""
+def stage_time_plot(metrics: list[dict[str, Any]],
+                    lost: Sequence[dict[str, Any]] = ()) -> str:
+    """Compute seconds per stage per iteration (stacked), with the iteration's wall time;
+    each recovery of ``lost`` (``recoveries.jsonl``) a dashed line where the run went
+    back to (after its checkpoint's iteration)."""
     import matplotlib.pyplot as plt
 
     stages = sorted({s for r in metrics for s in r.get("stage_s") or {}})
@@ -247,6 +250,12 @@ def stage_time_plot(metrics: list[dict[str, Any]]) -> str:
         ax.set_ylim(0, top)
         ax.annotate(f"{wall[0]:.1f} s (loads the models)", (wx[0], top), xytext=(8, -14),
                     textcoords="offset points", fontsize=8)
+    for n, r in enumerate(lost, 1):
+        x0 = r["resumed_after"] + 0.5
+        ax.axvline(x0, color="red", linestyle="--", linewidth=1)
+        ax.annotate(f"recovery {n}: worker lost after {r['logged']}, redone from "
+                    f"{r['resumed_after'] + 1}", (x0, 1), xycoords=("data", "axes fraction"),
+                    xytext=(4, -12 * n), textcoords="offset points", fontsize=8, color="red")
     ax.set_xlabel("iteration")
     ax.set_ylabel("seconds")
     ax.set_title("compute time per stage (stacked; above the wall time = overlap)")
@@ -439,6 +448,7 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
                           f"(recorded: {recorded[0]}..{recorded[-1]})")
     name = _run_name(run_dir)
     kl_coef = _kl_coef(run_dir)
+    lost = recoveries(run_dir)
     parts = [f"<h1>rlhfflow report: {html.escape(name)}</h1>",
              f"<p class='path'>{html.escape(str(run_dir.resolve()))}</p>",
              _summary_table(metrics),
@@ -448,9 +458,9 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
                [f"<p class='note'>KL: {html.escape(kl_absent(kl_coef).replace(chr(10), ' '))}"
                 f".</p>"]),
              *_component_sections(metrics),
-             "<h2>Time per stage</h2>", _img(stage_time_plot(metrics), "stage time"),
+             "<h2>Time per stage</h2>", _img(stage_time_plot(metrics, lost), "stage time"),
              "<h2>Worker busy fractions</h2>", _img(busy_plot(metrics), "busy fractions"),
-             "<h2>Timeline</h2>"]
+             "<h2>Timeline</h2>", *_recoveries(lost)]
     for k in chosen:
         png = gantt_plot(tasks, k)
         parts.append(_img(png, f"timeline of iteration {k}") if png else
@@ -467,6 +477,26 @@ def build_report(run_dir: str | Path, iterations: Sequence[int] | None = None,
                      f"<th>response</th><th>score</th></tr>{body}</table>")
     parts.append(_worker_logs(run_dir))
     return _PAGE.format(title=html.escape(f"rlhfflow report: {name}"), body="\n".join(parts))
+
+
+def _recoveries(lost: Sequence[dict[str, Any]]) -> list[str]:
+    """The recoveries from lost workers as a list (dashed lines on the stage-time plot):
+    when, what was lost and why, and where the run went back to."""
+    if not lost:
+        return []
+    import datetime
+
+    items = []
+    for n, r in enumerate(lost, 1):
+        when = datetime.datetime.fromtimestamp(r["time"], datetime.UTC)
+        back = f"after iteration {r['resumed_after']}" if r["resumed_after"] >= 0 \
+            else "from the start"
+        items.append(f"<li>recovery {n}, {when:%Y-%m-%d %H:%M:%S} UTC, with iterations up "
+                     f"to {r['logged']} logged: {html.escape(r['cause'])}; resumed {back} "
+                     f"(its checkpoint), redoing what followed</li>")
+    return [f"<p class='note'>The run recovered from {len(lost)} lost worker(s) (the "
+            f"dashed lines above; the worker's log says why it ended):</p>"
+            f"<ul class='recoveries'>{''.join(items)}</ul>"]
 
 
 def _response_cell(response: str | list[dict[str, Any]]) -> str:

@@ -3,7 +3,9 @@ code's prints, logging and warnings, a traceback) to ``OUT/logs/worker-N.log``
 (``rlhfflow.runtime.worker.process``); the coordinator copies what they write to its
 own standard error as it comes (``WorkerOutput``), so that it reaches the terminal of
 whoever started the run whether the workers are its children or forks of a warm server;
-``rlhfflow report`` shows the end of each log (``log_tails``).
+``rlhfflow report`` shows the end of each log (``log_tails``). A worker lost mid-run (its
+nanny writes why in its log: ``rlhfflow.runtime.nanny``) and the recovery that followed
+are recorded in ``OUT/recoveries.jsonl`` (``record_recovery``), which the report marks.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+from rlhfflow.storage.metrics import MetricsLog
 
 LOG_DIRECTORY = "logs"
 """The run directory's folder of worker logs."""
+RECOVERIES_FILE = "recoveries.jsonl"
+"""The run directory's record of its recoveries from lost workers (never cut back)."""
 
 
 def worker_log(log_dir: Path, index: int) -> Path:
@@ -90,3 +96,21 @@ def log_tails(run_dir: Path, lines: int = 20) -> dict[str, list[str]]:
             continue
         tails[path.name] = text.splitlines()[-lines:]
     return tails
+
+
+def record_recovery(run_dir: Path, logged: int, resumed_after: int, cause: str,
+                    when: float) -> None:
+    """Record that the run in ``run_dir`` lost a worker (``cause``, the run's line about
+    it) at ``when`` (a time stamp), with iterations up to ``logged`` in metrics.jsonl,
+    and went back to its checkpoint of ``resumed_after`` (-1: the start)."""
+    MetricsLog(run_dir / RECOVERIES_FILE).append(
+        {"time": round(when, 3), "logged": logged, "resumed_after": resumed_after,
+         "cause": cause})
+
+
+def recoveries(run_dir: Path) -> list[dict[str, Any]]:
+    """The recoveries recorded in ``run_dir``, oldest first ([] for none)."""
+    try:
+        return MetricsLog(run_dir / RECOVERIES_FILE).read()
+    except (OSError, ValueError):
+        return []

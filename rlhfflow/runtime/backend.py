@@ -187,7 +187,9 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
     writes its output to ``log_dir/worker-i.log`` (``rlhfflow.monitor.workerlogs``). The
     scheduler declares a worker lost when its connection closes (its process died) or
     when it sent no heartbeat for ``heartbeat_timeout_s``."""
-    from distributed import Nanny, Scheduler, SpecCluster
+    from distributed import Scheduler, SpecCluster
+
+    from rlhfflow.runtime.nanny import WatchedNanny
 
     gpus = _cuda_count() if device in ("auto", "cuda") else 0
     if device == "cuda" and gpus == 0:
@@ -206,7 +208,7 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {})}
         if log_dir is not None:
             env[WORKER_LOG_VAR] = str(worker_log(log_dir, i))
-        specs[f"device-{i}"] = {"cls": Nanny, "options": {
+        specs[f"device-{i}"] = {"cls": WatchedNanny, "options": {
             "nthreads": 1, "resources": {"device": 1}, "host": host, "env": env,
             "memory_limit": memory_limit, "name": f"device-{i}",
             # if the coordinator (and with it the scheduler) dies, workers exit
@@ -216,7 +218,7 @@ def local_cluster(workers: int, host: str = "127.0.0.1", dashboard_address: str 
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         if log_dir is not None:
             env[WORKER_LOG_VAR] = str(worker_log(log_dir, workers + i))
-        specs[f"env-{i}"] = {"cls": Nanny, "options": {
+        specs[f"env-{i}"] = {"cls": WatchedNanny, "options": {
             "nthreads": 1, "resources": {ENV_RESOURCE: 1}, "host": host, "env": env,
             "memory_limit": memory_limit, "name": f"env-{i}", "death_timeout": 30}}
     scheduler = {"cls": Scheduler, "options": {"host": host,
@@ -350,6 +352,18 @@ def embedded_worker_processes(coordinator) -> list:
 #: Measured on grpo-tiny's worker (``strace -c``): 285 -> 219 futex calls (GIL hand-offs)
 #: and 21 -> 18 socket calls per iteration.
 INLINE_DATA_BYTES = 1 << 20
+
+
+def _why(address: str, wait: float = 1.0) -> str:
+    """Why the worker at ``address`` ended, as its nanny (in this process, for an
+    embedded cluster) saw it, waiting up to ``wait`` seconds for the nanny to notice:
+    ``" (REASON)"``, or "" (a cluster of one's own, or a worker that did not end)."""
+    from rlhfflow.runtime.nanny import loss_reason
+
+    deadline = time.monotonic() + wait
+    while (reason := loss_reason(address)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return f" ({reason})" if reason else ""
 
 
 def data_bytes(data: Any) -> int:
@@ -634,7 +648,8 @@ class DaskBackend:
             gone = [w for w in pinned if w not in alive]
             if gone:
                 raise WorkerLost(f"worker {gone[0]} left the cluster while it held "
-                                 f"resident models{self._timed_out(gone[0])}")
+                                 f"resident models"
+                                 f"{self._timed_out(gone[0]) or _why(gone[0])}")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.25)

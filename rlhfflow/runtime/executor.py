@@ -26,6 +26,7 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.monitor import RunMonitor
+from rlhfflow.monitor.workerlogs import record_recovery
 from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
 from rlhfflow.plan.compiler import (
     Begin,
@@ -475,11 +476,17 @@ class Executor:
         """After a worker was lost: wait for workers, cut the run back to its last
         checkpoint, reinstall the resident state everywhere; returns the next iteration."""
         self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
+        lost_at = time.time()
         self._await_workers(exc)
         checkpoint, damaged = self.checkpointer.store.latest_whole()
         if damaged:
             self._say(f"rlhfflow: {damaged_line(damaged, checkpoint)}")
         keep = checkpoint.iteration if checkpoint else -1
+        # before the cut: the iterations logged when the worker was lost (the report
+        # marks the recovery on its curves)
+        logged = max((r["iteration"] for r in self.log.read()
+                      if isinstance(r.get("iteration"), int)), default=-1)
+        record_recovery(self.out, logged, keep, str(exc), lost_at)
         cut_back(self.out, keep, self.buffer)
         self.last_checkpoint = keep
         self.models = self._from_checkpoint(self.initial_models, checkpoint)
