@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -318,6 +319,42 @@ def test_ctrl_c_finishes_the_iteration_checkpoints_and_resumes(tmp_path):
     assert not (out / "models" / "actor" / "final").exists()
 
     again = _cli(str(path))
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    _assert_each_iteration_once(out, iterations)
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_what_was_submitted_ahead_of_the_iteration_in_flight(tmp_path):
+    # iterations run ahead (the next one is submitted while one is waited for, and the
+    # generation of the one after with max_staleness 1): Ctrl-C used to finish the next
+    # iteration too. Training is the longer part here (20 epochs), as on a real model.
+    iterations = 6
+    (tmp_path / "p").mkdir()
+    path = small_pipeline(tmp_path / "p", iterations=iterations, overrides={
+        "cluster.workers": 2, "checkpoint.every": 0, "placement.strategy": "disaggregated",
+        "overlap.max_staleness": 1, "stages.train_actor.params.epochs": 20})
+    out = tmp_path / "p" / "out"
+    proc = _cli(str(path), start_new_session=True)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    time.sleep(0.3)  # into the wait for iteration 2 (~1 s of training), 3 submitted
+    os.killpg(proc.pid, signal.SIGINT)
+    in_flight = len((out / "metrics.jsonl").read_text().splitlines())  # its index
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    [said] = [line for line in stderr.splitlines() if line.startswith("rlhfflow: stopping")]
+    done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
+    assert done == list(range(len(done)))
+    # the iteration in flight; the next only where its update had begun (the signal
+    # came as the update of the one in flight ended), which is said
+    begun = "its model update had already begun, which cannot be undone" in said
+    assert done[-1] <= in_flight + begun, (in_flight, said)
+    assert begun or re.search(rf"; cancelled iterations? {done[-1] + 1}\b", said), said
+    assert said.endswith("then saving a checkpoint"), said
+    assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
+    assert ExperienceBuffer(out / "buffer.zarr").iterations() == done
+
+    again = _cli(str(path))  # nothing was left half-done: the resume runs the rest once
     stdout, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr
     _assert_each_iteration_once(out, iterations)

@@ -39,6 +39,9 @@ from rlhfflow.runtime.worker.process import WORKER_LOG_VAR
 logger = logging.getLogger(__name__)
 
 WORKER_PRELOAD = "rlhfflow.runtime.worker.process"
+#: How often a wait given a ``tick`` calls it (seconds): a stop request cancels what was
+#: submitted ahead within this, before the update of the next iteration can start.
+TICK_S = 0.2
 """What an embedded cluster's worker process runs as it starts (a Dask preload)."""
 
 
@@ -131,8 +134,9 @@ class InlineBackend:
         """Data is already here."""
         return _Done(key, data)
 
-    def wait(self, handles: Sequence[_Done], pinned: Sequence[str] = ()) -> None:
-        """Raise ``TaskFailed`` for the first failed task."""
+    def wait(self, handles: Sequence[_Done], pinned: Sequence[str] = (),
+             tick: Callable[[], None] | None = None) -> None:
+        """Raise ``TaskFailed`` for the first failed task (all have run: no ``tick``)."""
         for h in handles:
             if h.error is not None:
                 raise TaskFailed(h.key, h.error)
@@ -157,6 +161,13 @@ class InlineBackend:
         """The in-process worker cannot be lost."""
 
     def cancel_all(self) -> None:
+        """Nothing is ever queued inline."""
+
+    def states(self, handles: Sequence[_Done]) -> list[str]:
+        """Every task inline has run: ``memory`` (or ``erred``)."""
+        return ["erred" if h.error is not None else "memory" for h in handles]
+
+    def cancel(self, handles: Sequence[_Done]) -> None:
         """Nothing is ever queued inline."""
 
     def wait_for_workers(self, count: int, timeout: float) -> bool:
@@ -379,6 +390,11 @@ def data_bytes(data: Any) -> int:
     return total
 
 
+def _states(keys: list[str], dask_scheduler=None) -> dict[str, str]:
+    """On the scheduler: the state of each of ``keys`` it still has."""
+    return {k: dask_scheduler.tasks[k].state for k in keys if k in dask_scheduler.tasks}
+
+
 def _retries_left(keys: list[str], dask_scheduler=None) -> dict[str, int]:
     """On the scheduler: the retries each of ``keys`` has left."""
     tasks = dask_scheduler.tasks
@@ -593,9 +609,12 @@ class DaskBackend:
             raise
         return future
 
-    def wait(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> None:
+    def wait(self, handles: Sequence[Any], pinned: Sequence[str] = (),
+             tick: Callable[[], None] | None = None) -> None:
         """Wait for ``handles``; raise ``TaskFailed`` at the first error, ``WorkerLost`` if a
         worker that holds models leaves (its pinned tasks would otherwise wait forever).
+        ``tick`` is called about every ``TICK_S`` seconds meanwhile (the executor's stop
+        request is acted on there, during the wait).
 
         ``handles`` come in dependency order (as the executor submits them): a failed task
         is blamed on the earliest failed handle, the one that raised."""
@@ -606,13 +625,18 @@ class DaskBackend:
         finished: queue.SimpleQueue = queue.SimpleQueue()
         for h in unique:
             h.add_done_callback(finished.put)
+        checked = time.monotonic()
         for _ in unique:
             while True:
                 try:
-                    f = finished.get(timeout=2)
+                    f = finished.get(timeout=TICK_S if tick else 2)
                     break
                 except queue.Empty:
-                    self._check_alive(pinned)
+                    if tick:
+                        tick()
+                    if time.monotonic() - checked >= 2:
+                        self._check_alive(pinned)
+                        checked = time.monotonic()
             if f.status in ("error", "cancelled"):
                 # Dask fails every task downstream of a failed one too, with the same
                 # exception, and reports them together in no order: take the earliest
@@ -704,6 +728,26 @@ class DaskBackend:
         """Restart every worker process (their nannies start fresh ones): a process
         group whose member died cannot be repaired, only replaced with new processes."""
         self.client.restart(wait_for_workers=False)
+
+    def states(self, handles: Sequence[Any]) -> list[str]:
+        """Each task's state as the scheduler has it (``waiting``, ``queued``,
+        ``processing``: sent to a worker, maybe running, ``memory``: done, ``erred``;
+        ``forgotten``: no longer there), in one request. Data placed as it is (no
+        future): ``memory``."""
+        keys = [h.key for h in handles if hasattr(h, "key")]
+        found = self.client.run_on_scheduler(_states, keys) if keys else {}
+        return [found.get(h.key, "forgotten") if hasattr(h, "key") else "memory"
+                for h in handles]
+
+    def cancel(self, handles: Sequence[Any]) -> None:
+        """Cancel ``handles`` and what depends on them: a task not started never runs; one
+        running on a worker runs to its end there (a thread cannot be interrupted), and
+        its result is dropped."""
+        for h in handles:
+            self._submitted.discard(h)
+            self._retries.pop(h.key, None)
+        if handles:
+            self.client.cancel(list(handles), force=True)
 
     def cancel_all(self) -> None:
         """Cancel every task of this run that has not finished."""

@@ -87,15 +87,25 @@ class Checkpointer:
             by_model.setdefault(spec.model, []).append(handle)
         self.pending[k] = (directory, by_model)
 
-    def publish(self, k: int) -> None:
+    def publish(self, k: int, expected: Mapping[str, int] | None = None) -> None:
         """Wait for checkpoint ``k``'s tasks, then make it visible (state.json last,
         rename) and prune old ones. Nothing, when iteration ``k`` had nothing to save
-        (a pipeline that trains no model, such as an evaluation)."""
+        (a pipeline that trains no model, such as an evaluation). With ``expected`` (the
+        models' versions after iteration ``k``), a model saved at another version is a
+        ``RunError`` and nothing is published."""
         if k not in self.pending:
             return
         directory, handles = self.pending.pop(k)
         self.wait({f"checkpoint[{m}]": h for m, hs in handles.items() for h in hs}, k)
         saved = {m: self.dataflow.backend.gather(hs[:1])[0] for m, hs in handles.items()}
+        for m, result in saved.items():
+            if expected is not None and m in expected and result["version"] != expected[m]:
+                # a stop cancelled the next iteration as its update began: these weights
+                # are not iteration k's
+                raise RunError(f"the checkpoint of iteration {k} was not saved: model "
+                               f"{m!r} was at version {result['version']}, not "
+                               f"{expected[m]} (the next iteration's update began as the "
+                               f"run stopped); the run resumes from its last checkpoint")
         spec = self.pipeline.spec
         state = {"versions": {m: r["version"] for m, r in saved.items()},
                  "seed": spec.seed,

@@ -66,6 +66,7 @@ class Dataflow:
         self.stored = list(stored)
         self.handles: dict[str, Any] = {}
         self._iteration: dict[str, int] = {}
+        self._specs: dict[str, Task] = {}  # id -> task
         self._tasks: dict[str, Task] = {}  # backend key -> task
 
     def submit(self, specs: Iterable[Task], batch: Batch | None = None,
@@ -78,6 +79,7 @@ class Dataflow:
             handle = self._submit(spec, batch=batch, directory=directory)
             self.handles[spec.id] = handle
             self._iteration[spec.id] = spec.iteration
+            self._specs[spec.id] = spec
             out.append(handle)
         return out
 
@@ -89,17 +91,28 @@ class Dataflow:
         """The handles of ``ids``."""
         return [self.handles[i] for i in ids]
 
+    def tasks(self) -> dict[str, Task]:
+        """The tasks whose handles are held (not forgotten), by id."""
+        return dict(self._specs)
+
     def forget_before(self, iteration: int) -> None:
         """Drop the handles of iterations before ``iteration`` (nothing refers to them
         any more), so Dask can release their results."""
-        for key in [k for k, i in self._iteration.items() if 0 <= i < iteration]:
-            del self.handles[key], self._iteration[key]
-        self._tasks = {k: t for k, t in self._tasks.items() if not 0 <= t.iteration < iteration}
+        self.forget([i for i, k in self._iteration.items() if 0 <= k < iteration])
+
+    def forget(self, ids: Iterable[str]) -> None:
+        """Drop the handles of ``ids`` (done with, or cancelled)."""
+        keys = set()
+        for i in ids:
+            keys.add(getattr(self.handles.pop(i), "key", None))
+            del self._iteration[i], self._specs[i]
+        self._tasks = {k: t for k, t in self._tasks.items() if k not in keys}
 
     def clear(self) -> None:
         """Forget every handle (after a recovery cut the run back)."""
         self.handles.clear()
         self._iteration.clear()
+        self._specs.clear()
         self._tasks.clear()
 
     # ----------------------------------------------------------------- one task

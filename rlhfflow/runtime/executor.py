@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from rlhfflow.plan.compiler import (
 from rlhfflow.plan.flops import stage_work
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
 from rlhfflow.plan.shapes import model_shapes
+from rlhfflow.plan.tasks import StageTask
 from rlhfflow.runtime.backend import (
     InlineBackend,
     TaskFailed,
@@ -69,6 +71,7 @@ from rlhfflow.runtime.runstate import (
     inexact_resume,
     pipeline_identity,
 )
+from rlhfflow.runtime.stopping import plan_stop
 from rlhfflow.runtime.telemetry import (
     StartupClock,
     Telemetry,
@@ -156,6 +159,9 @@ class Executor:
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
+        self._versions_after: dict[int, dict[str, int]] = {}
+        self._unfinished: dict[int, IterationTasks] = {}
+        self._stop_said = False
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
         self.tiny: dict[str, dict[str, Any]] = {}  # tiny models to build: tiny_models
         self.clock = clock or StartupClock()
@@ -391,15 +397,16 @@ class Executor:
         # each record is appended to metrics.jsonl and published as it is made; none is
         # kept here (a few KB each: 0.01 MB an iteration of a long run's coordinator)
         last = first - 1
-        unfinished: dict[int, IterationTasks] = {}
+        # iterations whose every stage was submitted, not finished yet (a stop cancels
+        # some: ``_stop_ahead``)
+        self._unfinished = unfinished = {}
+        self._stop_said = False
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
                              self.backend.pipelined):
             if isinstance(step, Start):
                 if self.stop is not None and self.stop.is_set():
-                    in_flight = f"iteration {list(unfinished)[-1]}" if unfinished else "nothing"
-                    self._say(f"rlhfflow: stopping: finishing {in_flight} in flight, then "
-                              f"saving a checkpoint")
+                    self._stop_ahead(last)
                     break
             elif isinstance(step, Begin):
                 self._begin(step)
@@ -409,11 +416,12 @@ class Executor:
             else:
                 last = self._finish(unfinished.pop(step.it.index))["iteration"]
                 self.dataflow.forget_before(step.it.index)
-        for it in unfinished.values():  # stopped: the iteration in flight
-            last = self._finish(it)["iteration"]
+        for it in list(unfinished.values()):  # stopped: those whose update had begun
+            last = self._finish(unfinished.pop(it.index))["iteration"]
         if last > self.last_checkpoint:
             self.checkpointer.submit(last, self.compiler.checkpoint(last, {}))
-            self._publish_checkpoint(last)
+            # stopped, the models must still be at iteration ``last``'s versions
+            self._publish_checkpoint(last, expected=self._versions_after.get(last))
         # the summaries, once, from the file: this loop's records
         records = [r for r in self.log.read() if r.get("iteration", -1) >= first]
         evaluation = evaluation_summary(self.graph, records)
@@ -471,6 +479,71 @@ class Executor:
         self.dataflow.submit(step.stages)
         self.dataflow.submit(step.stores)
         self.checkpointer.submit(k, step.checkpoint)
+        # the versions the models have once iteration k is done (its update compiled)
+        self._versions_after[k] = dict(self.compiler.versions)
+        self._versions_after.pop(k - 2 - self.plan.max_staleness, None)
+
+    def _stop_ahead(self, done: int, waiting: bool = False) -> None:
+        """A stop was requested: cancel what was submitted for the iterations after
+        ``done`` (``waiting``: the one in flight, else the last finished), the next
+        iteration's tasks and the stages run ahead, except what cannot be undone
+        (``plan_stop``); say once what the run still waits for, and why."""
+        tasks = self.dataflow.tasks()
+        ids = [i for i, task in tasks.items() if task.iteration > done]
+        if not ids:
+            if not self._stop_said:
+                self._stop_said = True
+                self._say(f"rlhfflow: stopping: finishing iteration {done} in flight, then "
+                          f"saving a checkpoint" if waiting else
+                          f"rlhfflow: stopping after iteration {done}, then saving a "
+                          f"checkpoint")
+            return
+        states = dict(zip(ids, self.backend.states(self.dataflow[ids]), strict=True))
+        stop = plan_stop(done, self._unfinished, tasks, states,
+                         lambda task: any(self.graph.nodes[n].trains
+                                          for n in getattr(task, "stages", ())))
+        self.backend.cancel([h for h in self.dataflow[stop.cancel] if hasattr(h, "key")])
+        self.dataflow.forget(stop.cancel)
+        cancelled = sorted({tasks[i].iteration for i in stop.cancel} - set(stop.finish))
+        for k in cancelled:
+            self._unfinished.pop(k, None)
+            self.checkpointer.pending.pop(k, None)  # its directory: cleaned at resume
+        if self._stop_said:
+            return
+        self._stop_said = True
+        finishing = [done] * waiting + list(stop.finish)
+        line = f"rlhfflow: stopping: finishing {_iterations(finishing)} in flight" \
+            if finishing else f"rlhfflow: stopping after iteration {done}"
+        if waiting and stop.finish:  # the next one's update started as the stop came
+            line += (f" ({_iterations(stop.finish)}: its model update had already begun, "
+                     f"which cannot be undone{self._estimate(stop.finish)})")
+        if cancelled:
+            line += f"; cancelled {_iterations(cancelled)}, submitted ahead"
+        running = sorted({(tasks[i].iteration, getattr(tasks[i], "label", tasks[i].id))
+                          for i in stop.running if isinstance(tasks[i], StageTask)})
+        if running:
+            line += ("; " + ", ".join(f"{label} of iteration {k}" for k, label in running)
+                     + " had started: the checkpoint waits for it (a running task cannot "
+                     "be interrupted" + self._estimate([], [label for _, label in running])
+                     + ")")
+        self._say(line + "; then saving a checkpoint")
+
+    def _estimate(self, iterations: Sequence[int], stages: Sequence[str] = ()) -> str:
+        """``", about N s"``: how long ``iterations`` (or ``stages``, by their compute
+        in the last iteration logged) take, as the last iteration logged took; "" before
+        one was."""
+        records = self.log.read()
+        if not records:
+            return ""
+        last = records[-1]
+        if stages:
+            compute = last.get("stage_s") or {}
+            seconds = max(sum(compute.get(n, 0.0) for n in label.split("+"))
+                          for label in stages)
+        else:
+            seconds = len(iterations) * (last.get("iteration_s") or 0.0)
+        return f", about {seconds:.0f} s as in iteration {last['iteration']}" \
+            if seconds >= 1 else ""
 
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
@@ -517,8 +590,8 @@ class Executor:
                            f"{timeout:g}; the run can be resumed from its last checkpoint"
                            ) from None
 
-    def _publish_checkpoint(self, k: int) -> None:
-        self.checkpointer.publish(k)
+    def _publish_checkpoint(self, k: int, expected: dict[str, int] | None = None) -> None:
+        self.checkpointer.publish(k, expected)
         self.last_checkpoint = k
 
     def _response_len(self) -> int:
@@ -536,7 +609,12 @@ class Executor:
         all_handles = {f"{n}[{j}]": h for n, hs in handles.items() for j, h in enumerate(hs)}
         all_handles.update({f"store[{j}]": h for j, h in enumerate(stores)})
         all_handles.update({f"realloc[{j}]": h for j, h in enumerate(installs)})
-        self._wait_and_gather(all_handles, it.index, gather=False)
+        # a stop requested meanwhile cancels what was submitted after this iteration
+        # at once: before the next iteration's update can start
+        tick = (lambda: self._stop_ahead(it.index, waiting=True) if self.stop.is_set()
+                else None) \
+            if self.stop is not None else None
+        self._wait_and_gather(all_handles, it.index, gather=False, tick=tick)
         # each result once: a task that stored its own rows is also the iteration's
         # trainer (every fetch is a request the worker's event loop serves)
         wanted = list({id(h): h for h in [*stores, *trainers.values(), *reporters.values(),
@@ -582,9 +660,10 @@ class Executor:
         self._wait_and_gather(handles, iteration, gather=False)
 
     def _wait_and_gather(self, handles: dict[str, Any], iteration: int | None,
-                         gather: bool = True) -> dict[str, Any]:
+                         gather: bool = True, tick: Callable[[], None] | None = None
+                         ) -> dict[str, Any]:
         try:
-            self.backend.wait(list(handles.values()), pinned=self.addresses)
+            self.backend.wait(list(handles.values()), pinned=self.addresses, tick=tick)
         except TaskFailed as exc:
             if self.plan.gangs:
                 # a gang's survivors fail in their collective when a peer dies: that is
@@ -651,3 +730,8 @@ def _token() -> str:
 def _format_stats(stats: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in stats.items())
+
+
+def _iterations(ks: Sequence[int]) -> str:
+    """``iteration 4`` or ``iterations 4-6`` (``ks`` consecutive, in order)."""
+    return f"iteration {ks[0]}" if len(ks) == 1 else f"iterations {ks[0]}-{ks[-1]}"

@@ -1,0 +1,75 @@
+"""What a stop request (Ctrl-C, SIGTERM) cancels: the rule on task specs, without Dask.
+
+A run submits ahead of the iteration it waits for: the next iteration's tasks (so the
+scheduler starts them the moment their inputs exist) and, with ``overlap.max_staleness``,
+the stages that run ahead. A stop finishes the iteration in flight and cancels the rest,
+except what cannot be undone: a task that updates a model (a training stage, a weight
+install), once started, has moved the model past the iteration in flight, so its
+iteration is finished too (the checkpoint then holds that iteration's weights); a gang
+with a started rank runs whole (its peers would wait in their collective forever).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+
+from rlhfflow.plan.tasks import InstallTask, StageTask, Task
+
+#: Scheduler states of a task that has been sent to a worker (and may be running there)
+#: or has run.
+STARTED = frozenset({"processing", "memory", "erred"})
+
+
+@dataclass(frozen=True)
+class StopPlan:
+    """What a stop does with the tasks submitted after the iteration in flight.
+
+    Attributes:
+        finish: the iterations after it that are finished too (an update of theirs
+            started), in order.
+        cancel: the ids of the tasks cancelled.
+        running: the ids among ``cancel`` already sent to a worker: each runs to its end
+            there (a running task cannot be interrupted), its result dropped.
+    """
+
+    finish: tuple[int, ...]
+    cancel: tuple[str, ...]
+    running: tuple[str, ...]
+
+
+def plan_stop(done: int, unfinished: Collection[int], tasks: Mapping[str, Task],
+              states: Mapping[str, str], trains: Callable[[Task], bool]) -> StopPlan:
+    """The stop of a run that finishes iteration ``done`` (the one in flight). ``tasks``
+    (by id) are those it still holds, ``states`` the scheduler state of those after
+    ``done``; ``unfinished`` the iterations after ``done`` whose every stage was
+    submitted (the others only their stages that run ahead); ``trains``: whether a stage
+    task updates a model."""
+    def binding(task: Task) -> bool:  # started, it cannot be undone or left half-done
+        return isinstance(task, InstallTask) or (
+            isinstance(task, StageTask) and (bool(task.gang) or trains(task)))
+
+    started = {i for i, task in tasks.items()
+               if task.iteration > done and states.get(i) in STARTED}
+    through = max([tasks[i].iteration for i in started
+                   if binding(tasks[i]) and tasks[i].iteration in unfinished], default=done)
+    keep = {i for i, task in tasks.items() if task.iteration <= through}
+    # a gang with a started rank runs whole (in an iteration of ahead stages only, the
+    # rest of that iteration is cancelled)
+    gangs = {(tasks[i].iteration, tasks[i].stages) for i in started
+             if isinstance(tasks[i], StageTask) and tasks[i].gang}
+    keep |= {i for i, task in tasks.items()
+             if isinstance(task, StageTask) and (task.iteration, task.stages) in gangs}
+    # what a kept task waits for stays (Dask cancels a cancelled task's dependents):
+    # a trainer waits for the ahead stages of the next iteration, which read the
+    # weights before its update
+    pending = list(keep)
+    while pending:
+        for need in tasks[pending.pop()].needs():
+            if need in tasks and need not in keep:
+                keep.add(need)
+                pending.append(need)
+    cancel = tuple(i for i, task in tasks.items() if task.iteration > done and i not in keep)
+    return StopPlan(finish=tuple(sorted(k for k in unfinished if done < k <= through)),
+                    cancel=cancel,
+                    running=tuple(i for i in cancel if states.get(i) == "processing"))
