@@ -452,12 +452,14 @@ def kernel_timings(threads: int, shapes: Mapping[str, tuple[int, int, int]] = KE
 
 
 def measure_kernels(shapes: Mapping[str, tuple[int, int, int]], threads: int = 1,
-                    rounds: int = 2) -> dict[str, list[float]]:
+                    rounds: int = 2, seconds: float = 0.05) -> dict[str, list[float]]:
     """Time ``F.linear`` (MKL) and oneDNN's kernel on a product of each shape (rows,
     input features, output features) with ``threads`` torch threads: after one warm-up
-    each, ``rounds`` products each in turn; each kernel's best time (on a shared machine
-    the others' work only ever slows a product down). An output head's product is
-    bound by reading its weight (113 MB at SmolLM2's): ~0.15 s in all on one core."""
+    each, products each in turn, ``rounds`` at least and for ``seconds`` (at most 100
+    rounds); each kernel's best time (on a shared machine the others' work only ever
+    slows a product down, and a layer's 0.5 ms product is timed a hundred times). An
+    output head's product is bound by reading its weight (113 MB at SmolLM2's): ~0.15 s
+    in all on one core."""
     op = torch.ops.mkldnn._linear_pointwise
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -468,16 +470,19 @@ def measure_kernels(shapes: Mapping[str, tuple[int, int, int]], threads: int = 1
             # 49152 x 576 weight takes longer to draw than the products take to time
             x = torch.full((rows, inputs), 0.01)
             w = torch.full((features, inputs), 0.02)
-            best = [float("inf")] * 2
-            for round_ in range(rounds + 1):
+            best, spent, round_ = [float("inf")] * 2, 0.0, 0
+            while round_ <= rounds or (spent < seconds and round_ <= 100):
                 for onednn in (False, True):
                     start = time.perf_counter()
                     if onednn:
                         op(x, w, None, "none", [], "")
                     else:
                         F.linear(x, w)
+                    taken = time.perf_counter() - start
                     if round_:  # the first round warms up
-                        best[onednn] = min(best[onednn], time.perf_counter() - start)
+                        best[onednn] = min(best[onednn], taken)
+                        spent += taken
+                round_ += 1
             out[kind] = best
         return out
     finally:
