@@ -26,6 +26,11 @@ from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import read_score_errors, truncate_score_errors
 from tests.conftest import DATA, small_pipeline, tmpfs
 
+#: the calling convention, as a reward function called the wrong way is told it
+CONVENTION = ("rlhfflow calls fn(prompts: list[str], responses: list[str], **fields) -> "
+              "list[float], one value per row (or TRL's fn(prompts=..., completions=..., "
+              "**fields))")
+
 
 def _prompts(tmp_path, *bad_lines: str):
     lines = (DATA / "prompts.jsonl").read_text().splitlines()[:20]
@@ -80,13 +85,14 @@ def test_prompt_and_response_must_fit_the_model_context(tmp_path):
     ("raise KeyError('judge unavailable')", "RewardError: reward function score() raised at "
      "{file}:2: KeyError: 'judge unavailable'; set params.on_error: skip to leave such "
      "samples out"),
-    ("return [1.0]", "reward returned 1 scores for 4 responses"),
+    ("return [1.0]", f"reward returned 1 scores for 4 responses; {CONVENTION}"),
 ])
 def test_a_bad_reward_function_stops_the_run_naming_the_stage(tmp_path, body, expected):
     (tmp_path / "bad_reward.py").write_text(
         f"def score(prompts, responses):\n    {body}\n")
     path = small_pipeline(tmp_path, overrides={
-        "stages.reward.params.function": str(tmp_path / "bad_reward.py") + ":score"})
+        "stages.reward.params.function": str(tmp_path / "bad_reward.py") + ":score",
+        "stages.reward.params.check": False})  # the run's own checks, not the trial's
     with pytest.raises(RunError, match=r"^stage 'reward' failed in iteration 0: ") as err:
         run_pipeline(load_pipeline(path), progress=False, inline=True)
     assert expected.format(file=tmp_path / "bad_reward.py") in str(err.value)
@@ -428,23 +434,26 @@ def test_a_non_finite_loss_stops_the_run_naming_stage_iteration_and_model(tmp_pa
     ("import math\n    return [math.sqr(len(r)) for r in responses]",
      "reward function score() raised at {file}:3: AttributeError: module 'math' has no "
      "attribute 'sqr'"),
-    ("return 'good'", "reward function score() returned str for 1 response; expected one "
-                      "float per response"),
-    ("return [1.0, 0.0]", "reward function score() returned 2 numbers for 1 response; "
-                          "expected one float per response"),
-    ("return None", "reward function score() returned NoneType for 1 response; expected one "
-                    "float per response"),
+    ("return 'good'", "reward function score() returned str for 2 responses; {convention}"),
+    ("return [1.0, 0.0, 1.0]", "reward function score() returned 3 numbers for 2 responses; "
+                               "{convention}"),
+    ("return [1.0]", "reward function score() returned 1 number for 2 responses; "
+                     "{convention}"),
+    ("return None", "reward function score() returned NoneType for 2 responses; "
+                    "{convention}"),
 ])
-def test_a_reward_function_is_tried_once_at_validation(tmp_path, body, expected):
+def test_a_reward_function_is_tried_at_validation(tmp_path, body, expected):
     (tmp_path / "bad_reward.py").write_text(f"def score(prompts, responses):\n    {body}\n")
     path = small_pipeline(tmp_path, overrides={
         "stages.reward.params.function": "bad_reward.py:score"})
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert (result.exit_code, result.stdout) == (2, "")
+    fix = "fix it (or set params.check: false to skip the trial)"
+    expected = expected.format(file=tmp_path / "bad_reward.py", convention=CONVENTION)
     assert result.stderr == (
-        f"Error: {path}: stages.reward.params.function: a trial call on the first prompt "
-        f"record failed: {expected.format(file=tmp_path / 'bad_reward.py')}; fix it (or set "
-        f"params.check: false to skip the trial)\n")
+        f"Error: {path}: stages.reward.params.function: a trial call on two rows (the first "
+        f"prompt records, made-up responses) failed: {expected}"
+        f"{'; ' + fix if 'raised' in expected else ''}\n")
     result = CliRunner().invoke(main, ["validate", str(path),
                                        "stages.reward.params.check=false"])
     assert (result.exit_code, result.stderr) == (0, "")
@@ -460,13 +469,14 @@ def test_a_reward_that_may_need_a_real_response_is_only_a_warning(tmp_path):
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 0
     assert result.stderr == (
-        f"warning: {path}: stages.reward.params.function: a trial call on the first prompt "
-        f"record and a made-up response failed: reward function score() raised at "
-        f"{tmp_path / 'judge.py'}:3: AttributeError: 'NoneType' object has no attribute "
-        f"'group'; if real responses do not, set params.check: false\n")
+        f"warning: {path}: stages.reward.params.function: a trial call on two rows (the "
+        f"first prompt records, made-up responses) failed: reward function score() raised "
+        f"at {tmp_path / 'judge.py'}:3: AttributeError: 'NoneType' object has no attribute "
+        f"'group'; the made-up responses may cause that where real ones do not ({CONVENTION}): "
+        f"if real responses do not, set params.check: false\n")
 
 
-def test_the_trial_call_gets_the_first_record_and_its_fields(tmp_path):
+def test_the_trial_call_gets_the_first_records_and_their_fields(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "seen.py").write_text(
@@ -479,7 +489,7 @@ def test_the_trial_call_gets_the_first_record_and_its_fields(tmp_path):
         "data.prompts": str(prompts), "stages.reward.params.function": "seen.py:score"})
     load_pipeline(path)
     assert json.loads((tmp_path / "seen.json").read_text()) == [
-        ["2+2="], ["The answer is 42."], ["4"]]
+        ["2+2=", "1+1="], ["The answer is 42.", "I think it is 7."], ["4", "2"]]
 
 
 def test_the_trial_call_gives_a_trl_style_reward_the_chat_records_messages(
@@ -499,7 +509,8 @@ def test_the_trial_call_gives_a_trl_style_reward_the_chat_records_messages(
         "models.actor": {"path": str(chat_lm_dir), "trainable": True}})
     load_pipeline(path)
     assert json.loads((tmp_path / "trl.json").read_text()) == [
-        [chat], [[{"role": "assistant", "content": "The answer is 42."}]], ["4"]]
+        [chat, chat], [[{"role": "assistant", "content": "The answer is 42."}],
+                       [{"role": "assistant", "content": "I think it is 7."}]], ["4", "2"]]
     # a mistake in its code is caught by the same trial call
     (tmp_path / "typo.py").write_text(
         "def correct(prompts, completions, **kwargs):\n"

@@ -469,7 +469,9 @@ def test_scientific_float_is_accepted(tmp_path: Path) -> None:
     ("def judge(responses):\n    return [0.0] * len(responses)\n",
      {"function": "reward.py:judge"},
      "stages.reward.params.function: judge() cannot be called as judge(prompts, responses, "
-     "**kwargs): too many positional arguments"),
+     "**kwargs): too many positional arguments; rlhfflow calls fn(prompts: list[str], "
+     "responses: list[str], **fields) -> list[float], one value per row (or TRL's "
+     "fn(prompts=..., completions=..., **fields))"),
     ("def judge(prompts, responses, **options):\n    return [0.0] * len(responses)\n",
      {"function": "reward.py:judge", "kwargs": {"anything": 1}}, None),
 ])

@@ -309,21 +309,24 @@ def check_prompts(file: Path, pipeline: Pipeline) -> None:
                                     f"(give it a default, or add the field)")
             if getattr(params, "check", False) and source.texts:
                 _try_reward(file, f"stages.{name}.{key}", trial_call(
-                    entry, pipeline.base_dir, source.texts[0], source.fields[0]))
+                    entry, pipeline.base_dir, source.texts[:2], source.fields[:2],
+                    episodes=getattr(params, "episodes", False) is True))
+
+
+#: what the trial call was, as its messages say
+TRIAL = "a trial call on two rows (the first prompt records, made-up responses) failed"
 
 
 def _try_reward(file: Path, where: str, outcome: tuple[bool, str] | None) -> None:
-    """A reward function's trial call (``trial_call``): a mistake in its code is an
-    error; another exception a warning, since a real response may not raise it."""
+    """A reward function's trial call (``trial_call``): a mistake in its code or in its
+    calling convention is an error; another exception a warning, since a real response
+    may not raise it. ``trial_call``'s line says what to do."""
     if outcome is None:
         return
     fatal, line = outcome
     if fatal:
-        raise SpecError(file, where, f"a trial call on the first prompt record failed: "
-                        f"{line}; fix it (or set params.check: false to skip the trial)")
-    logging.getLogger(__name__).warning(
-        "warning: %s: %s: a trial call on the first prompt record and a made-up response "
-        "failed: %s; if real responses do not, set params.check: false", file, where, line)
+        raise SpecError(file, where, f"{TRIAL}: {line}")
+    logging.getLogger(__name__).warning("warning: %s: %s: %s: %s", file, where, TRIAL, line)
 
 
 def check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:

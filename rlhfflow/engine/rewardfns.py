@@ -1,14 +1,16 @@
 """How rlhfflow calls a user's reward function: the entry a pipeline gives
 (``RewardFunctionSpec``), the two calling conventions (rlhfflow's positional
 ``fn(prompts, responses, **fields)`` and TRL's ``fn(prompts=..., completions=...,
-**fields)``), the record fields a function takes, the checks made at validation (its
-signature, one trial call) and the one-line description of where it raised. Shared by
-the ``score`` and ``evaluate`` stages and the loader."""
+**fields)``), the record fields a function takes, each row's episode as messages (a
+parameter named ``episode``), the checks made at validation (its signature, a trial call
+on two rows) and the one-line description of where it raised. Shared by the ``score``
+and ``evaluate`` stages and the loader."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import re
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +112,9 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
     required, optional, _ = reward_fields(fn, {})
     named = required + optional
+    if EPISODE in kwargs:
+        return (f"kwargs.{EPISODE}", f"{EPISODE!r} is reserved: the stage gives it each "
+                                     f"row's episode as messages")
     for key in kwargs:
         if not takes_any and key not in named:
             hint = did_you_mean(key, named) or (
@@ -128,29 +133,44 @@ def check_signature(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str
     except TypeError as exc:
         shown = "completions=..." if takes_completions(fn) else "prompts, responses"
         return ("function", f"{fn.__name__}() cannot be called as "
-                            f"{fn.__name__}({shown}, **kwargs): {exc}")
+                            f"{fn.__name__}({shown}, **kwargs): {exc}; rlhfflow calls "
+                            f"{CONVENTION}")
     return None
 
 
 #: exceptions of a trial call that no real row would avoid: refused at validation
 _CODE_ERRORS = (ImportError, NameError)
-#: what the trial call gives for the response (a real one is the model's)
-TRIAL_RESPONSE = "The answer is 42."
+#: the calling conventions, as the messages of a function called the wrong way name them
+CONVENTION = ("fn(prompts: list[str], responses: list[str], **fields) -> list[float], one "
+              "value per row (or TRL's fn(prompts=..., completions=..., **fields))")
+#: what the trial call gives for the responses (real ones are the model's): two rows,
+#: different, so that a function that returns one number whatever it gets is caught
+TRIAL_RESPONSES = ("The answer is 42.", "I think it is 7.")
+#: what an exception says when a function took a list for the one string it expected
+_ON_A_LIST = re.compile(r"\blist\b")
 
 
-def trial_call(entry: RewardFunctionSpec, base_dir: str | Path | None, prompt: str,
-               fields: dict[str, Any]) -> tuple[bool, str] | None:
-    """Call one reward function on one made-up row (``prompt``, the record ``fields`` it
-    takes, ``TRIAL_RESPONSE``): None when it returns one number, else ``(fatal, line)``.
+def trial_call(entry: RewardFunctionSpec, base_dir: str | Path | None, prompts: list[str],
+               fields: list[dict[str, Any]], episodes: bool = False
+               ) -> tuple[bool, str] | None:
+    """Call one reward function on two made-up rows, as the stage calls it on a batch: the
+    first two ``prompts`` and their record ``fields`` (the first one twice if there is one),
+    and ``TRIAL_RESPONSES`` (as one-turn episodes if ``episodes``: the stage scores a
+    multi-turn rollout). None when it returns one number per row, else ``(fatal, line)``.
 
-    Fatal: a mistake in the code that every row meets (an ImportError or NameError, an
-    AttributeError of a module, a TypeError of the call itself, not one number back).
-    Not fatal, only worth a warning: any other exception, which the made-up response may
-    cause (a regex that finds no answer in it) and a real response would not."""
+    Fatal: a mistake every row meets (an ImportError or NameError, an AttributeError of a
+    module, a TypeError of the call itself), a function that looks per-sample (one number
+    back for two rows, or an exception of a list taken for a string) and a result of
+    another length than the rows. Not fatal, only worth a warning: any other exception,
+    which the made-up responses may cause (a regex that finds no answer in them) and real
+    ones would not."""
     fn = load_function(entry.function, base_dir)
-    fields_json = [json.dumps(fields)]
+    prompts, fields = (prompts * 2)[:2], (fields * 2)[:2]
+    responses = list(TRIAL_RESPONSES)
+    fields_json = [json.dumps(f) for f in fields]
     columns = record_columns(fn, entry.kwargs, fields_json)
-    args, keywords = reward_inputs(fn, [prompt], [TRIAL_RESPONSE], fields_json)
+    turns = [[{"role": "assistant", "content": r}] for r in responses] if episodes else None
+    args, keywords = reward_inputs(fn, prompts, responses, fields_json, turns)
     try:
         value = fn(*args, **keywords, **columns, **entry.kwargs)
     except Exception as exc:  # noqa: BLE001 - the user's function, any error
@@ -158,23 +178,68 @@ def trial_call(entry: RewardFunctionSpec, base_dir: str | Path | None, prompt: s
             and exc.__traceback__.tb_next is None  # raised binding the arguments
         of_module = isinstance(exc, AttributeError) and inspect.ismodule(
             getattr(exc, "obj", None))
-        fatal = isinstance(exc, _CODE_ERRORS) or in_call or of_module
-        return fatal, describe_error(exc, fn)
+        if in_call:
+            return True, f"{describe_error(exc, fn)}; rlhfflow calls {CONVENTION}"
+        if isinstance(exc, _CODE_ERRORS) or of_module:
+            return True, (f"{describe_error(exc, fn)}; fix it (or set params.check: false "
+                          f"to skip the trial)")
+        if isinstance(exc, TypeError | AttributeError) and _ON_A_LIST.search(str(exc)):
+            return True, _per_sample(fn, f"{describe_error(exc, fn)} (given lists)")
+        return False, (f"{describe_error(exc, fn)}; the made-up responses may cause that "
+                       f"where real ones do not (rlhfflow calls {CONVENTION}): if real "
+                       f"responses do not, set params.check: false")
     try:
-        count = torch.as_tensor(value, dtype=torch.float32).numel()
+        scores = torch.as_tensor(value, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
-        count = None
-    if count != 1:
-        got = f"{count} numbers" if count is not None else type(value).__name__
-        return True, (f"reward function {fn.__name__}() returned {got} for 1 response; "
-                      f"expected one float per response")
+        scores = None
+    if scores is not None and scores.dim() == 0:
+        return True, _per_sample(fn, f"reward function {fn.__name__}() returned one number "
+                                     f"({value!r}) for {len(responses)} responses")
+    if scores is None or scores.numel() != len(responses):
+        return True, _length_problem(fn, scores.numel() if scores is not None else value,
+                                     len(responses))
     return None
+
+
+def _length_problem(fn: Callable[..., Any], got: Any, rows: int) -> str:
+    """One line: ``fn`` returned ``got`` (a count of numbers, or a value that is not
+    numbers) for ``rows`` responses, how it was called and the convention it should
+    follow."""
+    name = getattr(fn, "__name__", repr(fn))
+    got = f"{got} number{'s' if got != 1 else ''}" if isinstance(got, int) \
+        else type(got).__name__
+    parameters = _signature_parameters(fn) or []
+    positional = [p.name for p in parameters[:2]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    called = ""
+    if not takes_completions(fn) and len(positional) == 2 \
+            and positional != ["prompts", "responses"]:  # names that suggest other lists
+        called = f" (called as {name}({positional[0]}=prompts, {positional[1]}=responses))"
+    return (f"reward function {name}() returned {got} for {rows} responses{called}; "
+            f"rlhfflow calls {CONVENTION}")
+
+
+def _per_sample(fn: Callable[..., Any], what: str) -> str:
+    """One line: ``fn`` looks like a per-sample function (one response in, one number out:
+    ``what`` it did), the convention, and how to wrap it."""
+    name = getattr(fn, "__name__", repr(fn))
+    parameters = [p.name for p in _signature_parameters(fn) or []
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    fields = parameters[1:] or ["answer"]
+    return (f"{what}; it looks per-sample (one response in, one number out), but "
+            f"rlhfflow calls a reward function once per batch: {CONVENTION}; wrap it in a "
+            f"batch function that calls it per row, e.g. def reward(prompts, responses, "
+            f"{', '.join(fields)}): return [{name}(*row) for row in zip(responses, "
+            f"{', '.join(fields)})]")
 
 
 #: TRL's reward-function arguments (``GRPOTrainer``): given by the stage, not by records
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 #: record keys that are the prompt itself, never given as a field to ``**kwargs``
 PROMPT_KEYS = ("messages",)
+#: the parameter that gets each row's episode as messages (``episode_messages``); reserved:
+#: never a record field
+EPISODE = "episode"
 
 
 def _signature_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
@@ -193,13 +258,21 @@ def takes_completions(fn: Callable[..., Any]) -> bool:
                for p in parameters)
 
 
+def takes_episode(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` has a parameter named ``episode``: it gets each row's episode as a
+    list of ``{"role", "content"}`` messages (``reward_inputs``)."""
+    return any(p.name == EPISODE and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in _signature_parameters(fn) or [])
+
+
 def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[str], list[str],
                                                                            bool]:
     """What a reward function asks of the prompt records, from its signature: the
     ``required`` and ``optional`` (defaulted) keyword parameters after
     ``(prompts, responses)`` (or besides TRL's ``prompts``, ``completions`` and
-    ``completion_ids``) that ``params.kwargs`` does not already give, and whether it takes
-    ``**kwargs`` (then it gets every field, as TRL's reward functions do)."""
+    ``completion_ids``), other than ``episode``, that ``params.kwargs`` does not already
+    give, and whether it takes ``**kwargs`` (then it gets every field, as TRL's reward
+    functions do)."""
     parameters = _signature_parameters(fn)
     if parameters is None:  # give it nothing
         return [], [], False
@@ -208,7 +281,7 @@ def reward_fields(fn: Callable[..., Any], fixed: dict[str, Any]) -> tuple[list[s
         named = [p for p in named if p.name not in TRL_ARGUMENTS]
     else:
         named = named[2:]
-    named = [p for p in named if p.name not in fixed]
+    named = [p for p in named if p.name not in fixed and p.name != EPISODE]
     required = [p.name for p in named if p.default is p.empty]
     optional = [p.name for p in named if p.default is not p.empty]
     return required, optional, any(p.kind is p.VAR_KEYWORD for p in parameters)
@@ -222,25 +295,51 @@ def record_columns(fn: Callable[..., Any], fixed: dict[str, Any],
         return {}
     rows = [json.loads(text) for text in fields_json]
     required, optional, takes_all = reward_fields(fn, fixed)
-    names = {k for row in rows for k in row} - set(fixed) - set(PROMPT_KEYS) if takes_all \
-        else set(required) | {n for n in optional if all(n in row for row in rows)}
+    if takes_all:
+        names = {k for row in rows for k in row} - set(fixed) - {*PROMPT_KEYS, EPISODE}
+    else:
+        names = set(required) | {n for n in optional if all(n in row for row in rows)}
     return {name: [row.get(name) for row in rows] for name in sorted(names)}
 
 
+def episode_messages(turns_json: str) -> list[dict[str, str]]:
+    """One multi-turn episode (a ``rollout``'s ``turns_json`` cell) as chat messages, in
+    order: the model's turns as ``assistant``, the environment's in their own role
+    (``tool`` or ``user``; ``user`` for a plain-text episode's ``env``), without the
+    environment turns that hold only the template's turn markers."""
+    messages = []
+    for turn in json.loads(turns_json) if turns_json else []:
+        role = "user" if turn["role"] == "env" else turn["role"]
+        if role == "assistant" or turn.get("text"):
+            messages.append({"role": role, "content": turn.get("text", "")})
+    return messages
+
+
 def reward_inputs(fn: Callable[..., Any], prompts: list[str], responses: list[str],
-                  fields_json: list[str] | None) -> tuple[list[list[Any]], dict[str, list[Any]]]:
+                  fields_json: list[str] | None,
+                  episodes: list[list[dict[str, str]]] | None = None
+                  ) -> tuple[list[list[Any]], dict[str, list[Any]]]:
     """The positional and keyword arguments (a list with a value per row each) that give
     ``fn`` the prompts and responses: ``[prompts, responses]`` positionally, or, for a
     function in TRL's convention (``takes_completions``), ``completions=`` and (if it takes
     them) ``prompts=``. Chat records (a ``messages`` field in every row) then give TRL's
     conversational form: ``prompts`` as the records' messages and each completion as
-    ``[{"role": "assistant", "content": response}]``; plain records give strings."""
+    ``[{"role": "assistant", "content": response}]``; plain records give strings.
+
+    ``episodes``: each row's multi-turn episode as messages (``episode_messages``), when
+    the responses are a rollout's. A TRL function's completions are then the episodes, and
+    a function with a parameter named ``episode`` gets them (else one-turn episodes,
+    ``[{"role": "assistant", "content": response}]``)."""
+    one_turn = [[{"role": "assistant", "content": r}] for r in responses]
+    keywords: dict[str, list[Any]] = {}
+    if takes_episode(fn):
+        keywords[EPISODE] = episodes if episodes is not None else one_turn
     if not takes_completions(fn):
-        return [prompts, responses], {}
+        return [prompts, responses], keywords
     rows = [json.loads(text) for text in fields_json] if fields_json else []
     chat = bool(rows) and all(isinstance(row.get("messages"), list) for row in rows)
-    keywords: dict[str, list[Any]] = {"completions": [
-        [{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)}
+    keywords["completions"] = episodes if episodes is not None else \
+        one_turn if chat else list(responses)
     parameters = _signature_parameters(fn) or []
     if any(p.name == "prompts" or p.kind is p.VAR_KEYWORD for p in parameters):
         keywords["prompts"] = [row["messages"] for row in rows] if chat else list(prompts)

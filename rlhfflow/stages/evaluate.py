@@ -27,6 +27,7 @@ from rlhfflow.data.records import (
 from rlhfflow.engine.forward import stage_seed
 from rlhfflow.engine.generation import Sampling, generate
 from rlhfflow.engine.rewardfns import (
+    CONVENTION,
     RewardFunctionSpec,
     check_reward_function,
     record_columns,
@@ -179,7 +180,8 @@ class EvaluateStage(Stage):
                                      dtype=torch.float32).flatten()
             if scores.shape[0] != len(responses):
                 raise ValueError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
-                                 f"scores for {len(responses)} responses")
+                                 f"scores for {len(responses)} responses; rlhfflow calls "
+                                 f"{CONVENTION}")
             total += entry.weight * scores
             if self.params.functions:
                 out[f"eval/reward_mean_{entry.column.removeprefix('score_')}"] = \

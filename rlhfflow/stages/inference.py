@@ -11,11 +11,13 @@ from pydantic import Field
 
 from rlhfflow.engine.forward import response_logprobs, response_values
 from rlhfflow.engine.rewardfns import (
+    CONVENTION,
     RewardError,
     RewardFunctionSpec,
     RewardLengthError,
     check_reward_function,
     describe_error,
+    episode_messages,
     record_columns,
     reward_functions,
     reward_inputs,
@@ -101,6 +103,11 @@ class ScoreParams(StageParams):
     weights, whose weighted sum is ``scores`` and each of which is kept as
     ``score_<name>``.
 
+    ``episodes``: when the stage scores a multi-turn ``rollout`` (``auto``: a stage of the
+    pipeline writes ``turns_json``), each row's episode reaches the functions as a list of
+    ``{"role", "content"}`` messages: a parameter named ``episode`` gets them, and a TRL
+    function's ``completions`` are them (docs/how-to/reward-function.md).
+
     ``on_invalid``: a score that is NaN or infinite stops the run (``error``), or
     (``skip``) its sample is left out of advantages and training and counted in the
     metrics (``samples_skipped``).
@@ -134,9 +141,15 @@ class ScoreParams(StageParams):
     max_errors_total: Annotated[int, Field(ge=0, description="failed samples the whole "
                                                              "run may have")] = 64
     check: bool = Field(True, description="call each reward function once at validation, "
-                        "on the first prompt record and a made-up response, so that a "
-                        "NameError, an import inside it or a bad call fails before start-up; "
-                        "false for a function too slow (or with side effects) to call then")
+                        "on two rows (the first prompt records and made-up responses), so "
+                        "that a NameError, an import inside it, a bad call or a result that "
+                        "is not one number per row fails before start-up; false for a "
+                        "function too slow (or with side effects) to call then")
+    episodes: Literal["auto"] | bool = Field(
+        "auto", description="give reward functions each row's multi-turn episode (the "
+        "rollout's turns_json) as {role, content} messages: to a parameter named episode, "
+        "and as a TRL function's completions; auto: when a stage of the pipeline writes "
+        "turns_json")
 
     def reward_functions(self) -> list[RewardFunctionSpec]:
         """The functions the stage calls: ``functions``, or ``function`` alone (weight 1)."""
@@ -189,8 +202,18 @@ class ScoreStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
-        fields = ("prompt_fields",) if params.function is not None or params.functions else ()
-        return ("prompt_text", "response_text", *fields)
+        functions = params.function is not None or bool(params.functions)
+        fields = ("prompt_fields",) if functions else ()
+        # "auto" is settled by the loader (resolve_params); unsettled, it means none
+        turns = ("turns_json",) if functions and params.episodes is True else ()
+        return ("prompt_text", "response_text", *fields, *turns)
+
+    @classmethod
+    def resolve_params(cls, params, model, writers):
+        # a multi-turn rollout's episodes, as messages, for the functions that take them
+        if params.episodes != "auto":
+            return params
+        return params.model_copy(update={"episodes": "turns_json" in writers})
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
@@ -208,8 +231,11 @@ class ScoreStage(Stage):
         retried = torch.zeros(len(responses), dtype=torch.int32)
         if self.params.function is not None or self.params.functions:
             scores = torch.zeros(len(responses), dtype=torch.float32)
+            turns = batch.get("turns_json") if self.params.episodes is True else None
+            episodes = [episode_messages(cell) for cell in turns] if turns is not None \
+                else None
             for entry in self.params.reward_functions():
-                own = self._function_scores(entry, prompts, responses,
+                own = self._function_scores(entry, prompts, responses, episodes,
                                             batch.get("prompt_fields"), ctx, errors, retried)
                 if self.params.functions:
                     out[entry.column] = torch.nan_to_num(own, nan=0.0, posinf=0.0, neginf=0.0)
@@ -238,16 +264,18 @@ class ScoreStage(Stage):
         return out
 
     def _function_scores(self, entry: RewardFunctionSpec, prompts: list[str],
-                         responses: list[str], fields: list[str] | None, ctx: StageContext,
+                         responses: list[str], episodes: list[list[dict[str, str]]] | None,
+                         fields: list[str] | None, ctx: StageContext,
                          errors: list[str], retried: torch.Tensor) -> torch.Tensor:
-        """One function's scores. With ``on_error: skip``, a call that raises is repeated
+        """One function's scores (``episodes``: the rows' multi-turn episodes as messages,
+        or None for single responses). With ``on_error: skip``, a call that raises is repeated
         one sample at a time (each up to ``retries`` more times, counted in ``retried``),
         so only the samples it keeps raising on are lost: their error lines go into
         ``errors`` and their scores are NaN."""
         fn = load_function(entry.function, ctx.settings.base_dir)
         # the prompt records' other fields (a reference answer, tests) the function takes
         columns = record_columns(fn, entry.kwargs, fields)
-        args, keywords = reward_inputs(fn, prompts, responses, fields)
+        args, keywords = reward_inputs(fn, prompts, responses, fields, episodes)
         try:
             return self._as_scores(fn(*args, **keywords, **columns, **entry.kwargs),
                                    len(responses))
@@ -282,7 +310,8 @@ class ScoreStage(Stage):
         scores = torch.as_tensor(values, dtype=torch.float32).flatten()
         if scores.shape[0] != rows:
             raise RewardLengthError(f"stage {self.name!r}: reward returned {scores.shape[0]} "
-                                    f"scores for {rows} responses")
+                                    f"scores for {rows} responses; rlhfflow calls "
+                                    f"{CONVENTION}")
         return scores
 
     @torch.no_grad()
