@@ -126,8 +126,8 @@ def test_tool_environment_counts_calls_and_errors() -> None:
     messages, reward, done, info = env.step(call.format("2 * 3") + call.format("1 +"))
     assert [m["content"] for m in messages][0] == "6" and not done and reward == 0.0
     assert messages[1]["content"].startswith("error: SyntaxError")
-    assert info == {"calls": 2, "errors": 1}
-    assert env.step("<tool_call>{") [3] == {"calls": 1, "errors": 1}  # cut before its end
+    assert info == {"calls": 2, "errors": 1, "errors_exception": 1}
+    assert env.step("<tool_call>{") [3] == {"calls": 1, "errors": 1, "errors_cut": 1}
     assert env.step("42") == ([], 0.0, True, {"calls": 0, "errors": 0})
 
 

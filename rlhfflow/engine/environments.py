@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import json
+import logging
 import math
 import re
 import threading
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlhfflow.engine import toolprocess
 from rlhfflow.engine.usercode import load_function
 from rlhfflow.errors import RlhfflowError, UserError
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 
@@ -46,19 +50,38 @@ class EnvironmentNotShippable(RlhfflowError, TypeError):
     """An environment that cannot be pickled to the pool (``env_placement: pool``)."""
 
 
+class ToolFailed(Exception):
+    """What a tool raises to answer ``error: <message>`` counted under its own ``kind``
+    instead of ``exception``."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.message = message.removeprefix("error: ")
+        self.kind = kind
+
+
 class ToolEnvironment:
     """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
     (``str`` of a string, else JSON) comes back as one message; ``info`` counts the
-    turn's ``calls`` and those that came back as ``errors``. Mistakes come back as
-    the message ``error: ...`` instead of raising: JSON that does not parse, an unknown
-    tool, an exception, a call slower than ``timeout_s`` (whose thread is left to
-    finish; Python cannot stop it). A turn with no tool call ends the episode; tools
-    give no reward (a ``score`` stage judges the episode)."""
+    turn's ``calls``, those that came back as ``errors``, and each error by its kind as
+    ``errors_<kind>``. Mistakes come back as the message ``error: ...`` instead of
+    raising: JSON that does not parse (``json``), an unknown tool (``unknown_tool``),
+    arguments that are not an object (``arguments``), a ``<tool_call>`` cut before its
+    end (``cut``), an exception (``exception``), a
+    call slower than ``timeout_s`` (``timeout``), a tool whose process died (``crash``),
+    a result of its own that starts with ``error:`` (``tool``), or a :class:`ToolFailed`
+    (its kind). With ``isolation="process"`` (the default) each call runs in a child
+    process (``rlhfflow.engine.toolprocess``) that is killed at the timeout, everything
+    it started with it; ``"thread"`` runs it on a thread, which Python cannot stop: a
+    call past the timeout is left running. A turn with no tool call ends the episode;
+    tools give no reward (a ``score`` stage judges the episode)."""
 
-    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float) -> None:
+    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float,
+                 isolation: str = "process") -> None:
         self.tools = tools
         self.timeout_s = timeout_s
+        self.isolation = isolation
 
     def reset(self, record: dict[str, Any]) -> list[Message]:
         """Tools need no opening."""
@@ -70,34 +93,70 @@ class ToolEnvironment:
         if not calls:
             if "<tool_call>" in text:  # cut before its end (the turn's token limit)
                 return [{"content": "error: a <tool_call> without </tool_call>"}], \
-                    0.0, False, {"calls": 1, "errors": 1}
+                    0.0, False, {"calls": 1, "errors": 1, "errors_cut": 1}
             return [], 0.0, True, {"calls": 0, "errors": 0}
-        results = [self.call(body) for body in calls]
-        # (a tool's own result that starts with "error: " counts as an error too)
-        errors = sum(result.startswith("error: ") for result in results)
-        return [{"content": result} for result in results], 0.0, False, \
-            {"calls": len(calls), "errors": errors}
+        info: dict[str, int] = {"calls": len(calls), "errors": 0}
+        messages = []
+        for body in calls:
+            result, kind = self.answer(body)
+            messages.append({"content": result})
+            if kind is not None:
+                info["errors"] += 1
+                info[f"errors_{kind}"] = info.get(f"errors_{kind}", 0) + 1
+        return messages, 0.0, False, info
 
     def call(self, body: str) -> str:
         """The text a tool call's JSON ``body`` returns to the model."""
+        return self.answer(body)[0]
+
+    def answer(self, body: str) -> tuple[str, str | None]:
+        """``(text, kind)``: the text a tool call's JSON ``body`` returns to the model,
+        and the kind of error it is (None: none)."""
         try:
             request = json.loads(body)
         except json.JSONDecodeError as exc:
-            return f"error: the tool call is not JSON: {exc.msg}"
+            return f"error: the tool call is not JSON: {exc.msg}", "json"
         if not isinstance(request, dict) or not isinstance(request.get("name"), str):
-            return 'error: expected {"name": "...", "arguments": {...}}'
+            return 'error: expected {"name": "...", "arguments": {...}}', "json"
         name, arguments = request["name"], request.get("arguments", {})
         if name not in self.tools:
-            return f"error: unknown tool {name!r} (known: {', '.join(sorted(self.tools))})"
+            return f"error: unknown tool {name!r} (known: {', '.join(sorted(self.tools))})", \
+                "unknown_tool"
         if not isinstance(arguments, dict):
-            return "error: 'arguments' must be a JSON object"
+            return "error: 'arguments' must be a JSON object", "arguments"
+        fn = self.tools[name]
         try:
-            result = _call_abandoning(self.tools[name], arguments, self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            return f"error: tool {name!r} took more than {self.timeout_s:g} s"
+            if self.isolation == "process":
+                status, text = self._in_process(fn, arguments)
+                if status == "error":  # the tool raised, in its process
+                    return f"error: {text}", "exception"
+            else:
+                text = _text(_call_abandoning(fn, arguments, self.timeout_s))
+        except (concurrent.futures.TimeoutError, toolprocess.ToolTimeout):
+            return f"error: tool {name!r} took more than {self.timeout_s:g} s", "timeout"
+        except toolprocess.ToolCrashed as exc:
+            return f"error: {exc}", "crash"
+        except ToolFailed as exc:
+            return f"error: {exc.message}", exc.kind
         except Exception as exc:  # noqa: BLE001  (the tool's failure is the model's answer)
-            return f"error: {type(exc).__name__}: {exc}"
-        return result if isinstance(result, str) else json.dumps(result, default=str)
+            return f"error: {type(exc).__name__}: {exc}", "exception"
+        return text, "tool" if text.startswith("error: ") else None
+
+    def _in_process(self, fn: Callable[..., Any], arguments: dict[str, Any]
+                    ) -> tuple[str, str]:
+        """``("ok", text)`` or ``("error", "Type: message")`` of the call in a tool
+        process."""
+        try:
+            payload = toolprocess.pickled(fn, arguments)
+        except Exception:  # noqa: BLE001  (a closure over something that does not pickle)
+            log.warning("tool %s does not pickle: it runs on a thread, which cannot be "
+                        "stopped at its timeout", getattr(fn, "__name__", fn))
+            return "ok", _text(_call_abandoning(fn, arguments, self.timeout_s))
+        return toolprocess.call(payload, self.timeout_s)
+
+
+def _text(result: Any) -> str:
+    return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
 def _call_abandoning(fn: Callable[..., Any], arguments: dict[str, Any],

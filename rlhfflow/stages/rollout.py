@@ -105,6 +105,12 @@ class RolloutParams(StageParams):
                                              "{...}}</tool_call>, 'file.py:function' each")
     tool_timeout_s: Annotated[float, Field(
         gt=0, description="seconds a tool call may take; slower: an error message")] = 10.0
+    tool_isolation: Literal["process", "thread"] = Field(
+        "process", description="where a tool call runs: 'process', in a child process "
+                               "(reused) that is killed at tool_timeout_s with all it "
+                               "started; 'thread', on a thread of the stage's process, "
+                               "which cannot be stopped (a call past the timeout is left "
+                               "running), for tools that must share the process's state")
     info: list[str] = Field([], description="keys of the info dict step returns: each "
                             "key's numbers are summed over the episode into the column "
                             "info_<key> (a step without the key adds 0), averaged in "
@@ -257,7 +263,7 @@ class RolloutStage(Stage):
             return load_function(params.env, ctx.settings.base_dir)(**params.env_kwargs)
         tools = {ref.rpartition(":")[2]: load_function(ref, ctx.settings.base_dir)
                  for ref in params.tools}
-        return ToolEnvironment(tools, params.tool_timeout_s)
+        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation)
 
     def check_shippable(self, episodes: list[Episode]) -> None:
         """Make the environments ready to travel to the pool: the pipeline's own files
