@@ -473,8 +473,9 @@ def test_a_worker_killed_during_the_setup_stages_is_replaced_and_setup_redone(tm
     assert proc.wait(timeout=300) == 0, "".join(lines)
     reader.join(timeout=10)
     stderr = "".join(lines)
-    assert "left the cluster while it held resident models; redoing the setup stages from " \
-           "their start" in stderr, stderr
+    # with why, as its nanny saw it (issue 42, 13)
+    assert re.search(r"left the cluster while it held resident models \(killed by SIGKILL; "
+                     r"[^\n]*\); redoing the setup stages from their start", stderr), stderr
     assert stderr.count("rlhfflow: setup sft:") == 1, stderr
     _assert_each_iteration_once(out, 2)
 
