@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhfflow.engine import toolprocess
+from rlhfflow.engine.toolprocess import ToolFailed
 from rlhfflow.engine.usercode import load_function
 from rlhfflow.errors import RlhfflowError, UserError
 
@@ -50,16 +51,6 @@ class EnvironmentNotShippable(RlhfflowError, TypeError):
     """An environment that cannot be pickled to the pool (``env_placement: pool``)."""
 
 
-class ToolFailed(Exception):
-    """What a tool raises to answer ``error: <message>`` counted under its own ``kind``
-    instead of ``exception``."""
-
-    def __init__(self, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.message = message.removeprefix("error: ")
-        self.kind = kind
-
-
 class ToolEnvironment:
     """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
@@ -74,14 +65,17 @@ class ToolEnvironment:
     (its kind). With ``isolation="process"`` (the default) each call runs in a child
     process (``rlhfflow.engine.toolprocess``) that is killed at the timeout, everything
     it started with it; ``"thread"`` runs it on a thread, which Python cannot stop: a
-    call past the timeout is left running. A turn with no tool call ends the episode;
-    tools give no reward (a ``score`` stage judges the episode)."""
+    call past the timeout is left running. A function marked ``sandboxed`` (the
+    sandbox's ``python``) is called here: it starts its own sandboxed process, with the
+    ``sandbox`` settings. A turn with no tool call ends the episode; tools give no
+    reward (a ``score`` stage judges the episode)."""
 
     def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float,
-                 isolation: str = "process") -> None:
+                 isolation: str = "process", sandbox: Any = None) -> None:
         self.tools = tools
         self.timeout_s = timeout_s
         self.isolation = isolation
+        self.sandbox = sandbox
 
     def reset(self, record: dict[str, Any]) -> list[Message]:
         """Tools need no opening."""
@@ -126,7 +120,9 @@ class ToolEnvironment:
             return "error: 'arguments' must be a JSON object", "arguments"
         fn = self.tools[name]
         try:
-            if self.isolation == "process":
+            if getattr(fn, "sandboxed", False):
+                text = self._sandboxed(fn, arguments)
+            elif self.isolation == "process":
                 status, text = self._in_process(fn, arguments)
                 if status == "error":  # the tool raised, in its process
                     return f"error: {text}", "exception"
@@ -141,6 +137,13 @@ class ToolEnvironment:
         except Exception as exc:  # noqa: BLE001  (the tool's failure is the model's answer)
             return f"error: {type(exc).__name__}: {exc}", "exception"
         return text, "tool" if text.startswith("error: ") else None
+
+    def _sandboxed(self, fn: Callable[..., Any], arguments: dict[str, Any]) -> str:
+        from rlhfflow.engine import sandbox
+
+        settings = self.sandbox or sandbox.SandboxSettings()
+        with sandbox.using(settings):
+            return _text(fn(**arguments))
 
     def _in_process(self, fn: Callable[..., Any], arguments: dict[str, Any]
                     ) -> tuple[str, str]:

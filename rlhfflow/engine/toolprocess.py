@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rlhfflow.errors import RlhfflowError
+
 #: The child: it answers ``(function, arguments)`` frames with ``("ok", text)`` or
 #: ``("error", "Type: message")``; what the tool prints goes to stderr, not the pipe.
 _CHILD = r"""
@@ -68,12 +70,22 @@ while True:
 """
 
 
-class ToolTimeout(Exception):
+class ToolTimeout(RlhfflowError):
     """The call took longer than its timeout; its process was killed."""
 
 
-class ToolCrashed(Exception):
+class ToolCrashed(RlhfflowError):
     """The tool's process died during the call (the tool exited or was killed)."""
+
+
+class ToolFailed(RlhfflowError):
+    """What a tool raises to answer ``error: <message>`` counted under its own ``kind``
+    (the sandbox's ``timeout``, ``memory``, ...) instead of ``exception``."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.message = message.removeprefix("error: ")
+        self.kind = kind
 
 
 class ToolProcess:

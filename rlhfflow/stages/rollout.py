@@ -8,7 +8,11 @@ Python functions (``tools: ["tools.py:add"]``) that the model calls by writing::
 
     <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>
 
-(:class:`ToolEnvironment`; a turn without a tool call ends the episode).
+(:class:`ToolEnvironment`; a turn without a tool call ends the episode). Each call runs in
+a child process that is killed at ``tool_timeout_s`` (``tool_isolation``); the built-in
+tool ``rlhfflow.engine.sandbox:python`` runs model-written programs in a sandbox with the
+``sandbox`` limits, and ``env: rlhfflow.engine.sandbox:CodeTests`` scores a program by the
+record's tests (docs/how-to/sandbox.md).
 
 Columns: ``response_ids`` hold the whole episode after the prompt (the model's tokens and
 the environment's); ``response_mask`` is 1 on the model's tokens only, so every loss, KL
@@ -55,7 +59,7 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlhfflow.engine.environments import (
     Environment,
@@ -67,6 +71,7 @@ from rlhfflow.engine.environments import (
 )
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
 from rlhfflow.engine.sampling import sample_uniforms
+from rlhfflow.engine.sandbox import Limits, SandboxSettings
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
     Batch,
@@ -77,6 +82,33 @@ from rlhfflow.sdk import (
     StageParams,
     register_stage,
 )
+
+
+class SandboxParams(BaseModel):
+    """Limits of the sandbox that runs model-written code (the ``python`` tool,
+    ``rlhfflow.engine.sandbox:python``; docs/how-to/sandbox.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_s: Annotated[float, Field(gt=0, description="CPU seconds of one program")] = 5.0
+    wall_s: Annotated[float, Field(gt=0, description="wall seconds of one program")] = 10.0
+    memory_mb: Annotated[int, Field(ge=64, description="address space of one program, "
+                                                       "MiB")] = 512
+    file_mb: Annotated[int, Field(gt=0, description="MiB of one file it writes (and of "
+                                                    "its working directory)")] = 16
+    processes: Annotated[int, Field(gt=0, description="processes alive at once")] = 16
+    output_kb: Annotated[int, Field(gt=0, description="KiB of output before it is "
+                                                      "stopped")] = 256
+    backend: Literal["auto", "bwrap", "unshare", "process"] = Field(
+        "auto", description="'auto': the strongest that starts on the machine")
+    warm: Annotated[int, Field(ge=0, description="sandboxes kept started per process")] = 2
+
+    def settings(self) -> SandboxSettings:
+        """The engine's form of these settings."""
+        limits = Limits(cpu_s=self.cpu_s, wall_s=self.wall_s, memory_mb=self.memory_mb,
+                        file_mb=self.file_mb, processes=self.processes,
+                        output_kb=self.output_kb)
+        return SandboxSettings(limits, self.backend, self.warm)
 
 
 class RolloutParams(StageParams):
@@ -111,6 +143,11 @@ class RolloutParams(StageParams):
                                "started; 'thread', on a thread of the stage's process, "
                                "which cannot be stopped (a call past the timeout is left "
                                "running), for tools that must share the process's state")
+    sandbox: SandboxParams = Field(
+        SandboxParams(), description="limits of the python tool "
+                                     "(rlhfflow.engine.sandbox:python): cpu_s, wall_s, "
+                                     "memory_mb, file_mb, processes, output_kb, backend, "
+                                     "warm (docs/how-to/sandbox.md)")
     info: list[str] = Field([], description="keys of the info dict step returns: each "
                             "key's numbers are summed over the episode into the column "
                             "info_<key> (a step without the key adds 0), averaged in "
@@ -263,7 +300,8 @@ class RolloutStage(Stage):
             return load_function(params.env, ctx.settings.base_dir)(**params.env_kwargs)
         tools = {ref.rpartition(":")[2]: load_function(ref, ctx.settings.base_dir)
                  for ref in params.tools}
-        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation)
+        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation,
+                               params.sandbox.settings())
 
     def check_shippable(self, episodes: list[Episode]) -> None:
         """Make the environments ready to travel to the pool: the pipeline's own files
