@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -234,6 +234,14 @@ except BaseException as exc:  # its traceback without this boot's frame
     traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
     sys.stderr.flush()
     os._exit(1)
+# its output, then out without the interpreter's teardown (milliseconds of a call): the
+# process and its files are thrown away
+for stream in (sys.stdout, sys.stderr):
+    try:
+        stream.flush()
+    except BaseException:  # the program closed or replaced it
+        pass
+os._exit(0)
 """
 
 
@@ -315,13 +323,22 @@ class Sandbox:
             while self._ready:
                 warm = self._ready.pop(0)
                 if warm.proc.poll() is None:
-                    break
+                    return warm
                 warm.kill()
-            else:
-                warm = None
-            while len(self._ready) < self.warm:
-                self._ready.append(self._start())
-        return warm or self._start()
+        return self._start()
+
+    def prepare(self) -> None:
+        """Start the warm processes now (before the first call)."""
+        self._refill()
+
+    def _refill(self) -> None:
+        """Start the warm processes that are missing (while a program runs: its start
+        then costs the call nothing)."""
+        with self._lock:
+            missing = self.warm - len(self._ready)
+        started = [self._start() for _ in range(missing)]
+        with self._lock:
+            self._ready += started
 
     def close(self) -> None:
         """Stop the warm processes."""
@@ -346,7 +363,8 @@ class Sandbox:
         head = (f"{max(1, round(limits.cpu_s))} {limits.memory_mb << 20} "
                 f"{limits.file_mb << 20} {limits.processes} {max(1, round(limits.wall_s))}\n")
         try:
-            stdout, stderr, stopped = _exchange(warm.proc, (head + source).encode(), limits)
+            stdout, stderr, stopped = _exchange(warm.proc, (head + source).encode(), limits,
+                                                self._refill)
         finally:
             status = warm.proc.poll()
             warm.kill()  # and whatever the program left running
@@ -356,16 +374,18 @@ class Sandbox:
         return _judge(stopped, status, stdout, stderr, seconds, limits)
 
 
-def _exchange(proc: subprocess.Popen, program: bytes, limits: Limits
-              ) -> tuple[bytes, bytes, str | None]:
-    """Send the program, read its output until it exits or a limit stops it:
-    ``(stdout, stderr, stopped)``, ``stopped`` the limit (``"timeout"``, ``"output"``)."""
+def _exchange(proc: subprocess.Popen, program: bytes, limits: Limits,
+              meanwhile: Callable[[], None]) -> tuple[bytes, bytes, str | None]:
+    """Send the program, call ``meanwhile``, read the program's output until it exits or
+    a limit stops it: ``(stdout, stderr, stopped)``, ``stopped`` the limit
+    (``"timeout"``, ``"output"``)."""
     try:
         proc.stdin.write(program)
         proc.stdin.close()
     except BrokenPipeError:  # it died waiting: its stderr says why
         pass
     deadline = time.monotonic() + limits.wall_s
+    meanwhile()
     cap = limits.output_kb << 10
     streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     open_fds = set(streams)

@@ -71,7 +71,7 @@ from rlhfflow.engine.environments import (
 )
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
 from rlhfflow.engine.sampling import sample_uniforms
-from rlhfflow.engine.sandbox import Limits, SandboxSettings
+from rlhfflow.engine.sandbox import Limits, SandboxSettings, sandbox_for
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
     Batch,
@@ -300,8 +300,11 @@ class RolloutStage(Stage):
             return load_function(params.env, ctx.settings.base_dir)(**params.env_kwargs)
         tools = {ref.rpartition(":")[2]: load_function(ref, ctx.settings.base_dir)
                  for ref in params.tools}
-        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation,
-                               params.sandbox.settings())
+        settings = params.sandbox.settings()
+        if any(getattr(tool, "sandboxed", False) for tool in tools.values()):
+            # the backend's line on what it protects, and the warm sandboxes, at the start
+            sandbox_for(settings).prepare()
+        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation, settings)
 
     def check_shippable(self, episodes: list[Episode]) -> None:
         """Make the environments ready to travel to the pool: the pipeline's own files
