@@ -151,16 +151,18 @@ def pick_backend(wanted: str = "auto", interpreter: str | None = None) -> Backen
     logged once, with what it protects."""
     python = Path(interpreter or default_interpreter())
     names = ["bwrap", "unshare", "process"] if wanted == "auto" else [wanted]
+    problems = []
     for name in names:
         candidate = Backend(name, PROTECTS[name])
         problem = _probe(candidate, python)
         if problem is None:
             log.warning("sandbox: %s", candidate.protects)
             return candidate
-        if wanted != "auto":
-            raise RuntimeError(f"the {name} sandbox does not start here: {problem}")
+        problems.append(f"{name}: {problem}")
         log.debug("sandbox: %s does not start here: %s", name, problem)
-    raise AssertionError("the process backend always starts")
+    # e.g. run by root with no /usr/bin/python3: the sandbox's user cannot reach the one
+    # under root's home
+    raise RuntimeError(f"no sandbox starts {python} here ({'; '.join(problems)})")
 
 
 def _probe(candidate: Backend, python: Path) -> str | None:
