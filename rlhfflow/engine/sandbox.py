@@ -390,6 +390,9 @@ def _exchange(proc: subprocess.Popen, program: bytes, limits: Limits,
     meanwhile()
     cap = limits.output_kb << 10
     streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    poller = select.poll()  # not select(): a worker may hold more than 1024 descriptors
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
     open_fds = set(streams)
     exited = None
     while open_fds:
@@ -397,11 +400,12 @@ def _exchange(proc: subprocess.Popen, program: bytes, limits: Limits,
         if left <= 0:
             return bytes(streams[proc.stdout.fileno()]), \
                 bytes(streams[proc.stderr.fileno()]), "timeout"
-        readable, _, _ = select.select(list(open_fds), [], [], min(left, 0.05))
+        readable = [fd for fd, _ in poller.poll(1000 * min(left, 0.05))]
         for fd in readable:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 open_fds.discard(fd)
+                poller.unregister(fd)
             streams[fd] += chunk
         if sum(len(b) for b in streams.values()) > cap:
             return bytes(streams[proc.stdout.fileno()]), \

@@ -119,9 +119,11 @@ class ToolProcess:
 
     def _read(self, n: int, deadline: float) -> bytes:
         fd, data = self.proc.stdout.fileno(), b""
+        poller = select.poll()  # not select(): a worker may hold more than 1024 descriptors
+        poller.register(fd, select.POLLIN)
         while len(data) < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(1000 * left):
                 self.kill()
                 raise ToolTimeout
             chunk = os.read(fd, n - len(data))
