@@ -451,7 +451,7 @@ def test_a_run_far_from_its_analytic_prediction_says_how_to_profile(tmp_path, mo
     path = small_pipeline(tmp_path, "grpo", iterations=4)
     run_pipeline(load_pipeline(path), progress=True)  # planned: the embedded cluster
     [line] = [x for x in capsys.readouterr().err.splitlines() if "iteration time:" in x]
-    assert "train_actor costed by the analytic model: `rlhfflow profile" in line
+    assert "chosen with the analytic cost model: `rlhfflow profile" in line
     assert f"--from-run {tmp_path / 'out'}` makes a profile" in line
 
 

@@ -437,11 +437,13 @@ class Executor:
                 self.summary["predicted_iteration_s"] = round(predicted, 4)
                 error = measured / predicted - 1
                 hint = ""
-                if abs(error) > 0.15 and self.choice.cost.unmeasured():
+                cost = self.choice.cost
+                if abs(error) > 0.15 and cost.unmeasured():
                     # the analytic model's constants are another machine's (and have no
                     # profile of some stage types, e.g. a multi-turn rollout's environment)
-                    hint = (f"; {', '.join(self.choice.cost.unmeasured())} costed by the "
-                            f"analytic model: `rlhfflow profile "
+                    which = "chosen with the analytic cost model" if not cost.profiled \
+                        else f"{', '.join(cost.unmeasured())} costed by the analytic model"
+                    hint = (f"; {which}: `rlhfflow profile "
                             f"{shown_path(self.pipeline.source)} --from-run {shown_path(self.out)}` "
                             f"makes a profile of this machine from this run")
                 self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
