@@ -1,9 +1,10 @@
 """Plugin stage types named by import path in tests (``tests.bad_plugin:...``): two that
-declare their columns wrongly, one that settles its params badly, and a generator that is not the built-in ``generate``."""
+declare their columns wrongly, one that settles its params badly, two that declare
+iteration metrics badly, and a generator that is not the built-in ``generate``."""
 
 from __future__ import annotations
 
-from rlhfflow.stages import Column, Stage
+from rlhfflow.stages import Column, IterationMetric, Stage
 from rlhfflow.stages.generate import GenerateStage
 
 
@@ -35,6 +36,30 @@ class BadResolve(Stage):
     @classmethod
     def resolve_params(cls, params, model, writers):
         return {"settled": True}
+
+
+class TakenMetric(Stage):
+    """Declares a figure under a name the advantages stage declares (``kl_mean``)."""
+
+    type_name = "taken_metric"
+
+    @classmethod
+    def writes(cls, params, algorithm, has_model):
+        return {"bonus": Column("float32")}
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        return (IterationMetric("kl_mean", "bonus"),)
+
+
+class RatioOfNothing(TakenMetric):
+    """Declares a ratio without the column it divides by."""
+
+    type_name = "ratio_of_nothing"
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        return (IterationMetric("bonus_rate", "bonus", "ratio"),)
 
 
 class MyGenerator(GenerateStage):

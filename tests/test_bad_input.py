@@ -20,7 +20,7 @@ from rlhfflow.config.spec import SpecError
 from rlhfflow.data.records import DataError
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.run import RunError, run_pipeline
-from rlhfflow.runtime.worker.host import partial_metrics
+from rlhfflow.runtime.worker.host import METRICS, partial_metrics
 from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import read_score_errors, truncate_score_errors
@@ -236,12 +236,15 @@ def test_partial_sums_carry_errors_retries_and_each_functions_score(tmp_path):
     batch = {"prompt_text": ["p"] * 8, "response_text": responses,
              "response_mask": torch.ones(8, 3)}
     batch |= stage.run(batch, StageContext(0, 0, settings={"base_dir": str(tmp_path)}))
-    partial = partial_metrics(batch)
+    partial = partial_metrics(batch, type(stage).iteration_metrics(stage.params))
     valid = batch["score_valid"].bool()
     assert partial["score_errors"] == float((~valid).sum()) > 0
     assert partial["skipped"] == partial["score_errors"] and partial["score_retries"] == 0
-    for column in ("score_score", "score_vowel_ratio"):
-        assert partial[f"{column}_sum"] == pytest.approx(float(batch[column][valid].sum()))
+    # each function's own score over the scored samples (the score stage declares them)
+    for name in ("score", "vowel_ratio"):
+        total, scored, _ = partial[METRICS][f"reward_mean_{name}"]
+        assert total == pytest.approx(float(batch[f"score_{name}"][valid].sum()))
+        assert scored == float(valid.sum())
     assert partial["score_sum"] == pytest.approx(
         float((2 * batch["score_score"] + batch["score_vowel_ratio"])[valid].sum()))
 

@@ -25,7 +25,7 @@ from rlhfflow.runtime.backend import local_cluster
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.sdk import registry as base
 from rlhfflow.sdk.reference import describe_stage_types
-from rlhfflow.storage import ExperienceBuffer
+from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import REPO, small_pipeline
 
 PLUGIN = REPO / "examples" / "rlhfflow-example-plugin"
@@ -105,6 +105,12 @@ def installed(plugin_dir, registry, monkeypatch):
     ({"type": "tests.bad_plugin:BadResolve", "after": ["reward"]},
      "stages.extra.type: tests.bad_plugin:BadResolve.resolve_params() must return its "
      "Params, got dict"),
+    ({"type": "tests.bad_plugin:TakenMetric", "after": ["reward"]},
+     "stages.extra.type: tests.bad_plugin:TakenMetric.iteration_metrics() declares "
+     "'kl_mean', which stage 'advantages' declares too"),
+    ({"type": "tests.bad_plugin:RatioOfNothing", "after": ["reward"]},
+     "stages.extra.type: tests.bad_plugin:RatioOfNothing.iteration_metrics() raised "
+     "ValueError: metric 'bonus_rate': reduce 'ratio' needs 'over'"),
 ])
 def test_a_bad_plugin_stage_is_one_line_naming_file_and_key(installed, tmp_path, stage,
                                                             message):
@@ -275,3 +281,47 @@ def test_the_example_plugin_runs_on_a_dask_cluster_by_name_and_by_path(plugin_di
     expected = scores - 0.5 * (lengths - 2).clamp(min=0)
     assert torch.allclose(torch.as_tensor(data["penalized_scores"]), expected)
     assert torch.allclose(torch.as_tensor(data["long_scores"]), scores - lengths)
+
+
+@pytest.mark.parametrize("where", ["inline", "dask"])
+def test_a_plugin_stages_declared_metrics_reach_the_record_the_trackers_and_the_page(
+        tmp_path, where):
+    """A plugin stage declares figures over the columns it writes
+    (``Stage.iteration_metrics``) and the runtime names none of them: each iteration's
+    record holds them over all its rows (two micro-batches' sums added), TensorBoard
+    gets them, and on a Dask cluster the dashboard page has a plot's data for each."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhfflow.monitor.dashboard import latest_run, page_columns, page_events
+    from tests.metrics_plugin import vowel_share
+
+    path = small_pipeline(tmp_path, "grpo", iterations=2, batch_size=4, max_new_tokens=6,
+                          overrides={"stages.vowels": {"type": "tests.metrics_plugin:VowelShare",
+                                                       "after": ["generate"]},
+                                     "data.micro_batches": 2, "logging.tensorboard": "tb"})
+    if where == "inline":
+        run_pipeline(load_pipeline(path), progress=False, inline=True)
+        messages = None
+    else:
+        with local_cluster(1, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
+            run_pipeline(load_pipeline(path, {"cluster.address": cluster.scheduler_address}),
+                         progress=False)
+            messages = latest_run(page_events(cluster.scheduler))
+    records = MetricsLog(tmp_path / "out" / "metrics.jsonl").read()
+    buffer = ExperienceBuffer(tmp_path / "out" / "buffer.zarr", create=False)
+    for record in records:
+        texts = buffer.read_text(record["iteration"], "response_text")
+        shares = [s for s in map(vowel_share, texts) if s is not None]
+        assert len(texts) == 16 and shares
+        assert record["vowel_share_mean"] == pytest.approx(sum(shares) / len(shares))
+        assert record["vowels_total"] == sum(c in "aeiou" for t in texts for c in t.lower())
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for tag in ("vowel_share_mean", "vowels_total"):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == \
+            [(r["iteration"], pytest.approx(r[tag], rel=1e-6)) for r in records]
+    if messages is not None:
+        columns = page_columns(messages)
+        for tag in ("vowel_share_mean", "vowels_total"):
+            assert columns[f"metric:{tag}"] == [pytest.approx(r[tag]) for r in records]

@@ -266,8 +266,9 @@ def test_the_task_timeline_draws_environment_time_under_its_task():
 
 
 def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
-    from rlhfflow.runtime.telemetry import episode_means
-    from rlhfflow.runtime.worker.host import partial_metrics
+    from rlhfflow.runtime.telemetry import declared_figures
+    from rlhfflow.runtime.worker.host import METRICS, partial_metrics
+    from rlhfflow.stages.rollout import RolloutParams, RolloutStage
 
     store = chat_store(chat_lm_dir)
     # rows whose first number is the secret win on their first turn, the others never
@@ -279,12 +280,15 @@ def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
     torch.testing.assert_close(out["info_won"], won)
     torch.testing.assert_close(out["info_absent"], torch.zeros(4))  # never in info: 0
     assert "info_calls" not in out
-    sums = partial_metrics({**batch, **out})
-    assert sums["episode_info_won_sum"] == float(won.sum())
-    assert sums["episode_turns_sum"] == float(out["turns"].sum())
-    assert sums["episode_env_reward_sum"] == pytest.approx(float(out["env_reward"].sum()))
-    # the iteration's record averages them over its rows
-    assert episode_means({"rows": 4.0, "length_sum": 0.0, **sums}) == {
+    # the rollout declares their means over the iteration's rows (Stage.iteration_metrics)
+    declared = RolloutStage.iteration_metrics(RolloutParams(
+        env=GUESS, max_turns=3, max_new_tokens=6, max_tokens=64,
+        info=["won", "guess", "absent"]))
+    sums = partial_metrics({**batch, **out}, declared)[METRICS]
+    assert sums["info_won_mean"] == (float(won.sum()), 4.0, 1.0)
+    assert sums["turns_mean"] == (float(out["turns"].sum()), 4.0, 1.0)
+    assert sums["env_reward_mean"][0] == pytest.approx(float(out["env_reward"].sum()))
+    assert declared_figures(declared, sums) == {
         "env_reward_mean": pytest.approx(float(out["env_reward"].mean())),
         "info_absent_mean": 0.0,
         "info_guess_mean": pytest.approx(float(out["info_guess"].mean())),

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rlhfflow.errors import UserError
-from rlhfflow.sdk import SOURCE_COLUMNS, Column
+from rlhfflow.sdk import SOURCE_COLUMNS, Column, IterationMetric
 
 SOURCE = "data"
 """Name of the pseudo-stage that provides prompts (``SOURCE_COLUMNS``)."""
@@ -63,6 +63,8 @@ class StageNode:
     every: int = 1
     #: its model's work per token, in forward passes (``PlanHints.passes``)
     passes: float = 1.0
+    #: the figures of the iteration's record it declares (``Stage.iteration_metrics``)
+    metrics: tuple[IterationMetric, ...] = ()
 
 
 class CycleError(UserError, ValueError):

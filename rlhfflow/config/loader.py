@@ -41,6 +41,7 @@ from rlhfflow.config.yamlfile import apply_overrides, did_you_mean, read_yaml
 from rlhfflow.sdk import (
     SOURCE_COLUMNS,
     Column,
+    IterationMetric,
     Stage,
     StageParams,
     StageTypeError,
@@ -290,6 +291,26 @@ def _stage_columns(file: Path, where: str, cls: type[Stage], params: StageParams
     return tuple(reads), dict(writes)
 
 
+def _stage_metrics(file: Path, stage: str, cls: type[Stage], params: StageParams,
+                   declared: dict[str, str]) -> tuple[IterationMetric, ...]:
+    """The figures a stage declares for the iteration's record, checked: a bad
+    declaration, or a name another stage declares, is one line here, not a crash in the
+    coordinator's record. ``declared`` (name -> stage) is updated."""
+    where = f"stages.{stage}.type"
+    metrics = _plugin_call(file, where, cls.iteration_metrics, params)
+    path = stage_type_path(cls)
+    if not isinstance(metrics, tuple | list) or \
+            not all(isinstance(m, IterationMetric) for m in metrics):
+        raise SpecError(file, where, f"{path}.iteration_metrics() must return a tuple of "
+                                     f"rlhfflow.sdk.IterationMetric, got {metrics!r}")
+    for m in metrics:
+        if m.name in declared:
+            raise SpecError(file, where, f"{path}.iteration_metrics() declares "
+                            f"{m.name!r}, which stage {declared[m.name]!r} declares too")
+        declared[m.name] = stage
+    return tuple(metrics)
+
+
 def column_problem(name: Any, col: Any) -> str | None:
     """Why ``name: col`` is not a column the experience buffer can store, or None."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -315,6 +336,7 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
                  classes: dict[str, type[Stage]]) -> StageGraph:
     nodes = {}
     samples = spec.data.samples_per_prompt if spec.data is not None else 1
+    declared: dict[str, str] = {}  # metric name -> the stage declaring it
     for name, stage in spec.stages.items():
         cls = classes[name]
         reads, writes = _stage_columns(file, f"stages.{name}.type", cls, params[name],
@@ -332,7 +354,8 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             uses=tuple(dict.fromkeys(cls.auxiliary_models(params[name]).values())),
             row_filter=hints.row_filter,
             kept_share=1.0 if kept is None else min(kept, samples) / max(samples, 1),
-            every=max(1, int(hints.every)), passes=float(hints.passes))
+            every=max(1, int(hints.every)), passes=float(hints.passes),
+            metrics=_stage_metrics(file, name, cls, params[name], declared))
     try:
         graph = StageGraph(nodes)
     except CycleError as exc:

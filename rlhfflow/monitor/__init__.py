@@ -27,7 +27,8 @@ from rlhfflow.storage import ExperienceBuffer
 
 logger = logging.getLogger(__name__)
 
-# what the dashboard page draws: the rest of a record stays in metrics.jsonl
+# what the dashboard page draws, with the figures the stages declare (under "metrics"):
+# the rest of a record stays in metrics.jsonl
 PUBLISHED = ("iteration", "reward_mean", "kl_mean", "response_length_mean", "iteration_s",
              "stage_s", "busy_frac", "staleness_mean", "staleness_max")
 
@@ -48,6 +49,10 @@ class RunMonitor:
         self.run = uuid.uuid4().hex[:12]
         self.output_dir = output_dir
         self.completions_every = pipeline.spec.logging.completions_every
+        # the figures the stages declare (Stage.iteration_metrics) that the page has no
+        # fixed plot for: one plot each
+        self.declared = [m.name for node in pipeline.graph.nodes.values()
+                         for m in node.metrics if m.name not in PUBLISHED]
         self.rewards = reward_columns(pipeline) if self.completions_every else []
         self.sinks = []
         for where, make in _sinks(pipeline, output_dir, resumed, first):
@@ -66,6 +71,7 @@ class RunMonitor:
         """Publish one iteration's metrics record (as written to metrics.jsonl)."""
         if self.client is not None:
             message = {k: record.get(k) for k in PUBLISHED}
+            message["metrics"] = {k: record[k] for k in self.declared if k in record}
             message.update(run=self.run, pipeline=self.name, iterations=self.iterations)
             try:
                 self.client.log_event("rlhfflow", message)

@@ -3,7 +3,9 @@
 The coordinator publishes each iteration's figures as a scheduler event (topic
 ``rlhfflow``, see ``rlhfflow.monitor.RunMonitor``); the preload's scheduler plugin keeps
 the last 1000, and this page reads them once a second and draws reward, KL, response
-length, per-stage time, worker busy fractions and staleness per iteration.
+length, per-stage time, worker busy fractions and staleness per iteration, and each
+figure the pipeline's stages declare (``Stage.iteration_metrics``: a rollout's
+``env_reward_mean``, a plugin's own) in a plot of its own.
 
 The page is a Bokeh application added to the dashboard's own before the scheduler starts
 its HTTP server, so it has to be loaded as a scheduler preload: the embedded cluster does
@@ -57,12 +59,17 @@ def latest_run(events: Any) -> list[dict[str, Any]]:
 
 
 def page_columns(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """The page's data source: ``iteration``, one column per fixed metric, ``stage:NAME``
-    per stage seen and ``busy:W`` per worker (NaN where an iteration has no value)."""
+    """The page's data source: ``iteration``, one column per fixed metric, ``metric:NAME``
+    per figure a stage declares, ``stage:NAME`` per stage seen and ``busy:W`` per worker
+    (NaN where an iteration has no value)."""
     data: dict[str, list[float]] = {"iteration": [m["iteration"] for m in messages]}
     for series in _FIXED.values():
         for key, _ in series:
             data[key] = [_float(m.get(key)) for m in messages]
+    declared = dict.fromkeys(k for m in messages for k in m.get("metrics") or {})
+    for name in declared:
+        data[f"metric:{name}"] = [_float((m.get("metrics") or {}).get(name))
+                                  for m in messages]
     stages = sorted({s for m in messages for s in m.get("stage_s") or {}})
     for stage in stages:
         data[f"stage:{stage}"] = [_float((m.get("stage_s") or {}).get(stage))
@@ -80,31 +87,39 @@ class MetricsPage:
 
     def __init__(self, scheduler) -> None:
         from bokeh.models import ColumnDataSource, Div
-        from bokeh.plotting import figure
 
         self.scheduler = scheduler
         self.source = ColumnDataSource(page_columns([]))
         self.header = Div(text=self._header([]), sizing_mode="stretch_width")
         self.figures: dict[str, Any] = {}
         self.drawn: set[str] = set()
-        titles = [*_FIXED, "stage time per iteration (s)", "busy fraction per worker"]
-        for title in titles:
-            fig = figure(title=title, height=260, sizing_mode="stretch_width",
-                         tools="pan,wheel_zoom,box_zoom,reset,hover,save",
-                         x_axis_label="iteration", name=title)
-            fig.toolbar.logo = None
-            self.figures[title] = fig
+        for title in [*_FIXED, "stage time per iteration (s)", "busy fraction per worker"]:
+            self._figure(title)
         for title, series in _FIXED.items():
             for i, (key, label) in enumerate(series):
                 self._line(title, key, label, i)
         self.root = self._layout()
 
     def _layout(self):
-        from bokeh.layouts import column, gridplot
+        from bokeh.layouts import column
 
-        grid = gridplot(list(self.figures.values()), ncols=2, sizing_mode="stretch_width",
+        return column(self.header, self._grid(), sizing_mode="stretch_width")
+
+    def _grid(self):
+        from bokeh.layouts import gridplot
+
+        return gridplot(list(self.figures.values()), ncols=2, sizing_mode="stretch_width",
                         toolbar_location="right")
-        return column(self.header, grid, sizing_mode="stretch_width")
+
+    def _figure(self, title: str) -> None:
+        """Add a plot (a declared figure's, seen first in a published iteration)."""
+        from bokeh.plotting import figure
+
+        fig = figure(title=title, height=260, sizing_mode="stretch_width",
+                     tools="pan,wheel_zoom,box_zoom,reset,hover,save",
+                     x_axis_label="iteration", name=title)
+        fig.toolbar.logo = None
+        self.figures[title] = fig
 
     def _line(self, title: str, key: str, label: str, i: int) -> None:
         from bokeh.palettes import Category10_10
@@ -135,16 +150,23 @@ class MetricsPage:
         data = page_columns(messages)
         if data == dict(self.source.data):
             return
+        added = False
         for key in data:
             if key in self.drawn:
                 continue
-            if key.startswith("stage:"):
+            if key.startswith("metric:"):  # a declared figure: a plot of its own
+                self._figure(key[len("metric:"):])
+                self._line(key[len("metric:"):], key, "mean", 0)
+                added = True
+            elif key.startswith("stage:"):
                 n = sum(k.startswith("stage:") for k in self.drawn)
                 self._line("stage time per iteration (s)", key, key[len("stage:"):], n)
             elif key.startswith("busy:"):
                 n = sum(k.startswith("busy:") for k in self.drawn)
                 self._line("busy fraction per worker", key, f"w{key[len('busy:'):]}", n)
         self.source.data = data
+        if added:
+            self.root.children[1] = self._grid()
         self.header.text = self._header(messages)
 
 

@@ -99,7 +99,7 @@ from rlhfflow.runtime.workers import (
     rows_topic,
     stage_defs,
 )
-from rlhfflow.sdk import RunSettings
+from rlhfflow.sdk import IterationMetric, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ class Executor:
         self.start = start or StartPoint(None, resumed=False)
         self.stop = stop
         self.log = MetricsLog(output_dir / "metrics.jsonl")
-        self.telemetry = Telemetry(backend, output_dir) if backend is not None else None
+        self.telemetry = Telemetry(backend, output_dir, self._declared_metrics()) \
+            if backend is not None else None
         self.plan: ExecutionPlan | None = None
         self.addresses: list[str] = []
         self.shapes = model_shapes(pipeline)
@@ -171,7 +172,11 @@ class Executor:
     def attach(self, backend) -> None:
         """Run on ``backend`` (an executor may be prepared before its cluster is up)."""
         self.backend = backend
-        self.telemetry = Telemetry(backend, self.out)
+        self.telemetry = Telemetry(backend, self.out, self._declared_metrics())
+
+    def _declared_metrics(self) -> list[IterationMetric]:
+        """The figures the stages declare for the record (``Stage.iteration_metrics``)."""
+        return [m for node in self.graph.nodes.values() for m in node.metrics]
 
     def prepare(self) -> None:
         """What the coordinator readies before any worker is needed: the prompts (a bad

@@ -20,7 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rlhfflow.plan.flops import StageWork, run_utilisation, utilisation
-from rlhfflow.runtime.worker.host import pop_timings
+from rlhfflow.runtime.worker.host import METRICS, pop_timings
+from rlhfflow.sdk import IterationMetric
 from rlhfflow.storage import MetricsLog
 
 TASKS_FILE = "tasks.jsonl"
@@ -28,10 +29,13 @@ TASKS_FILE = "tasks.jsonl"
 
 class Telemetry:
     """Collects the workers' task intervals and turns one iteration's results into its
-    metrics record."""
+    metrics record; ``metrics`` are the figures the pipeline's stages declare
+    (``Stage.iteration_metrics``), which the store tasks sum."""
 
-    def __init__(self, backend, output_dir: Path) -> None:
+    def __init__(self, backend, output_dir: Path,
+                 metrics: Sequence[IterationMetric] = ()) -> None:
         self.backend = backend
+        self.metrics = list(metrics)
         self.tasks = MetricsLog(output_dir / TASKS_FILE)
         self.addresses: list[str] = []
         self.layout: dict[str, Any] = {}
@@ -121,18 +125,26 @@ class Telemetry:
         busy = self._busy_fractions(running, self._window_start, now)
         self._window_start = now
         total: dict[str, float] = defaultdict(float)
+        declared: dict[str, list[float]] = {}
         for p in partials:
             for key, value in p.items():
-                total[key] += value
+                if key != METRICS:
+                    total[key] += value
+            for name, sums in p.get(METRICS, {}).items():
+                declared[name] = [a + b for a, b in zip(declared.get(name, (0.0,) * 3),
+                                                        sums, strict=True)]
+        figures = declared_figures(self.metrics, declared)
         n = total["rows"]
         scored = total.get("scored", 0.0)
         mean = total["score_sum"] / scored if scored else None
         std = math.sqrt(max(0.0, total["score_sq"] / scored - mean ** 2)) if mean is not None \
             else None
         stats = {k: v for s in train.values() for k, v in s.items()}
-        # per token, whatever the loss aggregation (kl_loss is the aggregated term)
-        kl_mean = total["kl_sum"] / total["tokens"] if "kl_sum" in total and total["tokens"] \
-            else stats.get("kl_mean", stats.get("kl_loss"))
+        # per token where a stage wrote the KL (the advantages' kl_mean), else the
+        # trainer's: whatever the loss aggregation (kl_loss is the aggregated term)
+        kl_mean = figures.pop("kl_mean", None)
+        if kl_mean is None:
+            kl_mean = stats.get("kl_mean", stats.get("kl_loss"))
         stage_s = {k: round(v, 4) for k, v in self.timings.pop(iteration, {}).items()}
         return {
             "iteration": iteration, "samples": int(n),
@@ -151,14 +163,11 @@ class Telemetry:
             "busy_frac": busy,
             "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
             "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
-            **_generation(total),
             "score_errors": int(total.get("score_errors", 0)),
             "score_retries": int(total.get("score_retries", 0)),
             "task_retries": task_retries,
             **self._model_flops(total, iteration_s),
-            **{f"reward_mean_{name}": total[k] / scored if scored else None
-               for k, name in _function_sums(total)},
-            **episode_means(total),
+            **figures,
             "train": train,
             **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
@@ -179,38 +188,23 @@ class Telemetry:
                 "matmul_peak_flops_per_s": {k: round(v) for k, v in self.peaks.items()}}
 
 
-def episode_means(total: dict[str, float]) -> dict[str, float | None]:
-    """The rollout stage's per-episode columns (``episode_<column>_sum``: ``env_reward``,
-    ``turns``, ``info_<key>``) averaged over the iteration's rows, as ``<column>_mean``."""
-    n = total.get("rows", 0.0)
-    return {f"{k[len('episode_'):-len('_sum')]}_mean": total[k] / n if n else None
-            for k in sorted(total) if k.startswith("episode_") and k.endswith("_sum")}
-
-
-def _function_sums(total: dict[str, float]) -> list[tuple[str, str]]:
-    """``(key, name)`` of each reward function's own score sum (``score_NAME_sum``, from
-    ``params.functions``); not the weighted ``score_sum`` itself."""
-    return [(k, k[len("score_"):-len("_sum")]) for k in sorted(total)
-            if k.startswith("score_") and k.endswith("_sum") and k != "score_sum"]
-
-
-def _generation(total: dict[str, float]) -> dict[str, Any]:
-    """The decoding figures of an iteration: tokens/s of the generate tasks, and with
-    speculative decoding the acceptance rate, accepted tokens per verification and the
-    mean draft length (None where nothing was drafted), and the rows sample
-    reallocation moved to another worker."""
-    if "gen_steps_sum" not in total:
-        return {}
-    steps, drafted = total["gen_steps_sum"], total["gen_drafted_sum"]
-    seconds = total.get("gen_seconds_sum", 0.0)
-    return {
-        "gen_tokens_per_s": round(total["tokens"] / seconds, 2) if seconds else None,
-        "gen_acceptance": round(total["gen_accepted_sum"] / drafted, 4) if drafted else None,
-        "gen_accepted_per_verify": round(total["gen_accepted_sum"] / steps, 4)
-        if drafted and steps else None,
-        "gen_k_mean": round(total["gen_k_sum_sum"] / steps, 3) if drafted and steps else None,
-        "gen_rows_migrated": int(total.get("gen_moved_sum", 0)),
-    }
+def declared_figures(metrics: Sequence[IterationMetric],
+                     sums: dict[str, Sequence[float]]) -> dict[str, Any]:
+    """The figures ``metrics`` declare from their sums over an iteration's stores
+    (``(numerator, denominator, requires)`` by name: ``host.declared_sums``), in
+    declaration order; a figure no store summed is left out."""
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if m.name not in sums:
+            continue
+        num, den, required = sums[m.name]
+        value = num if m.reduce == "sum" else num / den if den else None
+        if not required:
+            value = None
+        if value is not None and m.digits is not None:
+            value = round(value) if m.digits == 0 else round(value, m.digits)
+        out[m.name] = value
+    return out
 
 
 def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | None:

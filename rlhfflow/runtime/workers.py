@@ -20,14 +20,15 @@ from rlhfflow.runtime.worker.host import StageDef, gang_port, join_gang_task
 
 def stage_defs(pipeline: Pipeline) -> dict[str, StageDef]:
     """Every stage as the workers create it: its type by import path (so a plugin type
-    needs no registration on the workers), params, model and the columns it reads."""
+    needs no registration on the workers), params, model, the columns it reads and the
+    figures it declares (summed by the store tasks)."""
     defs = {}
     for name, node in pipeline.graph.nodes.items():
         stage = pipeline.spec.stages[name]
         ds = stage.deepspeed.model_dump() if stage.deepspeed else None
         defs[name] = StageDef(node.impl or node.type, pipeline.params[name],
                               node.model, node.reads,
-                              backend=stage.backend, deepspeed=ds)
+                              backend=stage.backend, deepspeed=ds, metrics=node.metrics)
     return defs
 
 

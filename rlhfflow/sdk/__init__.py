@@ -27,6 +27,7 @@ from rlhfflow.sdk.stage import (
     RESPONSE_INPUTS,
     SOURCE_COLUMNS,
     Column,
+    IterationMetric,
     PlanHints,
     RunSettings,
     Stage,
@@ -37,8 +38,8 @@ from rlhfflow.types import Batch
 
 __all__ = [
     "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "RESPONSE_INPUTS",
-    "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "PlanHints", "RunSettings", "Stage",
-    "StageContext", "StageParams", "StageTypeError", "create_stage", "get_stage_type",
-    "known_stage_types", "load_plugins", "register_stage", "resolve_stage_type",
-    "stage_type_path",
+    "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "IterationMetric", "PlanHints",
+    "RunSettings", "Stage", "StageContext", "StageParams", "StageTypeError", "create_stage",
+    "get_stage_type", "known_stage_types", "load_plugins", "register_stage",
+    "resolve_stage_type", "stage_type_path",
 ]

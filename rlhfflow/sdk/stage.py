@@ -1,5 +1,6 @@
 """The stage SDK: what a stage is (``Stage``), what it is given (``StageContext``,
-``RunSettings``) and what it declares (``StageParams``, ``Column``, ``PlanHints``).
+``RunSettings``) and what it declares (``StageParams``, ``Column``, ``PlanHints``,
+``IterationMetric``).
 
 A stage reads named columns of a batch (a ``dict`` of tensors with one row per sample),
 computes, and returns new columns. It knows nothing of Dask: the executor decides where
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -179,6 +180,63 @@ class PlanHints:
     passes: float = 1.0
 
 
+#: How an ``IterationMetric`` reduces its column (``IterationMetric.reduce``).
+REDUCTIONS = ("mean", "sum", "ratio", "token_mean")
+
+
+@dataclass(frozen=True)
+class IterationMetric:
+    """How a per-row column a stage writes becomes one figure of each iteration's record
+    (``metrics.jsonl``, the live page, the trackers): ``Stage.iteration_metrics``.
+
+    Every store task sums the columns over its rows; the coordinator adds the sums of
+    the iteration's stores and then divides, so the figure is exact over all the
+    iteration's rows whatever the micro-batches. A figure is in the record where the
+    iteration's rows hold its columns; where the division has nothing to divide by it
+    is None.
+
+    Attributes:
+        name: the key in the record (``env_reward_mean``).
+        column: the per-row column reduced, one the stage writes.
+        reduce: ``"mean"`` over the iteration's rows (or over those ``where`` selects);
+            ``"sum"``; ``"ratio"``: the column's sum over ``over``'s sum;
+            ``"token_mean"``: per token, the column (one value per response token)
+            summed over the tokens the 0/1 mask ``over`` marks (``response_mask``),
+            divided by their count. Sums are in float64, but a token mean's in the
+            column's dtype.
+        where: for ``"mean"``, a 0/1 column selecting the rows averaged (``score_valid``:
+            the samples that were scored), or None: every row.
+        over: the denominator of ``"ratio"``, the token mask of ``"token_mean"``.
+        requires: a column whose sum must be nonzero for the figure to exist (None
+            otherwise): accepted draft tokens per verification need a draft.
+        digits: the decimals the figure is rounded to; 0 makes it a whole number (an
+            int); None: not rounded.
+    """
+
+    name: str
+    column: str
+    reduce: Literal["mean", "sum", "ratio", "token_mean"] = "mean"
+    where: str | None = None
+    over: str | None = None
+    requires: str | None = None
+    digits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"metric {self.name!r}: reduce must be one of "
+                             f"{', '.join(REDUCTIONS)}, not {self.reduce!r}")
+        if self.reduce in ("ratio", "token_mean") and self.over is None:
+            raise ValueError(f"metric {self.name!r}: reduce {self.reduce!r} needs 'over'")
+        if self.where is not None and self.reduce != "mean":
+            raise ValueError(f"metric {self.name!r}: 'where' goes with reduce 'mean'")
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every column the figure needs in the iteration's rows."""
+        return tuple(c for c in (self.column, self.where, self.over, self.requires)
+                     if c is not None)
+
+
 class Stage:
     """Base class of stages. Subclasses set the class attributes and implement ``run``.
 
@@ -295,6 +353,15 @@ class Stage:
             response_tokens=int(getattr(params, "max_new_tokens", 0)) if cls.generates else 0,
             temperature=float(getattr(params, "temperature", 1.0)),
             passes=3.0 * float(getattr(params, "epochs", 1)) if cls.trains else 1.0)
+
+    @classmethod
+    def iteration_metrics(cls, params: StageParams) -> tuple[IterationMetric, ...]:
+        """The figures of each iteration's record that reduce the stage's per-row
+        columns (``IterationMetric``), e.g. an environment's reward averaged over the
+        iteration's episodes; none by default. The runtime computes them where the rows
+        are stored and adds them to the record under their names, so a plugin stage's
+        figure reaches ``metrics.jsonl``, the live page and the trackers."""
+        return ()
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         """Compute the stage's columns for ``batch``. Returns only the new columns."""

@@ -22,6 +22,7 @@ from rlhfflow.sdk import (
     STAGE_TYPES,
     Batch,
     Column,
+    IterationMetric,
     PlanHints,
     RunSettings,
     Stage,
@@ -48,9 +49,9 @@ from rlhfflow.stages import (  # noqa: F401  (registers)
 
 __all__ = [
     "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "RESPONSE_INPUTS",
-    "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "ModelConfig", "ModelStore",
-    "PlanHints", "ResidentModel", "RunSettings", "Stage", "StageContext", "StageParams",
-    "StageTypeError", "concat_batches", "create_stage", "get_stage_type",
+    "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "IterationMetric", "ModelConfig",
+    "ModelStore", "PlanHints", "ResidentModel", "RunSettings", "Stage", "StageContext",
+    "StageParams", "StageTypeError", "concat_batches", "create_stage", "get_stage_type",
     "known_stage_types", "load_plugins", "register_stage", "resolve_stage_type",
     "slice_batch", "stage_type_path",
 ]

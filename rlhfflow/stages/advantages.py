@@ -30,7 +30,15 @@ from rlhfflow import ops
 from rlhfflow.engine.batch import score_valid
 from rlhfflow.engine.generation import Sampling, generate
 from rlhfflow.engine.usercode import load_function
-from rlhfflow.sdk import Batch, Column, Stage, StageContext, StageParams, register_stage
+from rlhfflow.sdk import (
+    Batch,
+    Column,
+    IterationMetric,
+    Stage,
+    StageContext,
+    StageParams,
+    register_stage,
+)
 
 
 def _kl_in_reward(algorithm) -> bool:
@@ -78,6 +86,11 @@ class AdvantagesStage(Stage):
         if _kl_in_reward(algorithm):
             out["kl"] = Column("float32", "response")
         return out
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        # per response token; present where the KL is in the reward (the column written)
+        return (IterationMetric("kl_mean", "kl", "token_mean", over="response_mask"),)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         algo = self.algorithm

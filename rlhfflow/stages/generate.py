@@ -27,7 +27,15 @@ from pydantic import Field
 
 from rlhfflow.engine.generation import cut_at_stop, eos_ids, generate
 from rlhfflow.engine.sampling import sample_step, sample_uniforms
-from rlhfflow.sdk import Batch, Column, Stage, StageContext, StageParams, register_stage
+from rlhfflow.sdk import (
+    Batch,
+    Column,
+    IterationMetric,
+    Stage,
+    StageContext,
+    StageParams,
+    register_stage,
+)
 
 DRAFTERS = ("ngram", "layers", "model")
 
@@ -97,6 +105,21 @@ METRIC_COLUMNS = {
     "gen_moved": Column("int64"),      # 1: the row finished on another worker (reallocated)
 }
 
+#: The decoding figures of an iteration's record (``Stage.iteration_metrics``): tokens/s
+#: of the generate tasks, with speculative decoding the acceptance rate, accepted tokens
+#: per verification and the mean draft length (None where nothing was drafted), and the
+#: rows sample reallocation moved to another worker.
+GENERATION_METRICS = (
+    IterationMetric("gen_tokens_per_s", "response_mask", "ratio", over="gen_seconds",
+                    digits=2),
+    IterationMetric("gen_acceptance", "gen_accepted", "ratio", over="gen_drafted", digits=4),
+    IterationMetric("gen_accepted_per_verify", "gen_accepted", "ratio", over="gen_steps",
+                    requires="gen_drafted", digits=4),
+    IterationMetric("gen_k_mean", "gen_k_sum", "ratio", over="gen_steps",
+                    requires="gen_drafted", digits=3),
+    IterationMetric("gen_rows_migrated", "gen_moved", "sum", digits=0),
+)
+
 
 @register_stage
 class GenerateStage(Stage):
@@ -131,6 +154,10 @@ class GenerateStage(Stage):
                 "policy_version": Column("int64"),
                 "response_text": Column("str"),
                 **METRIC_COLUMNS}
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        return GENERATION_METRICS
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):

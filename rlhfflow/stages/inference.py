@@ -28,6 +28,7 @@ from rlhfflow.sdk import (
     RESPONSE_INPUTS,
     Batch,
     Column,
+    IterationMetric,
     Stage,
     StageContext,
     StageParams,
@@ -223,6 +224,13 @@ class ScoreStage(Stage):
             out["score_error"] = Column("str")  # listed by the store task, not stored
             out["score_retries"] = Column("int32")
         return out
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        # each reward function's own score, over the samples scored (as reward_mean)
+        return tuple(IterationMetric(f"reward_mean_{entry.column.removeprefix('score_')}",
+                                     entry.column, where="score_valid")
+                     for entry in params.functions)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         prompts, responses = list(batch["prompt_text"]), list(batch["response_text"])

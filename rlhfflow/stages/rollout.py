@@ -76,6 +76,7 @@ from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
     Batch,
     Column,
+    IterationMetric,
     PlanHints,
     Stage,
     StageContext,
@@ -214,6 +215,13 @@ class RolloutStage(Stage):
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         return out
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        # per episode, averaged over the iteration's rows
+        return (IterationMetric("env_reward_mean", "env_reward"),
+                IterationMetric("turns_mean", "turns"),
+                *(IterationMetric(f"info_{key}_mean", f"info_{key}") for key in params.info))
 
     @classmethod
     def plan_hints(cls, params) -> PlanHints:

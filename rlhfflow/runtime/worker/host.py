@@ -26,7 +26,14 @@ from rlhfflow.engine.forward import shared_prompt_rows
 from rlhfflow.engine.resident import ModelConfig, ModelStore
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
-from rlhfflow.sdk import Batch, RunSettings, Stage, StageContext, create_stage
+from rlhfflow.sdk import (
+    Batch,
+    IterationMetric,
+    RunSettings,
+    Stage,
+    StageContext,
+    create_stage,
+)
 from rlhfflow.storage import ExperienceBuffer
 from rlhfflow.storage.errors import write_score_errors
 
@@ -36,7 +43,8 @@ PLUGIN_NAME = "rlhfflow"
 @dataclass(frozen=True)
 class StageDef:
     """A stage as a worker needs it: its class's import path (``type``, so plugin types
-    need only be importable on the worker), typed params and model name."""
+    need only be importable on the worker), typed params and model name, and the
+    figures it declares (``Stage.iteration_metrics``), which a store task sums."""
 
     type: str
     params: Any
@@ -44,6 +52,7 @@ class StageDef:
     reads: tuple[str, ...] = ()
     backend: str = "torch"
     deepspeed: Mapping[str, Any] | None = None
+    metrics: tuple[IterationMetric, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -414,7 +423,8 @@ def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, bat
         if "score_error" in batch:  # reward errors skipped (on_error: skip): list them
             write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
                                batch.get("prompt_text"), batch.get("response_text"))
-        out: dict[str, Any] = partial_metrics(batch)
+        declared = [m for d in host.run.stages.values() for m in d.metrics]
+        out: dict[str, Any] = partial_metrics(batch, declared)
         for name in RESPONSE_TEXTS:  # ragged text: the coordinator stores it
             if name in batch:
                 out[name] = list(batch[name])
@@ -426,12 +436,23 @@ def batch_rows(batch: Batch) -> int:
     return next((len(v) for v in batch.values()), 0)
 
 
-def partial_metrics(batch: Batch) -> dict[str, float]:
-    """Sums over one micro-batch, combined across micro-batches by the coordinator."""
+def partial_metrics(batch: Batch, declared: Sequence[IterationMetric] = ()
+                    ) -> dict[str, Any]:
+    """Sums over one micro-batch, combined across micro-batches by the coordinator
+    (``rlhfflow.runtime.telemetry``): under ``METRICS``, those of the ``declared``
+    figures whose columns ``batch`` holds (``declared_sums``).
+
+    The rest are the runtime's own because every pipeline or a capability of the SDK
+    defines their columns, not one stage type: the rows and response tokens
+    (``response_mask``, which every pipeline's rows have), what the model FLOPs are
+    counted on (``prompt_mask``, ``prompt_ids``), and a scorer's ``scores``,
+    ``score_valid``, ``score_error`` and ``score_retries`` (``Stage.scores``), which the
+    record's ``reward_mean``/``reward_std`` and the error budget read.
+    """
     mask = batch["response_mask"].float()
     lengths = mask.sum(-1)
-    out = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
-           "tokens": float(mask.sum())}
+    out: dict[str, Any] = {"rows": float(len(lengths)), "length_sum": float(lengths.sum()),
+                           "tokens": float(mask.sum())}
     if "prompt_mask" in batch:  # what the model FLOPs are counted on (rlhfflow.plan.flops)
         prompt = batch["prompt_mask"].float().sum(-1)
         # rows that repeat a prompt share its forward (every forward of rlhfflow does):
@@ -449,34 +470,42 @@ def partial_metrics(batch: Batch) -> dict[str, float]:
         scores = batch["scores"].double()[valid]
         out.update(score_sum=float(scores.sum()), score_sq=float((scores ** 2).sum()),
                    scored=float(valid.sum()), skipped=float((~valid).sum()))
-        for column, value in batch.items():  # each reward function's own score (functions:)
-            if column.startswith("score_") and column not in SCORE_STAGE_COLUMNS:
-                out[f"{column}_sum"] = float(value.double()[valid].sum())
-    if "kl" in batch:
-        out["kl_sum"] = float((batch["kl"] * mask).sum())
-    for column in GENERATION_COLUMNS:  # decoding statistics of the generate stage
-        if column in batch:
-            out[f"{column}_sum"] = float(batch[column].double().sum())
-    for column, value in batch.items():  # per-episode figures of the rollout stage
-        if column in EPISODE_COLUMNS or column.startswith("info_"):
-            out[f"episode_{column}_sum"] = float(value.double().sum())
     if "score_error" in batch:
         out["score_errors"] = float(sum(1 for e in batch["score_error"] if e))
     if "score_retries" in batch:
         out["score_retries"] = float(batch["score_retries"].sum())
+    out[METRICS] = declared_sums(batch, declared)
     return out
 
 
-GENERATION_COLUMNS = ("gen_steps", "gen_drafted", "gen_accepted", "gen_k_sum", "gen_seconds",
-                      "gen_moved")
-"""Per-row decoding statistics ``generate`` writes, summed for the iteration's record."""
+METRICS = "metrics"
+"""The key of a store's partial sums under which the declared figures' sums are."""
 
-EPISODE_COLUMNS = ("env_reward", "turns")
-"""Per-episode columns of the ``rollout`` stage (and its ``info_<key>``), averaged over the
-iteration's rows in its record as ``<column>_mean``."""
 
-# the score stage's own columns; any other score_<name> is one reward function's score
-SCORE_STAGE_COLUMNS = ("score_valid", "score_error", "score_retries")
+def declared_sums(batch: Batch, declared: Sequence[IterationMetric]
+                  ) -> dict[str, tuple[float, float, float]]:
+    """Per declared figure whose columns ``batch`` holds, its sums over the rows:
+    ``(numerator, denominator, requires)``; the coordinator adds them over the
+    iteration's stores and divides (``rlhfflow.runtime.telemetry.declared_figures``).
+    An unused sum is 0, an absent ``requires`` 1."""
+    out = {}
+    for m in declared:
+        if not all(c in batch for c in m.columns):
+            continue
+        value = batch[m.column]
+        if m.reduce == "token_mean":  # in the column's dtype, as kl_mean always was
+            mask = batch[m.over].float()
+            num, den = float((value * mask).sum()), float(mask.sum())
+        elif m.where is not None:
+            rows = batch[m.where].bool()
+            num, den = float(value.double()[rows].sum()), float(rows.sum())
+        else:
+            num = float(value.double().sum())
+            den = float(len(value)) if m.reduce == "mean" else \
+                float(batch[m.over].double().sum()) if m.reduce == "ratio" else 0.0
+        required = float(batch[m.requires].double().sum()) if m.requires else 1.0
+        out[m.name] = (num, den, required)
+    return out
 
 
 def save_model_task(model: str, path: str, after: list[Any]) -> dict[str, Any]:
