@@ -55,12 +55,12 @@ def test_the_calculator_data_is_seeded_held_out_and_right() -> None:
     assert info == {"calls": 1, "errors": 0}
 
 
-def test_the_script_writes_all_four_files(tmp_path: Path) -> None:
+def test_the_script_writes_all_six_files(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), "--train", "20",
                            "--test", "5", "--top", "7", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for game in ("calc", "guess"):
+    for game in ("calc", "python", "guess"):
         assert len((tmp_path / f"{game}-train.jsonl").read_text().splitlines()) == 20
         assert len((tmp_path / f"{game}-test.jsonl").read_text().splitlines()) == 5
     guesses = [json.loads(line) for line in
@@ -94,6 +94,38 @@ def test_the_calculator_rewards(response, exact, called) -> None:
     reward = example_module("multiturn", "reward")
     assert reward.exact_answer([""], [response], ["20126"]) == [exact]
     assert reward.tool_call([""], [response], ["20126"]) == [called]
+
+
+PROGRAM = ('<tool_call>{"name": "python", "arguments": {"code": "print(347 * 58)"}}'
+           '</tool_call>\ntool\n20126\n\nassistant\n20126')
+
+
+@pytest.mark.parametrize("response, called", [
+    (PROGRAM, 1.0),
+    (PROGRAM.replace("20126\n\nassistant", "error: exit status 1\nassistant"), 0.0),
+    (PROGRAM.replace('"python"', '"calculate"'), 0.0),     # another tool
+    ("<tool_call>not json</tool_call>\ntool\n20126\nassistant\n20126", 0.0),
+    ("20126", 0.0),                                         # no program ran
+])
+def test_the_python_call_reward_wants_a_program_that_printed_the_answer(response,
+                                                                        called) -> None:
+    reward = example_module("multiturn", "reward")
+    assert reward.python_call([""], [response], ["20126"]) == [called]
+
+
+def test_the_python_data_shows_a_worked_call_the_sandbox_runs() -> None:
+    from rlhfflow.engine import sandbox
+
+    make_data = example_module("multiturn", "make_data")
+    train, _ = make_data.make_records(5, 1, seed=3, tool="python")
+    assert [r["answer"] for r in train] == \
+        [r["answer"] for r in make_data.make_records(5, 1, seed=3)[0]]
+    demo = train[0]["messages"]
+    env = ToolEnvironment({"python": sandbox.python}, timeout_s=30,
+                          sandbox=sandbox.SandboxSettings(warm=0))
+    messages, _, done, info = env.step(demo[2]["content"])
+    assert messages == [{"content": demo[3]["content"]}] and not done
+    assert info == {"calls": 1, "errors": 0}
 
 
 # --------------------------------------------------------------------------- environment
@@ -145,6 +177,7 @@ def long_chat_lm_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("config, rows", [
     ("calculator.yaml", "2 prompts x 4 samples per prompt = 8 rows per iteration"),
+    ("python.yaml", "2 prompts x 4 samples per prompt = 8 rows per iteration"),
     ("guess.yaml", "2 prompts x 4 samples per prompt = 8 rows per iteration"),
     ("guess-tiny.yaml", "4 prompts x 4 samples per prompt = 16 rows per iteration"),
 ])
@@ -172,6 +205,7 @@ def test_the_configs_validate(tmp_path: Path, long_chat_lm_dir: Path, config: st
 
 
 @pytest.mark.parametrize("example, config", [("multiturn", "calculator.yaml"),
+                                             ("multiturn", "python.yaml"),
                                              ("multiturn", "guess.yaml"),
                                              ("arithmetic", "grpo.yaml")])
 def test_a_config_whose_data_is_not_made_yet_names_the_script_that_makes_it(

@@ -12,6 +12,9 @@ a new question; ``answer`` is the reference::
                   {"role": "user", "content": "What is 347 * 58?"}],
      "answer": "20126"}
 
+Python (``python-train.jsonl``, ``python-test.jsonl``): the same questions, with the
+sandboxed ``python`` tool shown instead (the worked call runs ``print(123 * 45)``).
+
 Guessing (``guess-train.jsonl``, ``guess-test.jsonl``): a chat asking for a number from 1
 to ``--top`` and the ``secret`` the environment (``envs.py:GuessNumber``) knows.
 
@@ -29,30 +32,38 @@ import json
 import random
 from pathlib import Path
 
-SYSTEM = "You have a calculator. Call it as shown, then answer with the number only."
+SYSTEM = {
+    "calculate": "You have a calculator. Call it as shown, then answer with the number only.",
+    "python": "You can run Python code. Call it as shown, then answer with the number only.",
+}
 EXAMPLE = (123, 45)  # the worked call every prompt shows; never asked
 
 
-def call(a: int, b: int) -> str:
-    """The model's tool call that computes ``a * b``."""
-    arguments = {"name": "calculate", "arguments": {"expression": f"{a} * {b}"}}
-    return f"<tool_call>{json.dumps(arguments)}</tool_call>"
+def call(a: int, b: int, tool: str = "calculate") -> str:
+    """The model's tool call that computes ``a * b``: the calculator's, or a program for
+    the sandboxed ``python`` tool that prints it."""
+    arguments = {"expression": f"{a} * {b}"} if tool == "calculate" \
+        else {"code": f"print({a} * {b})"}
+    return f"<tool_call>{json.dumps({'name': tool, 'arguments': arguments})}</tool_call>"
 
 
-def record(a: int, b: int) -> dict:
+def record(a: int, b: int, tool: str = "calculate") -> dict:
     """The chat asking for ``a * b``, after the worked example, and its answer."""
     x, y = EXAMPLE
-    messages = [{"role": "system", "content": SYSTEM},
+    result = str(x * y) if tool == "calculate" else f"{x * y}\n"  # what print() prints
+    messages = [{"role": "system", "content": SYSTEM[tool]},
                 {"role": "user", "content": f"What is {x} * {y}?"},
-                {"role": "assistant", "content": call(x, y)},
-                {"role": "tool", "content": str(x * y)},
+                {"role": "assistant", "content": call(x, y, tool)},
+                {"role": "tool", "content": result},
                 {"role": "assistant", "content": str(x * y)},
                 {"role": "user", "content": f"What is {a} * {b}?"}]
     return {"messages": messages, "answer": str(a * b)}
 
 
-def make_records(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """``n_train`` and ``n_test`` distinct products of a 3-digit and a 2-digit number."""
+def make_records(n_train: int, n_test: int, seed: int, tool: str = "calculate"
+                 ) -> tuple[list[dict], list[dict]]:
+    """``n_train`` and ``n_test`` distinct products of a 3-digit and a 2-digit number,
+    asked with the ``tool`` (``"calculate"`` or ``"python"``) shown."""
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = {EXAMPLE}
     pairs: list[tuple[int, int]] = []
@@ -61,7 +72,7 @@ def make_records(n_train: int, n_test: int, seed: int) -> tuple[list[dict], list
         if pair not in seen:
             seen.add(pair)
             pairs.append(pair)
-    records = [record(a, b) for a, b in pairs]
+    records = [record(a, b, tool) for a, b in pairs]
     return records[:n_train], records[n_train:]
 
 
@@ -81,7 +92,7 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def main() -> None:
-    """Parse the options, write ``OUT/{calc,guess}-{train,test}.jsonl``."""
+    """Parse the options, write ``OUT/{calc,python,guess}-{train,test}.jsonl``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=1000, help="training questions")
     parser.add_argument("--test", type=int, default=200, help="held-out questions")
@@ -93,6 +104,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "calc-train.jsonl", train)
     write_jsonl(args.out / "calc-test.jsonl", test)
+    train_py, test_py = make_records(args.train, args.test, args.seed, tool="python")
+    write_jsonl(args.out / "python-train.jsonl", train_py)
+    write_jsonl(args.out / "python-test.jsonl", test_py)
     rng = random.Random(args.seed)
     write_jsonl(args.out / "guess-train.jsonl", guess_records(args.train, args.top, rng))
     write_jsonl(args.out / "guess-test.jsonl", guess_records(args.test, args.top, rng))

@@ -69,3 +69,22 @@ def called_right(text: str, answer: str) -> bool:
 def tool_call(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
     """1.0 where the episode called the calculator correctly, else 0.0."""
     return [float(called_right(r, a)) for r, a in zip(responses, answer, strict=True)]
+
+
+def python_right(text: str, answer: str) -> bool:
+    """Whether a call of the ``python`` tool in ``text`` came back with ``answer``: the
+    tool's message after the call (up to the model's next turn) is the number."""
+    for match in re.finditer(r"<tool_call>(.*?)</tool_call>(.*?)(?=\nassistant\n|$)", text,
+                             re.DOTALL):
+        try:
+            name = json.loads(match.group(1))["name"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if name == "python" and answer in NUMBER.findall(match.group(2)):
+            return True
+    return False
+
+
+def python_call(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
+    """1.0 where the episode ran a program that printed the answer, else 0.0."""
+    return [float(python_right(r, a)) for r, a in zip(responses, answer, strict=True)]
