@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhfflow.engine import sandbox
 from rlhfflow.engine.environments import ToolEnvironment
@@ -67,14 +68,16 @@ def _sandbox_processes() -> list[int]:
 
 
 def _contained(box: Sandbox, code: str) -> sandbox.Outcome:
-    """Run an attack; nothing of it may outlive the call, and the sandbox still works."""
+    """Run an attack; nothing of it may outlive the call, and the sandbox still works.
+    (Warm sandboxes of other tests' tools may be there before and after: not this one's.)"""
+    before = set(_sandbox_processes())
     outcome = box.run(code)
     if ROOT:  # a killed process may take a moment to be gone
         for _ in range(100):
-            if not _sandbox_processes():
+            if set(_sandbox_processes()) <= before:
                 break
             time.sleep(0.02)
-        assert _sandbox_processes() == [], f"left running after {code[:40]!r}"
+        assert set(_sandbox_processes()) <= before, f"left running after {code[:40]!r}"
     assert box.run("print(6 * 7)").message == "42\n"
     return outcome
 
@@ -287,3 +290,41 @@ def test_a_rollout_counts_the_failed_programs_in_its_info_columns(tmp_path):
     assert out["info_tests"].sum() == 0 and out["info_errors_timeout"].sum() == 0
     assert ((out["info_errors_exit"] == 1) | (out["env_reward"] == 0)).all()
     assert out["info_errors_exit"].sum() >= 1
+
+
+def test_sandboxed_steps_on_the_cpu_pool_give_the_steps_in_the_task(chat_lm_dir, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    from rlhfflow.sdk import StageContext, create_stage
+    from tests.conftest import chat_batch, chat_store
+    from tests.test_rollout import TEXTS
+
+    store = chat_store(chat_lm_dir)
+    batch = chat_batch(store.get("actor").tokenizer, TEXTS, samples=2, secrets=[3, 5, 7])
+
+    def run(executor):
+        stage = create_stage("rollout", params={
+            "env": "rlhfflow.engine.sandbox:CodeTests", "max_turns": 1, "max_new_tokens": 6,
+            "max_tokens": 24, "env_placement": "pool",
+            "env_kwargs": {"cpu_s": 1, "wall_s": 3, "warm": 1},
+            "info": ["tests", "errors_exit"]}, model="actor")
+        ctx = StageContext(iteration=0, seed=0, models=store,
+                           settings={"base_dir": str(tmp_path)}, env_executor=executor)
+        return stage.run(batch, ctx)
+
+    # spawn: a fresh process, as a pool worker is; its sandboxes are its own
+    before = set(_sandbox_processes())
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        shipped = run(pool)
+    if ROOT:  # the pool's worker took its warm sandboxes with it when it exited
+        for _ in range(100):
+            if set(_sandbox_processes()) <= before:
+                break
+            time.sleep(0.02)
+        assert set(_sandbox_processes()) <= before
+    inline = run(None)
+    assert torch.equal(shipped["response_ids"], inline["response_ids"])
+    torch.testing.assert_close(shipped["info_errors_exit"], inline["info_errors_exit"])
+    assert inline["info_errors_exit"].sum() >= 1  # the tiny model's text is no program
