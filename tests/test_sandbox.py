@@ -20,7 +20,7 @@ import torch
 
 from rlhfflow.engine import sandbox
 from rlhfflow.engine.environments import ToolEnvironment
-from rlhfflow.engine.sandbox import SANDBOX_UIDS, Limits, Sandbox, SandboxSettings
+from rlhfflow.engine.sandbox import Limits, Sandbox, SandboxSettings, sandbox_uids
 
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256, file_mb=4, processes=16, output_kb=64)
 ROOT = os.geteuid() == 0
@@ -51,9 +51,11 @@ def box(request):
     made.close()
 
 
-def _sandbox_processes() -> list[int]:
-    """Pids of live processes that run as a sandbox user (only rlhfflow's sandboxes do;
-    a zombie is dead, waiting for its parent, the machine's init, to reap it)."""
+def _sandbox_processes(owner: int | None = None) -> list[int]:
+    """Pids of live processes that run as a sandbox user of process ``owner`` (this one
+    by default; only its sandboxes do); a zombie is dead, waiting for its parent, the
+    machine's init, to reap it."""
+    users = sandbox_uids(owner)
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -62,7 +64,7 @@ def _sandbox_processes() -> list[int]:
                 uid = int(status.split("\nUid:\t")[1].split()[0])
             except (OSError, IndexError):
                 continue
-            if uid in SANDBOX_UIDS and "\nState:\tZ" not in status:
+            if uid in users and "\nState:\tZ" not in status:
                 pids.append(int(entry.name))
     return pids
 
@@ -314,16 +316,17 @@ def test_sandboxed_steps_on_the_cpu_pool_give_the_steps_in_the_task(chat_lm_dir,
         return stage.run(batch, ctx)
 
     # spawn: a fresh process, as a pool worker is; its sandboxes are its own
-    before = set(_sandbox_processes())
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
         shipped = run(pool)
+        worker = pool.submit(os.getpid).result()
+        assert ROOT is False or _sandbox_processes(worker) != []  # its warm sandboxes
     if ROOT:  # the pool's worker took its warm sandboxes with it when it exited
         for _ in range(100):
-            if set(_sandbox_processes()) <= before:
+            if not _sandbox_processes(worker):
                 break
             time.sleep(0.02)
-        assert set(_sandbox_processes()) <= before
+        assert _sandbox_processes(worker) == []
     inline = run(None)
     assert torch.equal(shipped["response_ids"], inline["response_ids"])
     torch.testing.assert_close(shipped["info_errors_exit"], inline["info_errors_exit"])

@@ -43,11 +43,22 @@ from rlhfflow.engine.toolprocess import ToolFailed
 
 log = logging.getLogger(__name__)
 
-#: Run by root, each sandbox process runs as a user of its own from this range (root
-#: ignores the process limit and may read every file; a user of its own lets the process
-#: backend kill all it started, and only that, with ``kill(-1)``). No files belong to them.
-SANDBOX_UIDS = range(2_000_000, 2_004_096)
+#: Run by root, each sandbox process runs as a user of its own (root ignores the process
+#: limit and may read every file; a user of its own lets the process backend kill all it
+#: started, and only that, with ``kill(-1)``). Each process that starts sandboxes has its
+#: own block of users (:func:`sandbox_uids`), so two workers on a machine never share
+#: one. No files belong to them.
+UID_BASE = 1_000_000_000
+UIDS_PER_PROCESS = 512
 _next_uid = iter(range(1 << 62))
+
+
+def sandbox_uids(pid: int | None = None) -> range:
+    """The users the sandboxes of process ``pid`` (this one by default) run as, when it
+    runs as root: a block of its own (pids are below 2**22, so the users stay below
+    2**32 - 1)."""
+    start = UID_BASE + (os.getpid() if pid is None else pid) * UIDS_PER_PROCESS
+    return range(start, start + UIDS_PER_PROCESS)
 
 
 @dataclass(frozen=True)
@@ -311,7 +322,9 @@ class Sandbox:
         _live.add(self)
 
     def _start(self) -> _Warm:
-        user = SANDBOX_UIDS[next(_next_uid) % len(SANDBOX_UIDS)] if self.root else None
+        # (a user is taken again after UIDS_PER_PROCESS starts: its processes were killed
+        # at the end of their call)
+        user = sandbox_uids()[next(_next_uid) % UIDS_PER_PROCESS] if self.root else None
         workdir = None
         if self.backend.name != "bwrap":
             workdir = Path(tempfile.mkdtemp(prefix="rlhfflow-sandbox-"))
