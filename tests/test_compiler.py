@@ -28,6 +28,7 @@ from rlhfflow.plan.tasks import (
     TRANSFER_LEVEL,
     CheckpointTask,
     StageTask,
+    Storage,
     StoreTask,
     priority,
 )
@@ -308,14 +309,14 @@ def test_the_whole_iterations_task_stores_its_rows_and_returns_no_columns():
     specs, _ = _compile(GRPO, one, workers=1)
     assert not [s for s in specs if s.kind == STORE]
     whole = _tasks(specs, "generate", 0)
-    assert len(whole) == 1 and whole[0].stores and not whole[0].returns_rows
+    assert len(whole) == 1 and whole[0].storage is Storage.STAGE_TASK_NO_COLUMNS
     assert whole[0].stages == ("generate", "reward", "ref_logprob", "advantages",
                                "train_actor")
     # the iteration's only task: its worker's timings come back with its result
     assert whole[0].reports
     specs, _ = _compile(GRPO, {**one, "stages.train_actor.fuse": False}, workers=1)
     first = _tasks(specs, "generate", 0)[0]
-    assert first.stores and first.returns_rows  # train_actor reads its columns
+    assert first.storage is Storage.STAGE_TASK  # train_actor reads its columns
     assert not any(isinstance(s, StageTask) and s.reports for s in specs)  # two tasks: asked
     assert _tasks(specs, "train_actor", 0)[0].id != first.id
 

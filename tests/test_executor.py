@@ -436,3 +436,48 @@ def test_embedded_workers_wake_for_fewer_timers_unless_the_user_set_them():
         [ms] = client.run(intervals).values()
     assert ms["tick"] == 500 and ms["profile"] == 100  # Dask's defaults: 20 and 10 ms
     assert ms["memory_monitor"] == 250
+
+
+def test_a_task_result_round_trips_through_dask_and_the_next_task_reads_its_columns(cluster):
+    """A stage task's ``TaskResult`` leaves a worker process and comes back whole, and a
+    task given it as input (a future inside its keyword arguments, resolved by Dask)
+    assembles its columns, without the per-task values (a trainer's loss)."""
+    import torch
+
+    from rlhfflow.runtime.worker.host import METRICS, TaskResult, assemble, part
+
+    result = TaskResult({"scores": torch.tensor([1.0, 2.0, 3.0]), "loss": 0.5},
+                        stored={"rows": 3.0, METRICS: {"m": (6.0, 3.0, 1.0)}},
+                        texts={"response_text": ["a", "b", "c"]},
+                        timings={"done": [], "running": [], "now": 1.0, "address": "w"})
+    with Client(cluster) as client:
+        backend = DaskBackend(client)
+        made = backend.submit(TaskResult, key="made-0", kwargs={
+            "columns": result.columns, "stored": result.stored, "texts": result.texts,
+            "timings": result.timings})
+        rows = backend.submit(assemble, key="assemble-0",
+                              kwargs={"parts": [part([made], (1, 3))]})
+        back, batch = made.result(), rows.result()
+    assert isinstance(back, TaskResult)
+    assert torch.equal(back.columns["scores"], result.columns["scores"])
+    assert back.columns["loss"] == 0.5
+    assert (back.stored, back.texts, back.timings) == \
+        (result.stored, result.texts, result.timings)
+    assert list(batch) == ["scores"] and torch.equal(batch["scores"], torch.tensor([2.0, 3.0]))
+
+
+def test_a_misspelt_task_argument_is_refused_at_submission_naming_function_and_argument(
+        cluster):
+    from rlhfflow.plan.tasks import StageTask
+    from rlhfflow.runtime.dataflow import Dataflow
+    from rlhfflow.runtime.worker.host import stage_task
+
+    spec = StageTask(id="generate-0-0", iteration=0, stages=("generate",))
+    with Client(cluster) as client:
+        dataflow = Dataflow(DaskBackend(client), [])
+        with pytest.raises(TypeError, match=r"stage_task\(\) has no argument 'iteraton'"):
+            dataflow._task(spec, stage_task, name="generate", iteraton=0, parts=[],
+                           after=[])
+        with pytest.raises(TypeError, match=r"stage_task\(\).*'iteration'"):
+            dataflow._task(spec, stage_task, name="generate", parts=[], after=[])
+        assert not client.futures  # nothing reached the scheduler

@@ -133,7 +133,7 @@ def test_a_generate_task_hands_rows_to_an_idle_dask_worker(cluster, actor_dir, b
         [data] = client.scatter([batch], workers=[a])
         future = client.submit(stage_task, "generate", 0, [part([data])], [], {"actor": 0},
                                workers=[a], allow_other_workers=False, pure=False)
-        out = future.result()
+        out = future.result().columns
         moved = [t for t in client.run(_stage_intervals, workers=[b])[b]
                  if t[1] == "generate"]
     assert int(out["gen_moved"].sum()) >= 2

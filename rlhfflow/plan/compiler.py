@@ -38,6 +38,7 @@ from rlhfflow.plan.tasks import (
     Part,
     SourceTask,
     StageTask,
+    Storage,
     StoreTask,
     Task,
     Wait,
@@ -220,7 +221,8 @@ class TaskCompiler:
         read = any(self.graph.producer(c, n) in group
                    for n in self.graph.loop_stages if n not in group
                    for c in self.graph.nodes[n].reads)
-        return replace(task, stores=True, returns_rows=read)
+        return replace(task, storage=Storage.STAGE_TASK if read
+                       else Storage.STAGE_TASK_NO_COLUMNS)
 
     def _order(self, group: tuple[str, ...], it: IterationTasks,
                previous: IterationTasks | None, later: IterationTasks | None) -> list[Wait]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import ClassVar
 
 # --------------------------------------------------------------------------- rules
@@ -154,6 +155,18 @@ class SourceTask(Task):
     kind: ClassVar[str] = "source"
 
 
+class Storage(Enum):
+    """Who writes an iteration's rows (one source micro-batch's) to the buffer."""
+
+    #: a store task, after the stage tasks that wrote the rows
+    STORE_TASK = "store task"
+    #: the stage task itself (its group writes every column), which still returns its
+    #: columns: a task outside its group reads them
+    STAGE_TASK = "stage task"
+    #: the stage task itself, returning none of its columns: no other task reads them
+    STAGE_TASK_NO_COLUMNS = "stage task, no columns returned"
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageTask(Task):
     """A group of fused stages on a micro-batch, the whole batch, or one rank of a gang.
@@ -163,11 +176,10 @@ class StageTask(Task):
         versions: the model versions it expects on its worker.
         gang: for one rank of a data-parallel gang, the gang's workers (rank = index).
         rank: its rank in the gang.
-        stores: it writes its own rows to the buffer, in place of a store task (its group
-            holds every stage that writes columns, and its rows are one source
-            micro-batch's).
-        returns_rows: whether a storing task still returns its columns (no other task
-            reads them: False).
+        storage: who writes its rows to the buffer: a store task, or the task itself in
+            place of one (``Storage.STAGE_TASK``: its group holds every stage that
+            writes columns, and its rows are one source micro-batch's), returning its
+            columns only where another task reads them.
         reports: a storing task that is its iteration's only task, on a one-worker plan,
             returns its worker's task timings with its result (the coordinator then asks
             no worker for them).
@@ -179,9 +191,13 @@ class StageTask(Task):
     versions: Mapping[str, int] = field(default_factory=dict)
     gang: tuple[int, ...] = ()
     rank: int = 0
-    stores: bool = False
-    returns_rows: bool = True
+    storage: Storage = Storage.STORE_TASK
     reports: bool = False
+
+    @property
+    def stores(self) -> bool:
+        """Whether the task writes its own rows to the buffer (no store task does)."""
+        return self.storage is not Storage.STORE_TASK
 
     @property
     def label(self) -> str:

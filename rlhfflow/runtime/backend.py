@@ -16,7 +16,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +115,13 @@ class InlineBackend:
 
     def submit(self, fn: Callable, *args: Any, key: str,
                worker: str | Sequence[str] | None = None, retries: int = 0,
-               priority: int = 0) -> _Done:
-        """Run ``fn`` now; a failure is kept and raised where the result is used."""
+               priority: int = 0, kwargs: Mapping[str, Any] | None = None) -> _Done:
+        """Run ``fn(*args, **kwargs)`` now; a failure is kept and raised where the result
+        is used."""
         for attempt in range(retries + 1):
             try:
-                return _Done(key, fn(*_resolve(args)), retried=attempt)
+                return _Done(key, fn(*_resolve(args), **_resolve(dict(kwargs or {}))),
+                             retried=attempt)
             except Exception as exc:  # noqa: BLE001 - reported by wait()
                 if attempt == retries:
                     return _Done(key, error=exc, retried=attempt)
@@ -565,12 +567,13 @@ class DaskBackend:
 
     def submit(self, fn: Callable, *args: Any, key: str,
                worker: str | Sequence[str] | None = None, retries: int = 0,
-               priority: int = 0):
-        """Submit a task; a pinned task runs only on ``worker`` (or on whichever of a list
-        of workers the scheduler finds free first)."""
+               priority: int = 0, kwargs: Mapping[str, Any] | None = None):
+        """Submit ``fn(*args, **kwargs)`` (futures inside either are replaced by their
+        results, as Dask does); a pinned task runs only on ``worker`` (or on whichever of
+        a list of workers the scheduler finds free first)."""
         workers = [worker] if isinstance(worker, str) else (list(worker) if worker else None)
-        future = self.client.submit(fn, *args, key=key, pure=False, retries=retries,
-                                    priority=priority, workers=workers,
+        future = self.client.submit(fn, *args, **(kwargs or {}), key=key, pure=False,
+                                    retries=retries, priority=priority, workers=workers,
                                     allow_other_workers=False)
         self._submitted.add(future)
         if retries:

@@ -7,9 +7,11 @@ dependency; ``rlhfflow.plan.compiler`` does. Every backend key maps back to its 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import singledispatchmethod
 from typing import Any
 
@@ -149,43 +151,49 @@ class Dataflow:
 
     @_submit.register
     def _(self, spec: StageTask, **context: Any) -> Any:
-        task = spec.stages if len(spec.stages) > 1 else spec.stages[0]
-        args = [task, spec.iteration, self._parts(spec.parts), self.waits(spec),
-                dict(spec.versions)]
-        args.append(tuple(self.addresses[w] for w in spec.gang) if spec.gang else None)
-        if spec.stores:
-            args.append(StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored),
-                                  spec.returns_rows, spec.reports))
-        return self._task(spec, stage_task, *args)
+        store = StoreRows(self.buffer_path, spec.rows[0], tuple(self.stored), spec.storage,
+                          spec.reports) if spec.stores else None
+        return self._task(
+            spec, stage_task, name=spec.stages if len(spec.stages) > 1 else spec.stages[0],
+            iteration=spec.iteration, parts=self._parts(spec.parts), after=self.waits(spec),
+            versions=dict(spec.versions),
+            gang=tuple(self.addresses[w] for w in spec.gang) if spec.gang else None,
+            store=store)
 
     @_submit.register
     def _(self, spec: StoreTask, **context: Any) -> Any:
-        return self._task(spec, store_task, self.buffer_path, spec.iteration, spec.rows[0],
-                          self._parts(spec.parts), self.stored, self.waits(spec))
+        return self._task(spec, store_task, path=self.buffer_path, iteration=spec.iteration,
+                          start_row=spec.rows[0], parts=self._parts(spec.parts),
+                          columns=self.stored, after=self.waits(spec))
 
     @_submit.register
     def _(self, spec: ExportTask, **context: Any) -> Any:
-        return self._task(spec, export_weights_task, spec.model, spec.iteration,
-                          self[spec.parts[0].refs])
+        return self._task(spec, export_weights_task, model=spec.model,
+                          iteration=spec.iteration, after=self[spec.parts[0].refs])
 
     @_submit.register
     def _(self, spec: InstallTask, **context: Any) -> Any:
         [export] = self[spec.parts[0].refs]
-        return self._task(spec, install_weights_task, export, spec.version, spec.iteration,
-                          self.waits(spec))
+        return self._task(spec, install_weights_task, payload=export, version=spec.version,
+                          iteration=spec.iteration, after=self.waits(spec))
 
     @_submit.register
     def _(self, spec: CheckpointTask, *, directory: str | None, **context: Any) -> Any:
-        return self._task(spec, checkpoint_task, spec.model, directory,
-                          self.waits(spec), spec.rank)
+        return self._task(spec, checkpoint_task, model=spec.model, directory=directory,
+                          after=self.waits(spec), rank=spec.rank)
 
-    def _task(self, spec: Task, fn, *args: Any) -> Any:
+    def _task(self, spec: Task, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """Submit ``fn(**kwargs)`` for ``spec``; the arguments are checked against
+        ``fn``'s signature first (``check_arguments``), so a wrong name fails here, at
+        submission, not on a worker."""
+        check_arguments(fn, kwargs)
         key = f"{spec.id}-{uuid.uuid4().hex[:8]}"
         self._tasks[key] = spec
         logger.debug("rlhfflow: submit %s (priority %d) on %s", key, spec.priority,
                      ", ".join(self._where(spec) or ["any worker"]))
-        return self.backend.submit(fn, *args, key=key, worker=self._where(spec),
-                                   retries=spec.retries, priority=spec.priority)
+        return self.backend.submit(fn, key=key, worker=self._where(spec),
+                                   retries=spec.retries, priority=spec.priority,
+                                   kwargs=kwargs)
 
     def _parts(self, parts: tuple[Part, ...]) -> list[dict[str, Any]]:
         return [part(self[p.refs], p.rows) for p in parts]
@@ -193,6 +201,25 @@ class Dataflow:
     def _where(self, spec: Task) -> list[str] | None:
         """The addresses a task may run on (None: any worker)."""
         return [self.addresses[w] for w in spec.workers] or None
+
+
+def check_arguments(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` naming ``fn`` and the argument where ``kwargs`` do not fit
+    ``fn``'s signature: an unknown name, or a required argument missing."""
+    signature = _signature(fn)
+    for name in kwargs:
+        if name not in signature.parameters:
+            raise TypeError(f"{fn.__name__}() has no argument {name!r} (it takes "
+                            f"{', '.join(signature.parameters)})")
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{fn.__name__}(): {exc}") from None
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
 
 
 def _status(handle: Any) -> str:

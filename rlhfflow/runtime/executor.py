@@ -83,10 +83,9 @@ from rlhfflow.runtime.telemetry import (
 )
 from rlhfflow.runtime.worker.host import (
     RESPONSE_TEXTS,
-    STORED,
-    TIMINGS,
     RunDef,
     StageFailed,
+    TaskResult,
     save_model_task,
     update_model_configs,
 )
@@ -371,7 +370,8 @@ class Executor:
         every model copied ``from:`` one of them at the trained weights."""
         specs = self.compiler.setup()
         handles = dict(zip([s.id for s in specs], self.dataflow.submit(specs), strict=True))
-        metrics = self._wait_and_gather(handles, iteration=None)
+        metrics = {name: result.columns for name, result in
+                   self._wait_and_gather(handles, iteration=None).items()}
         for name, value in metrics.items():
             self._say(f"rlhfflow: setup {name}: " + _format_stats(value))
         saves = [self.backend.submit(save_model_task, model, str(self.out / "models" / model
@@ -627,11 +627,12 @@ class Executor:
         wanted = list({id(h): h for h in [*stores, *trainers.values(), *reporters.values(),
                                           *installs]}.values())
         results = dict(zip(map(id, wanted), self.backend.gather(wanted), strict=True))
-        # a stage task that stored its own rows returns the store's sums with its result
-        partials = [r[STORED] if STORED in r else r for r in (results[id(h)] for h in stores)]
+        # a store's result, or a stage task's that stored its own rows
+        stored = [results[id(h)] for h in stores]
+        partials = [r.stored for r in stored]
         # an iteration that is one task brings its worker's timings (StageTask.reports)
-        timings = [p.pop(TIMINGS) for p in partials if TIMINGS in p]
-        texts = {name: [t for p in partials for t in p.pop(name, [])]
+        timings = [r.timings for r in stored if r.timings is not None]
+        texts = {name: [t for r in stored for t in r.texts.get(name, [])]
                  for name in RESPONSE_TEXTS}
         # in row order: one store per micro-batch, in order
         texts = {name: rows for name, rows in texts.items() if len(rows) == it.rows}
@@ -657,11 +658,11 @@ class Executor:
             self._publish_checkpoint(it.index)
         return record
 
-    def _statistics(self, stage: str, result: dict[str, Any]) -> dict[str, Any]:
+    def _statistics(self, stage: str, result: TaskResult) -> dict[str, Any]:
         """A stage's statistics from its task's result, without the columns of the
         stages fused into that task (they go to the buffer, not to the metrics)."""
         columns = {c for n in self.plan.group(stage) for c in self.graph.nodes[n].writes}
-        return {k: v for k, v in result.items() if k not in columns and k != STORED}
+        return {k: v for k, v in result.columns.items() if k not in columns}
 
     def _wait_for(self, handles: dict[str, Any], iteration: int | None) -> None:
         self._wait_and_gather(handles, iteration, gather=False)

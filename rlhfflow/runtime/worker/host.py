@@ -25,6 +25,7 @@ from rlhfflow.engine.batch import concat_batches, slice_batch
 from rlhfflow.engine.forward import shared_prompt_rows
 from rlhfflow.engine.resident import ModelConfig, ModelStore
 from rlhfflow.errors import RlhfflowError
+from rlhfflow.plan.tasks import Storage
 from rlhfflow.runtime.worker.rebalance import announce, exchange_for, nothing_else_to_do
 from rlhfflow.sdk import (
     Batch,
@@ -247,11 +248,13 @@ def part(results: list[Any], rows: tuple[int, int] | None = None) -> dict[str, A
 
 def assemble(parts: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> Batch:
     """Merge the inputs of a task into one batch of columns, keeping ``columns`` (all if
-    None). A fused task's result may hold per-task values too (a trainer's metrics,
-    fused behind the stages that wrote the rows): they are no columns, and left out."""
+    None). An input is a stage task's ``TaskResult`` (its columns) or the source's batch.
+    A fused task's result may hold per-task values too (a trainer's metrics, fused behind
+    the stages that wrote the rows): they are no columns, and left out."""
     batch: Batch = {}
     for p in parts:
-        data = concat_batches(list(p["results"]))
+        data = concat_batches([r.columns if isinstance(r, TaskResult) else r
+                               for r in p["results"]])
         data = {k: v for k, v in data.items() if _has_rows(v)}
         if p["rows"] is not None:
             data = slice_batch(data, *p["rows"])
@@ -302,36 +305,54 @@ def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | No
                                f"but stage {name!r} expects version {expected}")
 
 
-STORED = "_stored"
-"""The key under which a task that stores its own rows returns its store's partial sums."""
-
-TIMINGS = "_timings"
-"""The key (in ``STORED``) under which such a task, when it is its iteration's only task,
-returns its worker's task timings: ``pop_timings`` and the worker's address."""
-
 #: Ragged text columns of the responses (one string per row) that a store returns for the
 #: coordinator to write: the responses, and multi-turn episodes as conversations.
 RESPONSE_TEXTS = ("response_text", "turns_json")
 
 
+@dataclass
+class TaskResult:
+    """What a stage or store task returns: to the tasks that read its columns
+    (``assemble``) and to the coordinator.
+
+    Attributes:
+        columns: what the task's stages returned: their columns, and a trainer's or a
+            reporting stage's statistics (per-task values, no rows). Empty for a store
+            task, or a stage task that stored rows no other task reads.
+        stored: for a task that wrote rows to the buffer, the partial sums of the
+            iteration's metrics over them (``partial_metrics``); None otherwise.
+        texts: with ``stored``, the rows' response texts (``RESPONSE_TEXTS``), for the
+            coordinator to write.
+        timings: for a task that is its iteration's only task (``StageTask.reports``),
+            its worker's task timings (``WorkerHost.pop_timings``) and ``address``; the
+            coordinator then asks no worker for them.
+    """
+
+    columns: Batch = field(default_factory=dict)
+    stored: dict[str, Any] | None = None
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    timings: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class StoreRows:
     """What a stage task that writes its own rows to the buffer needs (in place of a
-    store task: ``StageTask.stores``): the buffer, the first row, the columns stored,
-    whether the task still returns its columns (``False`` when no other task reads them)
-    and whether it returns its worker's timings too (``TIMINGS``: the iteration's only
+    store task: ``StageTask.storage``): the buffer, the first row, the columns stored,
+    whether the task still returns its columns (``Storage.STAGE_TASK``: another task
+    reads them) and whether it returns its worker's timings too (the iteration's only
     task, ``StageTask.reports``)."""
 
     path: str
     start_row: int
     columns: tuple[str, ...]
-    returns_rows: bool = True
+    storage: Storage = Storage.STAGE_TASK
     reports: bool = False
 
 
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
                after: list[Any], versions: Mapping[str, int] | None = None,
-               gang: tuple[str, ...] | None = None, store: StoreRows | None = None) -> Batch:
+               gang: tuple[str, ...] | None = None, store: StoreRows | None = None
+               ) -> TaskResult:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
 
     ``name`` may be a tuple of fused stages: they run one after the other in this task,
@@ -340,9 +361,9 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     ``versions`` are the model versions the plan expects here; ``gang`` the members of
     the data-parallel gang this task is one rank of (checked, so a misplaced task fails
     at once instead of hanging in a collective). With ``store`` the task then writes its
-    rows to the buffer as a store task would and returns the partial sums under
-    ``STORED``: one Dask task fewer per iteration, and the write runs before the task's
-    result goes out, not beside it."""
+    rows to the buffer as a store task would and returns the partial sums too
+    (``TaskResult.stored``): one Dask task fewer per iteration, and the write runs before
+    the task's result goes out, not beside it."""
     del after
     host = current_host()
     names = (name,) if isinstance(name, str) else tuple(name)
@@ -379,15 +400,15 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     # results travel between workers: keep them off the accelerator
     out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     if store is None:
-        return out
+        return TaskResult(out)
     written = {**batch, **{k: v for k, v in out.items() if _has_rows(v)}}
-    partials = write_store(host, store.path, iteration, store.start_row, written,
-                           store.columns)
-    if not store.returns_rows:
-        out = {k: v for k, v in out.items() if not _has_rows(v)}
+    result = write_store(host, store.path, iteration, store.start_row, written,
+                         store.columns)
+    result.columns = out if store.storage is Storage.STAGE_TASK else \
+        {k: v for k, v in out.items() if not _has_rows(v)}
     if store.reports:  # no out-of-band request to the worker's event loop for them
-        partials[TIMINGS] = {**host.pop_timings(), "address": _address()}
-    return {**out, STORED: partials}
+        result.timings = {**host.pop_timings(), "address": _address()}
+    return result
 
 
 def continue_rows_task(stage: str, iteration: int, model: str, version: int, cont
@@ -404,7 +425,7 @@ def continue_rows_task(stage: str, iteration: int, model: str, version: int, con
 
 
 def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, Any]],
-               columns: list[str], after: list[Any] = ()) -> dict[str, Any]:
+               columns: list[str], after: list[Any] = ()) -> TaskResult:
     """Write one micro-batch's experience to the buffer (its own chunk-aligned rows) and
     return partial sums for the iteration's metrics, with the micro-batch's response
     texts for the coordinator to store; ``after`` only orders the task."""
@@ -413,7 +434,7 @@ def store_task(path: str, iteration: int, start_row: int, parts: list[dict[str, 
 
 
 def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, batch: Batch,
-                columns: Sequence[str]) -> dict[str, Any]:
+                columns: Sequence[str]) -> TaskResult:
     """Write ``batch``'s ``columns`` to the buffer from ``start_row`` on (timed as
     ``store``); the partial sums for the iteration's metrics, with the response texts."""
     with host.timed(iteration, "store", batch_rows(batch)):
@@ -424,11 +445,9 @@ def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, bat
             write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
                                batch.get("prompt_text"), batch.get("response_text"))
         declared = [m for d in host.run.stages.values() for m in d.metrics]
-        out: dict[str, Any] = partial_metrics(batch, declared)
-        for name in RESPONSE_TEXTS:  # ragged text: the coordinator stores it
-            if name in batch:
-                out[name] = list(batch[name])
-        return out
+        # ragged text: the coordinator stores it
+        texts = {name: list(batch[name]) for name in RESPONSE_TEXTS if name in batch}
+        return TaskResult(stored=partial_metrics(batch, declared), texts=texts)
 
 
 def batch_rows(batch: Batch) -> int:
