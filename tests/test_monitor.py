@@ -324,6 +324,14 @@ def test_scheduler_with_the_preload_serves_the_page_and_the_run_names_it():
         drawn.update()
         assert drawn.source.data["reward_mean"] == [0.5]
         assert "busy:0" in drawn.drawn and "stage:generate" in drawn.drawn
+        # a figure a stage declares (Stage.iteration_metrics) gets a plot of its own
+        client.log_event("rlhfflow", {"run": "x", "iteration": 1, "reward_mean": 0.6,
+                                      "metrics": {"env_reward_mean": 0.25}})
+        drawn.update()
+        assert drawn.source.data["metric:env_reward_mean"][1] == 0.25
+        assert "env_reward_mean" in drawn.figures and "metric:env_reward_mean" in drawn.drawn
+        assert list(drawn.root.children[1].select({"name": "env_reward_mean"})) == \
+            [drawn.figures["env_reward_mean"]]  # in the page's grid
         # a large prompt batch (a dict of columns) is scattered under a name the
         # dashboard shows; a small one rides in the messages of the tasks that use it
         backend = DaskBackend(client)
