@@ -1,5 +1,5 @@
 """Plugin stage types named by import path in tests (``tests.bad_plugin:...``): two that
-declare their columns wrongly, one that settles its params badly, two that declare
+declare their columns wrongly, one that settles its params badly, three that declare
 iteration metrics badly, and a generator that is not the built-in ``generate``."""
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ class TakenMetric(Stage):
     @classmethod
     def iteration_metrics(cls, params):
         return (IterationMetric("kl_mean", "bonus"),)
+
+
+class RuntimeMetric(TakenMetric):
+    """Declares a figure the runtime computes itself (``reward_mean``)."""
+
+    type_name = "runtime_metric"
+
+    @classmethod
+    def iteration_metrics(cls, params):
+        return (IterationMetric("reward_mean", "bonus"),)
 
 
 class RatioOfNothing(TakenMetric):

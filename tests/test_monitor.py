@@ -186,6 +186,19 @@ def test_report_sample_prompts_show_the_users_last_turn(tmp_path):
 # --------------------------------------------------------------------------- sinks
 
 
+def test_every_figure_of_a_record_is_the_runtimes_or_declared_by_a_stage(finished_run):
+    """The names no stage may declare (``RUN_METRICS``) are those the runtime writes: the
+    rest of a record is what the pipeline's stages declare (``Stage.iteration_metrics``)."""
+    from rlhfflow.sdk import RUN_METRICS
+
+    pipeline = load_pipeline(finished_run.parent / "grpo-small.yaml")
+    declared = {m.name for node in pipeline.graph.nodes.values() for m in node.metrics}
+    assert {"gen_acceptance", "gen_rows_migrated", "kl_mean"} <= declared
+    for record in MetricsLog(finished_run / "metrics.jsonl").read():
+        assert set(record) - declared <= RUN_METRICS
+        assert not declared & RUN_METRICS
+
+
 def test_metric_names_are_the_ones_trl_users_know():
     record = {"iteration": 3, "reward_mean": 0.5, "kl_mean": 0.01, "reward_std": None,
               "response_length_mean": 12.0, "stage_s": {"generate": 1.5},

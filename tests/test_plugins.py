@@ -108,6 +108,9 @@ def installed(plugin_dir, registry, monkeypatch):
     ({"type": "tests.bad_plugin:TakenMetric", "after": ["reward"]},
      "stages.extra.type: tests.bad_plugin:TakenMetric.iteration_metrics() declares "
      "'kl_mean', which stage 'advantages' declares too"),
+    ({"type": "tests.bad_plugin:RuntimeMetric", "after": ["reward"]},
+     "stages.extra.type: tests.bad_plugin:RuntimeMetric.iteration_metrics() declares "
+     "'reward_mean', a figure the runtime computes itself; give it another name"),
     ({"type": "tests.bad_plugin:RatioOfNothing", "after": ["reward"]},
      "stages.extra.type: tests.bad_plugin:RatioOfNothing.iteration_metrics() raised "
      "ValueError: metric 'bonus_rate': reduce 'ratio' needs 'over'"),

@@ -39,6 +39,7 @@ from rlhfflow.config.spec import (
 )
 from rlhfflow.config.yamlfile import apply_overrides, did_you_mean, read_yaml
 from rlhfflow.sdk import (
+    RUN_METRICS,
     SOURCE_COLUMNS,
     Column,
     IterationMetric,
@@ -304,6 +305,10 @@ def _stage_metrics(file: Path, stage: str, cls: type[Stage], params: StageParams
         raise SpecError(file, where, f"{path}.iteration_metrics() must return a tuple of "
                                      f"rlhfflow.sdk.IterationMetric, got {metrics!r}")
     for m in metrics:
+        if m.name in RUN_METRICS:
+            raise SpecError(file, where, f"{path}.iteration_metrics() declares "
+                            f"{m.name!r}, a figure the runtime computes itself; give it "
+                            f"another name")
         if m.name in declared:
             raise SpecError(file, where, f"{path}.iteration_metrics() declares "
                             f"{m.name!r}, which stage {declared[m.name]!r} declares too")

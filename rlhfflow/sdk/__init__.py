@@ -25,6 +25,7 @@ from rlhfflow.sdk.registry import (
 )
 from rlhfflow.sdk.stage import (
     RESPONSE_INPUTS,
+    RUN_METRICS,
     SOURCE_COLUMNS,
     Column,
     IterationMetric,
@@ -37,7 +38,7 @@ from rlhfflow.sdk.stage import (
 from rlhfflow.types import Batch
 
 __all__ = [
-    "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "RESPONSE_INPUTS",
+    "BROKEN_PLUGINS", "ENTRY_POINT_GROUP", "PLUGIN_SOURCES", "RESPONSE_INPUTS", "RUN_METRICS",
     "SOURCE_COLUMNS", "STAGE_TYPES", "Batch", "Column", "IterationMetric", "PlanHints",
     "RunSettings", "Stage", "StageContext", "StageParams", "StageTypeError", "create_stage",
     "get_stage_type", "known_stage_types", "load_plugins", "register_stage",

@@ -183,6 +183,19 @@ class PlanHints:
 #: How an ``IterationMetric`` reduces its column (``IterationMetric.reduce``).
 REDUCTIONS = ("mean", "sum", "ratio", "token_mean")
 
+#: The figures of an iteration's record the runtime computes itself, which no stage may
+#: declare: from the columns every pipeline has (``response_mask``) or a scorer writes
+#: (``scores``, ``score_valid``, ``score_error``, ``score_retries``), the trainers'
+#: statistics, the weight transfers and the task timings. (``kl_mean`` is the
+#: ``advantages`` stage's, the trainer's where no stage declares it.)
+RUN_METRICS = frozenset({
+    "iteration", "samples", "samples_skipped", "reward_mean", "reward_std",
+    "policy_loss", "value_loss", "clip_frac", "approx_kl", "clip_frac_lower", "lr",
+    "response_length_mean", "tokens_generated", "staleness_mean", "staleness_max",
+    "iteration_s", "stage_s", "overlap", "busy_frac", "realloc_bytes", "realloc_s",
+    "score_errors", "score_retries", "task_retries", "model_flops", "model_flops_per_s",
+    "mfu", "stage_flops", "matmul_peak_flops_per_s", "train"})
+
 
 @dataclass(frozen=True)
 class IterationMetric:
@@ -334,6 +347,15 @@ class Stage:
         made at validation when prompts may be rendered with the template; the loader
         loads the tokenizer only for stage types that override this. ``(key, message)``
         for the first problem, or None."""
+        return None
+
+    @classmethod
+    def prompt_tools(cls, params: StageParams, tokenizer: Any, base_dir: Path
+                     ) -> list[dict] | None:
+        """The tools a generator's prompts show the model: OpenAI function schemas
+        given to the chat template as ``tools=`` when the prompts are rendered with it
+        (the ``rollout`` stage's tools, when its model's template shows tools), or None.
+        Asked of the pipeline's first generator."""
         return None
 
     @classmethod
