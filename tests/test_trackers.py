@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -213,9 +214,11 @@ def test_tensorboard_stays_in_its_directory_beside_wandb_and_a_resume_goes_on_in
     metrics = MetricsLog(out / "metrics.jsonl").read()
     assert [(e.step, e.value) for e in board.Scalars("reward")] == [
         (r["iteration"], pytest.approx(r["reward_mean"])) for r in metrics]
-    # one W&B run: the resume's offline directory has the first one's id
+    # one W&B run: the resume's offline directory has the first one's id (W&B names it
+    # offline-run-DATE_TIME-ID, with a "-1" after it when both started in one second)
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
+    ids = {re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", r.name).group(1) for r in runs}
+    assert len(runs) == 2 and len(ids) == 1
     rows = [row for r in runs for row in wandb_history(next(r.glob("run-*.wandb")))]
     _by_step(rows, "_step", metrics)
     assert sorted(row["_step"] for row in rows) == [0, 1, 2]
