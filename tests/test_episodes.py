@@ -402,7 +402,9 @@ def template_models(tmp_path_factory) -> dict[str, Path]:
 def _tool_pipeline(tmp_path: Path, model: Path, tools: list[str]) -> Path:
     (tmp_path / "tools.py").write_text(DOCUMENTED)
     data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
-    data["data"].update(prompts=str(EXAMPLE / "prompts.jsonl"), chat_template=True)
+    # a template that shows tools lists them in the prompt: room for their names
+    data["data"].update(prompts=str(EXAMPLE / "prompts.jsonl"), chat_template=True,
+                        max_prompt_tokens=96)
     data["models"]["actor"] = {"path": str(model), "trainable": True}
     params = data["stages"]["rollout"]["params"]
     del params["env"], params["env_kwargs"]

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlhfflow.config.graph import StageGraph
 from rlhfflow.config.spec import PipelineSpec
-from rlhfflow.sdk import StageParams
+from rlhfflow.sdk import StageParams, resolve_stage_type
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,16 @@ class Pipeline:
                 or (model.head, model.dtype) != (source.head, source.dtype)):
             return None
         return model.from_
+
+    def prompt_tools(self, tokenizer: Any) -> list[dict] | None:
+        """The tool schemas the prompts show the model through the chat template's
+        ``tools=`` (``Stage.prompt_tools`` of the first generator), or None."""
+        generates = self.graph.generators()
+        if not generates:
+            return None
+        name = generates[0]
+        cls = resolve_stage_type(self.spec.stages[name].type)
+        return cls.prompt_tools(self.params[name], tokenizer, self.base_dir)
 
     @property
     def rollout_temperature(self) -> float:

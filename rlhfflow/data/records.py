@@ -155,15 +155,18 @@ def prompt_problem(record: Any, prompt_field: str = "prompt") -> str | None:
 
 
 def render_prompt(tokenizer: Any, record: dict[str, Any], chat_template: bool | str,
-                  prompt_field: str = "prompt") -> tuple[str, bool]:
+                  prompt_field: str = "prompt", tools: list[dict] | None = None
+                  ) -> tuple[str, bool]:
     """The text the model is given for a (checked) prompt record, and whether it came
     from the tokenizer's chat template (which then owns every special token).
 
     ``chat_template``: ``"auto"`` applies the template to ``messages`` records when the
     tokenizer has one; ``True`` applies it to every record (a plain prompt becomes one
     user turn); ``False`` never does. The generation prompt (the assistant's header) is
-    appended, so the model answers instead of continuing the user's turn. Raises
-    ``ValueError`` when the record needs a template the tokenizer lacks."""
+    appended, so the model answers instead of continuing the user's turn. ``tools``
+    (OpenAI function schemas) go to the template's ``tools=``, which shows them where the
+    template has a place for them; a prompt not rendered with the template is as written.
+    Raises ``ValueError`` when the record needs a template the tokenizer lacks."""
     messages = record.get("messages")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use = chat_template is True or (chat_template == "auto" and messages is not None)
@@ -178,7 +181,8 @@ def render_prompt(tokenizer: Any, record: dict[str, Any], chat_template: bool | 
                                                      " to render 'messages' records"))
     if messages is None:
         messages = [{"role": "user", "content": record[prompt_field]}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                         add_generation_prompt=True, tokenize=False)
     return text, True
 
 

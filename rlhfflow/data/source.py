@@ -101,7 +101,8 @@ class PromptSource:
 
     @classmethod
     def from_pipeline(cls, pipeline, model: str) -> PromptSource:
-        """The source of ``pipeline``, rendering and tokenizing with ``model``'s tokenizer.
+        """The source of ``pipeline``, rendering and tokenizing with ``model``'s tokenizer
+        (with the tools ``pipeline.prompt_tools`` gives, for the chat template's ``tools=``).
         A bad record is a ``DataError`` naming ``file:line`` (or is skipped and listed,
         with ``data.on_bad_prompt: skip``); a Hub data set the cache lacks, or records
         without the prompt field, a ``SpecError`` naming the ``data`` key."""
@@ -115,6 +116,8 @@ class PromptSource:
             raise SpecError(pipeline.source, "data.chat_template", f"true, but the tokenizer "
                             f"of model {model!r} has no chat template; set it to auto or "
                             f"false, or give the model a tokenizer with one")
+        # the generating stage's tools, shown where the chat template shows tools
+        tools = pipeline.prompt_tools(tokenizer)
         texts, ids, fields, locations, groups = [], [], [], [], []
         for group, (ref, records) in enumerate(zip(refs, read, strict=True)):
             _check_prompt_field(pipeline, ref, records)
@@ -124,7 +127,7 @@ class PromptSource:
                 if problem is None:
                     try:
                         text, templated = render_prompt(tokenizer, record, data.chat_template,
-                                                        data.prompt_field)
+                                                        data.prompt_field, tools)
                     except ValueError as exc:
                         problem = f"{exc} (model {model!r})"
                 if problem is None:

@@ -12,7 +12,6 @@ import inspect
 import json
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhfflow.engine import toolprocess
+from rlhfflow.engine.toolformats import CallError, Hermes, ToolFormat, json_call
 from rlhfflow.engine.toolprocess import ToolFailed
 from rlhfflow.engine.usercode import load_function
 from rlhfflow.errors import RlhfflowError, UserError
@@ -44,7 +44,7 @@ class Environment(Protocol):
         rewards of an episode are summed into ``env_reward``."""
 
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL = Hermes.CALL
 
 
 class EnvironmentNotShippable(RlhfflowError, TypeError):
@@ -52,13 +52,15 @@ class EnvironmentNotShippable(RlhfflowError, TypeError):
 
 
 class ToolEnvironment:
-    """Plain functions as an environment. Every ``<tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>`` in the model's turn calls ``name(**arguments)``, and its result
+    """Plain functions as an environment. Every tool call in the model's turn, as
+    ``tool_format`` parses it (:mod:`rlhfflow.engine.toolformats`; by default Hermes'
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), calls
+    ``name(**arguments)``, and its result
     (``str`` of a string, else JSON) comes back as one message; ``info`` counts the
     turn's ``calls``, those that came back as ``errors``, and each error by its kind as
     ``errors_<kind>``. Mistakes come back as the message ``error: ...`` instead of
-    raising: JSON that does not parse (``json``), an unknown tool (``unknown_tool``),
-    arguments that are not an object (``arguments``), a ``<tool_call>`` cut before its
+    raising: a call that does not parse (``json``), an unknown tool (``unknown_tool``),
+    arguments that are not an object (``arguments``), a call cut before its
     end (``cut``), an exception (``exception``), a
     call slower than ``timeout_s`` (``timeout``), a tool whose process died (``crash``),
     a result of its own that starts with ``error:`` (``tool``), or a :class:`ToolFailed`
@@ -71,11 +73,14 @@ class ToolEnvironment:
     reward (a ``score`` stage judges the episode)."""
 
     def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float,
-                 isolation: str = "process", sandbox: Any = None) -> None:
+                 isolation: str = "process", sandbox: Any = None,
+                 tool_format: ToolFormat | None = None) -> None:
         self.tools = tools
         self.timeout_s = timeout_s
         self.isolation = isolation
         self.sandbox = sandbox
+        self.tool_format = tool_format if tool_format is not None else Hermes()
+        self._schemas: list[dict] | None = None
 
     def reset(self, record: dict[str, Any]) -> list[Message]:
         """Tools need no opening."""
@@ -83,36 +88,51 @@ class ToolEnvironment:
 
     def step(self, text: str) -> tuple[list[Message], float, bool, dict]:
         """Run the turn's tool calls, in order."""
-        calls = TOOL_CALL.findall(text)
+        calls = self.tool_format.parse(text, self.schemas())
         if not calls:
-            if "<tool_call>" in text:  # cut before its end (the turn's token limit)
-                return [{"content": "error: a <tool_call> without </tool_call>"}], \
-                    0.0, False, {"calls": 1, "errors": 1, "errors_cut": 1}
             return [], 0.0, True, {"calls": 0, "errors": 0}
         info: dict[str, int] = {"calls": len(calls), "errors": 0}
         messages = []
-        for body in calls:
-            result, kind = self.answer(body)
+        for call in calls:
+            if isinstance(call, CallError):
+                result, kind = f"error: {call.message}", call.kind
+            else:
+                result, kind = self.run(call.name, call.arguments)
             messages.append({"content": result})
             if kind is not None:
                 info["errors"] += 1
                 info[f"errors_{kind}"] = info.get(f"errors_{kind}", 0) + 1
         return messages, 0.0, False, info
 
+    def schemas(self) -> list[dict]:
+        """The tools' OpenAI function schemas, for formats that type their arguments by
+        them (a tool without one is left out); built once."""
+        if self._schemas is None:
+            from transformers.utils import get_json_schema
+
+            self._schemas = []
+            for fn in self.tools.values():
+                try:
+                    self._schemas.append(get_json_schema(fn))
+                except Exception:  # noqa: BLE001  (no type hints or docstring: untyped)
+                    continue
+        return self._schemas
+
     def call(self, body: str) -> str:
-        """The text a tool call's JSON ``body`` returns to the model."""
+        """The text a Hermes tool call's JSON ``body`` returns to the model."""
         return self.answer(body)[0]
 
     def answer(self, body: str) -> tuple[str, str | None]:
-        """``(text, kind)``: the text a tool call's JSON ``body`` returns to the model,
-        and the kind of error it is (None: none)."""
-        try:
-            request = json.loads(body)
-        except json.JSONDecodeError as exc:
-            return f"error: the tool call is not JSON: {exc.msg}", "json"
-        if not isinstance(request, dict) or not isinstance(request.get("name"), str):
-            return 'error: expected {"name": "...", "arguments": {...}}', "json"
-        name, arguments = request["name"], request.get("arguments", {})
+        """``(text, kind)``: the text a Hermes tool call's JSON ``body`` returns to the
+        model, and the kind of error it is (None: none)."""
+        call = json_call(body)
+        if isinstance(call, CallError):
+            return f"error: {call.message}", call.kind
+        return self.run(call.name, call.arguments)
+
+    def run(self, name: str, arguments: Any) -> tuple[str, str | None]:
+        """``(text, kind)``: what calling tool ``name`` with ``arguments`` returns to
+        the model, and the kind of error it is (None: none)."""
         if name not in self.tools:
             return f"error: unknown tool {name!r} (known: {', '.join(sorted(self.tools))})", \
                 "unknown_tool"
@@ -369,38 +389,54 @@ class TurnFormat:
                               add_special_tokens=False)["input_ids"]
 
 
-def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | None
-                        ) -> tuple[str, str] | None:
-    """``(key, message)`` if the chat template, when it shows tools to the model (its
-    rendering changes with a ``tools`` argument), cannot be given the tools: a function
-    whose JSON schema cannot be built from its type hints and docstring
-    (``transformers.utils.get_json_schema``), or a template that fails on them."""
-    from transformers.utils import get_json_schema
-
+def shows_tools(tokenizer) -> bool | None:
+    """Whether the tokenizer's chat template shows tools to the model: its rendering of a
+    prompt changes with a ``tools`` argument. None: it failed on the probe tool."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
     opening = [{"role": "user", "content": "x"}]
-
-    def render(tools):
-        return tokenizer.apply_chat_template(opening, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
-
     probe = {"type": "function", "function": {
         "name": "probe", "description": "a probe",
         "parameters": {"type": "object", "properties": {}}}}
     try:
-        if render([probe]) == render(None):
-            return None  # the template shows no tools: the prompt must describe them
-    except Exception:  # noqa: BLE001  (checked below with the real schemas)
-        pass
+        return _render_tools(tokenizer, opening, [probe]) != \
+            _render_tools(tokenizer, opening, None)
+    except Exception:  # noqa: BLE001  (the template's own error)
+        return None
+
+
+def _render_tools(tokenizer, messages: list[Message], tools: list[dict] | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def tool_schemas(refs: Sequence[str], base_dir: Path | str | None) -> list[dict]:
+    """The OpenAI function schemas of the tool functions ``refs`` names, from their type
+    hints and docstrings (``transformers.utils.get_json_schema``), as a chat template's
+    ``tools=`` takes them."""
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(load_function(ref, base_dir)) for ref in refs]
+
+
+def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | None
+                        ) -> tuple[str, str] | None:
+    """``(key, message)`` if the chat template, when it shows tools to the model
+    (:func:`shows_tools`), cannot be given the tools: a function whose JSON schema
+    cannot be built from its type hints and docstring
+    (``transformers.utils.get_json_schema``), or a template that fails on them."""
+    if shows_tools(tokenizer) is False:
+        return None  # the template shows no tools: the prompt must describe them
     schemas = []
     for i, ref in enumerate(refs):
         try:
-            schemas.append(get_json_schema(load_function(ref, base_dir)))
+            schemas.extend(tool_schemas([ref], base_dir))
         except Exception as exc:  # noqa: BLE001  (transformers' parsing exceptions)
             return (f"params.tools[{i}]", f"the chat template shows tools to the model, "
                     f"but {ref!r} has no JSON schema: {_first_line(exc)} (give it type "
                     "hints and a docstring with an Args: section)")
     try:
-        render(schemas)
+        _render_tools(tokenizer, [{"role": "user", "content": "x"}], schemas)
     except Exception as exc:  # noqa: BLE001  (the template's own error)
         return ("params.tools", f"the model's chat template cannot render these tools: "
                                 f"{type(exc).__name__}: {_first_line(exc)}")

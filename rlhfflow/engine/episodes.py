@@ -103,18 +103,21 @@ class EpisodeLoop:
     go to the environment (on ``pool``'s threads, while the others decode); an answered
     row waits to rejoin until the waiting rows are a quarter of those decoding, nothing
     else decodes, or it waited ``JOIN_WAIT_STEPS`` steps (a join is one forward of the
-    joining rows alone)."""
+    joining rows alone). ``stops``: the strings that end a model turn (by default
+    ``params.stop``, and ``</tool_call>`` with tools)."""
 
     def __init__(self, params: EpisodeParams, module: torch.nn.Module, tok, fmt: TurnFormat,
                  templated: list[bool], prompts: list[list[int]], uniforms: torch.Tensor,
-                 pad_id: int) -> None:
+                 pad_id: int, stops: Sequence[str] | None = None) -> None:
         from rlhfflow.engine.turns import TurnBatch
 
         self.params, self.tok, self.fmt = params, tok, fmt
         self.templated, self.prompts, self.uniforms = templated, prompts, uniforms
         self.pad_id = pad_id
         self.eos = eos_ids(module, tok)
-        self.stops = [*self.params.stop, *(["</tool_call>"] if self.params.tools else [])]
+        # a turn ends right after one of these; by default a Hermes tool call's end
+        self.stops = list(stops) if stops is not None else \
+            [*self.params.stop, *(["</tool_call>"] if self.params.tools else [])]
         self.batch = TurnBatch(module)
         self.timeline = Timeline()
         self.turn: dict[int, tuple[list[int], list[float], int]] = {}  # tokens, lps, limit

@@ -8,7 +8,11 @@ Python functions (``tools: ["tools.py:add"]``) that the model calls by writing::
 
     <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>
 
-(:class:`ToolEnvironment`; a turn without a tool call ends the episode). Each call runs in
+(:class:`ToolEnvironment`; a turn without a tool call ends the episode). That is Hermes'
+format; ``tool_format`` names another (Qwen3-Coder's XML, Llama 3's JSON, the tokenizer's
+own ``response_template``, or a user's class: ``rlhfflow.engine.toolformats``). Where the
+model's chat template shows tools, the prompts show the tools' JSON schemas through its
+``tools=`` (``tools_in_prompt``). Each call runs in
 a child process that is killed at ``tool_timeout_s`` (``tool_isolation``); the built-in
 tool ``rlhfflow.engine.sandbox:python`` runs model-written programs in a sandbox with the
 ``sandbox`` limits, and ``env: rlhfflow.engine.sandbox:CodeTests`` scores a program by the
@@ -67,11 +71,14 @@ from rlhfflow.engine.environments import (
     Episode,
     ToolEnvironment,
     TurnFormat,
+    shows_tools,
     tool_schema_problem,
+    tool_schemas,
 )
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
 from rlhfflow.engine.sampling import sample_uniforms
 from rlhfflow.engine.sandbox import Limits, SandboxSettings, sandbox_for
+from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
     Batch,
@@ -127,15 +134,31 @@ class RolloutParams(StageParams):
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling; 1.0: off")] = 1.0
     greedy: bool = Field(False, description="argmax instead of sampling")
     stop: list[str] = Field([], description="end a model turn right after the first of "
-                                            "these strings (with tools, </tool_call> too)")
+                                            "these strings (with tools, the end of a "
+                                            "call in tool_format too, e.g. </tool_call>)")
     env: str | None = Field(None, description="the environment class, 'file.py:Class' "
                                               "(relative to the pipeline file) or "
                                               "'package.module:Class'")
     env_kwargs: dict[str, Any] = Field({}, description="keyword arguments of the "
                                                        "environment class")
-    tools: list[str] = Field([], description="tool functions the model calls with "
-                                             "<tool_call>{\"name\": ..., \"arguments\": "
-                                             "{...}}</tool_call>, 'file.py:function' each")
+    tools: list[str] = Field([], description="tool functions the model calls (written "
+                                             "as tool_format says), 'file.py:function' "
+                                             "each")
+    tool_format: str = Field(
+        "auto", description="how the model writes tool calls: 'hermes' (<tool_call>"
+                            "{\"name\": ..., \"arguments\": {...}}</tool_call>), "
+                            "'qwen3_coder' (<tool_call><function=NAME><parameter=KEY>"
+                            "VALUE</parameter></function></tool_call>), 'llama3_json' "
+                            "({\"name\": ..., \"parameters\": {...}} as the whole turn), "
+                            "an import path 'file.py:Class' of a ToolFormat subclass, or "
+                            "'auto': the tokenizer's own response_template "
+                            "(transformers' parse_response) if it has one, else hermes")
+    tools_in_prompt: Literal["auto", True, False] = Field(
+        "auto", description="render the tools' JSON schemas (from their type hints and "
+                            "docstrings) into the prompts through the chat template's "
+                            "tools=: 'auto', when the template shows tools; true, always "
+                            "(validation fails when it shows none); false, never (the "
+                            "prompts describe the tools themselves)")
     tool_timeout_s: Annotated[float, Field(
         gt=0, description="seconds a tool call may take; slower: an error message")] = 10.0
     tool_isolation: Literal["process", "thread"] = Field(
@@ -244,6 +267,9 @@ class RolloutStage(Stage):
             problem, _ = imported(ref, base_dir)
             if problem:
                 return (f"params.tools[{i}]", problem)
+        problem = tool_format_problem(params.tool_format, base_dir)
+        if problem:
+            return ("params.tool_format", problem)
         for i, key in enumerate(params.info):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 return (f"params.info[{i}]", f"expected a name of letters, digits and _ "
@@ -254,6 +280,10 @@ class RolloutStage(Stage):
 
     @classmethod
     def check_tokenizer(cls, params, tokenizer, base_dir):
+        if params.tools and params.tools_in_prompt is True and not shows_tools(tokenizer):
+            return ("params.tools_in_prompt", "true, but the model's chat template shows "
+                    "no tools (its rendering does not change with tools=); set it to auto "
+                    "or false and describe the tools in the prompts")
         if not params.tools or not getattr(tokenizer, "chat_template", None):
             return None
         fmt = TurnFormat(tokenizer, params.plain_separator)
@@ -261,7 +291,16 @@ class RolloutStage(Stage):
             return ("params.tools", "the model's chat template renders no 'tool' role, "
                     "which the tools' results take; use a model whose template has one, "
                     "or an environment (params.env), whose messages may be 'user' turns")
+        if params.tools_in_prompt is False:
+            return None
         return tool_schema_problem(params.tools, tokenizer, base_dir)
+
+    @classmethod
+    def prompt_tools(cls, params, tokenizer, base_dir):
+        if not params.tools or params.tools_in_prompt is False or \
+                (params.tools_in_prompt == "auto" and not shows_tools(tokenizer)):
+            return None
+        return tool_schemas(params.tools, base_dir)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)
@@ -272,7 +311,8 @@ class RolloutStage(Stage):
         texts = batch.get("prompt_text") or [""] * rows
         fields = batch.get("prompt_fields") or ["{}"] * rows
         templated = [fmt.templated(text) for text in texts]
-        episodes = [Episode(self.make_env(ctx)) for _ in range(rows)]
+        calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
+        episodes = [Episode(self.make_env(ctx, calls)) for _ in range(rows)]
         for row, episode in enumerate(episodes):
             opening = episode.opened(settled(episode.env.reset(
                 {**json.loads(fields[row]), "prompt": texts[row]})))
@@ -282,8 +322,9 @@ class RolloutStage(Stage):
                                    batch["sample_index"], params.max_tokens)
         real = batch["prompt_mask"].bool()
         prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
+        stops = [*params.stop, *([calls.stop] if params.tools and calls.stop else [])]
         loop = EpisodeLoop(params, resident.module, tok, fmt, templated, prompts, uniforms,
-                           pad_id)
+                           pad_id, stops)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
             self.check_shippable(episodes)
@@ -301,8 +342,8 @@ class RolloutStage(Stage):
                                           dtype=torch.float32)
         return out
 
-    def make_env(self, ctx: StageContext) -> Environment:
-        """A new environment for one episode."""
+    def make_env(self, ctx: StageContext, calls: ToolFormat | None = None) -> Environment:
+        """A new environment for one episode (its tool calls parsed by ``calls``)."""
         params = self.params
         if params.env is not None:
             return load_function(params.env, ctx.settings.base_dir)(**params.env_kwargs)
@@ -312,7 +353,8 @@ class RolloutStage(Stage):
         if any(getattr(tool, "sandboxed", False) for tool in tools.values()):
             # the backend's line on what it protects, and the warm sandboxes, at the start
             sandbox_for(settings).prepare()
-        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation, settings)
+        return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation, settings,
+                               calls)
 
     def check_shippable(self, episodes: list[Episode]) -> None:
         """Make the environments ready to travel to the pool: the pipeline's own files
