@@ -223,3 +223,25 @@ def test_a_config_whose_data_is_not_made_yet_names_the_script_that_makes_it(
     assert result.output.strip().splitlines() == [
         f"Error: {copy / config}: data.prompts: file not found: {copy / prompts}; make it "
         f"with `python examples/{example}/make_data.py`"]
+
+
+def test_heldout_scores_a_pipeline_s_model_on_held_out_records(tmp_path: Path) -> None:
+    """examples/multiturn/heldout.py: the rollout-and-reward stages run alone on held-out
+    records, 2 episodes each, and the last line holds each function's mean and error."""
+    from tests.conftest import DATA, small_pipeline
+
+    path = small_pipeline(tmp_path, "grpo")
+    out = subprocess.run([sys.executable, str(EXAMPLE / "heldout.py"), str(path),
+                          "--prompts", str(DATA / "prompts.jsonl"), "--records", "4",
+                          "--batch", "2", "--samples", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    [(key, scores)] = figures.items()
+    assert key == "(the pipeline's):scores" and scores["episodes"] == 8
+    assert 0 <= scores["mean"] <= 1 and scores["stderr"] >= 0
+    # a prompts file without -train in its name and no --prompts: one line, not a guess
+    missing = subprocess.run([sys.executable, str(EXAMPLE / "heldout.py"), str(path)],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert missing.returncode != 0 and "give the held-out records with --prompts" in \
+        missing.stderr.strip().splitlines()[-1]

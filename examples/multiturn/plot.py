@@ -1,6 +1,7 @@
 """Plot the learning curves of the multi-turn examples from their runs' metrics.jsonl.
 
     python examples/multiturn/plot.py calculator runs/multiturn-calculator docs/images/multiturn-calculator.png
+    python examples/multiturn/plot.py python runs/multiturn-python docs/images/multiturn-python.png
     python examples/multiturn/plot.py guess runs/multiturn-guess docs/images/multiturn-guess.png
 
 Each panel shows the per-iteration value (dots) and its running mean over 5 iterations
@@ -16,6 +17,8 @@ from pathlib import Path
 PANELS = {
     "calculator": [("reward_mean_tool_call", "episodes with a correct tool call"),
                    ("reward_mean_exact_answer", "exact-match accuracy")],
+    "python": [("reward_mean_python_call", "episodes whose program printed the answer"),
+               ("reward_mean_exact_answer", "exact-match accuracy")],
     "guess": [("turns_mean", "model turns per episode (5 at most)"),
               ("info_won_mean", "win rate")],
 }
