@@ -339,17 +339,23 @@ def test_ctrl_c_cancels_what_was_submitted_ahead_of_the_iteration_in_flight(tmp_
     _wait_for_lines(out / "metrics.jsonl", 2, proc)
     time.sleep(0.3)  # into the wait for iteration 2 (~1 s of training), 3 submitted
     os.killpg(proc.pid, signal.SIGINT)
-    in_flight = len((out / "metrics.jsonl").read_text().splitlines())  # its index
+    signalled = len((out / "metrics.jsonl").read_text().splitlines())  # in flight then
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     [said] = [line for line in stderr.splitlines() if line.startswith("rlhfflow: stopping")]
     done = [r["iteration"] for r in MetricsLog(out / "metrics.jsonl").read()]
     assert done == list(range(len(done)))
-    # the iteration in flight; the next only where its update had begun (the signal
-    # came as the update of the one in flight ended), which is said
+    # the iteration in flight when the stop was taken (within ~0.2 s of the signal: one
+    # may have been committed meanwhile); the next only where its update had begun
+    # (the signal came as the update of the one in flight ended), which is said
+    in_flight = int(re.search(r"(?:finishing|after) iterations? (\d+)", said).group(1))
+    assert signalled <= in_flight <= signalled + 1, (signalled, said)
     begun = "its model update had already begun, which cannot be undone" in said
     assert done[-1] <= in_flight + begun, (in_flight, said)
-    assert begun or re.search(rf"; cancelled iterations? {done[-1] + 1}\b", said), said
+    # what was submitted ahead is cancelled and said, unless the iteration in flight
+    # needs it (its trainer waits for the next generation, which reads its weights)
+    assert begun or "cancelled" not in said or \
+        re.search(rf"; cancelled iterations? {done[-1] + 1}\b", said), said
     assert said.endswith("then saving a checkpoint"), said
     assert CheckpointStore(out / "checkpoints").latest().iteration == done[-1]
     assert ExperienceBuffer(out / "buffer.zarr").iterations() == done

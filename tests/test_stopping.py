@@ -83,3 +83,48 @@ def test_a_gang_with_a_started_rank_is_never_cut_in_half():
     for rule in (trains, lambda task: False):
         stop = plan_stop(1, [2], tasks, states, rule)
         assert stop.finish == (2,) and not set(gang) & set(stop.cancel)
+
+
+def test_an_update_the_workers_report_begun_is_finished_though_the_scheduler_shows_it_waiting():
+    """The scheduler's state lags: a trainer it still shows as waiting may have begun its
+    update on the worker. The workers' report (``UpdateGate.hold``) decides."""
+    tasks, trains = _submitted({})
+    plain = plan_stop(1, {2}, tasks, {}, trains)
+    assert plain.finish == () and _stage(tasks, "train_actor", 2)[0] in plain.cancel
+    reported = plan_stop(1, {2}, tasks, {}, trains, begun={2})
+    assert reported.finish == (2,)
+    assert not set(_stage(tasks, "train_actor", 2)) & set(reported.cancel)
+
+
+def test_the_update_gate_holds_updates_after_the_iteration_in_flight_then_lets_through_or_refuses():
+    import threading
+
+    import pytest
+
+    from rlhfflow.runtime.worker.host import UpdateGate, UpdateRefused
+
+    gate = UpdateGate()
+    gate.enter(3)  # no stop: nothing waits
+    assert gate.hold(2) == [3]  # iteration 3's update began before the stop
+    gate.enter(2)  # the iteration in flight goes on
+    outcomes: dict[int, str] = {}
+
+    def update(k: int) -> None:
+        try:
+            gate.enter(k)
+            outcomes[k] = "made"
+        except UpdateRefused:
+            outcomes[k] = "refused"
+
+    waiting = [threading.Thread(target=update, args=(k,)) for k in (3, 4)]
+    for t in waiting:
+        t.start()
+    for t in waiting:
+        t.join(0.2)
+    assert outcomes == {} and all(t.is_alive() for t in waiting)  # held, not decided
+    gate.settle(3)  # the stop finishes iteration 3 (its update had begun)
+    for t in waiting:
+        t.join(5)
+    assert outcomes == {3: "made", 4: "refused"}
+    with pytest.raises(UpdateRefused, match="stopped after iteration 3"):
+        gate.enter(5)

@@ -86,7 +86,9 @@ from rlhfflow.runtime.worker.host import (
     RunDef,
     StageFailed,
     TaskResult,
+    hold_updates,
     save_model_task,
+    settle_updates,
     update_model_configs,
 )
 from rlhfflow.runtime.workers import (
@@ -505,11 +507,18 @@ class Executor:
                           f"rlhfflow: stopping after iteration {done}, then saving a "
                           f"checkpoint")
             return
+        # the workers hold updates after ``done`` and say which began: a task the
+        # scheduler still shows as waiting may have started its update meanwhile
+        begun = {k for found in self.backend.run_on_workers(
+            hold_updates, done, workers=self.addresses or None).values() for k in found}
         states = dict(zip(ids, self.backend.states(self.dataflow[ids]), strict=True))
         stop = plan_stop(done, self._unfinished, tasks, states,
                          lambda task: any(self.graph.nodes[n].trains
-                                          for n in getattr(task, "stages", ())))
+                                          for n in getattr(task, "stages", ())), begun)
         self.backend.cancel([h for h in self.dataflow[stop.cancel] if hasattr(h, "key")])
+        # updates up to the last iteration finished go on; later ones are refused
+        self.backend.run_on_workers(settle_updates, max([done, *stop.finish]),
+                                    workers=self.addresses or None)
         self.dataflow.forget(stop.cancel)
         cancelled = sorted({tasks[i].iteration for i in stop.cancel} - set(stop.finish))
         for k in cancelled:

@@ -39,12 +39,15 @@ class StopPlan:
 
 
 def plan_stop(done: int, unfinished: Collection[int], tasks: Mapping[str, Task],
-              states: Mapping[str, str], trains: Callable[[Task], bool]) -> StopPlan:
+              states: Mapping[str, str], trains: Callable[[Task], bool],
+              begun: Collection[int] = ()) -> StopPlan:
     """The stop of a run that finishes iteration ``done`` (the one in flight). ``tasks``
     (by id) are those it still holds, ``states`` the scheduler state of those after
     ``done``; ``unfinished`` the iterations after ``done`` whose every stage was
     submitted (the others only their stages that run ahead); ``trains``: whether a stage
-    task updates a model."""
+    task updates a model; ``begun``: the iterations after ``done`` whose model update the
+    workers report begun (``UpdateGate.hold``: the scheduler's state of a task that was
+    about to start can lag behind it)."""
     def binding(task: Task) -> bool:  # started, it cannot be undone or left half-done
         return isinstance(task, InstallTask) or (
             isinstance(task, StageTask) and (bool(task.gang) or trains(task)))
@@ -52,7 +55,8 @@ def plan_stop(done: int, unfinished: Collection[int], tasks: Mapping[str, Task],
     started = {i for i, task in tasks.items()
                if task.iteration > done and states.get(i) in STARTED}
     through = max([tasks[i].iteration for i in started
-                   if binding(tasks[i]) and tasks[i].iteration in unfinished], default=done)
+                   if binding(tasks[i]) and tasks[i].iteration in unfinished]
+                  + [k for k in begun if k in unfinished], default=done)
     keep = {i for i, task in tasks.items() if task.iteration <= through}
     # a gang with a started rank runs whole (in an iteration of ahead stages only, the
     # rest of that iteration is cancelled)

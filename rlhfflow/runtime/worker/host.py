@@ -70,6 +70,47 @@ class RunDef:
         object.__setattr__(self, "settings", RunSettings.of(self.settings))
 
 
+class UpdateGate:
+    """Where a task that updates a model (a trainer, a weight install) asks to begin, so
+    that a stop decides on every worker at once which iterations' updates run.
+
+    A stop first ``hold``s the gate at the iteration in flight: an update of a later
+    iteration that arrives waits, and the gate answers which later iterations' updates
+    already began (those cannot be undone). The coordinator then ``settle``s it at the
+    last iteration it finishes: waiting updates up to it go on, later ones are refused
+    (``UpdateRefused``; their tasks were cancelled). Without a stop it never waits."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._limit: int | None = None
+        self._held = False
+        self._begun: set[int] = set()
+
+    def enter(self, iteration: int) -> None:
+        """An update of ``iteration`` begins now, or waits for the stop's decision, or
+        is refused."""
+        with self._cond:
+            while self._held and self._limit is not None and iteration > self._limit:
+                self._cond.wait()
+            if self._limit is not None and iteration > self._limit:
+                raise UpdateRefused(f"the run stopped after iteration {self._limit}: "
+                                    f"the update of iteration {iteration} is not made")
+            self._begun.add(iteration)
+
+    def hold(self, done: int) -> list[int]:
+        """Updates after iteration ``done`` wait; the iterations after it whose updates
+        already began here."""
+        with self._cond:
+            self._limit, self._held = done, True
+            return sorted(i for i in self._begun if i > done)
+
+    def settle(self, through: int) -> None:
+        """Updates up to iteration ``through`` go on; later ones are refused."""
+        with self._cond:
+            self._limit, self._held = through, False
+            self._cond.notify_all()
+
+
 class WorkerHost:
     """Resident state of one worker: models, stage objects, timings of finished tasks."""
 
@@ -83,6 +124,7 @@ class WorkerHost:
         self.running: dict[int, tuple[int, str, float]] = {}  # thread id -> task started
         self._lock = threading.Lock()
         self._env_executor = None
+        self.updates = UpdateGate()
 
     def env_executor(self):
         """The executor of environment steps on the run's CPU pool (``RunSettings.env_pool``):
@@ -276,6 +318,20 @@ class StaleWeights(RlhfflowError, RuntimeError):
     """A task found another version of a model than the plan expects on its worker."""
 
 
+class UpdateRefused(RlhfflowError, RuntimeError):
+    """An update of an iteration after the one a stop finishes (its task was cancelled)."""
+
+
+def hold_updates(done: int, dask_worker=None) -> list[int]:
+    """A stop's first step on a worker (``UpdateGate.hold``), run out of band."""
+    return current_host(dask_worker).updates.hold(done)
+
+
+def settle_updates(through: int, dask_worker=None) -> None:
+    """A stop's second step on a worker (``UpdateGate.settle``), run out of band."""
+    current_host(dask_worker).updates.settle(through)
+
+
 class StageFailed(RlhfflowError, RuntimeError):
     """One stage of a fused task failed: names it, and keeps its exception as ``cause``."""
 
@@ -377,6 +433,8 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
                 gang[ctx.gang.rank] != _address():
             raise RuntimeError(f"stage {name!r}: worker {_address()} is not a member of the "
                                f"gang {list(gang)} it was sent to")
+    if any(host.stage(n).trains and not host.stage(n).once for n in names):
+        host.updates.enter(iteration)  # a stop may hold it (UpdateGate)
     if gang is None:
         ctx.peers = exchange_for(host, names, iteration, continue_rows_task)
     defs = host.run.stages
@@ -570,6 +628,7 @@ def install_weights_task(payload: dict[str, Any], version: int, iteration: int,
     installed (transfer included)."""
     del after
     host = current_host()
+    host.updates.enter(iteration)  # a stop may hold it (UpdateGate)
     start = time.time()
     if payload["version"] != version:
         raise StaleWeights(f"received {payload['model']!r} version {payload['version']}, "
