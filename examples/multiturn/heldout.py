@@ -24,9 +24,6 @@ from typing import Any
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.runtime.stagetest import run_stage_alone
 
-#: The score stage's own columns besides each function's score_<name>.
-NOT_FUNCTIONS = ("score_valid", "score_error", "score_retries")
-
 
 def heldout(config: Path, model: str | None, records: int, batch: int, samples: int,
             prompts: str | None = None) -> dict[str, list[float]]:
@@ -51,14 +48,16 @@ def heldout(config: Path, model: str | None, records: int, batch: int, samples: 
         overrides[f"models.{actor}.path"] = str(Path(model).resolve())
     pipeline = load_pipeline(config, overrides)
     scorer = pipeline.graph.scorers()[0]
+    # the columns of the functions a stage lists under ``functions`` (``score_<name>``);
+    # a single ``function`` writes ``scores`` alone
+    named = {entry.column[len("score_"):]: entry.column
+             for entry in getattr(pipeline.params[scorer], "functions", [])}
     scores: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as work:
         for iteration in range(records // batch):
             columns = run_stage_alone(pipeline, scorer, iteration, Path(work)).columns
-            named = {c[len("score_"):]: v for c, v in columns.items()
-                     if c.startswith("score_") and c not in NOT_FUNCTIONS}
-            for name, values in (named or {"scores": columns["scores"]}).items():
-                scores.setdefault(name, []).extend(float(v) for v in values.tolist())
+            for name, column in (named or {"scores": "scores"}).items():
+                scores.setdefault(name, []).extend(float(v) for v in columns[column].tolist())
     return scores
 
 
