@@ -164,6 +164,7 @@ class Executor:
         self._versions_after: dict[int, dict[str, int]] = {}
         self._unfinished: dict[int, IterationTasks] = {}
         self._stop_said = False
+        self._stop_decided: int | None = None  # the iteration a stop's decision was for
         self.restarts = 0  # recoveries from lost workers so far, setup and loop together
         self.tiny: dict[str, dict[str, Any]] = {}  # tiny models to build: tiny_models
         self.clock = clock or StartupClock()
@@ -408,6 +409,7 @@ class Executor:
         # some: ``_stop_ahead``)
         self._unfinished = unfinished = {}
         self._stop_said = False
+        self._stop_decided = None
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
                              self.backend.pipelined):
@@ -507,6 +509,8 @@ class Executor:
                           f"rlhfflow: stopping after iteration {done}, then saving a "
                           f"checkpoint")
             return
+        if self._stop_decided == done:  # decided at an earlier tick: nothing new since
+            return
         # the workers hold updates after ``done`` and say which began: a task the
         # scheduler still shows as waiting may have started its update meanwhile
         begun = {k for found in self.backend.run_on_workers(
@@ -519,6 +523,7 @@ class Executor:
         # updates up to the last iteration finished go on; later ones are refused
         self.backend.run_on_workers(settle_updates, max([done, *stop.finish]),
                                     workers=self.addresses or None)
+        self._stop_decided = done
         self.dataflow.forget(stop.cancel)
         cancelled = sorted({tasks[i].iteration for i in stop.cancel} - set(stop.finish))
         for k in cancelled:
