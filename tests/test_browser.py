@@ -111,10 +111,16 @@ def test_live_run_page_and_report_draw_their_plots(browser, tmp_path):
             if not any(abs(box[0] - b[0]) < 30 and abs(box[1] - b[1]) < 30 for b in boxes):
                 boxes.append(box)
         keys = ("x", "y", "width", "height")
-        drawn = [coloured_pixels(page.screenshot(clip=dict(zip(keys, box, strict=True))))
+        # the plots run below the viewport: clip the full page (at scroll 0 the boxes'
+        # viewport coordinates are the page's)
+        drawn = [coloured_pixels(page.screenshot(full_page=True,
+                                                 clip=dict(zip(keys, box, strict=True))))
                  for box in sorted(boxes, key=lambda b: (b[1], b[0]))]
-        # reward, KL, length, staleness, stage time, busy: each has its coloured lines
-        assert len(drawn) == 6 and all(n > 100 for n in drawn), drawn
+        # reward, KL, length, staleness, stage time, busy, and each figure the stages
+        # declare that has a value in this run (generate's tokens/s and rows migrated;
+        # not its speculative-decoding figures, which a run that does not draft leaves
+        # empty): each has its coloured lines
+        assert len(drawn) == 8 and all(n > 100 for n in drawn), drawn
         _save(page.screenshot(full_page=True), "dashboard.png", tmp_path)
         page.close()
     finally:

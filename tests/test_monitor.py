@@ -299,6 +299,19 @@ def test_a_missing_logging_package_is_one_line_naming_the_extra(tmp_path, monkey
 # --------------------------------------------------------------------------- dashboard
 
 
+def test_a_declared_figure_gets_a_column_once_an_iteration_gives_it_a_value():
+    events = [(0.0, {"run": "a", "iteration": 0, "metrics": {"gen_acceptance": None,
+                                                             "gen_tokens_per_s": 10.0}}),
+              (1.0, {"run": "a", "iteration": 1, "metrics": {"gen_acceptance": None,
+                                                             "gen_tokens_per_s": 12.0,
+                                                             "gen_k_mean": float("nan")}})]
+    columns = page_columns(latest_run(events))
+    assert [k for k in columns if k.startswith("metric:")] == ["metric:gen_tokens_per_s"]
+    events.append((2.0, {"run": "a", "iteration": 2, "metrics": {"gen_acceptance": 0.5}}))
+    columns = page_columns(latest_run(events))
+    assert columns["metric:gen_acceptance"][2] == 0.5
+
+
 def test_page_shows_the_latest_run_with_a_column_per_stage_and_worker():
     events = [(0.0, {"run": "a", "iteration": 0, "reward_mean": 9.0}),
               (1.0, {"run": "b", "iteration": 0, "reward_mean": 0.1,

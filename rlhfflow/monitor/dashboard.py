@@ -66,7 +66,10 @@ def page_columns(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
     for series in _FIXED.values():
         for key, _ in series:
             data[key] = [_float(m.get(key)) for m in messages]
-    declared = dict.fromkeys(k for m in messages for k in m.get("metrics") or {})
+    # a declared figure gets a column (and so a plot) once an iteration gave it a value:
+    # a speculative-decoding figure of a run that does not draft stays off the page
+    declared = dict.fromkeys(k for m in messages for k, v in (m.get("metrics") or {}).items()
+                             if math.isfinite(_float(v)))
     for name in declared:
         data[f"metric:{name}"] = [_float((m.get("metrics") or {}).get(name))
                                   for m in messages]
