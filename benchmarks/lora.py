@@ -82,7 +82,7 @@ def run_variant(config: Path, out: Path) -> dict[str, Any]:
     """Run ``config`` into ``out`` in its own process; its figures."""
     import psutil
 
-    from rlhfflow.runtime.backend import embedded_worker_processes
+    from rlhfflow.runtime.cluster import embedded_worker_processes
 
     env = {**os.environ, "RLHFFLOW_WARM": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", str(config),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from rlhfflow.runtime.backend import embedded_worker_processes
+from rlhfflow.runtime.cluster import embedded_worker_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1 << 20

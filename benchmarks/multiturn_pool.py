@@ -80,7 +80,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from distributed import Client, LocalCluster
 
-    from rlhfflow.runtime.backend import ENV_RESOURCE
+    from rlhfflow.runtime.cluster import ENV_RESOURCE
     from rlhfflow.stages import ModelConfig, ModelStore
 
     seconds: dict[str, list[float]] = {c: [] for c in CONFIGS}

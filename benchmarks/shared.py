@@ -80,7 +80,7 @@ def shared_cluster(workers: int, iterations: int) -> Iterator[tuple[int, dict[st
     and start-up (iteration 0 is left out anyway). Yields the torch threads per worker and
     the overrides that send a run there."""
     from rlhfflow.plan.layout import default_torch_threads
-    from rlhfflow.runtime.backend import local_cluster
+    from rlhfflow.runtime.cluster import local_cluster
 
     threads = default_torch_threads(workers)
     cluster = local_cluster(workers, dashboard_address=":0", torch_threads=threads)

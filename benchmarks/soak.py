@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 import yaml
 
-from rlhfflow.runtime.backend import embedded_worker_processes
+from rlhfflow.runtime.cluster import embedded_worker_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 # what must not change under faults (timings may)

@@ -52,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # pytest-xdist's controller runs no tests
     import sys
 
-    from rlhfflow.runtime.backend import start_fork_server
+    from rlhfflow.launch.forkserver import start_fork_server
 
     # the server's path is the one it starts with: the tests package must be on it (as
     # pytest puts it there only when it collects), for workers unpickling test functions
@@ -206,7 +206,7 @@ def cluster():
     """Two device workers in their own processes, shared by the tests of a module: the
     embedded cluster a run starts, whose workers are forks of a server that imported
     torch and the stages once (spawned workers each paid those imports, ~10 s a module)."""
-    from rlhfflow.runtime.backend import local_cluster
+    from rlhfflow.runtime.cluster import local_cluster
 
     with local_cluster(2, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
         yield cluster

@@ -409,7 +409,8 @@ def test_the_startup_clock_names_where_the_time_went():
 def test_embedded_workers_see_the_environment_of_when_the_cluster_starts(monkeypatch):
     """Workers are forks of a server started earlier (start_fork_server): a variable set
     after it started (a test's HF_HUB_CACHE, say) must still reach them."""
-    from rlhfflow.runtime.backend import local_cluster, start_fork_server
+    from rlhfflow.launch.forkserver import start_fork_server
+    from rlhfflow.runtime.cluster import local_cluster
 
     start_fork_server()
     monkeypatch.setenv("RLHFFLOW_PROBE", "set after the fork server started")
@@ -425,7 +426,7 @@ def test_embedded_workers_wake_for_fewer_timers_unless_the_user_set_them():
     user's Dask config sets itself."""
     import dask
 
-    from rlhfflow.runtime.backend import local_cluster
+    from rlhfflow.runtime.cluster import local_cluster
 
     def intervals(dask_worker):
         return {k: pc.callback_time for k, pc in dask_worker.periodic_callbacks.items()}

@@ -310,7 +310,7 @@ def _worker_view() -> dict:
 def test_the_embedded_cluster_gives_each_worker_its_own_gpu():
     from distributed import Client
 
-    from rlhfflow.runtime.backend import local_cluster
+    from rlhfflow.runtime.cluster import local_cluster
 
     gpus = torch.cuda.device_count()
     with local_cluster(gpus + 1, dashboard_address="127.0.0.1:0", torch_threads=1,

@@ -13,11 +13,8 @@ from distributed import Client, Event, LocalCluster, SchedulerPlugin
 
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.tasks import AFTER, Task, Wait
-from rlhfflow.runtime.backend import (
-    DEVELOPER_LOGS,
-    TASK_STREAM_LENGTH,
-    DaskBackend,
-)
+from rlhfflow.runtime.backend import DaskBackend
+from rlhfflow.runtime.cluster import DEVELOPER_LOGS, TASK_STREAM_LENGTH
 from rlhfflow.runtime.dataflow import LINEAGE_EVERY, Dataflow
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer

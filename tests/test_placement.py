@@ -15,9 +15,9 @@ from rlhfflow.cli.main import main
 from rlhfflow.config import load_pipeline
 from rlhfflow.engine.models import load_model
 from rlhfflow.engine.parallel import free_port
+from rlhfflow.launch.forkserver import start_fork_server
 from rlhfflow.plan.auto.planner import resolve_plan
 from rlhfflow.plan.placement import PlanError
-from rlhfflow.runtime.backend import start_fork_server
 from rlhfflow.runtime.run import run_pipeline
 from tests.conftest import CONFIGS, make_prompt_batch, small_pipeline, torch_and_deepspeed_runs
 

@@ -21,7 +21,7 @@ from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import AlgorithmSpec, SpecError
 from rlhfflow.plan.auto.planner import resolve_plan
-from rlhfflow.runtime.backend import local_cluster
+from rlhfflow.runtime.cluster import local_cluster
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.sdk import registry as base
 from rlhfflow.sdk.reference import describe_stage_types

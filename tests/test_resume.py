@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
-from rlhfflow.runtime.backend import embedded_worker_processes
+from rlhfflow.runtime.cluster import embedded_worker_processes
 from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
 from tests.conftest import DATA, small_pipeline

@@ -20,7 +20,8 @@ from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.launch import warm
 from rlhfflow.runtime import run as runner
-from rlhfflow.runtime.backend import DaskBackend, embedded_worker_processes
+from rlhfflow.runtime.backend import DaskBackend
+from rlhfflow.runtime.cluster import embedded_worker_processes
 from rlhfflow.runtime.executor import RunResult
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import MetricsLog

@@ -158,12 +158,12 @@ def test_workers_that_do_not_start_in_time_are_one_line(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from rlhfflow.cli.main import main
-    from rlhfflow.runtime import backend
+    from rlhfflow.runtime import cluster
 
     def slow(timeout=0):
         raise TimeoutError("the worker processes' fork server did not finish importing")
 
-    monkeypatch.setattr(backend, "wait_fork_server", slow)
+    monkeypatch.setattr(cluster, "wait_fork_server", slow)
     path = small_pipeline(tmp_path, "grpo", iterations=1)
     result = CliRunner().invoke(main, ["run", str(path)])
     assert result.exit_code == 1

@@ -197,7 +197,7 @@ class DashboardPlugin(SchedulerPlugin):
     """Marks a scheduler that serves the page, so a run can tell whether to print its
     URL, and keeps the page's iterations: the last ``PAGE_ITERATIONS`` events of the
     topic, where the scheduler's own event log of a topic may be shorter (the embedded
-    cluster's keeps 100 events, ``rlhfflow.runtime.backend.DEVELOPER_LOGS``)."""
+    cluster's keeps 100 events, ``rlhfflow.runtime.cluster.DEVELOPER_LOGS``)."""
 
     name = PLUGIN_NAME
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from rlhfflow.config.loader import Pipeline, derive
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import choose_plan, load_profile
-from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost, _cuda_count
+from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost
+from rlhfflow.runtime.cluster import cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
 from rlhfflow.runtime.failures import (
     RunError,
@@ -68,7 +69,7 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
         auto = False
     elif auto and pipeline.spec.cluster.address is None:
         # the embedded cluster's workers and threads are the planner's to choose
-        gpus = 0 if pipeline.spec.cluster.device == "cpu" else _cuda_count()
+        gpus = 0 if pipeline.spec.cluster.device == "cpu" else cuda_count()
         workers = min(pipeline.spec.cluster.workers, gpus) if gpus else None
         choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
         pipeline = choice.pipeline

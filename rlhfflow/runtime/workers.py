@@ -13,7 +13,8 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
-from rlhfflow.runtime.backend import ENV_RESOURCE, DaskBackend, TaskFailed
+from rlhfflow.runtime.backend import DaskBackend, TaskFailed
+from rlhfflow.runtime.cluster import ENV_RESOURCE
 from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
 from rlhfflow.runtime.worker.host import StageDef, gang_port, join_gang_task
 

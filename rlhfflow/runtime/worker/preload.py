@@ -2,7 +2,7 @@
 classes, zarr and the stages (~6 s with transformers 5 on a 2-core machine).
 
 The embedded cluster's workers are forks of a server that ran :func:`warm` as it started
-(``rlhfflow.runtime.worker.warm_imports``, see ``backend.start_fork_server``), beside the
+(``rlhfflow.runtime.worker.warm_imports``, see ``rlhfflow.launch.forkserver.start_fork_server``), beside the
 coordinator's own imports; the coordinator also runs :func:`warm` as a task on each
 worker (a no-op there) so a spawned worker imports before the models are installed.
 A task, not a background thread: transformers resolves its names lazily and is not safe
