@@ -603,7 +603,7 @@ def test_policy_loss_registry_and_import_paths():
         "logprobs": lp, "old_logprobs": lp, "advantages": adv, "mask": mask,
         "agg": "token-mean", "count": None, "config": _Config()})
     close(loss, -adv.mean())
-    assert ops.resolve_advantage_estimator("rlhfflow.ops.core:remax") is ops.remax
+    assert ops.resolve_advantage_estimator("rlhfflow.ops.advantages:remax") is ops.remax
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         ops.resolve_policy_loss("no_such_mod:f")
     with pytest.raises(ValueError, match="has no callable 'nope'"):

@@ -8,32 +8,37 @@ registries through which configs pick an estimator and a policy loss.
 
 Use as ``from rlhfflow import ops; adv, ret = ops.gae(rewards, values, mask, 1.0, 0.95)``.
 Every function is free of I/O and of imports from the rest of rlhfflow; shapes are
-documented in each docstring (see :mod:`rlhfflow.ops.core`, :mod:`rlhfflow.ops.registry`).
+documented in each docstring (see :mod:`rlhfflow.ops.core`, :mod:`rlhfflow.ops.advantages`,
+:mod:`rlhfflow.ops.losses`, :mod:`rlhfflow.ops.registry`).
 """
 
-from rlhfflow.ops.core import (
+from rlhfflow.ops.advantages import (
     GROUP_MODES,
-    IS_LEVELS,
-    KL_KINDS,
-    LOSS_AGGS,
     SCALE_REWARDS,
-    aggregate_loss,
-    entropy,
-    entropy_from_logits,
     gae,
     group_advantages,
-    kl,
-    logprobs_from_logits,
-    loss_count,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-    policy_loss,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
+)
+from rlhfflow.ops.core import (
+    KL_KINDS,
+    kl,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
     tempered,
     token_rewards,
+)
+from rlhfflow.ops.losses import (
+    IS_LEVELS,
+    LOSS_AGGS,
+    aggregate_loss,
+    entropy,
+    entropy_from_logits,
+    loss_count,
+    policy_loss,
     value_loss,
 )
 from rlhfflow.ops.offpolicy import CORRECTIONS, OFF_POLICY_LEVELS, off_policy_weights

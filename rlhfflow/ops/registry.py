@@ -38,15 +38,15 @@ from typing import Any
 
 import torch
 
-from rlhfflow.ops.core import (
+from rlhfflow.ops.advantages import (
     gae,
     group_advantages,
-    masked_whiten,
-    policy_loss,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     remax,
 )
+from rlhfflow.ops.core import masked_whiten
+from rlhfflow.ops.losses import policy_loss
 
 ESTIMATOR_INPUTS = ("scores", "token_rewards", "mask", "group_ids", "values",
                     "baseline_scores", "config")
