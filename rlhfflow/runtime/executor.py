@@ -42,11 +42,7 @@ from rlhfflow.plan.flops import stage_work
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
 from rlhfflow.plan.shapes import model_shapes
 from rlhfflow.plan.tasks import StageTask
-from rlhfflow.runtime.backend import (
-    InlineBackend,
-    TaskFailed,
-    WorkerLost,
-)
+from rlhfflow.runtime.backend import TaskFailed, WorkerLost
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (
     Checkpointer,
@@ -63,6 +59,7 @@ from rlhfflow.runtime.failures import (
     is_out_of_memory,
     out_of_memory,
 )
+from rlhfflow.runtime.inline import InlineBackend
 from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
 from rlhfflow.runtime.runstate import (
     StartPoint,

@@ -13,7 +13,7 @@ from pathlib import Path
 from rlhfflow.config.loader import Pipeline, derive
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import choose_plan, load_profile
-from rlhfflow.runtime.backend import DaskBackend, InlineBackend, WorkerLost
+from rlhfflow.runtime.backend import DaskBackend, WorkerLost
 from rlhfflow.runtime.cluster import cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
 from rlhfflow.runtime.failures import (
@@ -23,6 +23,7 @@ from rlhfflow.runtime.failures import (
     is_out_of_memory,
     out_of_memory,
 )
+from rlhfflow.runtime.inline import InlineBackend
 from rlhfflow.runtime.runstate import (
     Resume,
     RunStateError,
