@@ -1,10 +1,10 @@
 """The ``rlhfflow`` command: check, draw, scaffold and run pipelines; inspect buffers.
 
 One module per command beside this one (``validate``, ``graph``, ``plan``, ``profile``,
-``init``, ``run``, ``stages``, ``buffer``, ``report``, ``warm``, ``models``); this one
-holds the group and hands ``rlhfflow run`` to a warm server when one is up. Pipeline and
-model code (torch, transformers, Dask) is imported inside the commands that need it, so
-``rlhfflow --help`` and ``rlhfflow buffer inspect`` start quickly.
+``init``, ``run``, ``stages``, ``buffer``, ``report``, ``warm``, ``models``, ``serve``);
+this one holds the group and hands ``rlhfflow run`` to a warm server when one is up.
+Pipeline and model code (torch, transformers, Dask) is imported inside the commands that
+need it, so ``rlhfflow --help`` and ``rlhfflow buffer inspect`` start quickly.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rlhfflow.cli import (
     profile,
     report,
     run,
+    serve,
     stages,
     validate,
     warm,
@@ -116,7 +117,7 @@ def main(quiet: bool, verbose: bool) -> None:
 
 for command in (validate.validate, graph.graph, plan.plan, profile.profile, init.init,
                 run.run, stages.stages, stages.stage, buffer.buffer, report.report,
-                warm.warm, models.models):
+                warm.warm, models.models, serve.serve):
     main.add_command(command)
 
 

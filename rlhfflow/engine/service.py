@@ -47,6 +47,7 @@ from rlhfflow import ops
 from rlhfflow.engine.forward import stage_seed
 from rlhfflow.engine.sampling import sample_step
 from rlhfflow.engine.turns import TurnBatch
+from rlhfflow.errors import RunError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class SamplingSettings:
     top_p: float = 1.0
     greedy: bool = False
     stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    """How many of the likeliest tokens to report at each position, with their log-probs
+    (OpenAI's ``top_logprobs``)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -71,6 +75,8 @@ class SamplingSettings:
             raise ValueError(f"temperature must be above 0 (or greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 
 
 @dataclass
@@ -90,8 +96,9 @@ class Completion:
     """What a request got: ``tokens`` (the EOS or the token that completed a stop string
     included), ``logprobs`` (each under ``log_softmax(logits / temperature)``, the
     distribution the policy loss uses), ``versions`` (the policy version that sampled each
-    token), ``finish_reason`` (``stop``: EOS or a stop string; ``length``), and when it was
-    submitted, joined the batch and finished (``time.monotonic()``)."""
+    token), ``finish_reason`` (``stop``: EOS or a stop string; ``length``), when it was
+    submitted, joined the batch and finished (``time.monotonic()``), and at each position
+    the ``top_logprobs`` likeliest ``(token, log-prob)`` pairs when asked for."""
 
     prompt: list[int]
     tokens: list[int]
@@ -101,9 +108,10 @@ class Completion:
     submitted: float
     started: float
     finished: float
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-class ServiceClosed(RuntimeError):
+class ServiceClosed(RunError):
     """The service was closed (or its loop failed) before the request finished."""
 
 
@@ -117,6 +125,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -333,9 +342,13 @@ class GenerationService:
             uniforms = torch.stack([self._rows[rows[at]].uniforms[
                 len(self._rows[rows[at]].tokens)] for at in ats])
             token = sample_step(part, uniforms, settings).cpu()
-            lp = torch.log_softmax(ops.tempered(part, settings.temperature), -1).gather(
-                -1, token[:, None].to(part.device))[:, 0].cpu()
+            every = torch.log_softmax(ops.tempered(part, settings.temperature), -1)
+            lp = every.gather(-1, token[:, None].to(part.device))[:, 0].cpu()
             tokens[index], logprobs[index] = token, lp.double()
+            if settings.top_logprobs:
+                values, ids = every.topk(settings.top_logprobs, -1)
+                for at, v, i in zip(ats, values.tolist(), ids.tolist(), strict=True):
+                    self._rows[rows[at]].top.append(list(zip(i, v, strict=True)))
         finished = []
         for number, token, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             row = self._rows[number]
@@ -372,7 +385,7 @@ class GenerationService:
             self.stats.finished += 1
             row.future.set_result(Completion(
                 row.request.prompt, row.tokens, row.logprobs, row.versions, reason,
-                row.submitted, row.started, now))
+                row.submitted, row.started, now, row.top))
 
     def _fail_all(self, failure: BaseException | None) -> None:
         error = ServiceClosed("the generation service closed before the request finished"

@@ -58,6 +58,9 @@ class ToolFormat:
 
     name: ClassVar[str] = ""
     stop: str | None = None
+    start: str | None = None
+    """The string that opens a call, where the format has one: what a turn says before
+    it is its text (an endpoint's ``content`` beside its ``tool_calls``)."""
 
     def parse(self, text: str, tools: Sequence[dict] = ()) -> Parsed:
         """The calls of ``text``, in order; ``[]``: the turn calls no tool."""
@@ -106,6 +109,7 @@ class Hermes(ToolFormat):
     only when the turn has no whole call (a turn cut at its token limit)."""
 
     stop = "</tool_call>"
+    start = "<tool_call>"
     CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str, tools: Sequence[dict] = ()) -> Parsed:
@@ -134,6 +138,7 @@ class Qwen3Coder(ToolFormat):
     when it is not JSON), else read as JSON (``2`` -> 2, ``[1, 2]`` -> a list)."""
 
     stop = "</tool_call>"
+    start = "<tool_call>"
     CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)

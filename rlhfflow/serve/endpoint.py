@@ -1,0 +1,384 @@
+"""An OpenAI-compatible HTTP endpoint in front of a generation service.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (and ``GET /v1/models``) as the
+OpenAI API defines them, for agents written against the ``openai`` SDK or any other
+client of that API. Every request becomes ``n`` requests of one
+:class:`~rlhfflow.engine.service.GenerationService`, so concurrent callers are batched
+together in its decode loop. Each choice carries what training needs beside the text:
+``token_ids`` (the sampled tokens), ``policy_versions`` (the policy version that sampled
+each token) and, with ``logprobs``, each token's log-prob under ``log_softmax(logits /
+temperature)`` (the distribution the policy loss uses; OpenAI's are at temperature 1 for
+some models: here they are always the sampling distribution's); the response carries
+``prompt_token_ids`` (the prompt as the chat template rendered and tokenised it).
+
+Tools: ``tools`` are shown to the model through the chat template's ``tools=``, and the
+completion is parsed for calls by the endpoint's tool format
+(:mod:`rlhfflow.engine.toolformats`, Hermes by default) into ``message.tool_calls``
+(``finish_reason: tool_calls``); decoding stops at the format's end-of-call string.
+``tool_choice: none`` hides the tools; ``auto``, ``required`` and a named function show
+them, and nothing constrains what the model writes.
+
+Who can reach it: it binds to loopback (127.0.0.1) unless told otherwise, and refuses to
+bind elsewhere without an API key; with a key, every request must carry it
+(``Authorization: Bearer KEY``). It serves one model, under one name.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from rlhfflow.data.records import prompt_token_ids
+from rlhfflow.engine.forward import stage_seed
+from rlhfflow.engine.service import GenerationService, Request, SamplingSettings
+from rlhfflow.engine.toolformats import ToolFormat, openai_tool_calls
+from rlhfflow.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: most choices one request may ask for (``n``)
+MAX_CHOICES = 64
+#: a request's body may be at most this large
+MAX_BODY_BYTES = 16 * 2**20
+
+
+class BadRequest(UserError):
+    """A request the endpoint refuses (a caller's mistake): its HTTP status and OpenAI
+    error fields."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                 param: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    """Where and as what the endpoint serves. ``port`` 0 picks a free one;
+    ``max_tokens`` is the default completion length when a request names none."""
+
+    model: str = "rlhfflow"
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.host not in LOOPBACK and not self.api_key:
+            raise ValueError(f"serving on {self.host} (not loopback) needs an API key: "
+                             f"anyone who can reach the port could use the model")
+
+
+class Endpoint:
+    """The HTTP server; ``start()`` serves on a thread and returns ``base_url``
+    (``http://HOST:PORT/v1``, what ``openai.OpenAI(base_url=...)`` takes)."""
+
+    def __init__(self, service: GenerationService, tokenizer, settings: EndpointSettings,
+                 tool_format: ToolFormat) -> None:
+        self.service, self.tokenizer = service, tokenizer
+        self.settings, self.tool_format = settings, tool_format
+        self.requests = 0
+        handler = type("Handler", (_Handler,), {"endpoint": self})
+        self.server = ThreadingHTTPServer((settings.host, settings.port), handler)
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.server.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else host
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        name="rlhfflow-endpoint", daemon=True)
+        self._thread.start()
+        return self.base_url
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Endpoint:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ routes
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.settings.model, "object": "model",
+                                            "created": 0, "owned_by": "rlhfflow"}]}
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or \
+                not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of {role, content}",
+                             param="messages")
+        tools = body.get("tools") or None
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(t, dict) and t.get("type") == "function" for t in tools)):
+            raise BadRequest("'tools' must be a list of {type: function, function: {...}}",
+                             param="tools")
+        shown = None if body.get("tool_choice") == "none" else tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_template_message(m) for m in messages], tools=shown,
+                add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - the template's own error, to the caller
+            raise BadRequest(f"the chat template cannot render these messages: {exc}",
+                             param="messages") from None
+        prompt = prompt_token_ids(self.tokenizer, text, templated=True)
+        stops = _stops(body)
+        if shown and self.tool_format.stop:
+            stops = (*stops, self.tool_format.stop)
+        top = body.get("top_logprobs") or 0
+        settings = self._sampling(body, body.get("max_completion_tokens",
+                                                 body.get("max_tokens")), stops, top)
+        completions = self._complete(prompt, settings, body)
+        choices = []
+        for i, done in enumerate(completions):
+            content = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            reason = done.finish_reason
+            if shown:
+                calls, _ = openai_tool_calls(self.tool_format, content, shown)
+                if calls:
+                    message["tool_calls"] = calls
+                    message["content"] = _before_calls(content, self.tool_format)
+                    reason = "tool_calls"
+            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": reason,
+                                      "logprobs": None, "token_ids": done.tokens,
+                                      "policy_versions": done.versions}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [
+                    {**self._token(t), "logprob": lp,
+                     "top_logprobs": [{**self._token(a), "logprob": b} for a, b in top_at]}
+                    for t, lp, top_at in zip(done.tokens, done.logprobs,
+                                             done.top_logprobs or [[]] * len(done.tokens),
+                                             strict=True)]}
+            choices.append(choice)
+        return self._response("chat.completion", "chatcmpl", prompt, completions, choices)
+
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(body)
+        if body.get("echo"):
+            raise BadRequest("'echo' is not served", param="echo")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = prompt_token_ids(self.tokenizer, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise BadRequest("'prompt' must be one string or one list of token ids",
+                             param="prompt")
+        top = body.get("logprobs") or 0
+        settings = self._sampling(body, body.get("max_tokens"), _stops(body), top)
+        completions = self._complete(ids, settings, body)
+        choices = []
+        for i, done in enumerate(completions):
+            text = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
+            choice: dict[str, Any] = {"index": i, "text": text,
+                                      "finish_reason": done.finish_reason, "logprobs": None,
+                                      "token_ids": done.tokens,
+                                      "policy_versions": done.versions}
+            if body.get("logprobs") is not None:
+                pieces = [self._token(t)["token"] for t in done.tokens]
+                offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+                choice["logprobs"] = {
+                    "tokens": pieces, "token_logprobs": done.logprobs,
+                    "top_logprobs": [{self._token(a)["token"]: b for a, b in at}
+                                     for at in done.top_logprobs] or None,
+                    "text_offset": offsets}
+            choices.append(choice)
+        return self._response("text_completion", "cmpl", ids, completions, choices)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.settings.model:
+            raise BadRequest(f"the model {model!r} is not served here; this endpoint serves "
+                             f"{self.settings.model!r}", HTTPStatus.NOT_FOUND, "model",
+                             "model_not_found")
+        if body.get("stream"):
+            raise BadRequest("'stream: true' is not served; ask without stream",
+                             param="stream")
+
+    def _sampling(self, body: dict[str, Any], max_tokens: Any, stops: tuple[str, ...],
+                  top: Any) -> SamplingSettings:
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        top_p = body.get("top_p")
+        if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+            raise BadRequest("'temperature' must be a number in [0, 2]", param="temperature")
+        try:
+            return SamplingSettings(
+                max_new_tokens=int(max_tokens if max_tokens is not None
+                                   else self.settings.max_tokens),
+                temperature=float(temperature) if temperature > 0 else 1.0,
+                greedy=float(temperature) == 0.0, top_p=float(1.0 if top_p is None else top_p),
+                stop=stops, top_logprobs=int(top))
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _complete(self, prompt: list[int], settings: SamplingSettings,
+                  body: dict[str, Any]) -> list:
+        n = 1 if body.get("n") is None else body["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"'n' must be an integer in [1, {MAX_CHOICES}]", param="n")
+        room = _positions(self.service.module) - len(prompt)
+        if room < 1:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens, more than the model's "
+                             f"context allows", param="messages")
+        if settings.max_new_tokens > room:
+            settings = SamplingSettings(**{**settings.__dict__, "max_new_tokens": room})
+        seed = body.get("seed")
+        self.requests += 1
+        futures = [self.service.submit(Request(
+            prompt, settings, seed=None if seed is None else stage_seed(int(seed), i)))
+            for i in range(n)]
+        return [future.result() for future in futures]
+
+    def _response(self, kind: str, prefix: str, prompt: list[int], completions: list,
+                  choices: list[dict[str, Any]]) -> dict[str, Any]:
+        produced = sum(len(c.tokens) for c in completions)
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": self.settings.model,
+                "choices": choices, "prompt_token_ids": prompt,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": produced,
+                          "total_tokens": len(prompt) + produced}}
+
+    def _token(self, token: int) -> dict[str, Any]:
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "bytes": list(text.encode())}
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
+            or len(stops) > 4:
+        raise BadRequest("'stop' must be a string or a list of up to 4 strings", param="stop")
+    return tuple(stops)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI message as chat templates take it: ``content`` None as ``""``, a list of
+    text parts joined, and tool-call arguments as objects (OpenAI sends JSON text)."""
+    out = dict(message)
+    content = out.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        out["content"] = "".join(part.get("text", "") for part in content
+                                 if isinstance(part, dict))
+    calls = out.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_template_call(call) for call in calls]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
+def _before_calls(text: str, fmt: ToolFormat) -> str | None:
+    """The text a model wrote before its first call (None when it wrote only calls)."""
+    start = getattr(fmt, "start", None)
+    head = text.split(start, 1)[0] if start and start in text else ""
+    return head.strip() or None
+
+
+def _positions(module) -> int:
+    config = getattr(module, "config", None)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    endpoint: Endpoint
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        log.debug("endpoint: " + format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._answer(lambda body: self.endpoint.models(), {"/v1/models"}, read=False)
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        routes = {"/v1/chat/completions": self.endpoint.chat,
+                  "/v1/completions": self.endpoint.completions}
+        route = routes.get(self.path.split("?", 1)[0].rstrip("/"))
+        self._answer(route, set(routes))
+
+    def _answer(self, route, paths: set[str], read: bool = True) -> None:
+        try:
+            self._authorise()
+            if route is None or self.path.split("?", 1)[0].rstrip("/") not in paths:
+                raise BadRequest(f"no route {self.command} {self.path}", HTTPStatus.NOT_FOUND)
+            body = self._body() if read else {}
+            self._send(HTTPStatus.OK, route(body))
+        except BadRequest as exc:
+            self._send(exc.status, {"error": {"message": str(exc), "type": exc.kind,
+                                              "param": exc.param, "code": None}})
+        except Exception as exc:  # noqa: BLE001 - the caller gets a 500, the server lives
+            log.exception("endpoint: %s %s failed", self.command, self.path)
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {
+                "message": f"{type(exc).__name__}: {exc}", "type": "server_error",
+                "param": None, "code": None}})
+
+    def _authorise(self) -> None:
+        key = self.endpoint.settings.api_key
+        if not key:
+            return
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise BadRequest("a valid API key is needed (Authorization: Bearer KEY)",
+                             HTTPStatus.UNAUTHORIZED, kind="authentication_error")
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes",
+                             HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
