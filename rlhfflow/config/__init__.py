@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlhfflow.config.graph import SOURCE, StageGraph, StageNode
-    from rlhfflow.config.loader import Pipeline, load_pipeline
-    from rlhfflow.config.spec import PipelineSpec, SpecError
+    from rlhfflow.config.loader import load_pipeline
+    from rlhfflow.config.pipeline import Pipeline
+    from rlhfflow.config.spec import PipelineSpec
+    from rlhfflow.errors import SpecError
 
 _HOMES = {"SOURCE": "graph", "StageGraph": "graph", "StageNode": "graph",
           "Pipeline": "loader", "load_pipeline": "loader",

@@ -10,15 +10,11 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import MethodType
 
 from rlhfflow.config.pipeline import Pipeline
-from rlhfflow.config.spec import (
-    SpecError,
-)
-from rlhfflow.config.yamlfile import did_you_mean
-from rlhfflow.sdk import (
-    resolve_stage_type,
-)
+from rlhfflow.errors import SpecError, did_you_mean
+from rlhfflow.sdk import Stage, resolve_stage_type
 
 
 def warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
@@ -187,6 +183,7 @@ def model_shape(pipeline: Pipeline, model: str) -> dict[str, int]:
     root = pipeline.spec.models[pipeline.model_root(model)]
     if root.tiny is not None:
         return {"layers": root.tiny.layers, "positions": root.tiny.max_positions}
+    assert root.path is not None  # a root model has a path or tiny (ModelSpec._one_source)
     try:
         config = json.loads((pipeline.model_dir(root.path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -229,6 +226,7 @@ def check_lora_targets(file: Path, pipeline: Pipeline) -> None:
                                  hidden=t.hidden, n_head=t.heads,
                                  max_positions=t.max_positions)
         else:
+            assert root.path is not None  # a root model has a path or tiny
             config = model_config(pipeline.model_dir(root.path))
         from rlhfflow.engine.lora import unknown_target_modules
 
@@ -243,8 +241,6 @@ def check_tokenizers(file: Path, pipeline: Pipeline) -> None:
     """Each stage's own checks against its model's tokenizer (``Stage.check_tokenizer``:
     tools rendered by the chat template), for the stage types that have some, when the
     prompts may be rendered with the chat template."""
-    from rlhfflow.sdk import Stage
-
     data = pipeline.spec.data
     if data is None or data.chat_template is False:
         return
@@ -252,7 +248,7 @@ def check_tokenizers(file: Path, pipeline: Pipeline) -> None:
     for name, stage in pipeline.spec.stages.items():
         cls = resolve_stage_type(stage.type)
         if stage.model is None or stage.model not in pipeline.spec.models or \
-                cls.check_tokenizer.__func__ is Stage.check_tokenizer.__func__:
+                not _overrides_check_tokenizer(cls):
             continue
         root = pipeline.model_root(stage.model)
         if root not in loaded:
@@ -291,7 +287,9 @@ def check_prompts(file: Path, pipeline: Pipeline) -> None:
     generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
         return
-    source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generates[0]].model)
+    generator_model = pipeline.graph.nodes[generates[0]].model
+    assert generator_model is not None  # a generator decodes from its model
+    source = PromptSource.from_pipeline(pipeline, generator_model)
     for name in pipeline.graph.scorers():
         params = pipeline.params[name]
         listed = getattr(params, "reward_functions", None)
@@ -353,6 +351,14 @@ def check_auxiliary_models(file: Path, pipeline: Pipeline) -> None:
                                 "model must share the actor's tokenizer")
 
 
+def _overrides_check_tokenizer(cls: type[Stage]) -> bool:
+    """Whether ``cls`` has a ``check_tokenizer`` of its own (``Stage``'s checks nothing)."""
+    method, default = cls.check_tokenizer, Stage.check_tokenizer
+    # classmethods read from a class are bound methods, whose function says who defined it
+    assert isinstance(method, MethodType) and isinstance(default, MethodType)
+    return method.__func__ is not default.__func__
+
+
 def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
     """``(vocab_size, token -> id)`` of a model, from its root's files or ``tiny:``."""
     root = pipeline.spec.models[pipeline.model_root(model)]
@@ -363,6 +369,7 @@ def _vocabulary(pipeline: Pipeline, model: str) -> tuple[int, dict[str, int]]:
         return len(tokenizer), tokenizer.get_vocab()
     from transformers import AutoTokenizer
 
+    assert root.path is not None  # a root model has a path or tiny
     path = pipeline.model_dir(root.path)
     size = json.loads((path / "config.json").read_text()).get("vocab_size", -1)
     return size, AutoTokenizer.from_pretrained(path).get_vocab()

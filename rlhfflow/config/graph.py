@@ -210,20 +210,34 @@ class StageGraph:
         """Stages that update ``model``."""
         return [n for n in self.order if self.nodes[n].model == model and self.nodes[n].trains]
 
+    def model_of(self, name: str) -> str:
+        """The model of stage ``name``, for a stage that has one (a trainer, a generator);
+        asking for a model-free stage's is a bug (ValueError)."""
+        model = self.nodes[name].model
+        if model is None:
+            raise ValueError(f"stage {name!r} has no model")
+        return model
+
+    def _trained_model(self, name: str) -> str | None:
+        """The model stage ``name`` trains, or None when it trains none (a stage without a
+        model has no weights to update)."""
+        node = self.nodes[name]
+        return node.model if node.trains else None
+
     def loop_trained(self) -> list[str]:
         """Models that a loop stage trains (their state changes every iteration)."""
-        return list(dict.fromkeys(self.nodes[n].model for n in self.loop_stages
-                                  if self.nodes[n].trains))
+        return list(dict.fromkeys(model for n in self.loop_stages
+                                  if (model := self._trained_model(n)) is not None))
 
     def release_edges(self) -> list[tuple[str, str]]:
         """``(user, trainer)`` pairs within an iteration: ``user`` reads the model that
         ``trainer`` updates and is not already upstream of it, so it must finish first."""
-        edges = []
+        edges: list[tuple[str, str]] = []
         for trainer in self.loop_stages:
-            node = self.nodes[trainer]
-            if not node.trains:
+            model = self._trained_model(trainer)
+            if model is None:
                 continue
-            for user in self.users(node.model, self.loop_stages):
+            for user in self.users(model, self.loop_stages):
                 if user != trainer and user not in self._upstream[trainer] \
                         and trainer not in self._upstream[user]:
                     edges.append((user, trainer))
@@ -231,20 +245,20 @@ class StageGraph:
 
     def cross_iteration_edges(self) -> list[tuple[str, str]]:
         """``(trainer, user)``: ``user`` in iteration k+1 waits for ``trainer`` in k."""
-        edges = []
+        edges: list[tuple[str, str]] = []
         for trainer in self.loop_stages:
-            node = self.nodes[trainer]
-            if node.trains:
-                edges.extend((trainer, user) for user in self.users(node.model, self.loop_stages))
+            model = self._trained_model(trainer)
+            if model is not None:
+                edges.extend((trainer, user) for user in self.users(model, self.loop_stages))
         return edges
 
     # ----------------------------------------------------------------- rendering
     def _edges(self) -> list[tuple[str, str, str]]:
         """``(src, dst, label)`` with the columns that flow along each edge as label."""
-        edges = []
+        edges: list[tuple[str, str, str]] = []
         for name in self.order:
             node = self.nodes[name]
-            sources = {}
+            sources: dict[str, list[str]] = {}
             for column in node.reads:
                 sources.setdefault(self.producer(column, name) or "?", []).append(column)
             for parent in node.after:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -31,13 +31,14 @@ from rlhfflow.config.pipeline import Pipeline
 from rlhfflow.config.spec import (
     MODEL_NAME,
     STAGE_NAME,
+    ModelSpec,
     PipelineSpec,
-    SpecError,
     StageSpec,
     parse_params,
     parse_spec,
 )
-from rlhfflow.config.yamlfile import apply_overrides, did_you_mean, read_yaml
+from rlhfflow.config.yamlfile import apply_overrides, read_yaml
+from rlhfflow.errors import SpecError, did_you_mean
 from rlhfflow.sdk import (
     RUN_METRICS,
     SOURCE_COLUMNS,
@@ -109,7 +110,9 @@ def _check_misplaced_keys(file: Path, data: Mapping[str, Any]) -> None:
                 raise SpecError(file, "stages.params", f"reads as a stage named 'params'; the "
                                 f"params of stage {names[i - 1]!r}? indent them under it")
             cls = _stage_class(block)
-            for key in block if cls is not None else ():
+            if cls is None:
+                continue
+            for key in block:
                 if key not in _keys(StageSpec) and key in _keys(cls.Params):
                     raise SpecError(file, f"stages.{name}.{key}", f"{key} is a param of stage "
                                     f"type {block['type']!r}; indent it under params:")
@@ -148,15 +151,14 @@ def _check_models(file: Path, spec: PipelineSpec) -> None:
             raise SpecError(file, f"placement.stages.{name}", f"unknown stage {name!r}{hint}")
     for name in spec.models:  # `from:` chains must end somewhere
         seen = [name]
-        while spec.models[seen[-1]].from_ is not None:
-            nxt = spec.models[seen[-1]].from_
+        while (nxt := spec.models[seen[-1]].from_) is not None:
             if nxt in seen:
                 raise SpecError(file, f"models.{name}.from",
                                 f"'from' cycle: {' -> '.join(seen + [nxt])}")
             seen.append(nxt)
 
 
-def _check_lora(file: Path, name: str, model) -> None:
+def _check_lora(file: Path, name: str, model: ModelSpec) -> None:
     """LoRA trains adapters: only on a trainable model, and only with peft installed."""
     import importlib.util
 
@@ -437,6 +439,19 @@ def _set(node: Any, path: list[str], value: Any) -> Any:
         return {**node, head: _set(current, rest, value) if rest else value}
     current = getattr(node, head)
     return node.model_copy(update={head: _set(current, rest, value) if rest else value})
+class _TrainerParams(Protocol):
+    """The params every training stage has: its passes over a batch."""
+
+    epochs: int
+    minibatches: int
+
+
+def _trainer_params(params: StageParams) -> _TrainerParams:
+    """``params`` of a stage that trains: its optimizer steps per iteration are counted from
+    its ``epochs`` and ``minibatches``."""
+    return cast(_TrainerParams, params)
+
+
 def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
     """The spec with each trainable model's ``optimizer.total_steps`` (for a decaying
     schedule) and ``optimizer.checkpoint`` filled in, so the workers need nothing else."""
@@ -451,7 +466,8 @@ def _resolve_optimizers(file: Path, pipeline: Pipeline) -> PipelineSpec:
             updates["checkpoint"] = spec.checkpoint.optimizer
         if opt.total_steps is None and opt.schedule != "constant":
             per_iteration = sum(
-                pipeline.params[t].epochs * pipeline.params[t].minibatches
+                _trainer_params(pipeline.params[t]).epochs
+                * _trainer_params(pipeline.params[t]).minibatches
                 for t in graph.trainers(name) if not graph.nodes[t].once)
             if per_iteration == 0 or spec.iterations == 0:
                 raise SpecError(file, f"models.{name}.optimizer.total_steps", f"schedule "

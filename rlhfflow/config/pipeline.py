@@ -70,8 +70,8 @@ class Pipeline:
     def model_root(self, name: str) -> str:
         """The model whose initial weights ``name`` ends up copying through ``from:``."""
         seen = [name]
-        while self.spec.models[seen[-1]].from_ is not None:
-            seen.append(self.spec.models[seen[-1]].from_)
+        while (source := self.spec.models[seen[-1]].from_) is not None:
+            seen.append(source)
         return seen[-1]
 
     def lora_base(self, name: str) -> str | None:
@@ -85,7 +85,7 @@ class Pipeline:
             return None
         return model.from_
 
-    def prompt_tools(self, tokenizer: Any) -> list[dict] | None:
+    def prompt_tools(self, tokenizer: Any) -> list[dict[str, object]] | None:
         """The tool schemas the prompts show the model through the chat template's
         ``tools=`` (``Stage.prompt_tools`` of the first generator), or None."""
         generates = self.graph.generators()

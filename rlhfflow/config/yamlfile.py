@@ -59,7 +59,7 @@ def _check_duplicate_keys(loader: _Loader, node: yaml.MappingNode) -> None:
         seen[key] = key_node.start_mark
 
 
-def _construct_map(loader: _Loader, node: yaml.MappingNode) -> typing.Iterator[dict]:
+def _construct_map(loader: _Loader, node: yaml.MappingNode) -> typing.Iterator[dict[Any, Any]]:
     _check_duplicate_keys(loader, node)
     yield from yaml.constructor.SafeConstructor.construct_yaml_map(loader, node)
 
@@ -210,7 +210,7 @@ def error_from_pydantic(file: Path, exc: ValidationError, root: type[BaseModel],
         message = f"expected {bound} items, got {ctx.get('actual_length')}: {_describe(value)}"
     elif kind == "extra_forbidden":
         parent = _model_at(root, loc)
-        hint = did_you_mean(loc[-1], _field_names(parent)) if parent else ""
+        hint = did_you_mean(str(loc[-1]), _field_names(parent)) if parent else ""
         allowed = f" (allowed: {', '.join(_field_names(parent))})" if parent and not hint else ""
         message = f"unknown key{hint}{allowed}"
     elif kind == "missing":

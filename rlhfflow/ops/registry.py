@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -86,8 +86,8 @@ def register_advantage_estimator(
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, fn)
-        fn.needs = tuple(needs)
-        fn.grouped = grouped
+        # function attributes, read back by estimator_needs and estimator_grouped
+        vars(fn).update(needs=tuple(needs), grouped=grouped)
         return fn
 
     return decorator
@@ -130,7 +130,7 @@ def load_callable(ref: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import module {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
+    fn: object = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{module_name!r} has no callable {attr!r}")
     return fn
@@ -201,13 +201,32 @@ def call(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
 # --- built-in advantage estimators -----------------------------------------------------
 
 
+class _AlgorithmConfig(Protocol):
+    """The fields of the ``algorithm:`` section the built-ins read (ops imports nothing of
+    the config layer, so this names them)."""
+
+    @property
+    def gamma(self) -> float: ...
+    @property
+    def lam(self) -> float: ...
+    @property
+    def whiten_advantages(self) -> bool: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def dual_clip(self) -> float | None: ...
+
+
 def _broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(N,) outcome advantages -> (N, T) on the valid tokens."""
     return seq_adv[:, None] * mask
 
 
 @register_advantage_estimator("gae", needs=("values",))
-def _gae_estimator(token_rewards, values, mask, config):
+def _gae_estimator(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   config: _AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: ``gae`` over the per-token rewards, whitened over the batch's valid tokens
     when ``config.whiten_advantages``; returns are the critic's targets."""
     advantages, returns = gae(token_rewards, values, mask, config.gamma, config.lam)
@@ -216,12 +235,14 @@ def _gae_estimator(token_rewards, values, mask, config):
     return advantages, returns
 
 
-def _scale(config, default: str) -> str:
-    return getattr(config, "scale_rewards", None) or default
+def _scale(config: object, default: str) -> str:
+    scale: str | None = getattr(config, "scale_rewards", None)
+    return scale or default
 
 
 @register_advantage_estimator("grpo", grouped=True)
-def _grpo_estimator(scores, group_ids, mask, config=None):
+def _grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                    config: object = None) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="grpo")``, scaled per ``config.scale_rewards`` (default
     ``group``), broadcast to the tokens."""
     scale = _scale(config, "group")
@@ -229,13 +250,15 @@ def _grpo_estimator(scores, group_ids, mask, config=None):
 
 
 @register_advantage_estimator("rloo", grouped=True)
-def _rloo_estimator(scores, group_ids, mask):
+def _rloo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="rloo")`` broadcast to the tokens."""
     return _broadcast(group_advantages(scores, group_ids, "rloo"), mask), None
 
 
 @register_advantage_estimator("dr_grpo", grouped=True)
-def _dr_grpo_estimator(scores, group_ids, mask, config=None):
+def _dr_grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                       config: object = None) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="dr_grpo")`` (GRPO without the std) broadcast to the
     tokens; ``config.scale_rewards`` may still ask for a ``group`` or ``batch`` std."""
     scale = _scale(config, "none")
@@ -244,19 +267,22 @@ def _dr_grpo_estimator(scores, group_ids, mask, config=None):
 
 
 @register_advantage_estimator("reinforce_plus_plus")
-def _reinforce_pp_estimator(token_rewards, mask, config):
+def _reinforce_pp_estimator(token_rewards: torch.Tensor, mask: torch.Tensor,
+                            config: _AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``reinforce_plus_plus`` with ``config.gamma``."""
     return reinforce_plus_plus(token_rewards, mask, config.gamma)
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline", grouped=True)
-def _reinforce_pp_baseline_estimator(scores, group_ids, mask):
+def _reinforce_pp_baseline_estimator(scores: torch.Tensor, group_ids: torch.Tensor,
+                                     mask: torch.Tensor) -> tuple[torch.Tensor, None]:
     """``reinforce_plus_plus_baseline``: group-mean baseline, whitened over the batch."""
     return reinforce_plus_plus_baseline(scores, group_ids, mask), None
 
 
 @register_advantage_estimator("remax", needs=("baseline_scores",))
-def _remax_estimator(token_rewards, baseline_scores, mask):
+def _remax_estimator(token_rewards: torch.Tensor, baseline_scores: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``remax``: reward-to-go minus the greedy response's score."""
     return remax(token_rewards, baseline_scores, mask)
 
@@ -265,8 +291,11 @@ def _remax_estimator(token_rewards, baseline_scores, mask):
 
 
 @register_policy_loss("ppo")
-def _ppo_policy_loss(logprobs, old_logprobs, advantages, mask, agg, count, config,
-                     weights=None):
+def _ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                     advantages: torch.Tensor, mask: torch.Tensor, agg: str,
+                     count: float | None, config: _AlgorithmConfig,
+                     weights: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """``policy_loss`` with the config's clip range, dual clip and importance-sampling
     level (``sequence`` is GSPO), and an off-policy correction's ``weights``."""
     return policy_loss(logprobs, old_logprobs, advantages, mask, config.clip_low,

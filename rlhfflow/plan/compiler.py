@@ -11,9 +11,9 @@ is what runs. No Dask here, so the rules are unit-tested in milliseconds.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.graph import SOURCE
 from rlhfflow.data.source import micro_batch_bounds
@@ -36,6 +36,7 @@ from rlhfflow.plan.tasks import (
     ExportTask,
     InstallTask,
     Part,
+    Rule,
     SourceTask,
     StageTask,
     Storage,
@@ -44,6 +45,10 @@ from rlhfflow.plan.tasks import (
     Wait,
     priority,
 )
+
+if TYPE_CHECKING:
+    from rlhfflow.config.graph import StageGraph
+    from rlhfflow.config.pipeline import Pipeline
 
 # what a task runs (each a type in ``rlhfflow.plan.tasks``; these are their ``kind``)
 SOURCE_KIND, STAGE, STORE, EXPORT, INSTALL, CHECKPOINT = (
@@ -119,7 +124,8 @@ class TaskCompiler:
     compiled on each worker set (a gang waits for the previous one on the same workers).
     """
 
-    def __init__(self, pipeline, plan: ExecutionPlan, versions: Mapping[str, int]) -> None:
+    def __init__(self, pipeline: Pipeline, plan: ExecutionPlan, versions: Mapping[str, int]
+                 ) -> None:
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.plan = plan
@@ -133,7 +139,7 @@ class TaskCompiler:
         # it in the iteration or not (generate is upstream of train_actor in its own
         # iteration, never in the next one's)
         self.ahead_users: dict[str, list[str]] = {
-            t: [u for u in self.graph.users(self.graph.nodes[t].model, self.graph.loop_stages)
+            t: [u for u in self.graph.users(self.graph.model_of(t), self.graph.loop_stages)
                 if u != t and plan.stages[u].lag > 0]
             for t in self.graph.loop_stages if self.graph.nodes[t].trains}
         self.crossings: dict[str, list[str]] = defaultdict(list)  # user -> last trainers
@@ -148,6 +154,7 @@ class TaskCompiler:
         """Iteration ``k`` of ``rows`` rows: its micro-batch bounds per stage, and one
         source task per source micro-batch, placed next to the first stage's tasks."""
         data = self.pipeline.spec.data
+        assert data is not None  # a pipeline with loop stages has a data section
         bounds = {SOURCE: micro_batch_bounds(rows, data.micro_batches)}
         for name, sp in self.plan.stages.items():
             if sp.micro_batches is not None:
@@ -188,7 +195,7 @@ class TaskCompiler:
             for n, node in zip(group, nodes, strict=True):
                 handles[n] = ids
                 if node.trains:
-                    self.versions[node.model] += 1
+                    self.versions[self.graph.model_of(n)] += 1
                     syncs = self._syncs(n, k, ids, later)
                     out += syncs
                     for s in syncs:
@@ -242,7 +249,8 @@ class TaskCompiler:
                           for t in self.crossings[n] for h in previous.handles[t]]
                 # a shadow copy is used only once the new weights are installed on it
                 for model in (node.model, *node.uses):
-                    order += _waits(previous.syncs.get(model, []), INSTALLED, model)
+                    if model is not None:  # a model-free stage waits for no install
+                        order += _waits(previous.syncs.get(model, []), INSTALLED, model)
                 if node.trains and previous.checkpoint and \
                         node.model in previous.checkpoint:
                     # the update of k must not start before checkpoint k-1 saved it
@@ -262,7 +270,8 @@ class TaskCompiler:
                                     if x not in group))
         producers = list(dict.fromkeys(
             p for n in group for c in self.graph.nodes[n].reads
-            if (p := self.graph.producer(c, n)) not in group))
+            # every column read has a producer: the spec refuses one nothing writes
+            if (p := self.graph.producer(c, n)) is not None and p not in group))
         label = "+".join(group)
         if sp.micro_batches is None:
             parts = tuple(Part(tuple(it.handles[p])) for p in producers)
@@ -277,17 +286,18 @@ class TaskCompiler:
                               retries=retries, rows=(0, it.rows), versions=versions)]
         tasks = []
         for j, (a, b) in enumerate(it.bounds[name]):
-            parts, waits = [], list(order)
+            row_parts: list[Part] = []
+            waits = list(order)
             for x in inputs:
                 part, refs = self.rows_of(it, x, a, b)
                 if x in producers:
-                    parts.append(part)
+                    row_parts.append(part)
                 else:
                     waits += _waits(refs, AFTER)
             if SOURCE in producers:
-                parts.append(self.rows_of(it, SOURCE, a, b)[0])
+                row_parts.append(self.rows_of(it, SOURCE, a, b)[0])
             tasks.append(StageTask(id=f"{label}-{k}-{j}", iteration=k, stages=group,
-                                   parts=tuple(parts), waits=_unique(waits),
+                                   parts=tuple(row_parts), waits=_unique(waits),
                                    workers=sp.workers, priority=priority, retries=retries,
                                    rows=(a, b), versions=versions))
         return tasks
@@ -424,7 +434,8 @@ class TaskCompiler:
         """Whether ``stage`` may run on a worker where its model is trained."""
         sp = self.plan.stages[stage]
         model = self.graph.nodes[stage].model
-        return bool(set(sp.workers) & set(self.plan.homes.get(model, ())))
+        homes = self.plan.homes.get(model, ()) if model is not None else ()
+        return bool(set(sp.workers) & set(homes))
 
     def deepspeed(self, model: str) -> bool:
         """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""
@@ -432,7 +443,7 @@ class TaskCompiler:
                    for t in self.graph.trainers(model))
 
 
-def _waits(ids, rule, model: str | None = None) -> list[Wait]:
+def _waits(ids: Iterable[str], rule: Rule, model: str | None = None) -> list[Wait]:
     return [Wait(i, rule, model) for i in ids]
 
 
@@ -442,7 +453,7 @@ def _unique(waits: list[Wait]) -> tuple[Wait, ...]:
     return tuple(dict.fromkeys(waits))
 
 
-def upward_rank(graph) -> dict[str, int]:
+def upward_rank(graph: StageGraph) -> dict[str, int]:
     """Per loop stage, the length (in stages) of the longest path from it to the end of
     the iteration, and for a trainer on through the next iteration's users of its model
     (the next rollout waits for the actor's update): the priority of its tasks within
@@ -507,7 +518,8 @@ def schedule(compiler: TaskCompiler, first: int, iterations: int, rows: int,
     """The run's steps for iterations ``first..iterations-1``, each iteration compiled in
     the order of ``loop_steps``: the one order the runtime submits and the simulator
     predicts. ``rows`` is the size of every iteration's batch."""
-    live: dict[int, IterationTasks] = {}
+    # keyed by iteration; a step's ``previous``/``later`` of None finds nothing
+    live: dict[int | None, IterationTasks] = {}
     for step in loop_steps(first, iterations, compiler.plan.max_staleness, pipelined):
         k = step.iteration
         if step.kind == "start":
@@ -525,14 +537,16 @@ def schedule(compiler: TaskCompiler, first: int, iterations: int, rows: int,
             yield Finish(live.pop(k))
 
 
-def batch_rows(pipeline) -> int:
+def batch_rows(pipeline: Pipeline) -> int:
     """Rows of every iteration's batch: prompts times samples per prompt."""
     data = pipeline.spec.data
+    assert data is not None  # a pipeline with loop stages has a data section
     return data.batch_size * data.samples_per_prompt
 
 
-def compile_run(pipeline, plan: ExecutionPlan, versions: Mapping[str, int], iterations: int,
-                first: int = 0, rows: int | None = None) -> tuple[list[Task], list[int | None]]:
+def compile_run(pipeline: Pipeline, plan: ExecutionPlan, versions: Mapping[str, int],
+                iterations: int, first: int = 0, rows: int | None = None
+                ) -> tuple[list[Task], list[int | None]]:
     """Every task of iterations ``first..iterations-1`` in the order the runtime submits
     them (``schedule``) and, per task, the iteration whose finish the run waits for before
     submitting it (None: submitted at the start)."""
@@ -554,7 +568,7 @@ def compile_run(pipeline, plan: ExecutionPlan, versions: Mapping[str, int], iter
     return specs, gates
 
 
-def by_id(specs: list[Task]) -> dict[str, Task]:
+def by_id(specs: Sequence[Task]) -> dict[str, Task]:
     """Specs by id (ids are unique within a run)."""
     out: dict[str, Any] = {}
     for s in specs:

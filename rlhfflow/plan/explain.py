@@ -8,19 +8,23 @@ else it waits for, and why.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rlhfflow.config.yamlfile import did_you_mean
-from rlhfflow.errors import UserError
+from rlhfflow.errors import UserError, did_you_mean
 from rlhfflow.plan.compiler import TaskCompiler, batch_rows, by_id, compile_run
 from rlhfflow.plan.placement import ExecutionPlan
 from rlhfflow.plan.tasks import READS, Rule, SourceTask, StageTask, Task
+
+if TYPE_CHECKING:
+    from rlhfflow.config.pipeline import Pipeline
 
 
 class ExplainError(UserError, ValueError):
     """``--explain`` named no stage of the pipeline."""
 
 
-def explain(pipeline, plan: ExecutionPlan, stage: str, iteration: int = 1) -> list[str]:
+def explain(pipeline: Pipeline, plan: ExecutionPlan, stage: str, iteration: int = 1) -> list[str]:
     """Lines saying, for each task of ``stage`` in ``iteration`` (a setup stage: its one
     task), what it reads and what else it waits for, each with its rule's reason.
     Iteration 1 is the first that waits for an earlier one, as every later one does."""
@@ -30,6 +34,7 @@ def explain(pipeline, plan: ExecutionPlan, stage: str, iteration: int = 1) -> li
             f"; stages: {', '.join(graph.nodes)}"
         raise ExplainError(f"--explain: no stage {stage!r} in {pipeline.source}{hint}")
     versions = {m: 0 for m in pipeline.spec.models}
+    specs: Sequence[Task]
     if stage in graph.setup_stages:
         specs = TaskCompiler(pipeline, plan, versions).setup()
         iteration = -1

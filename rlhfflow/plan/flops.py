@@ -34,9 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.plan.shapes import ModelShape
+
+if TYPE_CHECKING:
+    from rlhfflow.config.pipeline import Pipeline
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def attention_pairs(length: int) -> int:
     return length * (length + 1) // 2
 
 
-def stage_work(pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
+def stage_work(pipeline: Pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
     """The loop stages whose model work counts: every stage with a model that runs every
     iteration and is no evaluation (an evaluation works on its own prompts), where the
     model's shape is known."""
@@ -93,7 +96,9 @@ def stage_work(pipeline, shapes: Mapping[str, ModelShape]) -> list[StageWork]:
     work = []
     for name in graph.loop_stages:
         node = graph.nodes[name]
-        shape = shapes.get(node.model) if node.model else None
+        if not node.model:
+            continue
+        shape = shapes.get(node.model)
         if shape is None or not shape.matmul_params or node.reports or node.every != 1:
             continue
         # a LoRA model generating from merged weights multiplies by the base's shapes only

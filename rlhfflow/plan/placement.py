@@ -29,9 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rlhfflow.config.loader import Pipeline
-from rlhfflow.config.yamlfile import did_you_mean
-from rlhfflow.errors import SpecError
+from rlhfflow.config.pipeline import Pipeline
+from rlhfflow.errors import SpecError, did_you_mean
 from rlhfflow.plan.shapes import model_shapes
 
 STRATEGIES = ("colocated", "interleaved", "disaggregated")

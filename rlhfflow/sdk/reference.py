@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,9 @@ def _params(cls: type[Stage]) -> tuple[ParamDoc, ...]:
         if info.default is PydanticUndefined and info.default_factory is None:
             default = "required"
         elif info.default_factory is not None:
-            default = repr(info.default_factory())
+            # a params field's factory takes no arguments (none reads the validated data)
+            factory = typing.cast("Callable[[], object]", info.default_factory)
+            default = repr(factory())
         else:
             default = repr(info.default)
         out.append(ParamDoc(name, _type_name(info.annotation), default,

@@ -351,7 +351,7 @@ class Stage:
 
     @classmethod
     def prompt_tools(cls, params: StageParams, tokenizer: Any, base_dir: Path
-                     ) -> list[dict] | None:
+                     ) -> list[dict[str, object]] | None:
         """The tools a generator's prompts show the model: OpenAI function schemas
         given to the chat template as ``tools=`` when the prompts are rendered with it
         (the ``rollout`` stage's tools, when its model's template shows tools), or None.

@@ -29,10 +29,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.errors import UserError
 from rlhfflow.plan.shapes import ModelShape, model_shapes
+
+if TYPE_CHECKING:
+    from rlhfflow.config.pipeline import Pipeline
+    from rlhfflow.plan.placement import ExecutionPlan
 
 FORMAT = "rlhfflow-profile/1"
 
@@ -170,7 +174,7 @@ def machine_info() -> dict[str, Any]:
             "torch": torch.__version__, "system": platform.system()}
 
 
-def prompt_tokens(pipeline) -> int:
+def prompt_tokens(pipeline: Pipeline) -> int:
     """How many prompt tokens a batch carries (it is left-padded to its longest prompt):
     the longest prompt of the file as the run will tokenize it, else
     ``data.max_prompt_tokens``."""
@@ -183,7 +187,7 @@ def prompt_tokens(pipeline) -> int:
     try:
         from rlhfflow.data.source import PromptSource
 
-        source = PromptSource.from_pipeline(pipeline, pipeline.graph.nodes[generators[0]].model)
+        source = PromptSource.from_pipeline(pipeline, pipeline.graph.model_of(generators[0]))
         if source.token_ids:
             return max(len(ids) for ids in source.token_ids)
     except Exception:  # noqa: BLE001 - an estimate: the run reports a bad file itself
@@ -200,7 +204,7 @@ class CostModel:
     one's), which decides where workers share cores with the coordinator.
     """
 
-    def __init__(self, pipeline, profile: Profile | None = None,
+    def __init__(self, pipeline: Pipeline, profile: Profile | None = None,
                  shapes: Mapping[str, ModelShape] | None = None,
                  cores: int | None = None) -> None:
         self.pipeline = pipeline
@@ -324,7 +328,7 @@ class CostModel:
             work = self.device["task_s"] + (work - self.device["task_s"]) / node.every
         return work * (1.0 + self.device["contention"]) if contended else work
 
-    def _analytic(self, stage: str, rows: int, threads: int, gang: int = 1) -> float:
+    def _analytic(self, stage: str, rows: float, threads: int, gang: int = 1) -> float:
         d = self.device
         speed = d["flops_per_s"] / ((1 - d["thread_efficiency"])
                                     + d["thread_efficiency"] / max(1, threads))
@@ -334,7 +338,7 @@ class CostModel:
         node = self.graph.nodes[stage]
         params = self.pipeline.params[stage]
         shape = self.shapes.get(node.model) if node.model else None
-        tokens = self.prompt_tokens + self.response_tokens
+        tokens: float = self.prompt_tokens + self.response_tokens
         if shape is None or shape.params == 0:
             # model-free stages: rewards are Python per row, advantages are tensor ops;
             # measured 0.3-0.7 ms for 4-64 rows of 77 tokens (1.6 ms for GAE)
@@ -368,7 +372,7 @@ class CostModel:
             if shape.adapters is not None:  # LoRA: the backward computes no gradients
                 factor = 1.0 + (factor - 1.0) / 2  # of the frozen weights, half its work
             # gradient checkpointing: the backward runs the decoder layers' forward again
-            work = factor * flops_token + 2.0 * self.recomputed_weights(node.model)
+            work = factor * flops_token + 2.0 * self.recomputed_weights(self.graph.model_of(stage))
             compute = epochs * rows / gang * tokens * work / speed
             overhead = steps * (d["train_step_s"] + 3 * call + 16 * shape.trained / speed)
             allreduce = 0.0
@@ -438,7 +442,7 @@ class CostModel:
         return rows * (self.prompt_tokens + self.response_tokens) * 4 * 4
 
     # ----------------------------------------------------------------- memory
-    def memory(self, plan, rows_per_task: Mapping[str, int]) -> list[float]:
+    def memory(self, plan: ExecutionPlan, rows_per_task: Mapping[str, int]) -> list[float]:
         """Estimated peak bytes per worker of ``plan``: every model copy's weights; at a
         model's home the gradients and AdamW state (fp32, two moments) too (a LoRA
         model's: of its adapters); a frozen view of a LoRA model's base nothing where
@@ -453,14 +457,17 @@ class CostModel:
                 continue
             trained = self.pipeline.spec.models[model].trainable
             for w in workers:
-                if w in plan.replicas.get(shape.base_of, ()):
+                if shape.base_of is not None and w in plan.replicas.get(shape.base_of, ()):
                     continue  # the LoRA model's resident base, no copy of its own
                 extra = 0.0
                 if trained and w in plan.homes.get(model, ()):
                     extra = shape.trained * 4 * 3  # gradients + two AdamW moments
                 per_worker[w] += shape.nbytes + extra
-        merged = {(self.graph.nodes[name].model, w) for name, sp in plan.stages.items()
-                  if self.graph.nodes[name].samples for w in sp.workers}
+        merged: set[tuple[str, int]] = set()
+        for name, sp in plan.stages.items():
+            node = self.graph.nodes[name]
+            if node.samples and node.model is not None:
+                merged.update((node.model, w) for w in sp.workers)
         for model, w in merged:
             shape = self.shapes.get(model)
             if shape is not None:

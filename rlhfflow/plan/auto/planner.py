@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.loader import derive
 from rlhfflow.plan.auto.costmodel import CostModel, Profile, ProfileError
@@ -29,6 +29,9 @@ from rlhfflow.plan.auto.simulate import Simulation, simulate
 from rlhfflow.plan.layout import default_torch_threads, layouts
 from rlhfflow.plan.placement import STRATEGIES, ExecutionPlan, PlanError, make_plan
 from rlhfflow.plan.tasks import SourceTask, StageTask
+
+if TYPE_CHECKING:
+    from rlhfflow.config.pipeline import Pipeline
 
 SEARCH_BUDGET_S = 1.5
 FINAL_RUNNERS = 6  # candidates simulated again at full length before the choice
@@ -58,6 +61,13 @@ class Candidate:
     capacity: float = 0.0
     problem: str | None = None  # why it cannot run (does not fit, invalid placement)
     error: PlanError | None = None  # the placement error behind ``problem``, if one
+
+    @property
+    def simulated(self) -> Simulation:
+        """The simulation of a candidate that was simulated (every one that can run)."""
+        if self.simulation is None:
+            raise ValueError(f"{self.describe()}: not simulated")
+        return self.simulation
 
     @property
     def predicted_s(self) -> float:
@@ -110,7 +120,7 @@ class PlanChoice:
                 0.02 * best.predicted_s:
             parts.append(f"{worst} takes {theirs[worst] - mine.get(worst, 0.0):+.2f}s of "
                          f"work per iteration")
-        busy = other.simulation.busy_frac
+        busy = other.simulated.busy_frac
         if busy and min(busy) < 0.6 * max(busy):
             parts.append("workers unevenly busy (" + "/".join(f"{b:.2f}" for b in busy) + ")")
         return "; ".join(parts) or "more waiting between stages (dependencies, latency)"
@@ -119,8 +129,8 @@ class PlanChoice:
         """Task seconds per stage in one iteration of ``c`` (fused stages apart; a gang
         counts every rank)."""
         out: dict[str, float] = defaultdict(float)
-        iterations = len(c.simulation.finishes) or 1
-        for spec in c.simulation.specs:
+        iterations = len(c.simulated.finishes) or 1
+        for spec in c.simulated.specs:
             if not isinstance(spec, StageTask):
                 continue
             rows = spec.rows[1] - spec.rows[0]
@@ -131,7 +141,7 @@ class PlanChoice:
         return out
 
 
-def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
+def worker_capacity(pipeline: Pipeline, workers: int, profile: Profile | None) -> float:
     """Bytes one worker may hold: ``cluster.memory_limit``, else the device memory the
     profile recorded (a GPU's), else this machine's memory split between the workers."""
     from dask.utils import parse_bytes
@@ -150,10 +160,10 @@ def worker_capacity(pipeline, workers: int, profile: Profile | None) -> float:
 
     # this machine's memory, split among the workers it could run (a cluster planned
     # larger than the machine is assumed to have machines like it)
-    return psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1))
+    return float(psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1)))
 
 
-def _layouts(pipeline, n_workers: int | None, cores: int, measured: bool
+def _layouts(pipeline: Pipeline, n_workers: int | None, cores: int, measured: bool
              ) -> list[tuple[int, int]]:
     cluster = pipeline.spec.cluster
     if n_workers is not None:  # a given cluster: its workers, their threads
@@ -173,9 +183,9 @@ def _layouts(pipeline, n_workers: int | None, cores: int, measured: bool
     return list(dict.fromkeys(layouts(cores, cluster.workers) + split))
 
 
-def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None = None,
-                cores: int | None = None, budget_s: float = SEARCH_BUDGET_S,
-                vary: bool = True) -> PlanChoice:
+def choose_plan(pipeline: Pipeline, profile: Profile | None = None,
+                n_workers: int | None = None, cores: int | None = None,
+                budget_s: float = SEARCH_BUDGET_S, vary: bool = True) -> PlanChoice:
     """Search the plans of ``pipeline`` and return them ranked, with the pipeline that
     runs the best. ``n_workers``: plan for a cluster of that many workers (external, or
     planned for); None: the embedded cluster, whose layout is searched too (on ``cores``
@@ -185,6 +195,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
     cost = CostModel(pipeline, profile, cores=cores)
     cores = cost.cores
     spec = pipeline.spec
+    assert spec.data is not None  # a pipeline with loop stages has a data section
     rows = spec.data.batch_size * spec.data.samples_per_prompt
     strategies = [spec.placement.strategy] if spec.placement.strategy != "auto" else \
         list(STRATEGIES)
@@ -236,7 +247,7 @@ def choose_plan(pipeline, profile: Profile | None = None, n_workers: int | None 
 
 def tasks_per_iteration(c: Candidate) -> float:
     """The tasks (not counting prompt batches) one iteration of ``c`` compiles to."""
-    specs = [s for s in c.simulation.specs if s.iteration >= 0 and not isinstance(s, SourceTask)]
+    specs = [s for s in c.simulated.specs if s.iteration >= 0 and not isinstance(s, SourceTask)]
     return len(specs) / max(1, len({s.iteration for s in specs}))
 
 
@@ -250,18 +261,21 @@ def rank_with_task_cost(ranked: list[Candidate]) -> list[Candidate]:
     return [pick, *(c for c in ranked if c is not pick)]
 
 
-def resolve_plan(pipeline, n_workers: int, model_bytes: Mapping[str, int] | None = None
+def resolve_plan(pipeline: Pipeline, n_workers: int, model_bytes: Mapping[str, int] | None = None
                  ) -> ExecutionPlan:
     """The execution plan of ``pipeline`` on ``n_workers`` workers: ``make_plan`` of its
     strategy, or with ``placement.strategy: auto``, of the strategy the planner picks (the
     strategy only: what else the planner may choose, micro-batches, fusion and workers, is
     resolved by ``choose_plan`` before a run, into a concrete pipeline)."""
     if pipeline.spec.placement.strategy == "auto":
-        return choose_strategy(pipeline, n_workers).plan
+        plan = choose_strategy(pipeline, n_workers).plan
+        assert plan is not None  # the best candidate has a plan
+        return plan
     return make_plan(pipeline, n_workers, model_bytes)
 
 
-def choose_strategy(pipeline, n_workers: int, profile: Profile | None = None) -> Candidate:
+def choose_strategy(pipeline: Pipeline, n_workers: int, profile: Profile | None = None
+                    ) -> Candidate:
     """The best concrete strategy for ``pipeline`` on ``n_workers`` workers, everything
     else as the pipeline says (``make_plan`` of ``placement.strategy: auto``)."""
     spec = pipeline.spec
@@ -275,7 +289,7 @@ def choose_strategy(pipeline, n_workers: int, profile: Profile | None = None) ->
     return choose_plan(pipeline, profile, n_workers=n_workers, vary=False).best
 
 
-def _evaluate(pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
+def _evaluate(pipeline: Pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
               iterations: int = 6) -> None:
     run = derive(pipeline, c.updates)
     try:
@@ -283,6 +297,7 @@ def _evaluate(pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
     except PlanError as exc:
         c.problem, c.error = exc.message, exc
         return
+    assert run.spec.data is not None  # a pipeline with loop stages has a data section
     rows = run.spec.data.batch_size * run.spec.data.samples_per_prompt
     per_task = {n: (rows if sp.micro_batches is None else -(-rows // sp.micro_batches))
                 for n, sp in c.plan.stages.items()}
@@ -298,13 +313,14 @@ def _evaluate(pipeline, c: Candidate, cost: CostModel, profile: Profile | None,
                             contended=c.contended)
 
 
-def _descend(pipeline, space: list[Candidate], cost: CostModel, profile: Profile | None,
+def _descend(pipeline: Pipeline, space: list[Candidate], cost: CostModel, profile: Profile | None,
              deadline: float) -> None:
     """Coordinate descent over (strategy, layout, split, fusion): evaluate each strategy's
     default, then from the best, change one setting at a time while that helps and time
     is left."""
-    key = {(c.strategy, c.workers, c.threads, c.micro_batches, c.fuse): c for c in space}
-    firsts = {}
+    key: dict[tuple[str | int | bool, ...], Candidate] = {
+        (c.strategy, c.workers, c.threads, c.micro_batches, c.fuse): c for c in space}
+    firsts: dict[str, Candidate] = {}
     for c in space:
         firsts.setdefault(c.strategy, c)
     for c in firsts.values():
@@ -329,7 +345,7 @@ def _descend(pipeline, space: list[Candidate], cost: CostModel, profile: Profile
                 break
 
 
-def default_profile_path(pipeline) -> Path:
+def default_profile_path(pipeline: Pipeline) -> Path:
     """Where ``rlhfflow profile`` writes a pipeline's profile and the planner looks for
     it: ``placement.profile``, else ``profiles/NAME.json`` beside the pipeline file."""
     explicit = pipeline.spec.placement.profile
@@ -338,7 +354,7 @@ def default_profile_path(pipeline) -> Path:
     return pipeline.base_dir / "profiles" / f"{pipeline.name}.json"
 
 
-def load_profile(pipeline, quiet: bool = False) -> Profile | None:
+def load_profile(pipeline: Pipeline, quiet: bool = False) -> Profile | None:
     """The pipeline's profile, or None when there is none (the analytic model is used).
     A ``placement.profile`` that cannot be read is a ``PlanError`` naming the key; a
     broken default-location profile too (unless ``quiet``)."""
@@ -353,7 +369,7 @@ def load_profile(pipeline, quiet: bool = False) -> Profile | None:
         raise PlanError(pipeline.source, "placement.profile", str(exc)) from None
 
 
-def plan_for_cli(pipeline, profile: Profile | None, workers: int | None) -> PlanChoice:
+def plan_for_cli(pipeline: Pipeline, profile: Profile | None, workers: int | None) -> PlanChoice:
     """What ``rlhfflow plan`` shows: with ``auto`` the planner's ranking, else the one
     plan of the file's strategy with its prediction. ``workers`` plans for that many
     workers; without it, the embedded cluster's layouts are searched (a file naming a
@@ -376,6 +392,7 @@ def describe_choice(choice: PlanChoice, profile: Profile | None, candidates: int
     if best.simulation is None:
         return ["predicted: nothing to predict (no iterations, setup stages only)"]
     if cost.profiled:
+        assert profile is not None  # a cost model is profiled by the profile given
         missing = cost.unmeasured()
         source = (f"the profile of {len(profile.observations)} measured task(s) on "
                   f"{profile.machine.get('cpu')}" + (

@@ -22,7 +22,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import singledispatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.plan.auto.costmodel import CostModel
 from rlhfflow.plan.compiler import compile_run
@@ -35,6 +35,10 @@ from rlhfflow.plan.tasks import (
     StoreTask,
     Task,
 )
+
+if TYPE_CHECKING:
+    from rlhfflow.config.pipeline import Pipeline
+    from rlhfflow.plan.placement import ExecutionPlan
 
 
 @dataclass
@@ -81,8 +85,9 @@ def _letter(label: str, used: dict[str, str]) -> str:
     return "#"
 
 
-def simulate(pipeline, plan, cost: CostModel, threads: int, iterations: int = 6,
-             rows: int | None = None, contended: bool = False) -> Simulation:
+def simulate(pipeline: Pipeline, plan: ExecutionPlan, cost: CostModel, threads: int,
+             iterations: int = 6, rows: int | None = None, contended: bool = False
+             ) -> Simulation:
     """Simulate ``iterations`` iterations of ``pipeline`` under ``plan`` with ``threads``
     torch threads per worker, on cores shared with the coordinator (``contended``) or
     not."""
