@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.monitor import RunMonitor
-from rlhfflow.monitor.workerlogs import record_recovery
 from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
 from rlhfflow.plan.compiler import (
     Begin,
@@ -39,43 +38,35 @@ from rlhfflow.plan.compiler import (
     schedule,
 )
 from rlhfflow.plan.flops import stage_work
-from rlhfflow.plan.placement import ExecutionPlan, PlanError
+from rlhfflow.plan.placement import ExecutionPlan
 from rlhfflow.plan.shapes import model_shapes
-from rlhfflow.plan.tasks import StageTask
-from rlhfflow.runtime.backend import TaskFailed, WorkerLost
+from rlhfflow.runtime.backend import TaskFailed
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (
     Checkpointer,
     CorruptCheckpoint,
-    cut_back,
     models_from_checkpoint,
 )
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
-from rlhfflow.runtime.failures import (
-    RunError,
-    disk_full,
-    is_disk_full,
-    is_out_of_memory,
-    out_of_memory,
-)
+from rlhfflow.runtime.failures import RunError, raise_stage_failure
 from rlhfflow.runtime.inline import InlineBackend
 from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
+from rlhfflow.runtime.recovery import Recovery
 from rlhfflow.runtime.runstate import (
     StartPoint,
-    damaged_line,
     identity_digest,
     inexact_resume,
     pipeline_identity,
 )
-from rlhfflow.runtime.stopping import plan_stop
+from rlhfflow.runtime.stopping import plan_stop, stop_line, wait_estimate
 from rlhfflow.runtime.telemetry import (
     StartupClock,
     Telemetry,
     dashboard_moved,
     machine_peaks,
+    prediction_line,
     progress_line,
-    shown_path,
     summarise,
 )
 from rlhfflow.runtime.worker.host import (
@@ -120,7 +111,7 @@ TEXT_COLUMNS = ("prompt_text", "prompt_fields")
 """Source text columns the coordinator stores in the buffer (as utf-8 with offsets)."""
 
 
-class Executor:
+class Executor(Recovery):
     """Runs a pipeline on a backend: the run's lifecycle (models, workers, setup stages,
     the iteration loop, recovery, the final save). What each iteration's tasks are comes
     from ``TaskCompiler``; ``Dataflow`` submits them; ``Checkpointer`` and ``Telemetry``
@@ -264,59 +255,6 @@ class Executor:
             self.telemetry.count_flops(work, machine_peaks(
                 self.pipeline, self._layout(), tuple(w.dtype for w in work)))
 
-    def _run_with_recovery(self, first: int) -> list[dict[str, Any]]:
-        """The loop; when a worker holding models is lost, resume from the last
-        checkpoint on the workers there are (at most ``cluster.max_restarts`` times).
-        Returns this run's metrics records, as kept in metrics.jsonl."""
-        start = first
-        while True:
-            try:
-                self._run_loop(first)
-                break
-            except WorkerLost as exc:
-                first = self._recover_from(exc)
-        return [r for r in self.log.read() if r.get("iteration", -1) >= start]
-
-    def _recover_from(self, exc: WorkerLost) -> int:
-        """``_recover``, once more for each worker lost while recovering (each counts as
-        a restart); returns the next iteration."""
-        while True:
-            self._count_restart(exc)
-            try:
-                return self._recover(exc)
-            except WorkerLost as again:
-                exc = again
-
-    def _run_setup_with_recovery(self) -> dict[str, Any]:
-        """The setup stages; when a worker holding models is lost, redo them from their
-        start on the workers there are (the restarts count with the loop's)."""
-        while True:
-            try:
-                return self._run_setup()
-            except WorkerLost as exc:
-                self._restart_setup(exc)
-
-    def _restart_setup(self, exc: WorkerLost) -> None:
-        """Back to before the setup stages on the workers there are, once more for each
-        worker lost meanwhile (each counts as a restart)."""
-        while True:
-            self._count_restart(exc)
-            self._say(f"rlhfflow: {exc}; redoing the setup stages from their start")
-            try:
-                self._await_workers(exc)
-                self.models = dict(self.initial_models)  # as before the setup stages
-                self._start_workers()
-                return
-            except WorkerLost as again:
-                exc = again
-
-    def _count_restart(self, exc: WorkerLost) -> None:
-        """One more recovery, or a ``RunError`` past ``cluster.max_restarts``."""
-        self.restarts += 1
-        if self.restarts > self.pipeline.spec.cluster.max_restarts:
-            raise RunError(f"{exc}; gave up after {self.restarts - 1} restart(s); the run "
-                           f"can be resumed from its last checkpoint") from None
-
     def _start_workers(self) -> None:
         """Place models on the current workers, (re)install the resident state, and
         start compiling from the models' current versions."""
@@ -439,21 +377,9 @@ class Executor:
             self.summary.update(summary[0])
             self._say(summary[1])
             if self.choice is not None and len(records) > 2:
-                predicted, measured = self.choice.best.predicted_s, self.summary["iteration_s"]
-                self.summary["predicted_iteration_s"] = round(predicted, 4)
-                error = measured / predicted - 1
-                hint = ""
-                cost = self.choice.cost
-                if abs(error) > 0.15 and cost.unmeasured():
-                    # the analytic model's constants are another machine's (and have no
-                    # profile of some stage types, e.g. a multi-turn rollout's environment)
-                    which = "chosen with the analytic cost model" if not cost.profiled \
-                        else f"{', '.join(cost.unmeasured())} costed by the analytic model"
-                    hint = (f"; {which}: `rlhfflow profile "
-                            f"{shown_path(self.pipeline.source)} --from-run {shown_path(self.out)}` "
-                            f"makes a profile of this machine from this run")
-                self._say(f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
-                          f"{measured:.3f} s ({error:+.0%}){hint}")
+                self.summary["predicted_iteration_s"] = round(self.choice.best.predicted_s, 4)
+                self._say(prediction_line(self.choice, self.summary["iteration_s"],
+                                          self.pipeline.source, self.out))
 
     def _begin(self, step: Begin) -> None:
         """An iteration's prompts, placed next to the first stage's tasks, and the stages
@@ -529,84 +455,8 @@ class Executor:
         if self._stop_said:
             return
         self._stop_said = True
-        finishing = [done] * waiting + list(stop.finish)
-        line = f"rlhfflow: stopping: finishing {_iterations(finishing)} in flight" \
-            if finishing else f"rlhfflow: stopping after iteration {done}"
-        if waiting and stop.finish:  # the next one's update started as the stop came
-            line += (f" ({_iterations(stop.finish)}: its model update had already begun, "
-                     f"which cannot be undone{self._estimate(stop.finish)})")
-        if cancelled:
-            line += f"; cancelled {_iterations(cancelled)}, submitted ahead"
-        running = sorted({(tasks[i].iteration, getattr(tasks[i], "label", tasks[i].id))
-                          for i in stop.running if isinstance(tasks[i], StageTask)})
-        if running:
-            line += ("; " + ", ".join(f"{label} of iteration {k}" for k, label in running)
-                     + " had started: the checkpoint waits for it (a running task cannot "
-                     "be interrupted" + self._estimate([], [label for _, label in running])
-                     + ")")
-        self._say(line + "; then saving a checkpoint")
-
-    def _estimate(self, iterations: Sequence[int], stages: Sequence[str] = ()) -> str:
-        """``", about N s"``: how long ``iterations`` (or ``stages``, by their compute
-        in the last iteration logged) take, as the last iteration logged took; "" before
-        one was."""
-        records = self.log.read()
-        if not records:
-            return ""
-        last = records[-1]
-        if stages:
-            compute = last.get("stage_s") or {}
-            seconds = max(sum(compute.get(n, 0.0) for n in label.split("+"))
-                          for label in stages)
-        else:
-            seconds = len(iterations) * (last.get("iteration_s") or 0.0)
-        return f", about {seconds:.0f} s as in iteration {last['iteration']}" \
-            if seconds >= 1 else ""
-
-    def _recover(self, exc: Exception) -> int:
-        """After a worker was lost: wait for workers, cut the run back to its last
-        checkpoint, reinstall the resident state everywhere; returns the next iteration."""
-        self._say(f"rlhfflow: {exc}; recovering from the last checkpoint")
-        lost_at = time.time()
-        self._await_workers(exc)
-        checkpoint, damaged = self.checkpointer.store.latest_whole()
-        if damaged:
-            self._say(f"rlhfflow: {damaged_line(damaged, checkpoint)}")
-        keep = checkpoint.iteration if checkpoint else -1
-        # before the cut: the iterations logged when the worker was lost (the report
-        # marks the recovery on its curves)
-        logged = max((r["iteration"] for r in self.log.read()
-                      if isinstance(r.get("iteration"), int)), default=-1)
-        record_recovery(self.out, logged, keep, str(exc), lost_at)
-        cut_back(self.out, keep, self.buffer)
-        self.last_checkpoint = keep
-        self.models = self._from_checkpoint(self.initial_models, checkpoint)
-        try:
-            self._start_workers()
-        except PlanError as err:  # fewer workers came back than the placement needs
-            raise RunError(
-                f"{exc}; {len(self.backend.workers)} worker(s) came back within "
-                f"cluster.worker_timeout_s={self.pipeline.spec.cluster.worker_timeout_s:g}, "
-                f"and {err.path}: {err.message}; the run can be resumed from its last "
-                "checkpoint") from None
-        where = f"after iteration {keep}" if checkpoint else "from the start"
-        self._say(f"rlhfflow: resuming {where} on {len(self.backend.workers)} worker(s)")
-        if checkpoint is not None and inexact_resume(self.pipeline):
-            self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
-        return keep + 1
-
-    def _await_workers(self, exc: Exception) -> None:
-        """Cancel what was queued and wait up to ``cluster.worker_timeout_s`` for the
-        workers (a nanny restarts a killed one); a ``RunError`` if none is left."""
-        timeout = self.pipeline.spec.cluster.worker_timeout_s
-        self.backend.cancel_all()
-        if self.plan is not None and self.plan.gangs:
-            # the survivors' process groups include the dead worker: start afresh
-            self.backend.restart_workers()
-        if not self.backend.wait_for_workers(len(self.backend.workers), timeout):
-            raise RunError(f"{exc}; no worker came back within cluster.worker_timeout_s="
-                           f"{timeout:g}; the run can be resumed from its last checkpoint"
-                           ) from None
+        self._say(stop_line(done, waiting, stop, cancelled, tasks, lambda iterations, stages:
+                            wait_estimate(self.log.read(), iterations, stages)))
 
     def _publish_checkpoint(self, k: int, expected: dict[str, int] | None = None) -> None:
         self.checkpointer.publish(k, expected)
@@ -695,19 +545,9 @@ class Executor:
             retries = task.retries if task is not None else 0
             if isinstance(cause, StageFailed):  # one stage of a fused task
                 stage, cause = cause.stage, cause.cause
-            if is_disk_full(cause):
-                raise RunError(disk_full(cause, f"stage {stage!r}")) from None
-            where = f" in iteration {iteration}" if iteration is not None else " (setup)"
-            if is_out_of_memory(cause):
-                # not a lost worker to replace: a fresh one needs the same memory for the
-                # same batch, so retrying would fail again after reloading the models
-                workers = [self.addresses[w] for w in task.workers] if task else []
-                on = (f" on worker {', '.join(workers)}"
-                      if workers and not isinstance(self.backend, InlineBackend) else "")
-                raise RunError(out_of_memory(cause, f"stage {stage!r}{on}{where}")) from None
-            tried = f" after {retries + 1} attempts" if retries else ""
-            raise RunError(f"stage {stage!r} failed{where}{tried}: "
-                           f"{type(cause).__name__}: {cause}") from cause
+            workers = [self.addresses[w] for w in task.workers] \
+                if task and not isinstance(self.backend, InlineBackend) else []
+            raise_stage_failure(stage, cause, iteration, retries, workers)
         if not gather:
             return {}
         return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))
@@ -750,7 +590,3 @@ def _format_stats(stats: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                      for k, v in stats.items())
 
-
-def _iterations(ks: Sequence[int]) -> str:
-    """``iteration 4`` or ``iterations 4-6`` (``ks`` consecutive, in order)."""
-    return f"iteration {ks[0]}" if len(ks) == 1 else f"iterations {ks[0]}-{ks[-1]}"

@@ -7,12 +7,14 @@ except what cannot be undone: a task that updates a model (a training stage, a w
 install), once started, has moved the model past the iteration in flight, so its
 iteration is finished too (the checkpoint then holds that iteration's weights); a gang
 with a started rank runs whole (its peers would wait in their collective forever).
+``stop_line`` says so, once, in words.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rlhfflow.plan.tasks import InstallTask, StageTask, Task
 
@@ -77,3 +79,52 @@ def plan_stop(done: int, unfinished: Collection[int], tasks: Mapping[str, Task],
     return StopPlan(finish=tuple(sorted(k for k in unfinished if done < k <= through)),
                     cancel=cancel,
                     running=tuple(i for i in cancel if states.get(i) == "processing"))
+
+
+def stop_line(done: int, waiting: bool, stop: StopPlan, cancelled: Sequence[int],
+              tasks: Mapping[str, Task],
+              estimate: Callable[[Sequence[int], Sequence[str]], str]) -> str:
+    """The one line a stop says: what the run still waits for after it, and why.
+    ``done``, ``waiting``: the iteration the stop finishes, and whether it is in flight
+    (else finished); ``cancelled``: the iterations after it cancelled; ``tasks``: those
+    the run held as it stopped; ``estimate(iterations, stages)``: how long those take
+    (``wait_estimate``)."""
+    finishing = [done] * waiting + list(stop.finish)
+    line = f"rlhfflow: stopping: finishing {_iterations(finishing)} in flight" \
+        if finishing else f"rlhfflow: stopping after iteration {done}"
+    if waiting and stop.finish:  # the next one's update started as the stop came
+        line += (f" ({_iterations(stop.finish)}: its model update had already begun, "
+                 f"which cannot be undone{estimate(stop.finish, ())})")
+    if cancelled:
+        line += f"; cancelled {_iterations(cancelled)}, submitted ahead"
+    running = sorted({(tasks[i].iteration, getattr(tasks[i], "label", tasks[i].id))
+                      for i in stop.running if isinstance(tasks[i], StageTask)})
+    if running:
+        line += ("; " + ", ".join(f"{label} of iteration {k}" for k, label in running)
+                 + " had started: the checkpoint waits for it (a running task cannot "
+                 "be interrupted" + estimate([], [label for _, label in running])
+                 + ")")
+    return line + "; then saving a checkpoint"
+
+
+def wait_estimate(records: Sequence[Mapping[str, Any]], iterations: Sequence[int],
+                  stages: Sequence[str] = ()) -> str:
+    """``", about N s"``: how long ``iterations`` (or ``stages``, by their compute in the
+    last iteration of ``records``, the run's metrics log) take, as the last iteration
+    logged took; "" before one was."""
+    if not records:
+        return ""
+    last = records[-1]
+    if stages:
+        compute = last.get("stage_s") or {}
+        seconds = max(sum(compute.get(n, 0.0) for n in label.split("+"))
+                      for label in stages)
+    else:
+        seconds = len(iterations) * (last.get("iteration_s") or 0.0)
+    return f", about {seconds:.0f} s as in iteration {last['iteration']}" \
+        if seconds >= 1 else ""
+
+
+def _iterations(ks: Sequence[int]) -> str:
+    """``iteration 4`` or ``iterations 4-6`` (``ks`` consecutive, in order)."""
+    return f"iteration {ks[0]}" if len(ks) == 1 else f"iterations {ks[0]}-{ks[-1]}"

@@ -16,13 +16,16 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from rlhfflow.plan.flops import StageWork, run_utilisation, utilisation
 from rlhfflow.runtime.worker.host import METRICS, pop_timings
 from rlhfflow.sdk import IterationMetric
 from rlhfflow.storage import MetricsLog
+
+if TYPE_CHECKING:
+    from rlhfflow.plan.auto.planner import PlanChoice
 
 TASKS_FILE = "tasks.jsonl"
 
@@ -332,6 +335,26 @@ def process_start() -> float:
         return psutil.Process().create_time()
     except Exception:  # noqa: BLE001 - no psutil, or a platform without it: from now
         return time.time()
+
+
+def prediction_line(choice: PlanChoice, measured: float, source: Path, out: Path) -> str:
+    """The line that compares the iteration time ``placement: auto`` predicted for its
+    choice with the ``measured`` one; far off (over 15%) with a stage the analytic model
+    costed, how to profile this machine from the run at ``out`` of the pipeline file
+    ``source``."""
+    predicted = choice.best.predicted_s
+    error = measured / predicted - 1
+    hint = ""
+    cost = choice.cost
+    if abs(error) > 0.15 and cost.unmeasured():
+        # the analytic model's constants are another machine's (and have no profile of
+        # some stage types, e.g. a multi-turn rollout's environment)
+        which = "chosen with the analytic cost model" if not cost.profiled \
+            else f"{', '.join(cost.unmeasured())} costed by the analytic model"
+        hint = (f"; {which}: `rlhfflow profile {shown_path(source)} --from-run "
+                f"{shown_path(out)}` makes a profile of this machine from this run")
+    return (f"rlhfflow: iteration time: predicted {predicted:.3f} s, measured "
+            f"{measured:.3f} s ({error:+.0%}){hint}")
 
 
 def shown_path(path: Path) -> str:
