@@ -20,11 +20,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("rlhfflow.cli",),                         # the commands
     ("rlhfflow.runtime",),                     # the coordinator's side of a run
     ("rlhfflow.runtime.worker",),              # what runs inside a device worker
-    ("rlhfflow.serve",),                       # the OpenAI-compatible endpoint
     ("rlhfflow.plan.auto", "rlhfflow.monitor"),  # the auto-planner; watching a run
     ("rlhfflow.plan",),                        # placement and the compiled schedule
     ("rlhfflow.config",),                      # what the user wrote
     ("rlhfflow.stages",),                      # the built-in stage types
+    ("rlhfflow.serve",),                       # the OpenAI-compatible endpoint, agents
     ("rlhfflow.sdk",),                         # the stage SDK plugin authors write against
     ("rlhfflow.data",),                        # data sets and the prompt stream
     ("rlhfflow.engine",),                      # models, decoding, episodes, user code

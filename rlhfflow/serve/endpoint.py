@@ -21,6 +21,12 @@ them, and nothing constrains what the model writes.
 Who can reach it: it binds to loopback (127.0.0.1) unless told otherwise, and refuses to
 bind elsewhere without an API key; with a key, every request must carry it
 (``Authorization: Bearer KEY``). It serves one model, under one name.
+
+Sessions: a training run's agents call ``/sessions/ID/v1/...`` (:meth:`Endpoint.open`
+gives each episode its own ``base_url``): a session fixes the sampling settings (the
+stage's temperature, whatever the agent asks; ``max_tokens`` capped), draws its uniforms
+from the episode's own generator, and records every call (prompt ids, completion ids,
+log-probs, versions) in order. A closed session's calls are refused.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
 from rlhfflow.data.records import prompt_token_ids
 from rlhfflow.engine.forward import stage_seed
-from rlhfflow.engine.service import GenerationService, Request, SamplingSettings
+from rlhfflow.engine.service import Completion, GenerationService, Request, SamplingSettings
 from rlhfflow.engine.toolformats import ToolFormat, openai_tool_calls
 from rlhfflow.errors import UserError
 
@@ -78,6 +86,40 @@ class EndpointSettings:
                              f"anyone who can reach the port could use the model")
 
 
+@dataclass
+class Call:
+    """One choice of one call a session made: the prompt as tokenised, and what the
+    service gave."""
+
+    prompt: list[int]
+    completion: Completion
+
+
+@dataclass
+class Session:
+    """One episode's calls (see the module's docstring): ``sampling`` replaces what a
+    request asks (its ``max_new_tokens`` caps the request's ``max_tokens``), uniforms come
+    from ``generator`` in the order choices are asked for, and ``calls`` grow as they
+    finish."""
+
+    sampling: SamplingSettings | None = None
+    generator: torch.Generator | None = None
+    calls: list[Call] = field(default_factory=list)
+    open: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def draws(self, steps: int) -> torch.Tensor | None:
+        """The next ``steps`` uniforms of the episode's stream (None: no generator)."""
+        if self.generator is None:
+            return None
+        with self.lock:
+            return torch.rand(steps, generator=self.generator, dtype=torch.float64)
+
+    def record(self, prompt: list[int], completion: Completion) -> None:
+        with self.lock:
+            self.calls.append(Call(prompt, completion))
+
+
 class Endpoint:
     """The HTTP server; ``start()`` serves on a thread and returns ``base_url``
     (``http://HOST:PORT/v1``, what ``openai.OpenAI(base_url=...)`` takes)."""
@@ -87,6 +129,7 @@ class Endpoint:
         self.service, self.tokenizer = service, tokenizer
         self.settings, self.tool_format = settings, tool_format
         self.requests = 0
+        self.sessions: dict[str, Session] = {}
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer((settings.host, settings.port), handler)
         self.server.daemon_threads = True
@@ -97,6 +140,18 @@ class Endpoint:
         host, port = self.server.server_address[:2]
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}/v1"
+
+    def open(self, session: Session) -> str:
+        """Serve ``session`` under a new id: its ``base_url``."""
+        name = uuid.uuid4().hex
+        self.sessions[name] = session
+        return f"{self.base_url.removesuffix('/v1')}/sessions/{name}/v1"
+
+    def close_session(self, base_url: str) -> Session:
+        """Stop serving the session of ``base_url``; calls it makes later are refused."""
+        session = self.sessions.pop(base_url.rstrip("/").split("/")[-2])
+        session.open = False
+        return session
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self.server.serve_forever,
@@ -123,7 +178,7 @@ class Endpoint:
         return {"object": "list", "data": [{"id": self.settings.model, "object": "model",
                                             "created": 0, "owned_by": "rlhfflow"}]}
 
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def chat(self, body: dict[str, Any], session: Session | None = None) -> dict[str, Any]:
         self._check_model(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or \
@@ -149,8 +204,8 @@ class Endpoint:
             stops = (*stops, self.tool_format.stop)
         top = body.get("top_logprobs") or 0
         settings = self._sampling(body, body.get("max_completion_tokens",
-                                                 body.get("max_tokens")), stops, top)
-        completions = self._complete(prompt, settings, body)
+                                                 body.get("max_tokens")), stops, top, session)
+        completions = self._complete(prompt, settings, body, session)
         choices = []
         for i, done in enumerate(completions):
             content = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
@@ -175,7 +230,8 @@ class Endpoint:
             choices.append(choice)
         return self._response("chat.completion", "chatcmpl", prompt, completions, choices)
 
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+    def completions(self, body: dict[str, Any], session: Session | None = None
+                    ) -> dict[str, Any]:
         self._check_model(body)
         if body.get("echo"):
             raise BadRequest("'echo' is not served", param="echo")
@@ -190,8 +246,8 @@ class Endpoint:
             raise BadRequest("'prompt' must be one string or one list of token ids",
                              param="prompt")
         top = body.get("logprobs") or 0
-        settings = self._sampling(body, body.get("max_tokens"), _stops(body), top)
-        completions = self._complete(ids, settings, body)
+        settings = self._sampling(body, body.get("max_tokens"), _stops(body), top, session)
+        completions = self._complete(ids, settings, body, session)
         choices = []
         for i, done in enumerate(completions):
             text = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
@@ -223,7 +279,16 @@ class Endpoint:
                              param="stream")
 
     def _sampling(self, body: dict[str, Any], max_tokens: Any, stops: tuple[str, ...],
-                  top: Any) -> SamplingSettings:
+                  top: Any, session: Session | None = None) -> SamplingSettings:
+        if session is not None and session.sampling is not None:
+            fixed = session.sampling
+            cap = fixed.max_new_tokens
+            if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+                cap = max(1, min(cap, max_tokens))
+            if not isinstance(top, int) or not 0 <= top <= 20:
+                raise BadRequest("'top_logprobs' must be an integer in [0, 20]")
+            return replace(fixed, max_new_tokens=cap, stop=(*fixed.stop, *stops),
+                           top_logprobs=top)
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else temperature
         top_p = body.get("top_p")
@@ -240,7 +305,7 @@ class Endpoint:
             raise BadRequest(str(exc)) from None
 
     def _complete(self, prompt: list[int], settings: SamplingSettings,
-                  body: dict[str, Any]) -> list:
+                  body: dict[str, Any], session: Session | None = None) -> list:
         n = 1 if body.get("n") is None else body["n"]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise BadRequest(f"'n' must be an integer in [1, {MAX_CHOICES}]", param="n")
@@ -253,9 +318,14 @@ class Endpoint:
         seed = body.get("seed")
         self.requests += 1
         futures = [self.service.submit(Request(
-            prompt, settings, seed=None if seed is None else stage_seed(int(seed), i)))
+            prompt, settings, seed=None if seed is None else stage_seed(int(seed), i),
+            uniforms=None if session is None else session.draws(settings.max_new_tokens)))
             for i in range(n)]
-        return [future.result() for future in futures]
+        done = [future.result() for future in futures]
+        if session is not None:
+            for completion in done:
+                session.record(prompt, completion)
+        return done
 
     def _response(self, kind: str, prefix: str, prompt: list[int], completions: list,
                   choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -329,21 +399,33 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("endpoint: " + format, *args)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self._answer(lambda body: self.endpoint.models(), {"/v1/models"}, read=False)
+        self._answer({"/v1/models": lambda body, session: self.endpoint.models()},
+                     read=False)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        routes = {"/v1/chat/completions": self.endpoint.chat,
-                  "/v1/completions": self.endpoint.completions}
-        route = routes.get(self.path.split("?", 1)[0].rstrip("/"))
-        self._answer(route, set(routes))
+        self._answer({"/v1/chat/completions": self.endpoint.chat,
+                      "/v1/completions": self.endpoint.completions})
 
-    def _answer(self, route, paths: set[str], read: bool = True) -> None:
+    def _route(self) -> tuple[str, Session | None]:
+        """The path without the query and a session's prefix, and the session."""
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if not path.startswith("/sessions/"):
+            return path, None
+        _, _, name, *rest = path.split("/")
+        session = self.endpoint.sessions.get(name)
+        if session is None or not session.open:
+            raise BadRequest("no such session: the episode it served is over",
+                             HTTPStatus.NOT_FOUND)
+        return "/" + "/".join(rest), session
+
+    def _answer(self, routes: dict[str, Any], read: bool = True) -> None:
         try:
             self._authorise()
-            if route is None or self.path.split("?", 1)[0].rstrip("/") not in paths:
+            path, session = self._route()
+            if path not in routes:
                 raise BadRequest(f"no route {self.command} {self.path}", HTTPStatus.NOT_FOUND)
             body = self._body() if read else {}
-            self._send(HTTPStatus.OK, route(body))
+            self._send(HTTPStatus.OK, routes[path](body, session))
         except BadRequest as exc:
             self._send(exc.status, {"error": {"message": str(exc), "type": exc.kind,
                                               "param": exc.param, "code": None}})

@@ -51,12 +51,22 @@ environment object goes there with the model's turn and comes back with the answ
 must pickle (cloudpickle; a class from the pipeline's own file goes by value). A slow tool
 then runs in another process, beside the decoding of the other rows.
 
+With ``agent: "agent.py:solve"`` the episodes are played by the user's agent function
+instead (``rlhfflow.serve.agents``): ``async def solve(client, record)`` talks to the
+policy through an ``openai`` client pointed at an endpoint the task serves on loopback
+(a generation service on the stage's model, its requests batched together), and returns
+the reward. Every call is recorded; an episode whose calls extend each other at token
+level is one sample (the tokens between calls masked out, each completion with the
+log-probs it was sampled with). ``agent_calls``, ``agent_failed`` and
+``agent_untrained_calls`` count what happened (docs/how-to/agents.md).
+
 Not done yet: drafters do not draft for the rollout.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from dataclasses import replace
@@ -76,8 +86,11 @@ from rlhfflow.engine.environments import (
     tool_schemas,
 )
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
+from rlhfflow.engine.forward import stage_seed
+from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import sample_uniforms
 from rlhfflow.engine.sandbox import Limits, SandboxSettings, sandbox_for
+from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
@@ -90,6 +103,9 @@ from rlhfflow.sdk import (
     StageParams,
     register_stage,
 )
+from rlhfflow.serve.agents import AgentOutcome, AgentRunner, agent_problem, trajectory
+
+log = logging.getLogger(__name__)
 
 
 class SandboxParams(BaseModel):
@@ -201,6 +217,16 @@ class RolloutParams(StageParams):
     plain_separator: str = Field("\n", description="around environment messages when the "
                                                    "prompt was not rendered with a chat "
                                                    "template")
+    agent: str | None = Field(
+        None, description="an agent function, 'file.py:solve': 'async def solve(client, "
+                          "record)' (or a plain def) that talks to the policy through the "
+                          "OpenAI client it is given and returns the reward (or {reward, "
+                          "info}); instead of env and tools (docs/how-to/agents.md)")
+    agent_timeout_s: Annotated[float, Field(
+        gt=0, description="seconds an agent's episode may take; longer: it fails, "
+                          "counted in agent_failed")] = 120.0
+    agent_concurrency: Annotated[int, Field(
+        gt=0, description="agents running at once (and requests decoded together)")] = 16
 
 
 @register_stage
@@ -224,7 +250,9 @@ class RolloutStage(Stage):
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
-        out = {"response_ids": Column("int64", "response"),
+        agents = {"agent_calls": Column("int64"), "agent_failed": Column("int8"),
+                  "agent_untrained_calls": Column("int64")} if params.agent else {}
+        out = {**agents, "response_ids": Column("int64", "response"),
                "response_mask": Column("int8", "response"),
                "sample_logprobs": Column("float32", "response"),
                "policy_version": Column("int64"),
@@ -242,7 +270,11 @@ class RolloutStage(Stage):
     @classmethod
     def iteration_metrics(cls, params):
         # per episode, averaged over the iteration's rows
-        return (IterationMetric("env_reward_mean", "env_reward"),
+        agents = (IterationMetric("agent_calls_mean", "agent_calls"),
+                  IterationMetric("agent_failed_frac", "agent_failed"),
+                  IterationMetric("agent_untrained_calls", "agent_untrained_calls", "sum",
+                                  digits=0)) if params.agent else ()
+        return (*agents, IterationMetric("env_reward_mean", "env_reward"),
                 IterationMetric("turns_mean", "turns"),
                 *(IterationMetric(f"info_{key}_mean", f"info_{key}") for key in params.info))
 
@@ -253,6 +285,13 @@ class RolloutStage(Stage):
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
+        if params.agent is not None:
+            if params.env is not None or params.tools:
+                return ("params.agent", "give params.agent alone: an agent brings its own "
+                        "tools and environment (not params.env or params.tools)")
+            problem = agent_problem(params.agent, base_dir)
+            if problem:
+                return ("params.agent", problem)
         if params.env is not None and params.tools:
             return ("params.tools", "give either params.env or params.tools, not both")
         if params.env is not None:
@@ -303,6 +342,8 @@ class RolloutStage(Stage):
         return tool_schemas(params.tools, base_dir)
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        if self.params.agent is not None:
+            return self.run_agents(batch, ctx)
         resident = ctx.models.get(self.model)
         tok, params = resident.tokenizer, self.params
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -341,6 +382,89 @@ class RolloutStage(Stage):
         out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
                                           dtype=torch.float32)
         return out
+
+    def run_agents(self, batch: Batch, ctx: StageContext) -> Batch:
+        """Each row's episode played by the agent function (``params.agent``) through a
+        generation service and an endpoint on this worker (``rlhfflow.serve.agents``)."""
+        resident = ctx.models.get(self.model)
+        tok, params = resident.tokenizer, self.params
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        rows = len(batch["prompt_index"])
+        texts = batch.get("prompt_text") or [""] * rows
+        fields = batch.get("prompt_fields") or ["{}"] * rows
+        records = [{**json.loads(fields[row]), "prompt": texts[row]} for row in range(rows)]
+        real = batch["prompt_mask"].bool()
+        prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
+        # each episode's stream is the one its row samples with in a rollout with an env
+        generators = [torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, p, s))
+                      for p, s in zip(batch["prompt_index"].tolist(),
+                                      batch["sample_index"].tolist(), strict=True)]
+        sampling = SamplingSettings(
+            max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, greedy=params.greedy,
+            stop=tuple(params.stop))
+        fn = load_function(params.agent, ctx.settings.base_dir)
+        calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
+        with resident.generating(), GenerationService(
+                resident.module, eos=eos_ids(resident.module, tok), pad_id=pad_id,
+                tokenizer=tok, max_in_flight=params.agent_concurrency, seed=ctx.seed,
+                version=resident.version) as service:
+            runner = AgentRunner(service, tok, calls, sampling, params.agent_concurrency,
+                                 params.agent_timeout_s)
+            outcomes = runner.run(fn, records, generators)
+        episodes, untrained = [], []
+        for row, outcome in enumerate(outcomes):
+            episode, left = self.agent_episode(prompts[row], outcome, tok)
+            episodes.append(episode)
+            untrained.append(left)
+        failed = [o for o in outcomes if o.error is not None]
+        if failed:
+            kinds = sorted({o.error for o in failed})
+            log.warning("stage %r: %d of %d agents failed (%s); the first: %s: %s",
+                        self.name, len(failed), rows, ", ".join(kinds), failed[0].error,
+                        failed[0].message)
+        out = self.columns(episodes, tok, pad_id, resident.version)
+        out["env_seconds"] = torch.zeros(rows, dtype=torch.float32)
+        out["agent_calls"] = torch.tensor([len(o.calls) for o in outcomes], dtype=torch.long)
+        out["agent_failed"] = torch.tensor([o.error is not None for o in outcomes],
+                                           dtype=torch.int8)
+        out["agent_untrained_calls"] = torch.tensor(untrained, dtype=torch.long)
+        return out
+
+    def agent_episode(self, prompt: list[int], outcome: AgentOutcome, tok
+                      ) -> tuple[Episode, int]:
+        """An agent's episode as the rollout's ``Episode`` (cut at ``max_tokens``), and
+        the calls left out of it. A failed episode keeps its tokens with no trained one
+        and reward 0."""
+        episode = Episode(None)
+        made = trajectory(prompt, outcome.calls) if outcome.calls else None
+        if made is None and outcome.error is None:
+            outcome.error, outcome.message = "prompt", (
+                "its first call's prompt does not begin with the data set's prompt (send "
+                "the record's messages first; put a system prompt in the data)")
+        if made is None:
+            return episode, len(outcome.calls)
+        width = self.params.max_tokens
+        for start, end, by_model in made.spans:
+            if start >= width:
+                break
+            end = min(end, width)
+            piece = made.tokens[start:end]
+            if by_model:
+                episode.add(piece, made.logprobs[start:end])
+            else:
+                episode.add(piece, None, [{"role": "env", "content": tok.decode(
+                    piece, skip_special_tokens=True)}])
+        episode.turns = made.calls
+        if outcome.error is not None:
+            episode.mask = [0] * len(episode.mask)
+            return episode, made.untrained
+        episode.reward = outcome.reward
+        last = next((t for t in reversed(episode.log) if t["role"] == "assistant"), None)
+        if last is not None:
+            last["reward"] = outcome.reward
+        episode.info = {key: outcome.info.get(key, 0.0) for key in self.params.info}
+        return episode, made.untrained
 
     def make_env(self, ctx: StageContext, calls: ToolFormat | None = None) -> Environment:
         """A new environment for one episode (its tool calls parsed by ``calls``)."""

@@ -1,0 +1,206 @@
+"""Agents: a function the user already has, that talks to the model through the OpenAI API.
+
+An agent is ``async def solve(client, record)`` (or a plain ``def``): ``client`` is an
+``openai.AsyncOpenAI`` (``openai.OpenAI`` for a plain function) pointed at an endpoint
+that serves the policy (:mod:`rlhfflow.serve.endpoint`), ``record`` the data set's record.
+It returns the episode's reward, or ``{"reward": r, "info": {key: number}}``. Code that
+makes its own client takes ``client.base_url`` and ``client.api_key``.
+
+Each episode gets a session of its own (its own ``base_url``): whatever it asks, its calls
+sample at the stage's settings (temperature, top-k/p; ``max_tokens`` capped at
+``max_new_tokens``) with the episode's own random stream, and every call is recorded:
+prompt ids, completion ids, log-probs, policy versions. :func:`trajectory` makes the
+episode one training sample when each call's prompt extends the previous call's prompt
+and completion at token level (the chat template re-renders history unchanged): the
+tokens between calls (the tools' answers, the template's markers) go in with mask 0, each
+completion with mask 1 and the log-probs it was sampled with.
+
+What can go wrong is counted, never a crash: an agent that raises, runs past its timeout,
+makes no call, returns no number, or whose first prompt does not begin with the data
+set's prompt ends its episode with no trained token and reward 0 (:class:`AgentOutcome`
+says which). A call whose prompt does not extend the one before (a template that rewrites
+history) ends the sample there; the calls after it are counted as untrained.
+
+An agent runs in the worker's process, on the event loop of the stage's task (a plain
+function on a thread of its own): it can do what that process can (files, network). A
+timed-out plain function cannot be stopped; its later calls are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhfflow.engine.service import GenerationService, SamplingSettings
+from rlhfflow.engine.toolformats import ToolFormat
+from rlhfflow.engine.usercode import imported
+from rlhfflow.serve.endpoint import Call, Endpoint, EndpointSettings, Session
+
+#: why an episode trained nothing (``AgentOutcome.error``)
+FAILURES = ("raised", "timeout", "no_call", "reward", "prompt")
+
+
+@dataclass
+class AgentOutcome:
+    """One episode: the calls it made (in order), its reward and info, and ``error`` (one
+    of ``FAILURES``) with ``message`` when it failed."""
+
+    calls: list[Call] = field(default_factory=list)
+    reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    message: str = ""
+
+
+def agent_problem(ref: str, base_dir: Path | str | None) -> str | None:
+    """Why ``ref`` (``file.py:function``) names no agent function, or None."""
+    problem, fn = imported(ref, base_dir)
+    if problem:
+        return problem
+    if not callable(fn):
+        return f"{ref!r} is not a function"
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(object(), {})
+    except (TypeError, ValueError):
+        return (f"{ref!r} must take (client, record): an OpenAI client and the data set's "
+                f"record, e.g. 'async def solve(client, record)'")
+    try:
+        import openai  # noqa: F401 - the agent's client
+    except ImportError:
+        return "an agent needs the 'openai' package: pip install 'rlhfflow[agents]'"
+    return None
+
+
+class AgentRunner:
+    """Runs agents against ``service`` through a loopback endpoint with a key of its own
+    (no other process on the machine can use it): ``run`` plays one episode per record."""
+
+    def __init__(self, service: GenerationService, tokenizer, tool_format: ToolFormat,
+                 sampling: SamplingSettings, concurrency: int, timeout_s: float) -> None:
+        self.key = secrets.token_hex(16)
+        self.endpoint = Endpoint(service, tokenizer,
+                                 EndpointSettings(model="policy", api_key=self.key),
+                                 tool_format)
+        self.sampling, self.concurrency, self.timeout_s = sampling, concurrency, timeout_s
+
+    def run(self, fn: Callable[..., Any], records: Sequence[dict[str, Any]],
+            generators: Sequence[torch.Generator]) -> list[AgentOutcome]:
+        """One episode per record (``generators``: each episode's random stream)."""
+        threads = concurrent.futures.ThreadPoolExecutor(self.concurrency, "rlhfflow-agent")
+        try:
+            with self.endpoint, concurrent.futures.ThreadPoolExecutor(1) as loop_thread:
+                return loop_thread.submit(asyncio.run, self._all(fn, records, generators,
+                                                                 threads)).result()
+        finally:  # a timed-out plain function may still run: not waited for
+            threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _all(self, fn, records, generators, threads) -> list[AgentOutcome]:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(record: dict[str, Any], generator: torch.Generator) -> AgentOutcome:
+            async with gate:
+                return await self._episode(fn, record, generator, threads)
+
+        return list(await asyncio.gather(*(one(r, g) for r, g in
+                                           zip(records, generators, strict=True))))
+
+    async def _episode(self, fn, record, generator, threads) -> AgentOutcome:
+        import openai
+
+        session = Session(self.sampling, generator)
+        url = self.endpoint.open(session)
+        outcome = AgentOutcome()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                async with openai.AsyncOpenAI(base_url=url, api_key=self.key, max_retries=0,
+                                              timeout=self.timeout_s) as client:
+                    result = await asyncio.wait_for(fn(client, record), self.timeout_s)
+            else:
+                client = openai.OpenAI(base_url=url, api_key=self.key, max_retries=0,
+                                       timeout=self.timeout_s)
+                running = asyncio.get_running_loop().run_in_executor(threads, fn, client,
+                                                                     record)
+                result = await asyncio.wait_for(running, self.timeout_s)
+                client.close()
+        except TimeoutError:
+            outcome.error, outcome.message = "timeout", f"ran past {self.timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - an agent's failure is counted, not raised
+            text = str(exc).strip().splitlines()
+            outcome.error, outcome.message = "raised", \
+                f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+        else:
+            outcome.reward, outcome.info, problem = _reward(result)
+            if problem:
+                outcome.error, outcome.message = "reward", problem
+        finally:
+            self.endpoint.close_session(url)
+        outcome.calls = list(session.calls)
+        if outcome.error is None and not outcome.calls:
+            outcome.error, outcome.message = "no_call", "the agent made no call"
+        return outcome
+
+
+def _reward(result: Any) -> tuple[float, dict[str, float], str | None]:
+    info: Any = {}
+    if isinstance(result, dict):
+        info = result.get("info") or {}
+        result = result.get("reward")
+    if isinstance(result, bool) or not isinstance(result, (int, float)) or \
+            not math.isfinite(result):
+        return 0.0, {}, (f"returned {result!r}; expected a finite number or "
+                         f"{{'reward': number, 'info': {{key: number}}}}")
+    if not isinstance(info, dict):
+        return 0.0, {}, f"returned info {info!r}; expected a dict of numbers"
+    numbers = {str(k): float(v) for k, v in info.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return float(result), numbers, None
+
+
+@dataclass
+class Trajectory:
+    """An episode as one sample after the data set's prompt: ``tokens``, ``mask`` (1 on
+    the model's), ``logprobs``, ``spans`` (``(start, end, by_model)`` per piece),
+    ``calls`` trained and ``untrained`` (calls after one that rewrote history)."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int, bool]] = field(default_factory=list)
+    calls: int = 0
+    untrained: int = 0
+
+    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        start = len(self.tokens)
+        self.tokens += tokens
+        self.mask += [0 if logprobs is None else 1] * len(tokens)
+        self.logprobs += [0.0] * len(tokens) if logprobs is None else list(logprobs)
+        if tokens:
+            self.spans.append((start, len(self.tokens), logprobs is not None))
+
+
+def trajectory(prompt: Sequence[int], calls: Sequence[Call]) -> Trajectory | None:
+    """The calls as one sample after ``prompt`` (see the module's docstring); None when the
+    first call's prompt does not begin with ``prompt``."""
+    prompt = list(prompt)
+    out = Trajectory()
+    for i, call in enumerate(calls):
+        sequence = prompt + out.tokens
+        if call.prompt[:len(sequence)] != sequence:
+            if i == 0:
+                return None
+            out.untrained = len(calls) - i
+            break
+        out.add(call.prompt[len(sequence):], None)
+        out.add(call.completion.tokens, call.completion.logprobs)
+        out.calls += 1
+    return out

@@ -1,0 +1,221 @@
+"""Agents (rlhfflow.serve.agents): a rollout whose episodes are played by a user's function
+through the real ``openai`` client against the run's endpoint, on real tiny Llamas."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from rlhfflow.config.spec import SpecError
+from rlhfflow.stages import create_stage
+from tests.conftest import chat_batch, chat_store
+from tests.test_rollout import (  # noqa: F401 - tool_lm_dir is a fixture
+    TEXTS,
+    TOOL_CALL,
+    _check_logprobs_match_a_fresh_forward,
+    _ctx,
+    tool_lm_dir,
+)
+
+pytest.importorskip("openai", reason="openai not installed (pip install 'rlhfflow[test]')")
+
+AGENTS = '''
+import asyncio
+import json
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                    "b": {"type": "number"}}}}}
+
+
+async def once(client, record):
+    """One call with the record's messages: what a one-turn rollout samples."""
+    answer = await client.chat.completions.create(model="policy",
+                                                  messages=record["messages"])
+    return float(len(answer.choices[0].message.content or ""))
+
+
+async def twice(client, record):
+    """Two calls, the second's history the first's plus a user's reply."""
+    messages = list(record["messages"])
+    first = await client.chat.completions.create(model="policy", messages=messages,
+                                                 max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="policy", messages=messages, temperature=0.1)
+    return {"reward": 1.0, "info": {"asked": 2, "ignored": "text"}}
+
+
+def plain(client, record):
+    """A plain function with the blocking client."""
+    client.chat.completions.create(model="policy", messages=record["messages"])
+    return 0.5
+
+
+async def tools(client, record):
+    """A tool-calling agent: the model's call runs here, its answer goes back."""
+    messages = list(record["messages"])
+    answer = await client.chat.completions.create(model="policy", messages=messages,
+                                                  tools=[ADD])
+    message = answer.choices[0].message
+    if not message.tool_calls:
+        return 0.0
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        args = json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": str(args["a"] + args["b"])})
+    await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    return 1.0
+
+
+async def raises(client, record):
+    await client.chat.completions.create(model="policy", messages=record["messages"])
+    raise KeyError("answer")
+
+
+async def sleeps(client, record):
+    await asyncio.sleep(60)
+
+
+async def silent(client, record):
+    return 1.0
+
+
+async def not_a_number(client, record):
+    await client.chat.completions.create(model="policy", messages=record["messages"])
+    return "good"
+
+
+async def own_system_prompt(client, record):
+    messages = [{"role": "system", "content": "be brief"}, *record["messages"]]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
+
+
+def wrong(client):
+    return 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def agents_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agents") / "agents.py"
+    path.write_text(textwrap.dedent(AGENTS))
+    return path
+
+
+def _batch(tok, texts, samples=2):
+    batch = chat_batch(tok, texts, samples)
+    batch["prompt_fields"] = [json.dumps({"messages": [{"role": "user", "content": t}]})
+                              for t in texts for _ in range(samples)]
+    return batch
+
+
+def _agent_rollout(store, batch, agent, **params):
+    stage = create_stage("rollout", params={"agent": agent, **params}, model="actor")
+    return stage.run(batch, _ctx(store))
+
+
+def test_a_one_call_agent_samples_what_a_one_turn_rollout_samples(chat_lm_dir, agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS)
+    params = {"max_turns": 1, "max_new_tokens": 10, "max_tokens": 10}
+    expected = create_stage("rollout", params=params, model="actor").run(batch, _ctx(store))
+    got = _agent_rollout(store, batch, f"{agents_file}:once", **params)
+    # the same draws (each episode's stream is its row's), the same prompt: the same tokens
+    assert torch.equal(got["response_ids"], expected["response_ids"])
+    assert torch.equal(got["response_mask"], expected["response_mask"])
+    torch.testing.assert_close(got["sample_logprobs"], expected["sample_logprobs"],
+                               atol=1e-4, rtol=0)
+    assert got["agent_calls"].tolist() == [1] * 6 and got["agent_failed"].sum() == 0
+    lengths = [len(tok.decode(got["response_ids"][r][got["response_mask"][r].bool()],
+                              skip_special_tokens=True)) for r in range(6)]
+    assert got["env_reward"].tolist() == [float(n) for n in lengths]
+
+
+def test_a_two_call_agent_is_one_sample_with_the_user_turn_masked(chat_lm_dir, agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS[:2])
+    out = _agent_rollout(store, batch, f"{agents_file}:twice", max_new_tokens=8,
+                         max_tokens=60, info=["asked"])
+    assert out["agent_calls"].tolist() == [2] * 4
+    assert out["env_reward"].tolist() == [1.0] * 4 and out["info_asked"].tolist() == [2.0] * 4
+    # a random model's first answer may end with <eos> or hold <unk>, which the template
+    # re-renders as <|im_end|> or drops: then the second call does not extend the first
+    # at token level, and it is left out and counted
+    extended = out["turns"] == 2
+    assert (out["turns"] + out["agent_untrained_calls"]).tolist() == [2] * 4
+    assert extended.sum() >= 2
+    for row in extended.nonzero().squeeze(-1).tolist():
+        turns = json.loads(out["turns_json"][row])
+        assert [t["role"] for t in turns] == ["assistant", "env", "assistant"]
+        assert "user: again" in turns[1]["text"]
+        # the first turn was capped at the agent's max_tokens, the second at the stage's
+        first, second = (t["span"][1] - t["span"][0] for t in turns[::2])
+        assert first <= 6 and second <= 8
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+def test_a_plain_function_agent_runs_on_a_thread(chat_lm_dir, agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    out = _agent_rollout(store, _batch(tok, TEXTS[:1]), f"{agents_file}:plain",
+                         max_new_tokens=4, max_tokens=8)
+    assert out["env_reward"].tolist() == [0.5, 0.5] and out["agent_failed"].sum() == 0
+
+
+def test_a_tool_calling_agent_trains_its_call_and_counts_a_history_rewrite(
+        tool_lm_dir, agents_file):  # noqa: F811 - the fixture imported above
+    store = chat_store(tool_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS[:1])
+    out = _agent_rollout(store, batch, f"{agents_file}:tools", greedy=True,
+                         max_new_tokens=60, max_tokens=100)
+    assert out["env_reward"].tolist() == [1.0, 1.0]
+    for row in range(2):
+        said = out["response_ids"][row][out["response_mask"][row].bool()]
+        assert tok.decode(said, skip_special_tokens=True) == TOOL_CALL
+    # OpenAI's assistant message holds the call in tool_calls, not its text: this
+    # template renders it without the call, so the second call's history is not the
+    # first's tokens; that call is left out of the sample and counted
+    assert out["agent_calls"].tolist() == [2, 2]
+    assert out["agent_untrained_calls"].tolist() == [1, 1]
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+@pytest.mark.parametrize("agent, kind", [("raises", "KeyError"), ("sleeps", "ran past"),
+                                         ("silent", "no call"), ("not_a_number", "'good'"),
+                                         ("own_system_prompt", "does not begin")])
+def test_an_agent_that_fails_trains_nothing_and_is_counted(chat_lm_dir, agents_file,
+                                                           caplog, agent, kind):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    out = _agent_rollout(store, _batch(tok, TEXTS[:1]), f"{agents_file}:{agent}",
+                         max_new_tokens=4, max_tokens=8, agent_timeout_s=1.0)
+    assert out["agent_failed"].tolist() == [1, 1]
+    assert out["response_mask"].sum() == 0 and out["env_reward"].tolist() == [0.0, 0.0]
+    assert "2 of 2 agents failed" in caplog.text and kind in caplog.text
+
+
+def test_validation_names_a_bad_agent(agents_file):
+    from rlhfflow.stages.rollout import RolloutStage
+
+    def problem(**params):
+        return RolloutStage.check_params(RolloutStage.Params(**params), True,
+                                         str(agents_file.parent))
+
+    assert problem(agent="agents.py:once") is None
+    key, message = problem(agent="agents.py:wrong")
+    assert key == "params.agent" and "must take (client, record)" in message
+    key, message = problem(agent="agents.py:nope")
+    assert key == "params.agent" and "nope" in message
+    key, message = problem(agent="agents.py:once", tools=["agents.py:plain"])
+    assert key == "params.agent" and "alone" in message
+    assert SpecError  # the loader turns the pair into one line naming the file
