@@ -73,6 +73,16 @@ async def tools(client, record):
     return 1.0
 
 
+async def rewrites(client, record):
+    """Two calls, the second's history edited: not what the model said."""
+    messages = list(record["messages"])
+    await client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": "(edited)"},
+                 {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
+
+
 async def raises(client, record):
     await client.chat.completions.create(model="policy", messages=record["messages"])
     raise KeyError("answer")
@@ -171,7 +181,7 @@ def test_a_plain_function_agent_runs_on_a_thread(chat_lm_dir, agents_file):
     assert out["env_reward"].tolist() == [0.5, 0.5] and out["agent_failed"].sum() == 0
 
 
-def test_a_tool_calling_agent_trains_its_call_and_counts_a_history_rewrite(
+def test_a_tool_calling_agent_is_one_sample_its_call_as_the_model_wrote_it(
         tool_lm_dir, agents_file):  # noqa: F811 - the fixture imported above
     store = chat_store(tool_lm_dir)
     tok = store.get("actor").tokenizer
@@ -179,14 +189,28 @@ def test_a_tool_calling_agent_trains_its_call_and_counts_a_history_rewrite(
     out = _agent_rollout(store, batch, f"{agents_file}:tools", greedy=True,
                          max_new_tokens=60, max_tokens=100)
     assert out["env_reward"].tolist() == [1.0, 1.0]
+    # the assistant message came back with the call in tool_calls (OpenAI's form); the
+    # endpoint rendered it as the text the model wrote, so the second call extends the
+    # first at token level and the episode is one sample with both turns trained
+    assert out["agent_calls"].tolist() == [2, 2] and out["turns"].tolist() == [2, 2]
+    assert out["agent_untrained_calls"].tolist() == [0, 0]
     for row in range(2):
-        said = out["response_ids"][row][out["response_mask"][row].bool()]
-        assert tok.decode(said, skip_special_tokens=True) == TOOL_CALL
-    # OpenAI's assistant message holds the call in tool_calls, not its text: this
-    # template renders it without the call, so the second call's history is not the
-    # first's tokens; that call is left out of the sample and counted
-    assert out["agent_calls"].tolist() == [2, 2]
+        turns = json.loads(out["turns_json"][row])
+        assert [t["role"] for t in turns] == ["assistant", "env", "assistant"]
+        assert turns[0]["text"] == TOOL_CALL and "tool: 5" in turns[1]["text"]
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+def test_a_call_whose_history_was_rewritten_is_left_out_and_counted(chat_lm_dir,
+                                                                     agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS[:1])
+    out = _agent_rollout(store, batch, f"{agents_file}:rewrites", max_new_tokens=6,
+                         max_tokens=40)
+    assert out["agent_calls"].tolist() == [2, 2] and out["turns"].tolist() == [1, 1]
     assert out["agent_untrained_calls"].tolist() == [1, 1]
+    assert out["env_reward"].tolist() == [1.0, 1.0]  # the first call trains, rewarded
     _check_logprobs_match_a_fresh_forward(store, batch, out)
 
 

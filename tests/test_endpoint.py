@@ -77,6 +77,15 @@ def test_a_chat_completion_calls_the_tool_and_its_logprobs_are_a_fresh_forward_s
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6
                for t in choice.logprobs.content)
     assert response.usage.completion_tokens == len(tokens)
+    # the assistant message sent back with its tool_calls is rendered as what the model
+    # wrote: the next prompt begins with this prompt and the sampled tokens
+    again = client.chat.completions.create(
+        model="tool-lm", max_tokens=4, tools=[ADD], messages=[
+            {"role": "user", "content": TEXTS[0]},
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "5"}])
+    assert again.model_extra["prompt_token_ids"][:len(prompt) + len(tokens)] == \
+        prompt + tokens
 
 
 def test_the_tool_s_answer_goes_back_in_and_sampled_choices_are_exact(served):

@@ -16,7 +16,12 @@ completion is parsed for calls by the endpoint's tool format
 (:mod:`rlhfflow.engine.toolformats`, Hermes by default) into ``message.tool_calls``
 (``finish_reason: tool_calls``); decoding stops at the format's end-of-call string.
 ``tool_choice: none`` hides the tools; ``auto``, ``required`` and a named function show
-them, and nothing constrains what the model writes.
+them, and nothing constrains what the model writes. The endpoint remembers the text behind
+the calls it issued (by call id, the last ``SAID_KEPT``): an assistant message that comes
+back carrying those calls is rendered as the text the model wrote, so the history the
+next prompt shows the model is what it said, not the template's re-rendering of
+``tool_calls`` (which may differ in spacing or key order, or be dropped by a template
+without tools).
 
 Who can reach it: it binds to loopback (127.0.0.1) unless told otherwise, and refuses to
 bind elsewhere without an API key; with a key, every request must carry it
@@ -37,6 +42,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +63,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_CHOICES = 64
 #: a request's body may be at most this large
 MAX_BODY_BYTES = 16 * 2**20
+#: the texts behind issued tool calls the endpoint remembers
+SAID_KEPT = 10_000
 
 
 class BadRequest(UserError):
@@ -130,6 +138,8 @@ class Endpoint:
         self.settings, self.tool_format = settings, tool_format
         self.requests = 0
         self.sessions: dict[str, Session] = {}
+        self.said: OrderedDict[str, str] = OrderedDict()  # call id -> the text behind it
+        self._said_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer((settings.host, settings.port), handler)
         self.server.daemon_threads = True
@@ -193,7 +203,7 @@ class Endpoint:
         shown = None if body.get("tool_choice") == "none" else tools
         try:
             text = self.tokenizer.apply_chat_template(
-                [_template_message(m) for m in messages], tools=shown,
+                [self._template_message(m) for m in messages], tools=shown,
                 add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - the template's own error, to the caller
             raise BadRequest(f"the chat template cannot render these messages: {exc}",
@@ -214,6 +224,7 @@ class Endpoint:
             if shown:
                 calls, _ = openai_tool_calls(self.tool_format, content, shown)
                 if calls:
+                    calls = self._issued(calls, content)
                     message["tool_calls"] = calls
                     message["content"] = _before_calls(content, self.tool_format)
                     reason = "tool_calls"
@@ -336,6 +347,38 @@ class Endpoint:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": produced,
                           "total_tokens": len(prompt) + produced}}
 
+    def _issued(self, calls: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+        """``calls`` with ids of their own, the ``text`` behind them remembered."""
+        calls = [{**call, "id": f"call_{uuid.uuid4().hex[:24]}"} for call in calls]
+        with self._said_lock:
+            for call in calls:
+                self.said[call["id"]] = text
+            while len(self.said) > SAID_KEPT:
+                self.said.popitem(last=False)
+        return calls
+
+    def _template_message(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI message as chat templates take it: ``content`` None as ``""``, a
+        list of text parts joined, tool-call arguments as objects (OpenAI sends JSON
+        text); an assistant message carrying calls this endpoint issued, as the text the
+        model wrote."""
+        out = dict(message)
+        calls = out.get("tool_calls") or []
+        ids = [call.get("id") for call in calls if isinstance(call, dict)]
+        with self._said_lock:
+            said = {self.said.get(i) for i in ids}
+        if out.get("role") == "assistant" and ids and len(said) == 1 and None not in said:
+            return {"role": "assistant", "content": said.pop()}
+        content = out.get("content")
+        if content is None:
+            out["content"] = ""
+        elif isinstance(content, list):
+            out["content"] = "".join(part.get("text", "") for part in content
+                                     if isinstance(part, dict))
+        if calls:
+            out["tool_calls"] = [_template_call(call) for call in calls]
+        return out
+
     def _token(self, token: int) -> dict[str, Any]:
         text = self.tokenizer.decode([token], skip_special_tokens=False)
         return {"token": text, "bytes": list(text.encode())}
@@ -350,22 +393,6 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
             or len(stops) > 4:
         raise BadRequest("'stop' must be a string or a list of up to 4 strings", param="stop")
     return tuple(stops)
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI message as chat templates take it: ``content`` None as ``""``, a list of
-    text parts joined, and tool-call arguments as objects (OpenAI sends JSON text)."""
-    out = dict(message)
-    content = out.get("content")
-    if content is None:
-        out["content"] = ""
-    elif isinstance(content, list):
-        out["content"] = "".join(part.get("text", "") for part in content
-                                 if isinstance(part, dict))
-    calls = out.get("tool_calls")
-    if calls:
-        out["tool_calls"] = [_template_call(call) for call in calls]
-    return out
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
