@@ -20,7 +20,7 @@ from rlhfflow.config.spec import SpecError
 from rlhfflow.data.records import DataError
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.run import RunError, run_pipeline
-from rlhfflow.runtime.worker.host import METRICS, partial_metrics
+from rlhfflow.runtime.worker.tasks import METRICS, partial_metrics
 from rlhfflow.stages import StageContext, create_stage
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from rlhfflow.storage.errors import read_score_errors, truncate_score_errors

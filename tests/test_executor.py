@@ -445,7 +445,7 @@ def test_a_task_result_round_trips_through_dask_and_the_next_task_reads_its_colu
     assembles its columns, without the per-task values (a trainer's loss)."""
     import torch
 
-    from rlhfflow.runtime.worker.host import METRICS, TaskResult, assemble, part
+    from rlhfflow.runtime.worker.tasks import METRICS, TaskResult, assemble, part
 
     result = TaskResult({"scores": torch.tensor([1.0, 2.0, 3.0]), "loss": 0.5},
                         stored={"rows": 3.0, METRICS: {"m": (6.0, 3.0, 1.0)}},
@@ -471,7 +471,7 @@ def test_a_misspelt_task_argument_is_refused_at_submission_naming_function_and_a
         cluster):
     from rlhfflow.plan.tasks import StageTask
     from rlhfflow.runtime.dataflow import Dataflow
-    from rlhfflow.runtime.worker.host import stage_task
+    from rlhfflow.runtime.worker.tasks import stage_task
 
     spec = StageTask(id="generate-0-0", iteration=0, stages=("generate",))
     with Client(cluster) as client:

@@ -16,14 +16,8 @@ import pytest
 import torch
 
 from rlhfflow.engine.models import build_char_tokenizer, save_model
-from rlhfflow.runtime.worker.host import (
-    PLUGIN_NAME,
-    RLHFWorkerPlugin,
-    RunDef,
-    StageDef,
-    part,
-    stage_task,
-)
+from rlhfflow.runtime.worker.host import PLUGIN_NAME, RLHFWorkerPlugin, RunDef, StageDef
+from rlhfflow.runtime.worker.tasks import part, stage_task
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from tests.conftest import make_prompt_batch, peaked_model
 from tests.test_generation import TEXTS

@@ -267,7 +267,7 @@ def test_the_task_timeline_draws_environment_time_under_its_task():
 
 def test_info_keys_become_per_episode_columns_and_iteration_means(chat_lm_dir):
     from rlhfflow.runtime.telemetry import declared_figures
-    from rlhfflow.runtime.worker.host import METRICS, partial_metrics
+    from rlhfflow.runtime.worker.tasks import METRICS, partial_metrics
     from rlhfflow.stages.rollout import RolloutParams, RolloutStage
 
     store = chat_store(chat_lm_dir)

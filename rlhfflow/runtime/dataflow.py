@@ -27,7 +27,7 @@ from rlhfflow.plan.tasks import (
     Task,
 )
 from rlhfflow.runtime.backend import TaskFailed
-from rlhfflow.runtime.worker.host import (
+from rlhfflow.runtime.worker.tasks import (
     StoreRows,
     checkpoint_task,
     export_weights_task,

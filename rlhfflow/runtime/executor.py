@@ -70,14 +70,16 @@ from rlhfflow.runtime.telemetry import (
     summarise,
 )
 from rlhfflow.runtime.worker.host import (
-    RESPONSE_TEXTS,
     RunDef,
-    StageFailed,
-    TaskResult,
     hold_updates,
-    save_model_task,
     settle_updates,
     update_model_configs,
+)
+from rlhfflow.runtime.worker.tasks import (
+    RESPONSE_TEXTS,
+    StageFailed,
+    TaskResult,
+    save_model_task,
 )
 from rlhfflow.runtime.workers import (
     build_tiny_models,

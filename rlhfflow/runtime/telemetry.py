@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from rlhfflow.plan.flops import StageWork, run_utilisation, utilisation
-from rlhfflow.runtime.worker.host import METRICS, pop_timings
+from rlhfflow.runtime.worker.host import pop_timings
+from rlhfflow.runtime.worker.tasks import METRICS
 from rlhfflow.sdk import IterationMetric
 from rlhfflow.storage import MetricsLog
 

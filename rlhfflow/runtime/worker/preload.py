@@ -21,7 +21,7 @@ import time
 def warm() -> float:
     """Import what the stages need; returns the seconds it took."""
     start = time.perf_counter()
-    import rlhfflow.runtime.worker.host  # noqa: F401  (torch, distributed, every built-in stage)
+    import rlhfflow.runtime.worker.tasks  # noqa: F401  (torch, distributed, every built-in stage)
     import rlhfflow.storage  # noqa: F401  (zarr)
 
     try:  # transformers imports model code on first use: the Llama family's now
