@@ -22,7 +22,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import singledispatch
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlhfflow.plan.auto.costmodel import CostModel
 from rlhfflow.plan.compiler import compile_run
@@ -150,181 +150,237 @@ def _amortized(iterations: list[int], gaps: list[float], saved: set[int], every:
 def _run(specs: list[Task], gates: list[int | None], n_workers: int, cost: CostModel,
          threads: int, iterations: int, contended: bool = False,
          checkpoint_every: int = 0) -> Simulation:
-    d = cost.device
-    sim = Simulation(specs=specs)
-    index = {s.id: i for i, s in enumerate(specs)}
-    remaining = {s.id: len(s.needs()) for s in specs}
-    users: dict[str, list[str]] = defaultdict(list)
-    for s in specs:
-        for r in s.needs():
-            users[r].append(s.id)
-    per_iteration: dict[int, int] = defaultdict(int)
-    for s in specs:
-        if not isinstance(s, SourceTask):
-            per_iteration[s.iteration] += 1
-    gated: dict[int | None, list[str]] = defaultdict(list)
-    for s, g in zip(specs, gates, strict=True):
-        gated[g].append(s.id)
-    released: set[str] = set()
-    ready_at: dict[str, float] = {}  # task -> when its inputs are all there
-    where: dict[str, int] = {}  # task -> worker it ran on
-    finish: dict[str, float] = {}
-    ready: list[tuple[int, int, str]] = []  # (-priority, order, id)
-    pending: list[tuple[float, int, str]] = []  # (time it becomes ready, order, id)
-    # (end time, order, running key, version): an end is stale once the speed changed
-    events: list[tuple[float, int, str, int]] = []
-    busy = [False] * n_workers  # holding a task (a gang rank waiting for its peers too)
-    computing: set[int] = set()  # workers whose task computes now
-    running: dict[str, dict[str, Any]] = {}  # task (or gang) -> its remaining work
-    started: dict[str, float] = {}
-    busy_time = [0.0] * n_workers
-    gang_started: dict[tuple, list[str]] = defaultdict(list)
-    done_count: dict[int, int] = defaultdict(int)
-    last_end: dict[int, float] = defaultdict(float)
-    now = 0.0
+    simulator = _Simulator(specs, gates, n_workers, cost, threads, contended)
+    simulator.run()
+    return _summarize(simulator.sim, simulator.busy_time, checkpoint_every)
 
-    def release(ids: list[str], at: float) -> None:
+
+@dataclass
+class _Job:
+    """A running task, or a gang's ranks: the work it has ``left`` at full speed as of
+    ``since``, and how much longer it takes slowed (``ratio``)."""
+
+    ids: list[str]
+    workers: list[int]
+    left: float
+    since: float
+    ratio: float
+    order: int
+    #: bumped at each end estimate: an event of an older one is stale
+    version: int = 0
+
+
+class _Simulator:
+    """One simulation's state (the workers, the tasks waiting, ready and running), changed
+    by one method per event: tasks released by an iteration's finish (``release``), a task
+    done (``complete``), tasks started on free workers (``dispatch``), running tasks'
+    ends (``end``); ``run`` advances the clock from one event to the next."""
+
+    def __init__(self, specs: list[Task], gates: list[int | None], n_workers: int,
+                 cost: CostModel, threads: int, contended: bool) -> None:
+        self.specs = specs
+        self.n_workers, self.cost, self.threads, self.contended = \
+            n_workers, cost, threads, contended
+        self.sim = Simulation(specs=specs)
+        self.index = {s.id: i for i, s in enumerate(specs)}
+        self.spec_of = {s.id: s for s in specs}
+        self.allowed_of = {s.id: frozenset(s.workers) if s.workers else None for s in specs}
+        self.move_of = {s.id: cost.transfer_seconds(cost.result_bytes(s.rows[1] - s.rows[0]))
+                        for s in specs}
+        self.remaining = {s.id: len(s.needs()) for s in specs}
+        self.users: dict[str, list[str]] = defaultdict(list)
+        for s in specs:
+            for r in s.needs():
+                self.users[r].append(s.id)
+        self.per_iteration: dict[int, int] = defaultdict(int)
+        for s in specs:
+            if not isinstance(s, SourceTask):
+                self.per_iteration[s.iteration] += 1
+        self.gated: dict[int | None, list[str]] = defaultdict(list)
+        for s, g in zip(specs, gates, strict=True):
+            self.gated[g].append(s.id)
+        self.released: set[str] = set()
+        self.ready_at: dict[str, float] = {}  # task -> when its inputs are all there
+        self.where: dict[str, int] = {}  # task -> worker it ran on
+        self.ready: list[tuple[int, int, str]] = []  # (-priority, order, id)
+        self.pending: list[tuple[float, int, str]] = []  # (time it becomes ready, order, id)
+        # (end time, order, running key, version): an end is stale once the speed changed
+        self.events: list[tuple[float, int, str, int]] = []
+        # holding a task (a gang rank waiting for its peers too)
+        self.busy = [False] * n_workers
+        self.computing: set[int] = set()  # workers whose task computes now
+        self.running: dict[str, _Job] = {}  # task (or gang) -> its remaining work
+        self.started: dict[str, float] = {}
+        self.busy_time = [0.0] * n_workers
+        self.gang_started: dict[tuple[int, tuple[str, ...], tuple[int, ...]], list[str]] = \
+            defaultdict(list)
+        self.done_count: dict[int, int] = defaultdict(int)
+        self.now = 0.0
+
+    def run(self) -> None:
+        """Release the ungated tasks, then move from event to event until none is left."""
+        self.release(self.gated.get(None, []), 0.0)
+        while self.pending or self.ready or self.events:
+            while self.pending and self.pending[0][0] <= self.now + 1e-12:
+                _, order, i = heapq.heappop(self.pending)
+                heapq.heappush(self.ready, (-self.specs[order].priority, order, i))
+            self.dispatch()
+            # advance to the next end or readiness
+            while self.events and self.events[0][3] != self._version(self.events[0][2]):
+                heapq.heappop(self.events)  # an end estimated before the speed changed
+            times = [t for t in (self.events[0][0] if self.events else None,
+                                 self.pending[0][0] if self.pending else None)
+                     if t is not None]
+            if not times:
+                break  # nothing can move (cannot happen for a compiled run)
+            self.now = max(self.now, min(times))
+            ended = []
+            while self.events and self.events[0][0] <= self.now + 1e-12:
+                _, _, key, version = heapq.heappop(self.events)
+                if self._version(key) == version:
+                    ended.append(key)
+            if ended:
+                self.end(ended)
+
+    def _version(self, key: str) -> int | None:
+        job = self.running.get(key)
+        return job.version if job is not None else None
+
+    def release(self, ids: list[str], at: float) -> None:
+        """An iteration's finish at ``at`` lets ``ids`` (compiled after it) run."""
         for i in ids:
-            released.add(i)
-            if remaining[i] == 0:
-                heapq.heappush(pending, (max(at, ready_at.get(i, 0.0)), index[i], i))
+            self.released.add(i)
+            if self.remaining[i] == 0:
+                heapq.heappush(self.pending, (max(at, self.ready_at.get(i, 0.0)),
+                                              self.index[i], i))
 
-    spec_of = {s.id: s for s in specs}
-    allowed_of = {s.id: frozenset(s.workers) if s.workers else None for s in specs}
-    move_of = {s.id: cost.transfer_seconds(cost.result_bytes(s.rows[1] - s.rows[0]))
-               for s in specs}
-    latency = d["latency_s"]
-
-    def complete(task_id: str, t: float) -> None:
-        spec = spec_of[task_id]
-        finish[task_id] = t
+    def complete(self, task_id: str, t: float) -> None:
+        """Task ``task_id`` is done at ``t``: its iteration may finish, and its users'
+        inputs arrive after Dask's latency (and a transfer, from another worker)."""
+        spec = self.spec_of[task_id]
         moving = not isinstance(spec, SourceTask)
         if moving:
-            done_count[spec.iteration] += 1
-            last_end[spec.iteration] = max(last_end[spec.iteration], t)
-            if done_count[spec.iteration] == per_iteration[spec.iteration]:
-                end = t + d["finish_s"]
-                sim.finishes[spec.iteration] = end
-                release(gated.get(spec.iteration, []), end)
-        w = where.get(task_id, -1)
-        here, there = t + latency, t + latency + move_of[task_id]
-        for u in users[task_id]:
-            remaining[u] -= 1
-            allowed = allowed_of[u]
+            self.done_count[spec.iteration] += 1
+            if self.done_count[spec.iteration] == self.per_iteration[spec.iteration]:
+                end = t + self.cost.device["finish_s"]
+                self.sim.finishes[spec.iteration] = end
+                self.release(self.gated.get(spec.iteration, []), end)
+        w = self.where.get(task_id, -1)
+        latency = self.cost.device["latency_s"]
+        here, there = t + latency, t + latency + self.move_of[task_id]
+        for u in self.users[task_id]:
+            self.remaining[u] -= 1
+            allowed = self.allowed_of[u]
             at = there if moving and allowed is not None and w not in allowed else here
-            if at > ready_at.get(u, 0.0):
-                ready_at[u] = at
-            if remaining[u] == 0 and u in released:
-                heapq.heappush(pending, (ready_at[u], index[u], u))
+            if at > self.ready_at.get(u, 0.0):
+                self.ready_at[u] = at
+            if self.remaining[u] == 0 and u in self.released:
+                heapq.heappush(self.pending, (self.ready_at[u], self.index[u], u))
 
-    def crowded() -> bool:
-        """Whether the computing workers' threads fill every core, so that the tasks
-        share them with the coordinator (on a contended layout). One worker of two
-        computing leaves the coordinator a core of its own: the tasks of an interleaved
-        plan mostly run so, measured as fast as alone."""
-        return contended and len(computing) * threads >= cost.cores
+    def dispatch(self) -> None:
+        """Start every ready task that finds a free worker, highest priority first."""
+        skipped = []
+        while self.ready:
+            item = heapq.heappop(self.ready)
+            spec = self.specs[item[1]]
+            if isinstance(spec, SourceTask):
+                self.complete(spec.id, self.now)
+                continue
+            w = self.choose(spec)
+            if w is None:
+                skipped.append(item)
+                continue
+            self.busy[w] = True
+            self.where[spec.id] = w
+            # a gang's rank computes once every rank is there (they meet in collectives)
+            if isinstance(spec, StageTask) and spec.gang:
+                group = (spec.iteration, spec.stages, spec.gang)
+                self.gang_started[group].append(spec.id)
+                if len(self.gang_started[group]) == len(spec.gang):
+                    ranks = self.gang_started.pop(group)
+                    self.start(spec.id, spec, ranks, [self.where[r] for r in ranks])
+                continue
+            self.start(spec.id, spec, [spec.id], [w])
+        for item in skipped:
+            heapq.heappush(self.ready, item)
 
-    def push_end(key: str, job: dict[str, Any], slowed: bool) -> None:
-        job["version"] += 1
-        end = now + max(0.0, job["left"]) * (job["ratio"] if slowed else 1.0)
-        heapq.heappush(events, (end, job["order"], key, job["version"]))
-
-    def respeed(was: bool) -> None:
-        """After the computing workers changed: if that changed whether the cores are
-        shared, progress every running task's work to now at the old speed and
-        estimate its end at the new one (only then: ends otherwise stand)."""
-        slowed = crowded()
-        if slowed == was:
-            return
-        for key, job in running.items():
-            job["left"] -= (now - job["since"]) / (job["ratio"] if was else 1.0)
-            job["since"] = now
-            push_end(key, job, slowed)
-
-    def start(key: str, spec: Task, ids: list[str], workers: list[int]) -> None:
-        """``ids`` (one task, or a gang's ranks on ``workers``) start computing now."""
-        fast = _duration(spec, cost, threads, False)
-        slow = _duration(spec, cost, threads, True) if contended else fast
-        was = crowded()
-        job = running[key] = {"ids": ids, "workers": workers, "left": fast, "since": now,
-                              "ratio": slow / fast if fast > 0 else 1.0, "version": 0,
-                              "order": index[ids[0]]}
-        computing.update(workers)
-        for i in ids:
-            started[i] = now
-        push_end(key, job, crowded())
-        respeed(was)
-
-    def choose(spec: Task) -> int | None:
-        allowed = spec.workers or tuple(range(n_workers))
-        free = [w for w in allowed if not busy[w]]
+    def choose(self, spec: Task) -> int | None:
+        """The free worker ``spec`` runs on (one it is restricted to, else the one with
+        most of its inputs), or None."""
+        allowed = spec.workers or tuple(range(self.n_workers))
+        free = [w for w in allowed if not self.busy[w]]
         if not free:
             return None
         if not spec.workers:  # next to most of its inputs
             votes: dict[int, int] = defaultdict(int)
             for r in spec.needs():
-                if r in where:
-                    votes[where[r]] += 1
+                if r in self.where:
+                    votes[self.where[r]] += 1
             return max(free, key=lambda w: (votes.get(w, 0), -w))
         return free[0]
 
-    release(gated.get(None, []), 0.0)
-    while pending or ready or events:
-        while pending and pending[0][0] <= now + 1e-12:
-            _, order, i = heapq.heappop(pending)
-            heapq.heappush(ready, (-specs[order].priority, order, i))
-        # start every ready task that finds a free worker, highest priority first
-        skipped = []
-        while ready:
-            item = heapq.heappop(ready)
-            spec = specs[item[1]]
-            if isinstance(spec, SourceTask):
-                complete(spec.id, now)
-                continue
-            w = choose(spec)
-            if w is None:
-                skipped.append(item)
-                continue
-            busy[w] = True
-            where[spec.id] = w
-            if isinstance(spec, StageTask) and spec.gang:  # a rank computes once every rank is there (collectives)
-                group = (spec.iteration, spec.stages, spec.gang)
-                gang_started[group].append(spec.id)
-                if len(gang_started[group]) == len(spec.gang):
-                    ranks = gang_started.pop(group)
-                    start(spec.id, spec, ranks, [where[r] for r in ranks])
-                continue
-            start(spec.id, spec, [spec.id], [w])
-        for item in skipped:
-            heapq.heappush(ready, item)
-        # advance to the next end or readiness
-        while events and events[0][3] != running.get(events[0][2], {}).get("version"):
-            heapq.heappop(events)  # an end estimated before the speed changed
-        times = [t for t in (events[0][0] if events else None,
-                             pending[0][0] if pending else None) if t is not None]
-        if not times:
-            break  # nothing can move (cannot happen for a compiled run)
-        now = max(now, min(times))
-        ended = []
-        while events and events[0][0] <= now + 1e-12:
-            _, _, key, version = heapq.heappop(events)
-            if running.get(key, {}).get("version") == version:
-                ended.append(key)
-        if ended:
-            was = crowded()
-            done = []
-            for key in ended:
-                job = running.pop(key)
-                computing.difference_update(job["workers"])
-                for i in job["ids"]:
-                    w = where[i]
-                    busy[w] = False
-                    sim.intervals[i] = (w, started[i], now)
-                    busy_time[w] += now - started[i]
-                    done.append(i)
-            respeed(was)
-            for i in done:
-                complete(i, now)
+    def start(self, key: str, spec: Task, ids: list[str], workers: list[int]) -> None:
+        """``ids`` (one task, or a gang's ranks on ``workers``) start computing now."""
+        fast = _duration(spec, self.cost, self.threads, False)
+        slow = _duration(spec, self.cost, self.threads, True) if self.contended else fast
+        was = self.crowded()
+        job = self.running[key] = _Job(ids, workers, left=fast, since=self.now,
+                                       ratio=slow / fast if fast > 0 else 1.0,
+                                       order=self.index[ids[0]])
+        self.computing.update(workers)
+        for i in ids:
+            self.started[i] = self.now
+        self.push_end(key, job, self.crowded())
+        self.respeed(was)
+
+    def end(self, keys: list[str]) -> None:
+        """The running ``keys`` end now: their workers are free, their tasks done."""
+        was = self.crowded()
+        done = []
+        for key in keys:
+            job = self.running.pop(key)
+            self.computing.difference_update(job.workers)
+            for i in job.ids:
+                w = self.where[i]
+                self.busy[w] = False
+                self.sim.intervals[i] = (w, self.started[i], self.now)
+                self.busy_time[w] += self.now - self.started[i]
+                done.append(i)
+        self.respeed(was)
+        for i in done:
+            self.complete(i, self.now)
+
+    def crowded(self) -> bool:
+        """Whether the computing workers' threads fill every core, so that the tasks
+        share them with the coordinator (on a contended layout). One worker of two
+        computing leaves the coordinator a core of its own: the tasks of an interleaved
+        plan mostly run so, measured as fast as alone."""
+        return self.contended and len(self.computing) * self.threads >= self.cost.cores
+
+    def push_end(self, key: str, job: _Job, slowed: bool) -> None:
+        """Estimate ``job``'s end from now at the speed ``slowed`` says."""
+        job.version += 1
+        end = self.now + max(0.0, job.left) * (job.ratio if slowed else 1.0)
+        heapq.heappush(self.events, (end, job.order, key, job.version))
+
+    def respeed(self, was: bool) -> None:
+        """After the computing workers changed: if that changed whether the cores are
+        shared, progress every running task's work to now at the old speed and
+        estimate its end at the new one (only then: ends otherwise stand)."""
+        slowed = self.crowded()
+        if slowed == was:
+            return
+        for key, job in self.running.items():
+            job.left -= (self.now - job.since) / (job.ratio if was else 1.0)
+            job.since = self.now
+            self.push_end(key, job, slowed)
+
+
+def _summarize(sim: Simulation, busy_time: list[float], checkpoint_every: int
+               ) -> Simulation:
+    """``sim`` with its iteration time (steady gaps between finishes, checkpoints
+    amortized) and each worker's busy share."""
+    specs = sim.specs
     finishes = [sim.finishes[k] for k in sorted(sim.finishes)]
     gaps = [b - a for a, b in zip(finishes, finishes[1:], strict=False)]
     steady = gaps[:-1] if len(gaps) > 1 else gaps  # as the run: not the last iteration
