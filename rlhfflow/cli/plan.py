@@ -64,6 +64,7 @@ def plan(file: str, overrides: tuple[str, ...], workers: int | None, strategy: s
                               if profile_path is not None else None)})
     pipeline = load(file, settings)
     from rlhfflow.plan.auto.planner import describe_choice, load_profile, plan_for_cli
+    from rlhfflow.plan.describe import plan_text
 
     with pipeline_errors():
         profile = load_profile(pipeline)
@@ -76,5 +77,5 @@ def plan(file: str, overrides: tuple[str, ...], workers: int | None, strategy: s
                        f"worker(s)")
             click.echo("\n".join(lines))
             return
-        click.echo(choice.best.plan.to_text(choice.pipeline))
+        click.echo(plan_text(choice.best.plan, choice.pipeline))
         click.echo("\n".join(describe_choice(choice, profile, candidates)))

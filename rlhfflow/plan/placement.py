@@ -28,8 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from rlhfflow.config.graph import StageGraph
 from rlhfflow.config.pipeline import Pipeline
+from rlhfflow.config.spec import WorkerRef
 from rlhfflow.errors import SpecError, did_you_mean
 from rlhfflow.plan.shapes import model_shapes
 
@@ -113,10 +116,6 @@ class ExecutionPlan:
         """The weight transfers that follow ``stage``."""
         return [t for t in self.transfers if t.after == stage]
 
-    def to_text(self, pipeline: Pipeline) -> str:
-        """A human-readable plan (``rlhfflow plan``)."""
-        return "\n".join(_describe(self, pipeline))
-
 
 def make_plan(pipeline: Pipeline, n_workers: int,
               model_bytes: Mapping[str, int] | None = None) -> ExecutionPlan:
@@ -135,50 +134,88 @@ def make_plan(pipeline: Pipeline, n_workers: int,
                          "'auto' first (rlhfflow.plan.auto.planner.resolve_plan)")
     sizes = dict(model_bytes) if model_bytes is not None else model_sizes(pipeline)
     groups = _groups(pipeline, n_workers)
+    refs = _WorkerRefs(file, groups, n_workers)
+    used = [m for m in spec.models if graph.users(m)]
+    homes = _homes(pipeline, refs, used, sizes)
+    overlap = spec.overlap
+    staleness = 0 if overlap.sequential else overlap.max_staleness
+    stages, replicas = _stage_plans(pipeline, refs, homes, staleness)
+    plan_replicas = {m: tuple(sorted(w)) for m, w in replicas.items()}
+    _check_gangs(file, stages, graph)
+    transfers = _transfers(pipeline, used, homes, plan_replicas, sizes)
+    fused = () if overlap.sequential or not overlap.fuse else _fuse(pipeline, stages)
+    return ExecutionPlan(placement.strategy, n_workers, groups, homes, plan_replicas, stages,
+                         tuple(transfers), sizes, fused, staleness, overlap.sequential)
 
-    def resolve(ref, key: str) -> tuple[int, ...]:
+
+@dataclass(frozen=True)
+class _WorkerRefs:
+    """The workers of a cluster of ``n_workers`` as a pipeline file names them: a group
+    of ``groups``, a worker index or a list of indexes."""
+
+    file: Path
+    groups: Mapping[str, tuple[int, ...]]
+    n_workers: int
+
+    def resolve(self, ref: WorkerRef, key: str) -> tuple[int, ...]:
+        """The sorted worker indexes ``ref`` (at ``key`` of the file) names."""
+        groups, n_workers = self.groups, self.n_workers
         if isinstance(ref, str):
             if ref not in groups:
                 hint = did_you_mean(ref, groups) if groups else ""
                 known = f"; groups: {', '.join(groups)}" if groups else \
                     "; no placement.groups are defined"
-                raise PlanError(file, key, f"unknown group {ref!r}{hint or known}")
+                raise PlanError(self.file, key, f"unknown group {ref!r}{hint or known}")
             return groups[ref]
         indexes = [ref] if isinstance(ref, int) else list(ref)
         for i in indexes:
             if i >= n_workers:
-                raise PlanError(file, key, f"worker index {i}, but the cluster has "
-                                           f"{n_workers} worker(s) (0..{n_workers - 1})")
+                raise PlanError(self.file, key, f"worker index {i}, but the cluster has "
+                                                f"{n_workers} worker(s) (0..{n_workers - 1})")
         return tuple(sorted(set(indexes)))
 
-    used = [m for m in spec.models if graph.users(m)]
+
+def _homes(pipeline: Pipeline, refs: _WorkerRefs, used: list[str], sizes: Mapping[str, int]
+           ) -> dict[str, tuple[int, ...]]:
+    """Where each model in ``used`` lives (is trained): where ``placement.models`` puts
+    it, else where the strategy does (interleaved: blocks balanced by ``sizes``)."""
+    spec = pipeline.spec
+    placement = spec.placement
     homes: dict[str, tuple[int, ...]] = {
-        m: resolve(ref, f"placement.models.{m}") for m, ref in placement.models.items()
+        m: refs.resolve(ref, f"placement.models.{m}") for m, ref in placement.models.items()
         if m in used}
     rest = [m for m in used if m not in homes]
     if placement.strategy == "colocated":
-        homes.update({m: tuple(range(n_workers)) for m in rest})
+        homes.update({m: tuple(range(refs.n_workers)) for m in rest})
     elif placement.strategy == "disaggregated":
-        homes.update({m: groups["train"] for m in rest})
+        homes.update({m: refs.groups["train"] for m in rest})
     else:
-        blocks = list(groups.values()) if groups else _blocks(n_workers, len(used))
+        blocks = list(refs.groups.values()) if refs.groups else \
+            _blocks(refs.n_workers, len(used))
         load = [sum(sizes.get(m, 0) for m in homes if homes[m] == b) for b in blocks]
         # trainable models first (they carry optimizer state), then the largest
         for m in sorted(rest, key=lambda m: (not spec.models[m].trainable, -sizes.get(m, 0),
                                              used.index(m))):
-            if pipeline.lora_base(m) in homes:  # a view of a LoRA model's base: beside it
-                homes[m] = homes[pipeline.lora_base(m)]
+            base = pipeline.lora_base(m)
+            if base in homes:  # a view of a LoRA model's base: beside it
+                homes[m] = homes[base]
                 continue
             i = min(range(len(blocks)), key=lambda i: (load[i], i))
             homes[m] = blocks[i]
             load[i] += sizes.get(m, 0)
+    return homes
 
-    overlap = spec.overlap
-    staleness = 0 if overlap.sequential else overlap.max_staleness
+
+def _stage_plans(pipeline: Pipeline, refs: _WorkerRefs, homes: Mapping[str, tuple[int, ...]],
+                 staleness: int) -> tuple[dict[str, StagePlan], dict[str, set[int]]]:
+    """Where each stage runs, and the workers that then hold each model (its home, its
+    replicas and shadows)."""
+    spec, graph, file = pipeline.spec, pipeline.graph, pipeline.source
+    placement = spec.placement
     # with staleness, the generating model's inference runs ahead on older weights
-    ahead_models = {graph.nodes[g].model for g in graph.generators()
-                    if staleness and graph.nodes[g].model in spec.models
-                    and spec.models[graph.nodes[g].model].trainable}
+    ahead_models = {model for g in graph.generators()
+                    if staleness and (model := graph.nodes[g].model) in spec.models
+                    and spec.models[model].trainable}
     stages: dict[str, StagePlan] = {}
     replicas: dict[str, set[int]] = {m: set(h) for m, h in homes.items()}
     for name in graph.order:
@@ -205,10 +242,10 @@ def make_plan(pipeline: Pipeline, n_workers: int,
             continue
         ahead = node.model in ahead_models and not node.per_batch
         if explicit is not None:
-            workers = resolve(explicit, key)
+            workers = refs.resolve(explicit, key)
         elif placement.strategy == "disaggregated" and (node.generates or ahead):
             # behaviour log-probs are computed next to generation, with its weights
-            workers = groups["rollout"]
+            workers = refs.groups["rollout"]
         else:
             workers = home
         trained = spec.models[node.model].trainable
@@ -219,21 +256,25 @@ def make_plan(pipeline: Pipeline, n_workers: int,
         replicas[node.model].update(workers)
         for other in node.uses:  # a draft model is needed (and kept current) there too
             replicas.setdefault(other, set(homes.get(other, ()))).update(workers)
+    return stages, replicas
 
-    plan_replicas = {m: tuple(sorted(w)) for m, w in replicas.items()}
-    _check_gangs(file, stages, graph)
+
+def _transfers(pipeline: Pipeline, used: list[str], homes: Mapping[str, tuple[int, ...]],
+               replicas: Mapping[str, tuple[int, ...]], sizes: Mapping[str, int]
+               ) -> list[Transfer]:
+    """The weights sent after each update of a trained model to its copies outside its
+    home (a LoRA model's adapters only)."""
+    spec, graph = pipeline.spec, pipeline.graph
     transfers = []
     for m in used:
-        targets = tuple(w for w in plan_replicas[m] if w not in homes[m])
+        targets = tuple(w for w in replicas[m] if w not in homes[m])
         trainers = [t for t in graph.trainers(m) if not graph.nodes[t].once]
         if targets and trainers and spec.models[m].trainable:
             nbytes = sizes.get(m, 0)
             if spec.models[m].lora is not None:  # a LoRA model moves its adapters only
                 nbytes = model_shapes(pipeline)[m].moved_bytes
             transfers.append(Transfer(m, trainers[-1], homes[m][0], targets, nbytes))
-    fused = () if overlap.sequential or not overlap.fuse else _fuse(pipeline, stages)
-    return ExecutionPlan(placement.strategy, n_workers, groups, homes, plan_replicas, stages,
-                         tuple(transfers), sizes, fused, staleness, overlap.sequential)
+    return transfers
 
 
 def _micro_batches(pipeline: Pipeline, name: str) -> int | None:
@@ -245,7 +286,7 @@ def _micro_batches(pipeline: Pipeline, name: str) -> int | None:
     return min(rows, spec.stages[name].micro_batches or spec.data.micro_batches)
 
 
-def inputs_of(graph, name: str) -> list[str]:
+def inputs_of(graph: StageGraph, name: str) -> list[str]:
     """The stages whose tasks a task of ``name`` waits for in the same iteration: the
     producers of the columns it reads, then its ``after`` list (no ``SOURCE``)."""
     from rlhfflow.config.graph import SOURCE
@@ -275,7 +316,7 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
     and setup stages stay alone. Only groups of two or more are returned.
     """
     spec, graph = pipeline.spec, pipeline.graph
-    groups: list[dict] = []
+    groups: list[_FuseGroup] = []
     for name in graph.loop_stages:
         sp = stages[name]
         whole = sp.micro_batches is None
@@ -284,64 +325,93 @@ def _fuse(pipeline: Pipeline, stages: Mapping[str, StagePlan]) -> tuple[tuple[st
         waits = set(inputs_of(graph, name))
         joined = None
         if spec.stages[name].fuse:
-            for g in reversed(groups):
-                # a group of one micro-batch is a whole batch: whole-batch stages join it
-                kind = g["whole"] == whole and sp.micro_batches == g["mb"] or \
-                    whole and g["mb"] == 1
-                if not kind or not g["fuse"] or sp.lag != g["lag"] or \
-                        graph.nodes[name].every != g["every"]:
-                    continue
-                if whole:
-                    # next to the group in the compile order, so compiling the group
-                    # at its first stage moves no stage past another's tasks
-                    if graph.loop_stages.index(g["order"][-1]) + 1 != \
-                            graph.loop_stages.index(name):
-                        continue
-                    # nothing after an update in its task: the next rollout waits for
-                    # the new weights, not for more work (and each update's metrics
-                    # stay its own)
-                    if any(graph.nodes[m].trains for m in g["members"]):
-                        continue
-                    place = not sp.workers or not g["workers"] or sp.workers == g["workers"]
-                    first = stages[g["order"][0]]
-                    if first.micro_batches is not None:
-                        # a group of micro-batch stages may have skipped stages of the
-                        # loop (a micro-batch stage joins any earlier group): it is
-                        # compiled at its first stage, so this stage's waits must all
-                        # come before that, which holds when the group is a contiguous
-                        # run of the loop; and its tasks run where its first stage says,
-                        # so a stage with a model joins only a group whose first stage
-                        # runs exactly where it does
-                        loop = graph.loop_stages
-                        span = loop[loop.index(g["order"][0]):loop.index(name)]
-                        place = place and set(span) == g["members"] and \
-                            (not sp.workers or sp.workers == first.workers)
-                    new = waits - g["members"] - g["waits"]
-                    # no new wait on a member's consumer (a cycle), and no other
-                    # consumer of a member made to wait for this stage's work (PPO's
-                    # critic update would wait for the actor's)
-                    consumers = {c for c in graph.loop_stages if c != name and
-                                 c not in g["members"] and graph.upstream(c) & g["members"]}
-                    ok = not any(graph.upstream(x) & g["members"] for x in new) and \
-                        all(name in graph.upstream(c) for c in consumers)
-                else:
-                    place = sp.workers == g["workers"] or (not sp.workers and g["workers"])
-                    ok = waits <= g["members"] | g["waits"]
-                if place and ok:
-                    joined = g
-                    break
+            joined = next((g for g in reversed(groups)
+                           if g.admits(graph, stages, name, waits)), None)
         if joined is None:
-            groups.append({"members": {name}, "order": [name], "waits": waits,
-                           "workers": sp.workers, "mb": sp.micro_batches, "lag": sp.lag,
-                           "fuse": spec.stages[name].fuse, "whole": whole,
-                           "every": graph.nodes[name].every})
+            groups.append(_FuseGroup({name}, [name], waits, sp.workers, sp.micro_batches,
+                                     sp.lag, spec.stages[name].fuse, whole,
+                                     graph.nodes[name].every))
         else:
-            joined["members"].add(name)
-            joined["order"].append(name)
-            joined["waits"] |= waits - joined["members"]
-            joined["workers"] = joined["workers"] or sp.workers
-            joined["whole"] = joined["whole"] or whole  # no micro-batch stage after it
-    return tuple(tuple(g["order"]) for g in groups if len(g["order"]) > 1)
+            joined.add(name, sp, waits)
+    return tuple(tuple(g.order) for g in groups if len(g.order) > 1)
+
+
+@dataclass
+class _FuseGroup:
+    """Stages that run as one task (``_fuse``), and what the task waits for and where
+    it runs."""
+
+    members: set[str]
+    order: list[str]
+    #: the stages of the iteration the group's task waits for (none of its members)
+    waits: set[str]
+    workers: tuple[int, ...]
+    micro_batches: int | None
+    lag: int
+    fuse: bool
+    #: it has a whole-batch stage: no micro-batch stage may join after it
+    whole: bool
+    every: int
+
+    def admits(self, graph: StageGraph, stages: Mapping[str, StagePlan], name: str,
+               waits: set[str]) -> bool:
+        """Whether stage ``name``, which waits for ``waits``, may join the group."""
+        sp = stages[name]
+        whole = sp.micro_batches is None
+        # a group of one micro-batch is a whole batch: whole-batch stages join it
+        kind = self.whole == whole and sp.micro_batches == self.micro_batches or \
+            whole and self.micro_batches == 1
+        if not kind or not self.fuse or sp.lag != self.lag or \
+                graph.nodes[name].every != self.every:
+            return False
+        if not whole:
+            place = sp.workers == self.workers or (not sp.workers and bool(self.workers))
+            return place and waits <= self.members | self.waits
+        return self._admits_whole(graph, stages, name, waits)
+
+    def _admits_whole(self, graph: StageGraph, stages: Mapping[str, StagePlan], name: str,
+                      waits: set[str]) -> bool:
+        sp = stages[name]
+        # next to the group in the compile order, so compiling the group
+        # at its first stage moves no stage past another's tasks
+        if graph.loop_stages.index(self.order[-1]) + 1 != graph.loop_stages.index(name):
+            return False
+        # nothing after an update in its task: the next rollout waits for
+        # the new weights, not for more work (and each update's metrics
+        # stay its own)
+        if any(graph.nodes[m].trains for m in self.members):
+            return False
+        place = not sp.workers or not self.workers or sp.workers == self.workers
+        first = stages[self.order[0]]
+        if first.micro_batches is not None:
+            # a group of micro-batch stages may have skipped stages of the
+            # loop (a micro-batch stage joins any earlier group): it is
+            # compiled at its first stage, so this stage's waits must all
+            # come before that, which holds when the group is a contiguous
+            # run of the loop; and its tasks run where its first stage says,
+            # so a stage with a model joins only a group whose first stage
+            # runs exactly where it does
+            loop = graph.loop_stages
+            span = loop[loop.index(self.order[0]):loop.index(name)]
+            place = place and set(span) == self.members and \
+                (not sp.workers or sp.workers == first.workers)
+        new = waits - self.members - self.waits
+        # no new wait on a member's consumer (a cycle), and no other
+        # consumer of a member made to wait for this stage's work (PPO's
+        # critic update would wait for the actor's)
+        consumers = {c for c in graph.loop_stages if c != name and
+                     c not in self.members and graph.upstream(c) & self.members}
+        ok = not any(graph.upstream(x) & self.members for x in new) and \
+            all(name in graph.upstream(c) for c in consumers)
+        return place and ok
+
+    def add(self, name: str, sp: StagePlan, waits: set[str]) -> None:
+        """Stage ``name`` (planned as ``sp``, waiting for ``waits``) joins the group."""
+        self.members.add(name)
+        self.order.append(name)
+        self.waits |= waits - self.members
+        self.workers = self.workers or sp.workers
+        self.whole = self.whole or sp.micro_batches is None  # no micro-batch stage after it
 
 
 def _groups(pipeline: Pipeline, n_workers: int) -> dict[str, tuple[int, ...]]:
@@ -373,9 +443,9 @@ def _groups(pipeline: Pipeline, n_workers: int) -> dict[str, tuple[int, ...]]:
                                                         "workers (generation and training "
                                                         "apart); the cluster has 1")
         if "rollout" not in groups:
-            taken = set(groups.get("train", ()))
-            free = [i for i in range(n_workers) if i not in taken]
-            groups["rollout"] = tuple(free[:max(1, len(free) // 2)]) if taken else \
+            training = set(groups.get("train", ()))
+            free = [i for i in range(n_workers) if i not in training]
+            groups["rollout"] = tuple(free[:max(1, len(free) // 2)]) if training else \
                 tuple(range(max(1, n_workers // 2)))
         if "train" not in groups:
             groups["train"] = tuple(i for i in range(n_workers) if i not in groups["rollout"])
@@ -398,7 +468,7 @@ def _blocks(n_workers: int, n_models: int) -> list[tuple[int, ...]]:
     return blocks
 
 
-def _check_gangs(file, stages: Mapping[str, StagePlan], graph) -> None:
+def _check_gangs(file: Path, stages: Mapping[str, StagePlan], graph: StageGraph) -> None:
     """Each worker belongs to at most one gang's process group: gangs share all their
     workers or none."""
     seen: dict[tuple[int, ...], str] = {}
@@ -419,115 +489,3 @@ def model_sizes(pipeline: Pipeline) -> dict[str, int]:
     """Parameter bytes of every model, from its config (built on the meta device; 0 for
     a model not on disk yet)."""
     return {name: shape.nbytes for name, shape in model_shapes(pipeline).items()}
-
-
-# --------------------------------------------------------------------------- text
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _ws(workers: tuple[int, ...]) -> str:
-    return ",".join(str(w) for w in workers)
-
-
-def _describe(plan: ExecutionPlan, pipeline: Pipeline) -> list[str]:
-    spec, graph = pipeline.spec, pipeline.graph
-    rows = spec.data.batch_size * spec.data.samples_per_prompt if spec.data else 0
-    micro = spec.data.micro_batches if spec.data else 1
-    lines = [f"plan: {pipeline.name}: strategy {plan.strategy} on {plan.n_workers} "
-             f"worker(s); {rows} rows per iteration in {micro} micro-batch(es)"]
-    if plan.groups:
-        lines.append("groups:")
-        lines += [f"  {g:<14} workers {_ws(w)}" for g, w in plan.groups.items()]
-    lines.append("models:")
-    for m, home in plan.homes.items():
-        shadows = plan.shadows(m)
-        extra = ""
-        if shadows:
-            extra = (f"; shadow on {_ws(shadows)}" if spec.models[m].trainable
-                     else f"; replica on {_ws(shadows)}")
-        lines.append(f"  {m:<14} workers {_ws(home)} ({_size(plan.model_bytes.get(m, 0))}, "
-                     f"{'trained' if spec.models[m].trainable else 'frozen'}){extra}")
-    lines.append("stages:")
-    for name in graph.order:
-        node, sp = graph.nodes[name], plan.stages[name]
-        n_mb = sp.micro_batches or 1
-        group = plan.group(name)
-        if not sp.workers and len(group) > 1:
-            where = "with its group"
-            split = "whole batch" if sp.micro_batches is None else f"{n_mb} micro-batch(es)"
-        elif not sp.workers:
-            where, split = "any worker", ("whole batch" if node.per_batch else
-                                          f"{n_mb} micro-batch(es), on whichever worker "
-                                          f"is free")
-        elif sp.gang and len(sp.workers) == 1:
-            where, split = f"worker {sp.workers[0]}", "whole batch (a gang of one)"
-        elif sp.gang:
-            where = f"workers {_ws(sp.workers)}"
-            split = (f"data-parallel gang of {len(sp.workers)}: each minibatch split "
-                     f"{len(sp.workers)} ways, gradients all-reduced")
-        elif node.once or node.per_batch:
-            where, split = f"worker {sp.workers[0]}", "whole batch"
-        else:
-            where = f"worker{'s' if len(sp.workers) > 1 else ''} {_ws(sp.workers)}"
-            split = f"{n_mb} micro-batch(es)"
-            if len(sp.workers) > 1:
-                split += ", each on whichever of them is free"
-            if n_mb < len(sp.workers):
-                split += f" (only {n_mb} of {len(sp.workers)} workers busy: raise " \
-                         f"micro_batches)"
-        tag = " [shadow]" if sp.shadow else ""
-        if len(group) > 1 and group[0] != name:
-            tag += f" [fused into {group[0]}]"
-        if sp.lag:
-            tag += f" [ahead {sp.lag}]"
-        kind = "setup" if node.once else node.type
-        lines.append(f"  {name:<14} {kind:<12} {where:<14} {split}{tag}")
-    lines.append("overlap:")
-    if plan.sequential:
-        lines.append("  sequential: each stage waits for the whole previous one, each "
-                     "iteration for the previous one (no streaming, fusion or overlap)")
-    else:
-        lines.append("  streaming: each micro-batch moves on as soon as it is ready; "
-                     "iteration k+1 starts as soon as its inputs exist")
-        if plan.max_staleness:
-            ahead = [n for n, sp in plan.stages.items() if sp.lag]
-            lines.append(f"  max_staleness {plan.max_staleness}: {', '.join(ahead)} of "
-                         f"iteration k run with the actor of iteration k-{plan.max_staleness}"
-                         f" (behaviour log-probs kept for the PPO ratio)")
-        else:
-            lines.append("  max_staleness 0: strictly on-policy")
-        for g in plan.fused:
-            per = "iteration" if plan.stages[g[0]].micro_batches in (None, 1) else "micro-batch"
-            lines.append(f"  fused: {' + '.join(g)} (one task per {per})")
-        if not plan.fused:
-            lines.append("  fused: none")
-    lines.append("weights moved:")
-    moved = False
-    for t in plan.transfers:
-        moved = True
-        lines.append(f"  {t.model}: after {t.after}, worker {t.source} -> {_ws(t.targets)}: "
-                     f"{_size(t.nbytes)} x {len(t.targets)} = {_size(t.nbytes * len(t.targets))}"
-                     f" per iteration")
-    for name, sp in plan.stages.items():
-        if sp.gang:
-            moved = True
-            m, n = graph.nodes[name].model, len(sp.workers)
-            if n == 1:
-                continue
-            ring = int(plan.model_bytes.get(m, 0) * 2 * (n - 1) / n)
-            lines.append(f"  {m}: {name} all-reduces gradients over workers {_ws(sp.workers)}: "
-                         f"{_size(ring)} per worker per optimizer step")
-    if not moved:
-        lines.append("  none: every model is updated where it is used")
-    loads = {m: len(r) for m, r in plan.replicas.items() if len(r) > 1}
-    if loads:
-        lines.append("  (at start, each copy loads from disk: "
-                     + ", ".join(f"{m} x{n}" for m, n in loads.items()) + ")")
-    return lines
