@@ -5,13 +5,13 @@ worker, CLI) can use it cheaply.
 """
 
 from rlhfflow.storage.buffer import (
-    COMMIT_KEY,
     ColumnSpec,
     ExperienceBuffer,
     IterationNotFoundError,
     group_name,
     split_rows,
 )
+from rlhfflow.storage.bufferwrites import COMMIT_KEY
 from rlhfflow.storage.checkpoints import (
     Checkpoint,
     CheckpointError,
