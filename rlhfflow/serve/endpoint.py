@@ -115,6 +115,8 @@ class Session:
     calls: list[Call] = field(default_factory=list)
     open: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: per call choice, its prompt and completion as text (special tokens kept) and ids
+    history: list[tuple[str, list[int]]] = field(default_factory=list)
 
     def draws(self, steps: int) -> torch.Tensor | None:
         """The next ``steps`` uniforms of the episode's stream (None: no generator)."""
@@ -123,9 +125,17 @@ class Session:
         with self.lock:
             return torch.rand(steps, generator=self.generator, dtype=torch.float64)
 
-    def record(self, prompt: list[int], completion: Completion) -> None:
+    def record(self, prompt: list[int], completion: Completion, text: str) -> None:
+        """Book a finished choice; ``text``: its prompt and completion as text."""
         with self.lock:
             self.calls.append(Call(prompt, completion))
+            self.history.append((text, prompt + completion.tokens))
+
+    def extended(self, text: str) -> tuple[str, list[int]] | None:
+        """The latest earlier call whose prompt and completion ``text`` begins with."""
+        with self.lock:
+            return next(((done, ids) for done, ids in reversed(self.history)
+                         if text.startswith(done)), None)
 
 
 class Endpoint:
@@ -208,14 +218,14 @@ class Endpoint:
         except Exception as exc:  # noqa: BLE001 - the template's own error, to the caller
             raise BadRequest(f"the chat template cannot render these messages: {exc}",
                              param="messages") from None
-        prompt = prompt_token_ids(self.tokenizer, text, templated=True)
+        prompt = self._prompt_ids(text, True, session)
         stops = _stops(body)
         if shown and self.tool_format.stop:
             stops = (*stops, self.tool_format.stop)
         top = body.get("top_logprobs") or 0
         settings = self._sampling(body, body.get("max_completion_tokens",
                                                  body.get("max_tokens")), stops, top, session)
-        completions = self._complete(prompt, settings, body, session)
+        completions = self._complete(prompt, settings, body, session, text)
         choices = []
         for i, done in enumerate(completions):
             content = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
@@ -250,7 +260,7 @@ class Endpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = prompt_token_ids(self.tokenizer, prompt)
+            ids = self._prompt_ids(prompt, False, session)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
@@ -258,7 +268,8 @@ class Endpoint:
                              param="prompt")
         top = body.get("logprobs") or 0
         settings = self._sampling(body, body.get("max_tokens"), _stops(body), top, session)
-        completions = self._complete(ids, settings, body, session)
+        completions = self._complete(ids, settings, body, session,
+                                     prompt if isinstance(prompt, str) else None)
         choices = []
         for i, done in enumerate(completions):
             text = self.tokenizer.decode(done.tokens, skip_special_tokens=True)
@@ -316,7 +327,8 @@ class Endpoint:
             raise BadRequest(str(exc)) from None
 
     def _complete(self, prompt: list[int], settings: SamplingSettings,
-                  body: dict[str, Any], session: Session | None = None) -> list:
+                  body: dict[str, Any], session: Session | None = None,
+                  text: str | None = None) -> list:
         n = 1 if body.get("n") is None else body["n"]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise BadRequest(f"'n' must be an integer in [1, {MAX_CHOICES}]", param="n")
@@ -334,9 +346,24 @@ class Endpoint:
             for i in range(n)]
         done = [future.result() for future in futures]
         if session is not None:
+            text = self.tokenizer.decode(prompt) if text is None else text
             for completion in done:
-                session.record(prompt, completion)
+                said = self.tokenizer.decode(completion.tokens, skip_special_tokens=False)
+                session.record(prompt, completion, text + said)
         return done
+
+    def _prompt_ids(self, text: str, templated: bool, session: Session | None
+                    ) -> list[int]:
+        """``text``'s token ids. In a session, a prompt that begins with an earlier
+        call's prompt and completion takes their ids as they were (the tokens the model
+        saw and sampled), and only the rest is tokenised: re-tokenising the whole text
+        could merge tokens across the boundary, and the history would not be what the
+        model said at token level."""
+        found = session.extended(text) if session is not None else None
+        if found is None:
+            return prompt_token_ids(self.tokenizer, text, templated=templated)
+        done, ids = found
+        return ids + self.tokenizer(text[len(done):], add_special_tokens=False)["input_ids"]
 
     def _response(self, kind: str, prefix: str, prompt: list[int], completions: list,
                   choices: list[dict[str, Any]]) -> dict[str, Any]:
