@@ -1,5 +1,6 @@
 # rlhfflow: `make run` installs everything into .venv and runs the demo; `make test` runs
-# the linter and the whole test suite. Nothing else is needed on a machine with Python 3.11+.
+# the linter, the type checker and the whole test suite. Nothing else is needed on a
+# machine with Python 3.11+.
 
 SHELL := /bin/bash
 
@@ -59,9 +60,11 @@ run: $(STAMP)  ## run the demo: PPO on tiny models, output in runs/ppo-tiny/
 	$(BIN)/rlhfflow run configs/ppo-tiny.yaml --overwrite
 
 # Two pytest processes (pytest-xdist), a test file each at a time, so a module's shared
-# cluster and fixtures stay in one process.
-test: $(TEST_STAMP)  ## ruff, then the whole test suite (slow end-to-end tests included)
+# cluster and fixtures stay in one process. mypy reads its settings (which packages are
+# strict) from pyproject.toml; a cold run takes ~12 s, a warm one under 1 s (.mypy_cache/).
+test: $(TEST_STAMP)  ## ruff, mypy, then the whole test suite (slow end-to-end tests included)
 	$(BIN)/ruff check rlhfflow tests benchmarks examples gpu
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 lint: $(STAMP)  ## ruff only
@@ -91,5 +94,5 @@ gpu-check:  ## on a GPU machine: install .gpu-kit/ and run the GPU checks (GPU=0
 	$(GPU_PYTHON) gpu/check.py $(if $(filter 0,$(GPU)),--dry-run)
 
 clean:  ## remove .venv, runs/ and caches
-	rm -rf $(VENV) runs gpu-out .gpu-kit-dry .pytest_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) runs gpu-out .gpu-kit-dry .pytest_cache .ruff_cache .mypy_cache build dist *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -28,7 +28,7 @@ from tests.conftest import REPO
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 QUICK_START = ("make run     # creates .venv, installs rlhfflow into it, runs the PPO demo\n"
-               "make test    # ruff, then the whole test suite\n")
+               "make test    # ruff, mypy, then the whole test suite\n")
 
 
 def doc_pages() -> list:
