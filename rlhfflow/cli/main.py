@@ -66,7 +66,7 @@ def _run_warm(argv: list[str]) -> None:
     command = [a for a in argv if a not in GROUP_FLAGS][:1]
     if command != ["run"] or any(a in ("-h", "--help", "--supervise") for a in argv):
         return
-    from rlhfflow.launch import warm
+    from rlhfflow.launch import warm, warmrun
 
     if not warm.enabled():
         return
@@ -83,7 +83,7 @@ def _run_warm(argv: list[str]) -> None:
         click.echo(f"rlhfflow: running without a warm server: {first_line(exc)}", err=True)
         return
     try:
-        code = warm.run_in_server(sock, argv)
+        code = warmrun.run_in_server(sock, argv)
     except OSError as exc:
         click.echo(f"rlhfflow: running without a warm server: {first_line(exc)}", err=True)
         return
