@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from rlhfflow.engine import lean
+from rlhfflow.engine import cpukernels, lean, mergedlora
 from rlhfflow.engine.drafting import shallow_view
 from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model, save_tiny_model
@@ -339,7 +339,7 @@ def test_lean_lora_generates_from_merged_weights_remade_when_the_adapters_change
     slow, fast = _lora_pair()
     lean.enable(fast)
     ids, mask, pos = padded_ids()
-    layers = [m for m in fast.modules() if lean._is_lora(m)]
+    layers = [m for m in fast.modules() if mergedlora.is_lora(m)]
 
     def logits(model, merged: bool) -> torch.Tensor:
         with torch.no_grad(), (lean.merged_adapters(model) if merged else nullcontext()):
@@ -430,13 +430,13 @@ def test_sampling_takes_its_products_from_onednn_with_mkl_s_values(monkeypatch):
     """Within ``sampling`` the products without gradients go through oneDNN's kernel
     (this torch build has it: the speed of generation on CPU depends on it), equal to
     MKL's up to float rounding; outside it, and with ``RLHFFLOW_ONEDNN=0``, MKL's."""
-    assert lean._onednn() is not None
+    assert cpukernels._onednn() is not None
     model = build_tiny_model(build_char_tokenizer(), n_layer=2, hidden=32, n_head=4).eval()
     assert lean.enable(model)
-    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
+    monkeypatch.setattr(cpukernels, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
     calls = []
-    real_linear = lean._onednn_linear
-    monkeypatch.setattr(lean, "_onednn_linear",
+    real_linear = lean.onednn_linear
+    monkeypatch.setattr(lean, "onednn_linear",
                         lambda x, w: calls.append(w.shape) or real_linear(x, w))
     ids, mask, pos = padded_ids()
 
@@ -454,29 +454,29 @@ def test_sampling_takes_its_products_from_onednn_with_mkl_s_values(monkeypatch):
     calls.clear()
     with lean.sampling(model):  # taking gradients: MKL's, bitwise transformers'
         assert torch.equal(logits(), outside) and not calls
-    monkeypatch.setenv(lean.ONEDNN_ENV, "0")
-    lean._onednn.cache_clear()
+    monkeypatch.setenv(cpukernels.ONEDNN_ENV, "0")
+    cpukernels._onednn.cache_clear()
     try:
         with torch.no_grad(), lean.sampling(model):
             assert torch.equal(logits(), outside)  # the op was asked for, MKL's answered
     finally:
-        monkeypatch.delenv(lean.ONEDNN_ENV)
-        lean._onednn.cache_clear()
+        monkeypatch.delenv(cpukernels.ONEDNN_ENV)
+        cpukernels._onednn.cache_clear()
 
 
 def test_each_kind_of_product_takes_the_kernel_measured_faster_on_the_machine():
-    assert lean.choose_kernels({"layer": (1.0, 0.9), "head": (1.0, 0.97)}) == {
+    assert cpukernels.choose_kernels({"layer": (1.0, 0.9), "head": (1.0, 0.97)}) == {
         "layer": True, "head": False}  # a tie within the margin keeps MKL's
-    assert lean.choose_kernels({"layer": (1.0, 1.2), "head": (3.0, 2.0)}) == {
+    assert cpukernels.choose_kernels({"layer": (1.0, 1.2), "head": (3.0, 2.0)}) == {
         "layer": False, "head": True}  # as measured on an Intel Xeon
-    assert lean.product_kind(49152) == "head" and lean.product_kind(14336) == "layer"
+    assert cpukernels.product_kind(49152) == "head" and cpukernels.product_kind(14336) == "layer"
 
 
 def _kernels_run(x: torch.Tensor, weight: torch.Tensor) -> set[str]:
-    """The matmul ops ``lean._onednn_linear(x, weight)`` ran (torch's profiler)."""
-    lean._onednn(), lean._kernels()  # their self-check and choice, before profiling
+    """The matmul ops ``cpukernels.onednn_linear(x, weight)`` ran (torch's profiler)."""
+    cpukernels._onednn(), cpukernels._kernels()  # their self-check and choice, before profiling
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        lean._onednn_linear(x, weight)
+        cpukernels.onednn_linear(x, weight)
     return {e.key for e in prof.key_averages()} & {"mkldnn::_linear_pointwise",
                                                      "aten::linear"}
 
@@ -486,36 +486,36 @@ def test_the_kernel_choice_is_measured_once_cached_and_forced_by_the_environment
     from rlhfflow.engine import machine
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(lean.ONEDNN_ENV, raising=False)
+    monkeypatch.delenv(cpukernels.ONEDNN_ENV, raising=False)
     shapes = {"layer": (4, 8, 16), "head": (4, 8, 64)}
-    first = lean.kernel_timings(1, shapes)
+    first = cpukernels.kernel_timings(1, shapes)
     assert set(first) == {"layer", "head"} and all(t > 0 for ts in first.values() for t in ts)
-    cache = tmp_path / "rlhfflow" / lean.KERNEL_CACHE
+    cache = tmp_path / "rlhfflow" / cpukernels.KERNEL_CACHE
     [key] = json.loads(cache.read_text())
     assert "x1 threads" in key and "mkldnn" in key
     # timings put in the cache are what a process chooses from: nothing measured again
     key = machine.machine_key("F.linear vs mkldnn._linear_pointwise", torch.get_num_threads())
     cache.write_text(json.dumps({key: {"layer": [1.0, 2.0], "head": [2.0, 1.0]}}))
-    assert lean.kernel_timings(torch.get_num_threads(), shapes) == {
+    assert cpukernels.kernel_timings(torch.get_num_threads(), shapes) == {
         "layer": [1.0, 2.0], "head": [2.0, 1.0]}
-    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)
-    monkeypatch.setattr(lean, "HEAD_FEATURES", 64)
+    monkeypatch.setattr(cpukernels, "ONEDNN_MIN_FEATURES", 0)
+    monkeypatch.setattr(cpukernels, "HEAD_FEATURES", 64)
     x, layer, head = torch.randn(4, 8), torch.randn(16, 8), torch.randn(64, 8)
-    lean._kernels.cache_clear()
+    cpukernels._kernels.cache_clear()
     try:
-        assert lean._kernels() == {"layer": False, "head": True}
+        assert cpukernels._kernels() == {"layer": False, "head": True}
         assert _kernels_run(x, layer) == {"aten::linear"}
         assert _kernels_run(x, head) == {"mkldnn::_linear_pointwise"}
-        monkeypatch.setenv(lean.ONEDNN_ENV, "1")  # forced: oneDNN's for every kind
-        lean._kernels.cache_clear()
+        monkeypatch.setenv(cpukernels.ONEDNN_ENV, "1")  # forced: oneDNN's for every kind
+        cpukernels._kernels.cache_clear()
         assert _kernels_run(x, layer) == {"mkldnn::_linear_pointwise"}
-        monkeypatch.setenv(lean.ONEDNN_ENV, "0")  # forced off: MKL's for every kind
-        lean._onednn.cache_clear()
+        monkeypatch.setenv(cpukernels.ONEDNN_ENV, "0")  # forced off: MKL's for every kind
+        cpukernels._onednn.cache_clear()
         assert _kernels_run(x, head) == {"aten::linear"}
     finally:
-        monkeypatch.delenv(lean.ONEDNN_ENV, raising=False)
-        lean._kernels.cache_clear()
-        lean._onednn.cache_clear()
+        monkeypatch.delenv(cpukernels.ONEDNN_ENV, raising=False)
+        cpukernels._kernels.cache_clear()
+        cpukernels._onednn.cache_clear()
 
 
 def _step(model, ids, mask, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -534,7 +534,7 @@ def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompu
     gradient): the logits and the gradients of A and B are peft's up to float rounding,
     with gradient checkpointing too. After an update the weights are stale and nothing
     is merged again: the adapters' path."""
-    monkeypatch.setattr(lean, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
+    monkeypatch.setattr(cpukernels, "ONEDNN_MIN_FEATURES", 0)  # the tiny model's are 32 wide
     slow, fast = _lora_pair()
     lean.enable(fast)
     fast.get_base_model()._rlhfflow_recompute = recompute
@@ -546,14 +546,14 @@ def test_a_lora_training_step_reads_the_merged_weights_its_sampling_made(recompu
     slow.train(), fast.train()
     expected, expected_grads = _step(slow, ids, mask, pos)
     applied = []
-    real_apply = lean._MergedLoRA.apply
-    lean._MergedLoRA.apply = lambda *args: applied.append(args[1]) or real_apply(*args)
+    real_apply = mergedlora.MergedLoRA.apply
+    mergedlora.MergedLoRA.apply = lambda *args: applied.append(args[1]) or real_apply(*args)
     try:
         with lean.training(fast):
             assert len(lean._TRAINING.get()) == 14
             got, grads = _step(fast, ids, mask, pos)
     finally:
-        lean._MergedLoRA.apply = real_apply
+        mergedlora.MergedLoRA.apply = real_apply
     # 14 layers, each once in the forward (and once more in the recomputation)
     assert len(applied) == 14 * (2 if recompute else 1)
     assert {id(w) for w in applied} == {id(w) for w in merged.values()}
@@ -582,8 +582,8 @@ def test_a_lora_training_context_leaves_adapters_stepped_or_switched_off_inside_
         fast(input_ids=ids, attention_mask=mask, position_ids=pos)
     slow.train(), fast.train()
     applied = []
-    real_apply = lean._MergedLoRA.apply
-    lean._MergedLoRA.apply = lambda *args: applied.append(1) or real_apply(*args)
+    real_apply = mergedlora.MergedLoRA.apply
+    mergedlora.MergedLoRA.apply = lambda *args: applied.append(1) or real_apply(*args)
     try:
         with lean.training(fast):
             assert len(lean._TRAINING.get()) == 14
@@ -602,7 +602,7 @@ def test_a_lora_training_context_leaves_adapters_stepped_or_switched_off_inside_
                 off = fast(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 base = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     finally:
-        lean._MergedLoRA.apply = real_apply
+        mergedlora.MergedLoRA.apply = real_apply
     assert not applied
     real = mask.bool()
     expected = slow(input_ids=ids, attention_mask=mask, position_ids=pos).logits

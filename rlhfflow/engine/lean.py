@@ -37,8 +37,8 @@ adapters disabled (logits and the gradients of ``A`` and ``B`` bitwise peft's on
 without gradients is one product with its merged weight ``W + scaling * B A`` instead,
 equal up to float rounding. Within ``training`` (a training step), a layer whose merged
 weight still matches its adapters is one product with it too, its gradients those of the
-adapters' path up to float rounding (``_MergedLoRA``). A layer in a state it does not
-cover (adapters merged into the weights, forward hooks such as peft's per-row
+adapters' path up to float rounding (``rlhfflow.engine.mergedlora``). A layer in a state
+it does not cover (adapters merged into the weights, forward hooks such as peft's per-row
 ``adapter_names``) is called as a module.
 Adapters of another shape keep peft's forward for the whole model (``unsupported`` says
 why): other peft methods, DoRA and other LoRA variants, adapters on layers other than the
@@ -66,8 +66,8 @@ SmolLM2's 49152-token output head 1.9x (2.4x at 4 rows); on an Intel Xeon the la
 products ran 0.9-1.0x (slower) and the head 1.3-1.4x. So the kernel is chosen per kind
 of product (an output head, ``HEAD_FEATURES`` output features or more, or a layer's) by
 timing both kernels once on the machine at hand (``KERNEL_SHAPES``, at the process's
-torch thread count; ``kernel_timings``), kept beside the matmul peak
-(``rlhfflow.engine.machine``): oneDNN's is taken where it was faster by
+torch thread count; ``kernel_timings``; ``rlhfflow.engine.cpukernels``), kept beside the
+matmul peak (``rlhfflow.engine.machine``): oneDNN's is taken where it was faster by
 ``ONEDNN_MARGIN``. ``RLHFFLOW_ONEDNN=1`` takes oneDNN's for every kind, ``0`` keeps MKL's
 for all. Values equal MKL's up to float rounding (not bitwise transformers'). A LoRA
 model's training step (``training``) takes its frozen plain Linears and its merged
@@ -83,12 +83,14 @@ import contextvars
 import functools
 import inspect
 import os
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from rlhfflow.engine.cpukernels import FrozenLinear, onednn_linear
+from rlhfflow.engine.mergedlora import MergedLoRA, is_lora, mergeable_layers, merged_weights
 
 #: Environment switch: "0" keeps transformers' forward everywhere.
 ENV = "RLHFFLOW_LEAN_FORWARD"
@@ -116,27 +118,6 @@ _TRAINING: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.Context
 #: Inside ``sampling``: products without gradients go through oneDNN (``_product``).
 _SAMPLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "rlhfflow_lean_sampling", default=False)
-#: Environment switch: "0" keeps MKL's products where the model samples (``sampling``),
-#: "1" takes oneDNN's for every kind of product; unset, each kind takes the kernel
-#: measured faster on this machine (``kernel_timings``).
-ONEDNN_ENV = "RLHFFLOW_ONEDNN"
-#: Output features from which a product is an output head's (a vocabulary; the largest
-#: layer products of common models, 14336 wide, stay below): MKL and oneDNN rank
-#: differently on it than on a layer's products.
-HEAD_FEATURES = 16384
-#: The products timed to choose a kernel, (rows, input features, output features): a
-#: 32-row decode step's layer product and output head, SmolLM2-135M's MLP and vocabulary.
-KERNEL_SHAPES = {"layer": (32, 576, 1536), "head": (32, 576, 49152)}
-#: oneDNN's kernel is taken where its best time is below this fraction of MKL's: a tie
-#: (within the timings' noise) keeps MKL's, the default of torch.
-ONEDNN_MARGIN = 0.95
-#: The cache file (``rlhfflow.engine.machine``) of the kernels' timings.
-KERNEL_CACHE = "cpu_kernels.json"
-#: Products with fewer output features keep MKL's kernel: at SmolLM2's 192-wide key
-#: and value projections oneDNN's was not faster (0.6-1.0x, 32 rows).
-ONEDNN_MIN_FEATURES = 512
-
-
 def transformers_model(module: torch.nn.Module) -> torch.nn.Module:
     """The transformers model of ``module``: the base model under peft's wrapper
     (``PeftModel``), else ``module`` itself."""
@@ -170,7 +151,7 @@ def unsupported(module: torch.nn.Module) -> str | None:
                 f"on {', '.join(sorted(DEVICES)) or 'no device'} only)")
     for name, child in module.named_modules():
         leaf = name.rpartition(".")[2]
-        if leaf in _PROJECTIONS and type(child) is not torch.nn.Linear and not _is_lora(child):
+        if leaf in _PROJECTIONS and type(child) is not torch.nn.Linear and not is_lora(child):
             return f"{name} is {type(child).__name__}, not a Linear or peft's LoRA Linear"
     return None
 
@@ -206,7 +187,7 @@ def _unsupported_adapters(wrapper: torch.nn.Module) -> str | None:
     for name, layer in wrapper.get_base_model().named_modules():
         if not isinstance(layer, BaseTunerLayer):
             continue
-        if not _is_lora(layer) or name.rpartition(".")[2] not in _PROJECTIONS:
+        if not is_lora(layer) or name.rpartition(".")[2] not in _PROJECTIONS:
             return f"adapter on {name} ({type(layer).__name__}): lean covers LoRA Linears"
         if layer.fan_in_fan_out:
             return f"{name}: fan_in_fan_out"
@@ -215,21 +196,6 @@ def _unsupported_adapters(wrapper: torch.nn.Module) -> str | None:
         if type(layer.get_base_layer()) is not torch.nn.Linear:
             return f"{name}: base layer {type(layer.get_base_layer()).__name__}"
     return None
-
-
-def _is_lora(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` is peft's LoRA ``Linear`` (not a subclass: quantized layers)."""
-    return type(layer) is _lora_linear()
-
-
-@functools.cache
-def _lora_linear() -> type | None:
-    """peft's LoRA ``Linear`` class, or None without peft (the ``lora`` extra)."""
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:
-        return None
-    return Linear
 
 
 def enable(module: torch.nn.Module) -> bool:
@@ -383,7 +349,7 @@ def _linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is torch.nn.Linear:
         if (_TRAINING.get() is not None and torch.is_grad_enabled()
                 and not layer.weight.requires_grad):
-            return _FrozenLinear.apply(x, layer.weight)
+            return FrozenLinear.apply(x, layer.weight)
         return _product(x, layer.weight)
     return _adapted(layer, x)
 
@@ -393,121 +359,8 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """``F.linear(x, weight, bias)``; within ``sampling`` and without gradients, through
     oneDNN's kernel where it is faster (see the module docstring)."""
     if bias is None and _SAMPLING.get() and not torch.is_grad_enabled():
-        return _onednn_linear(x, weight)
+        return onednn_linear(x, weight)
     return F.linear(x, weight, bias)
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no gradients) through oneDNN's kernel, where torch has it,
-    ``RLHFFLOW_ONEDNN`` is not 0, ``weight`` has ``ONEDNN_MIN_FEATURES`` rows (output
-    features) at least and oneDNN's is the kernel for its kind of product
-    (``_kernels``); else MKL's."""
-    op = _onednn()
-    if (op is None or weight.shape[0] < ONEDNN_MIN_FEATURES or x.dtype != torch.float32
-            or x.device.type != "cpu" or not _kernels()[product_kind(weight.shape[0])]):
-        return F.linear(x, weight)
-    return op(x, weight, None, "none", [], "")
-
-
-def product_kind(features: int) -> str:
-    """The kind of a product with ``features`` output features: ``head`` or ``layer``."""
-    return "head" if features >= HEAD_FEATURES else "layer"
-
-
-def choose_kernels(timings: Mapping[str, Sequence[float]]) -> dict[str, bool]:
-    """Whether each kind of product takes oneDNN's kernel, from the best times
-    ``(mkl_s, onednn_s)`` of each: where oneDNN's is faster by ``ONEDNN_MARGIN``."""
-    return {kind: onednn_s < ONEDNN_MARGIN * mkl_s
-            for kind, (mkl_s, onednn_s) in timings.items()}
-
-
-@functools.cache
-def _kernels() -> dict[str, bool]:
-    """Whether each kind of product takes oneDNN's kernel in this process: all with
-    ``RLHFFLOW_ONEDNN=1``, else as this machine's timings at this process's torch
-    thread count choose (``kernel_timings``; measured on the first use, then cached)."""
-    if os.environ.get(ONEDNN_ENV) == "1":
-        return dict.fromkeys(KERNEL_SHAPES, True)
-    return choose_kernels(kernel_timings(torch.get_num_threads(), KERNEL_SHAPES))
-
-
-def kernel_timings(threads: int, shapes: Mapping[str, tuple[int, int, int]] = KERNEL_SHAPES
-                   ) -> dict[str, list[float]]:
-    """MKL's and oneDNN's best times of each product of ``shapes`` with ``threads`` torch
-    threads, ``{kind: [mkl_s, onednn_s]}``: from the cache (``KERNEL_CACHE``, one entry
-    per machine, thread count and torch version, as the matmul peak), or measured now
-    (a few tenths of a second, once) and cached."""
-    from rlhfflow.engine.machine import cache_path, machine_key, read_cache, write_cache
-
-    path = cache_path(KERNEL_CACHE)
-    cached = read_cache(path)
-    key = machine_key("F.linear vs mkldnn._linear_pointwise", threads)
-    entry = cached.get(key)
-    if not (isinstance(entry, dict) and set(entry) >= set(shapes) and all(
-            isinstance(entry[k], list) and len(entry[k]) == 2 for k in shapes)):
-        entry = measure_kernels(shapes, threads)
-        cached[key] = entry
-        write_cache(path, cached)
-    return {kind: [float(t) for t in entry[kind]] for kind in shapes}
-
-
-def measure_kernels(shapes: Mapping[str, tuple[int, int, int]], threads: int = 1,
-                    rounds: int = 2, seconds: float = 0.05) -> dict[str, list[float]]:
-    """Time ``F.linear`` (MKL) and oneDNN's kernel on a product of each shape (rows,
-    input features, output features) with ``threads`` torch threads: after one warm-up
-    each, products each in turn, ``rounds`` at least and for ``seconds`` (at most 100
-    rounds); each kernel's best time (on a shared machine the others' work only ever
-    slows a product down, and a layer's 0.5 ms product is timed a hundred times). An
-    output head's product is bound by reading its weight (113 MB at SmolLM2's): ~0.15 s
-    in all on one core."""
-    op = torch.ops.mkldnn._linear_pointwise
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = {}
-        for kind, (rows, inputs, features) in shapes.items():
-            # constant operands: the values do not change the time, and a random
-            # 49152 x 576 weight takes longer to draw than the products take to time
-            x = torch.full((rows, inputs), 0.01)
-            w = torch.full((features, inputs), 0.02)
-            best, spent, round_ = [float("inf")] * 2, 0.0, 0
-            while round_ <= rounds or (spent < seconds and round_ <= 100):
-                for onednn in (False, True):
-                    start = time.perf_counter()
-                    if onednn:
-                        op(x, w, None, "none", [], "")
-                    else:
-                        F.linear(x, w)
-                    taken = time.perf_counter() - start
-                    if round_:  # the first round warms up
-                        best[onednn] = min(best[onednn], taken)
-                        spent += taken
-                round_ += 1
-            out[kind] = best
-        return out
-    finally:
-        torch.set_num_threads(previous)
-
-
-@functools.cache
-def _onednn():
-    """oneDNN's linear op, when this torch build has it, it gives ``F.linear``'s values
-    (checked once on a small product, with a weight and with a transposed view of one) and
-    ``RLHFFLOW_ONEDNN`` is not 0; else None."""
-    if os.environ.get(ONEDNN_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        x = torch.linspace(-1, 1, 3 * 40).reshape(3, 40)
-        w = torch.linspace(-2, 2, 40 * 24).reshape(24, 40)
-        g = torch.linspace(-3, 1, 3 * 24).reshape(3, 24)
-        # a contiguous weight (forward passes) and a transposed view (backward passes)
-        if not (torch.allclose(op(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4)
-                and torch.allclose(op(g, w.t(), None, "none", [], ""), g @ w, atol=1e-4)):
-            return None
-    except (AttributeError, RuntimeError):
-        return None
-    return op
 
 
 def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -515,7 +368,7 @@ def _adapted(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     the same order: ``W x + B(A(dropout(x))) * scaling`` each; the base alone with the
     adapters disabled. States it does not cover (merged weights, forward hooks such as
     peft's per-row ``adapter_names``, a variant) call the layer itself."""
-    if (not _is_lora(layer) or layer.merged or layer.lora_variant
+    if (not is_lora(layer) or layer.merged or layer.lora_variant
             or layer._forward_pre_hooks or layer._forward_hooks):
         return layer(x)
     # adapters switched off since the merged weights were chosen: the base alone
@@ -549,7 +402,7 @@ def _from_merged(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None
     down, up = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
     if (down._version, up._version) != (down_version, up_version):  # stepped in place
         return None
-    return _MergedLoRA.apply(x, weight, down, up, layer.scaling[adapter])
+    return MergedLoRA.apply(x, weight, down, up, layer.scaling[adapter])
 
 
 @contextlib.contextmanager
@@ -566,7 +419,7 @@ def merged_adapters(module: torch.nn.Module) -> Iterator[None]:
     if module is base or getattr(type(base), "_lean_base", None) is None:
         yield
         return
-    token = _MERGED.set(_merged_weights(module, base))
+    token = _MERGED.set(merged_weights(module, base))
     try:
         yield
     finally:
@@ -591,11 +444,11 @@ def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
     """Where LoRA ``module`` takes one training step: the forward and backward passes of
     a loss, the optimizer step last. Its lean forward computes every plain Linear whose
     weight does not train (the output head, layers without adapters) through oneDNN's
-    kernel, forward and input gradient (``_FrozenLinear``); and, with ``merged``, each
+    kernel, forward and input gradient (``FrozenLinear``); and, with ``merged``, each
     adapted layer whose merged weight, made for sampling (``merged_adapters``), still
     matches its adapters as one product with it: the adapters' two products and their
     sum are not computed, and the gradients of ``x``, ``A`` and ``B`` come from
-    ``_MergedLoRA``, equal to the adapters' path up to float rounding. Nothing is merged
+    ``MergedLoRA``, equal to the adapters' path up to float rounding. Nothing is merged
     here: a layer without a current merged weight (none made on this worker, or the
     adapters stepped since, as after a minibatch's update) takes the adapters' path
     (the base product as MKL computes it), which costs less than merging again for one
@@ -609,7 +462,7 @@ def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
         return
     cache = module.__dict__.get("_lean_merged", {}) if merged else {}
     weights = {}
-    for name, layer, adapters in _mergeable_layers(base) if cache else ():
+    for name, layer, adapters in mergeable_layers(base) if cache else ():
         entry = cache.get(name)
         if entry is None or layer.base_layer.weight.requires_grad:
             continue
@@ -621,119 +474,6 @@ def training(module: torch.nn.Module, merged: bool = True) -> Iterator[None]:
         yield
     finally:
         _TRAINING.reset(token)
-
-
-class _FrozenLinear(torch.autograd.Function):
-    """``x W^T`` for a weight that does not train, forward and backward (``dx = dy W``)
-    through oneDNN's kernel (``_onednn_linear``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return _onednn_linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        [weight] = ctx.saved_tensors
-        return _onednn_linear(grad, weight.t()) if ctx.needs_input_grad[0] else None, None
-
-
-class _MergedLoRA(torch.autograd.Function):
-    """A LoRA layer ``y = x W^T + s (x A^T) B^T`` computed as ``x M^T`` with its merged
-    weight ``M = W + s B A``, and the gradients the adapters' path has:
-    ``dx = dy M``, ``dA = s (dy B)^T x``, ``dB = s dy^T (x A^T)``. ``M`` is saved for the
-    backward pass: merging it again in place before then (``_Merged``) makes autograd
-    refuse the backward rather than compute it from other weights."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, merged: torch.Tensor, down: torch.Tensor,
-                up: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(x, merged, down, up)
-        ctx.scale = scale
-        return _onednn_linear(x, merged)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, merged, down, up = ctx.saved_tensors
-        rows_x, rows_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_x = _onednn_linear(grad, merged.t()) if ctx.needs_input_grad[0] else None
-        grad_down = grad_up = None
-        if ctx.needs_input_grad[2]:
-            grad_down = rows_grad.mm(up).t().mm(rows_x).mul_(ctx.scale)
-        if ctx.needs_input_grad[3]:
-            grad_up = rows_grad.t().mm(rows_x.mm(down.t())).mul_(ctx.scale)
-        return grad_x, None, grad_down, grad_up, None
-
-
-class _Merged:
-    """A LoRA layer's merged weight and what it was made from: the base weight's storage
-    and version, copies of the adapters (compared, not versioned: a ``.data`` copy from
-    a shadow or DeepSpeed leaves no version) and their scalings."""
-
-    def __init__(self, layer: torch.nn.Module, adapters: list[str],
-                 old: _Merged | None) -> None:
-        base = layer.base_layer.weight
-        self.key = self._key(layer, adapters)
-        self.adapters = [(layer.lora_B[a].weight.detach().clone(),
-                          layer.lora_A[a].weight.detach().clone()) for a in adapters]
-        weight = old.weight if old is not None and old.weight.shape == base.shape else None
-        with torch.no_grad():
-            weight = base.detach().clone() if weight is None else weight.copy_(base)
-            for (up, down), scale in zip(self.adapters, self.key[3], strict=True):
-                weight.addmm_(up.to(weight.dtype), down.to(weight.dtype), alpha=scale)
-        self.weight = weight
-
-    @staticmethod
-    def _key(layer: torch.nn.Module, adapters: list[str]) -> tuple:
-        """The layer's state besides the adapters' values: the base weight's storage and
-        version, the adapters' names and scalings."""
-        base = layer.base_layer.weight
-        return (base.data_ptr(), base._version, tuple(adapters),
-                tuple(layer.scaling[a] for a in adapters))
-
-    def current(self, layer: torch.nn.Module, adapters: list[str]) -> bool:
-        """Whether the layer is still what this weight was merged from."""
-        return self._key(layer, adapters) == self.key and all(
-            torch.equal(layer.lora_B[a].weight, up) and torch.equal(layer.lora_A[a].weight, down)
-            for a, (up, down) in zip(adapters, self.adapters, strict=True))
-
-
-def _merged_weights(module: torch.nn.Module, base: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """The merged weight of each LoRA layer of ``module`` the lean forward reads, made
-    again where its layer changed; kept in ``module.__dict__`` (not a parameter or
-    buffer: never saved, moved or trained)."""
-    cache: dict[str, _Merged] = module.__dict__.setdefault("_lean_merged", {})
-    weights = {}
-    for name, layer, adapters in _mergeable_layers(base):
-        entry = cache.get(name)
-        if entry is None or not entry.current(layer, adapters):
-            entry = cache[name] = _Merged(layer, adapters, entry)
-        weights[id(layer)] = entry.weight
-    return weights
-
-
-def _mergeable_layers(base: torch.nn.Module
-                      ) -> Iterator[tuple[str, torch.nn.Module, list[str]]]:
-    """``(name, layer, adapters)`` for each LoRA layer of transformers model ``base`` with
-    active adapters a merged weight can compute (``_mergeable``)."""
-    for name, layer in base.named_modules():
-        adapters = _mergeable(layer) if _is_lora(layer) else []
-        if adapters:
-            yield name, layer, adapters
-
-
-def _mergeable(layer: torch.nn.Module) -> list[str]:
-    """The active adapters of LoRA ``layer`` that a merged weight computes as the
-    adapters' path does; none where it cannot: adapters merged into the weights, switched
-    off or of a variant, active dropout (train mode), a base partitioned by ZeRO-3."""
-    if layer.merged or layer.disable_adapters or layer.lora_variant \
-            or hasattr(layer.base_layer.weight, "ds_id"):  # partitioned by ZeRO-3
-        return []
-    adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-    if layer.training and any(not isinstance(layer.lora_dropout[a], torch.nn.Identity)
-                              for a in adapters):
-        return []
-    return adapters
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
