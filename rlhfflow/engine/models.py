@@ -41,30 +41,25 @@ to well under 1e-4, and the left-padded row decodes the same tokens as the same 
 from __future__ import annotations
 
 import copy
-import json
-import logging
 import os
 import shutil
 import string
-import sys
 import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-# With accelerate installed (the `models` extra), transformers imports DeepSpeed's
-# integration, and DeepSpeed prints a warning on every import in every process of a
-# machine without a GPU that it chose the CPU. Saying so up front keeps runs quiet.
-if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-    os.environ["DS_ACCELERATOR"] = "cpu"
-from transformers.utils import logging as hf_logging
-
 from rlhfflow.engine.hub import local_model_dir
+from rlhfflow.engine.transformers_io import (
+    apply_umask,
+    make_tokenizer_config_portable,
+    quiet_transformers,
+    realign_cpu_tensors,
+    save_on_any_rank,
+    skip_deepspeed_unwrap,
+)
 from rlhfflow.storage.checkpoints import move_into_place
 
 # transformers' model classes (and even LlamaConfig) import torch._dynamo, DTensor and
@@ -261,14 +256,14 @@ def matmul_parameters(config: PretrainedConfig, head: str) -> int:
 
     config = copy.deepcopy(config)
     if head == "value":
-        _as_value_config(config)
-    with torch.device("meta"), _quiet_transformers():
-        model = _auto_class(head).from_config(config, dtype=torch.float32)
+        as_value_config(config)
+    with torch.device("meta"), quiet_transformers():
+        model = auto_class(head).from_config(config, dtype=torch.float32)
     return sum(m.weight.numel() for m in model.modules()
                if isinstance(m, torch.nn.Linear | Conv1D))
 
 
-def _auto_class(head: str) -> type:
+def auto_class(head: str) -> type:
     """Map a head name to the transformers Auto class that builds or loads it."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -279,7 +274,7 @@ def _auto_class(head: str) -> type:
     raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
 
 
-def _as_value_config(config: PretrainedConfig) -> PretrainedConfig:
+def as_value_config(config: PretrainedConfig) -> PretrainedConfig:
     """Make ``config`` describe a one-output token-classification (value) model, in place."""
     config.num_labels = 1
     # Without an explicit value transformers falls back to 0.1 dropout before the value head,
@@ -298,15 +293,15 @@ def build_tiny_model(
     only on ``seed`` and the config: the same seed gives identical weights. The global torch RNG
     is left as it was. The model is left in whatever mode transformers builds it (train mode).
     """
-    auto_class = _auto_class(head)
+    model_class = auto_class(head)
     config = tiny_config(tokenizer, **config_kwargs)
     if head == "value":
-        _as_value_config(config)
+        as_value_config(config)
     # fork_rng restores the caller's RNG afterwards, so building a model never shifts the
     # random stream of whatever else the process is doing (data shuffling, sampling, ...).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return auto_class.from_config(config, dtype=torch.float32)
+        return model_class.from_config(config, dtype=torch.float32)
 
 
 def save_tiny_model(path: str | os.PathLike, head: str = "lm", seed: int = 0,
@@ -335,92 +330,19 @@ def save_model(
     # Same parent directory, so the renames below stay on one filesystem and are atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _skip_deepspeed_unwrap()
-        with _quiet_transformers(), _save_on_any_rank(model):
+        skip_deepspeed_unwrap()
+        with quiet_transformers(), save_on_any_rank(model):
             # Always safetensors: transformers 5 has no other format (4.x defaults to it).
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         if not (tmp / "config.json").is_file():
             raise RuntimeError(f"saving {path}: transformers wrote no config.json")
-        _make_tokenizer_config_portable(tmp)
-        _apply_umask(tmp)
+        make_tokenizer_config_portable(tmp)
+        apply_umask(tmp)
         move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _skip_deepspeed_unwrap() -> None:
-    """Keep ``save_pretrained`` from importing DeepSpeed. It unwraps the model with
-    accelerate's ``extract_model_from_parallel``, which imports DeepSpeed whenever it is
-    installed only to ask ``isinstance(model, DeepSpeedEngine)``: 1 s of CPU, 4 s with
-    MLflow installed (DeepSpeed's autotuner imports it), in the coordinator's first save
-    of a tiny model and in every worker's first checkpoint. No object is a DeepSpeed
-    engine unless DeepSpeed was imported, so asking whether it was gives the same answer
-    (idempotent; a module attribute, set once)."""
-    try:
-        from accelerate.utils import other
-    except ImportError:  # no accelerate: transformers unwraps by itself, without DeepSpeed
-        return
-    if getattr(other, "is_deepspeed_available", None) is not _deepspeed_imported:
-        other.is_deepspeed_available = _deepspeed_imported
-
-
-def _deepspeed_imported() -> bool:
-    return "deepspeed" in sys.modules
-
-
-@contextmanager
-def _save_on_any_rank(model: PreTrainedModel) -> Iterator[None]:
-    """Let ``save_pretrained`` write on any torch.distributed rank: transformers 5 silently
-    writes only the tokenizer on ranks other than 0, and every worker of a gang (or one
-    that was in one) may be the one saving its copy."""
-    if not hasattr(model, "should_save_on_this_rank"):
-        yield
-        return
-    model.should_save_on_this_rank = lambda is_main_process=True: True
-    try:
-        yield
-    finally:
-        del model.should_save_on_this_rank
-
-
-def _apply_umask(directory: Path) -> None:
-    """mkdtemp (and some writers) create private files; a saved model should get the
-    ordinary permissions of the user's umask, like any directory they create."""
-    umask = _current_umask()
-    directory.chmod(0o777 & ~umask)
-    for item in directory.rglob("*"):
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
-
-
-def _current_umask() -> int:
-    # os.umask can only be read by setting it, which races with other threads (a Dask
-    # worker has several): read it from /proc where there is one
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-def _make_tokenizer_config_portable(directory: Path) -> None:
-    """Name the tokenizer class so transformers 4.x can load it too.
-
-    transformers 5 saves a plain ``tokenizers``-backed tokenizer as ``"TokenizersBackend"``, a
-    class 4.x does not know; ``"PreTrainedTokenizerFast"`` loads the same file in both.
-    """
-    config_file = directory / "tokenizer_config.json"
-    if not config_file.is_file():
-        return
-    config = json.loads(config_file.read_text())
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _check_model_dir(path: Path) -> None:
@@ -433,44 +355,6 @@ def _check_model_dir(path: Path) -> None:
         raise ValueError(
             f"model directory {path} has no tokenizer files (expected one of {_TOKENIZER_FILES})"
         )
-
-
-# Loading an LM checkpoint as a value model is expected to leave the value head "missing";
-# transformers 5 logs a load-report table for it, and progress bars on every save and load.
-# Both are process-global switches, so a counter lets concurrent loads (e.g. Dask worker
-# threads) share one quiet spell. The report is dropped with a logging filter rather than by
-# raising the logger's level: transformers 5.23 runs a tensor-parallel plan check, which warns
-# "The following layers were not sharded", exactly when that logger's level is >= WARNING.
-_quiet_lock = threading.Lock()
-_quiet_depth = 0
-_bars_were_enabled = True
-
-
-def _drop_below_error(record: logging.LogRecord) -> bool:
-    """Logging filter that keeps only errors."""
-    return record.levelno >= logging.ERROR
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence transformers' weight-loading report and progress bars, restoring them after."""
-    global _quiet_depth, _bars_were_enabled
-    loader_logger = hf_logging.get_logger("transformers.modeling_utils")
-    with _quiet_lock:
-        if _quiet_depth == 0:
-            _bars_were_enabled = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()
-            loader_logger.addFilter(_drop_below_error)
-        _quiet_depth += 1
-    try:
-        yield
-    finally:
-        with _quiet_lock:
-            _quiet_depth -= 1
-            if _quiet_depth == 0:
-                loader_logger.removeFilter(_drop_below_error)
-                if _bars_were_enabled:
-                    hf_logging.enable_progress_bar()
 
 
 def attention_implementations() -> tuple[str, ...]:
@@ -488,17 +372,17 @@ def _load_weights(
 
     config = AutoConfig.from_pretrained(path)
     if head == "value":
-        _as_value_config(config)
+        as_value_config(config)
     kwargs = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        with _quiet_transformers():
-            return _auto_class(head).from_pretrained(path, **kwargs)
+        with quiet_transformers():
+            return auto_class(head).from_pretrained(path, **kwargs)
     except RuntimeError:
         # Size mismatches and the like raise "see the report above", but we hid the report:
         # load again loudly so the user gets transformers' explanation along with the error.
-        return _auto_class(head).from_pretrained(path, **kwargs)
+        return auto_class(head).from_pretrained(path, **kwargs)
 
 
 def _check_missing_weights(
@@ -551,29 +435,14 @@ def load_model(
     """
     use_init = init_from is not None and not Path(path).exists()
     auto_path = local_model_dir(init_from if use_init else path)
-    _auto_class(head)  # fail on a bad head before touching the disk
+    auto_class(head)  # fail on a bad head before touching the disk
     _check_model_dir(auto_path)
     model, info = _load_weights(auto_path, head, torch_dtype, attn_implementation)
     _check_missing_weights(model, head, auto_path, list(info["missing_keys"]))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(auto_path)
-    return _realign_cpu_tensors(model.to(device)), tokenizer
-
-
-def _realign_cpu_tensors(model: PreTrainedModel, alignment: int = 64) -> PreTrainedModel:
-    """Copy CPU weights that transformers left at unaligned addresses into fresh torch memory.
-
-    transformers 5 can hand back CPU tensors whose data is not 64-byte aligned; BLAS then takes
-    a different code path and results differ from an in-memory model in the last bit. Copying
-    them makes a saved-then-loaded model bitwise identical to the one saved. Ties survive,
-    because tied weights are one ``Parameter`` object and ``.data`` is swapped on it.
-    """
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type == "cpu" and tensor.data_ptr() % alignment:
-                tensor.data = tensor.data.clone()
-    return model
+    return realign_cpu_tensors(model.to(device)), tokenizer
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -631,9 +500,9 @@ def parameter_bytes(config: PretrainedConfig, head: str, dtype: torch.dtype = to
     the meta device (no memory allocated, so it is cheap for any model size)."""
     config = copy.deepcopy(config)
     if head == "value":
-        _as_value_config(config)
-    with torch.device("meta"), _quiet_transformers():
-        model = _auto_class(head).from_config(config, dtype=dtype)
+        as_value_config(config)
+    with torch.device("meta"), quiet_transformers():
+        model = auto_class(head).from_config(config, dtype=dtype)
     return count_parameters(model) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -641,5 +510,5 @@ def model_config(path: str | Path) -> PretrainedConfig:
     """The transformers config of the model saved in ``path``."""
     from transformers import AutoConfig
 
-    with _quiet_transformers():
+    with quiet_transformers():
         return AutoConfig.from_pretrained(str(path))
