@@ -20,7 +20,8 @@ import torch
 
 from rlhfflow.engine import sandbox
 from rlhfflow.engine.environments import ToolEnvironment
-from rlhfflow.engine.sandbox import Limits, Sandbox, SandboxSettings, sandbox_uids
+from rlhfflow.engine.sandbox import Sandbox, SandboxSettings, sandbox_uids
+from rlhfflow.engine.sandboxprocess import Limits
 
 LIMITS = Limits(cpu_s=1, wall_s=3, memory_mb=256, file_mb=4, processes=16, output_kb=64)
 ROOT = os.geteuid() == 0

@@ -89,7 +89,8 @@ from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_th
 from rlhfflow.engine.forward import stage_seed
 from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import sample_uniforms
-from rlhfflow.engine.sandbox import Limits, SandboxSettings, sandbox_for
+from rlhfflow.engine.sandbox import SandboxSettings, sandbox_for
+from rlhfflow.engine.sandboxprocess import Limits
 from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
