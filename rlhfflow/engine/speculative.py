@@ -112,132 +112,184 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     would have produced alone (counter-based per-row streams, the cache shipped).
     """
     start_time = time.perf_counter()
-    steps = params.max_new_tokens
     if eos_id is not None:
         eos_id = torch.as_tensor(eos_id).flatten()  # one id or several (chat models)
     if resume is not None:
-        rows_total = len(resume.rows)
-        target = KVState.restore(module, resume.cache)
-        tokens_out, logprobs_out = resume.tokens.clone(), resume.logprobs.clone()
-        mask_out = resume.mask.clone()
-        stats = DecodeStats(resume.steps.clone(),
-                            *(torch.zeros(rows_total, dtype=torch.long) for _ in range(3)))
-        active = torch.arange(rows_total)
-        produced, last = resume.produced.clone(), resume.last.clone()
-        streams = resume.streams
-        finished = torch.zeros(rows_total, dtype=torch.bool)
+        run = _Decoding.resumed(module, resume, params, eos_id, sample_step)
         make_drafters, handoff = None, None
     else:
-        rows_total = prompt_ids.shape[0]
-        target = KVState(module, prompt_ids, prompt_mask)
-        tokens_out = torch.full((rows_total, steps), pad_id, dtype=torch.long)
-        logprobs_out = torch.zeros(rows_total, steps)
-        mask_out = torch.zeros(rows_total, steps, dtype=torch.int8)
-        stats = DecodeStats(*(torch.zeros(rows_total, dtype=torch.long) for _ in range(4)))
-        if rows_total == 0:
-            return {"response_ids": tokens_out, "response_mask": mask_out,
-                    "sample_logprobs": logprobs_out}, stats
+        run = _Decoding.started(module, prompt_ids, prompt_mask, streams, params, eos_id,
+                                pad_id, sample_step)
+        if run.rows == 0:
+            return run.outputs(), run.stats
+    run.stats.moved = torch.zeros(run.rows, dtype=torch.long)
+    if make_drafters:
+        # each row's tokens so far, as lists: only drafters read them (plain decoding
+        # skips this per-row Python work, which at batch 64 cost more than compaction
+        # saved)
+        real = prompt_mask.bool()
+        run.seqs = [prompt_ids[r][real[r]].tolist() + [int(run.first[r])]
+                    for r in range(run.rows)]
+        run.drafters = make_drafters(run.first, run.seqs)
+    policy = policy or FixedPolicy(None, 0)
+    if run.drafters:
+        handoff = None  # drafter state (caches, n-gram indexes) does not travel
+    while run.drop_finished():
+        if handoff is not None and len(run.active) >= 2:
+            run.offer_half(handoff)
+        step_start = time.perf_counter()
+        name, k = policy.choose(len(run.active), run.drafters)
+        if not run.drafters:  # plain decoding: one token per row, as verify would at k = 0
+            run.plain_step(policy, step_start)
+        else:
+            run.speculative_step(name, k, policy, step_start)
+    if run.handed:
+        run.merge_handed(handoff, pad_id)
+    run.stats.seconds = time.perf_counter() - start_time
+    return run.outputs(), run.stats
 
+
+class _Decoding:
+    """One decoding call between its steps: the target model's KV state, the active rows
+    (``active``: their indices in the call's batch; ``produced``: tokens each has;
+    ``last``: its last token; ``streams``: its random streams), the outputs of every row
+    so far, the drafters and the rows handed to other workers. ``decode`` drives it, one
+    method per thing a step does."""
+
+    def __init__(self, module: torch.nn.Module, target: KVState, streams: RowStreams,
+                 params, eos_id: torch.Tensor | None, sample_step, tokens: torch.Tensor,
+                 logprobs: torch.Tensor, mask: torch.Tensor, stats: DecodeStats) -> None:
+        self.module, self.target, self.streams = module, target, streams
+        self.params, self.eos_id, self.sample_step = params, eos_id, sample_step
+        self.steps = params.max_new_tokens
+        self.rows = len(tokens)
+        self.tokens, self.logprobs, self.mask, self.stats = tokens, logprobs, mask, stats
+        self.active = torch.arange(self.rows)
+        self.produced = torch.ones(self.rows, dtype=torch.long)
+        self.last = torch.zeros(self.rows, dtype=torch.long)
+        self.finished = torch.zeros(self.rows, dtype=torch.bool)
+        self.first: torch.Tensor | None = None  # the prompt's token (a call from prompts)
+        self.seqs: list[list[int]] = []  # each row's tokens, for the drafters
+        self.drafters: dict = {}
+        self.handed: list[tuple[Continuation, object]] = []
+        self.step_times: dict[int, list[float]] = {}  # active rows -> seconds of plain steps
+
+    @classmethod
+    def started(cls, module: torch.nn.Module, prompt_ids: torch.Tensor,
+                prompt_mask: torch.Tensor, streams: RowStreams, params,
+                eos_id: torch.Tensor | None, pad_id: int, sample_step) -> _Decoding:
+        """A call from prompts, their first token sampled from the prefill's logits (no
+        rows: nothing done)."""
+        rows, steps = prompt_ids.shape[0], params.max_new_tokens
+        target = KVState(module, prompt_ids, prompt_mask)
+        run = cls(module, target, streams, params, eos_id, sample_step,
+                  torch.full((rows, steps), pad_id, dtype=torch.long),
+                  torch.zeros(rows, steps), torch.zeros(rows, steps, dtype=torch.int8),
+                  DecodeStats(*(torch.zeros(rows, dtype=torch.long) for _ in range(4))))
+        if rows == 0:
+            return run
         logits = target.prefill_logits
         first = sample_step(logits, streams.sample[:, 0], params).cpu()
         lp = torch.log_softmax(logits / params.temperature, -1).cpu()
-        tokens_out[:, 0], mask_out[:, 0] = first, 1
-        logprobs_out[:, 0] = lp.gather(-1, first[:, None]).squeeze(-1)
-        active = torch.arange(rows_total)
-        produced = torch.ones(rows_total, dtype=torch.long)
-        last = first
-        finished = produced >= steps
+        run.tokens[:, 0], run.mask[:, 0] = first, 1
+        run.logprobs[:, 0] = lp.gather(-1, first[:, None]).squeeze(-1)
+        run.first = run.last = first
+        run.finished = run.produced >= steps
         if eos_id is not None:
-            finished |= torch.isin(first, eos_id)
-    stats.moved = torch.zeros(rows_total, dtype=torch.long)
-    # each row's tokens so far, as lists: only drafters read them (plain decoding skips
-    # this per-row Python work, which at batch 64 cost more than compaction saved)
-    seqs = []
-    if make_drafters:
-        real = prompt_mask.bool()
-        seqs = [prompt_ids[r][real[r]].tolist() + [int(first[r])] for r in range(rows_total)]
-    drafters = make_drafters(first, seqs) if make_drafters else {}
-    policy = policy or FixedPolicy(None, 0)
-    if drafters:
-        handoff = None  # drafter state (caches, n-gram indexes) does not travel
-    handed: list[tuple[Continuation, object]] = []
-    step_times: dict[int, list[float]] = {}  # active rows -> seconds of plain steps
+            run.finished |= torch.isin(first, eos_id)
+        return run
 
-    while True:
-        if bool(finished.any()):
-            keep = (~finished).nonzero().squeeze(-1)
-            stats.rows_left += int(finished.sum())
+    @classmethod
+    def resumed(cls, module: torch.nn.Module, cont: Continuation, params,
+                eos_id: torch.Tensor | None, sample_step) -> _Decoding:
+        """The receiving side of a hand-over: the rows of ``cont`` as they were."""
+        rows = len(cont.rows)
+        run = cls(module, KVState.restore(module, cont.cache), cont.streams, params, eos_id,
+                  sample_step, cont.tokens.clone(), cont.logprobs.clone(), cont.mask.clone(),
+                  DecodeStats(cont.steps.clone(),
+                              *(torch.zeros(rows, dtype=torch.long) for _ in range(3))))
+        run.produced, run.last = cont.produced.clone(), cont.last.clone()
+        return run
+
+    def drop_finished(self) -> bool:
+        """Take the finished rows out of the batch; whether any row is left."""
+        if bool(self.finished.any()):
+            keep = (~self.finished).nonzero().squeeze(-1)
+            self.stats.rows_left += int(self.finished.sum())
             if not len(keep):
-                break
-            target.select(keep)
-            for drafter in drafters.values():
+                return False
+            self.target.select(keep)
+            for drafter in self.drafters.values():
                 drafter.select(keep)
-            streams, active, produced, last = (streams.select(keep), active[keep],
-                                               produced[keep], last[keep])
-            if drafters:
-                seqs[:] = [seqs[r] for r in keep.tolist()]
-        if handoff is not None and len(active) >= 2:
-            saving = (steps - int(produced.min())) * \
-                per_row_step_s(step_times) * (len(active) // 2)
-            peer = handoff.peer(len(active), saving)
-            if peer is not None:
-                half = len(active) // 2
-                give, keep = torch.arange(half, len(active)), torch.arange(half)
-                rows = active[give]
-                cont = Continuation(rows, target.export(give), streams.select(give),
-                                    produced[give], last[give], tokens_out[rows],
-                                    logprobs_out[rows], mask_out[rows], stats.steps[rows])
-                handed.append((cont, handoff.send(peer, cont)))
-                target.select(keep)
-                streams, active, produced, last = (streams.select(keep), active[keep],
-                                                   produced[keep], last[keep])
-        step_start = time.perf_counter()
-        name, k = policy.choose(len(active), drafters)
-        if not drafters:  # plain decoding: one token per row, as verify would at k = 0
-            token, logprob, hit_eos = _plain_step(target, last, streams, produced, params,
-                                                  sample_step, eos_id)
-            tokens_out[active, produced] = token
-            logprobs_out[active, produced] = logprob
-            mask_out[active, produced] = 1
-            stats.steps[active] += 1
-            stats.choices[("off", 0)] += 1
-            elapsed = time.perf_counter() - step_start
-            if hasattr(policy, "observe_time"):
-                policy.observe_time(None, len(active), 0, drafters, elapsed)
-            step_times.setdefault(len(active), []).append(elapsed)
-            produced, last = produced + 1, token
-            finished = hit_eos | (produced >= steps)
-            continue
-        limit = steps - produced - 1  # the step emits its drafts plus one token
+            self._keep(keep)
+            if self.drafters:
+                self.seqs[:] = [self.seqs[r] for r in keep.tolist()]
+        return True
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        self.streams, self.active, self.produced, self.last = (
+            self.streams.select(keep), self.active[keep], self.produced[keep],
+            self.last[keep])
+
+    def offer_half(self, handoff) -> None:
+        """Hand half the active rows to the peer ``handoff`` names, if it names one for
+        the time that is predicted to save."""
+        active = self.active
+        saving = (self.steps - int(self.produced.min())) * \
+            per_row_step_s(self.step_times) * (len(active) // 2)
+        peer = handoff.peer(len(active), saving)
+        if peer is None:
+            return
+        half = len(active) // 2
+        give, keep = torch.arange(half, len(active)), torch.arange(half)
+        rows = active[give]
+        cont = Continuation(rows, self.target.export(give), self.streams.select(give),
+                            self.produced[give], self.last[give], self.tokens[rows],
+                            self.logprobs[rows], self.mask[rows], self.stats.steps[rows])
+        self.handed.append((cont, handoff.send(peer, cont)))
+        self.target.select(keep)
+        self._keep(keep)
+
+    def plain_step(self, policy, step_start: float) -> None:
+        """One token for each active row (``_plain_step``)."""
+        active, produced = self.active, self.produced
+        token, logprob, hit_eos = _plain_step(self.target, self.last, self.streams, produced,
+                                              self.params, self.sample_step, self.eos_id)
+        self.tokens[active, produced] = token
+        self.logprobs[active, produced] = logprob
+        self.mask[active, produced] = 1
+        self.stats.steps[active] += 1
+        self.stats.choices[("off", 0)] += 1
+        elapsed = time.perf_counter() - step_start
+        if hasattr(policy, "observe_time"):
+            policy.observe_time(None, len(active), 0, self.drafters, elapsed)
+        self.step_times.setdefault(len(active), []).append(elapsed)
+        self.produced, self.last = produced + 1, token
+        self.finished = hit_eos | (self.produced >= self.steps)
+
+    def speculative_step(self, name: str | None, k: int, policy, step_start: float) -> None:
+        """Drafter ``name``'s ``k`` drafts (none: ``name`` None or ``k`` 0) verified in one
+        forward of the target; each row emits its accepted drafts and one token more."""
+        active, produced, drafters = self.active, self.produced, self.drafters
+        limit = self.steps - produced - 1  # the step emits its drafts plus one token
         if name is not None and k > 0 and bool((limit > 0).any()):
-            draft = drafters[name].propose(k, limit, streams, produced, params)
+            draft = drafters[name].propose(k, limit, self.streams, produced, self.params)
             k = draft.tokens.shape[1]
         else:
             name, k = None, 0
             draft = Draft(torch.zeros(len(active), 0, dtype=torch.long),
                           torch.zeros(len(active), dtype=torch.long), None)
-        width_before = target.mask.shape[1]
-        logits = target.forward(torch.cat([last[:, None], draft.tokens], 1))
-        verdict = verify(logits, draft.tokens, draft.length, draft.probs, streams, produced,
-                         params, sample_step)
+        width_before = self.target.mask.shape[1]
+        logits = self.target.forward(torch.cat([self.last[:, None], draft.tokens], 1))
+        verdict = verify(logits, draft.tokens, draft.length, draft.probs, self.streams,
+                         produced, self.params, self.sample_step)
         if k:
-            target.reject(width_before, verdict.accepted + 1)
-            target.drop_empty_columns()
+            self.target.reject(width_before, verdict.accepted + 1)
+            self.target.drop_empty_columns()
             policy.observe(name, verdict.accepted, draft.length)
-        count, hit_eos = emitted_lengths(verdict, eos_id)
-        col = torch.arange(verdict.tokens.shape[1])
-        emit = col[None, :] < count[:, None]
-        where_rows = active[:, None].expand_as(emit)[emit]
-        where_cols = (produced[:, None] + col[None, :])[emit]
-        tokens_out[where_rows, where_cols] = verdict.tokens[emit]
-        logprobs_out[where_rows, where_cols] = verdict.logprobs[emit]
-        mask_out[where_rows, where_cols] = 1
-        if drafters:
-            emitted = [verdict.tokens[r, :int(count[r])].tolist() for r in range(len(active))]
-            for seq, new in zip(seqs, emitted, strict=True):
-                seq.extend(new)
-            for other_name, drafter in drafters.items():
-                drafter.commit(verdict.accepted, emitted, drafted=other_name == name)
+        count, hit_eos = emitted_lengths(verdict, self.eos_id)
+        self._emit(verdict, count, name)
+        stats = self.stats
         stats.steps[active] += 1
         stats.drafted[active] += draft.length
         stats.accepted[active] += verdict.accepted
@@ -246,26 +298,50 @@ def decode(module: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
         if hasattr(policy, "observe_time"):
             policy.observe_time(name, len(active), k, drafters,
                                 time.perf_counter() - step_start)
-        produced = produced + count
-        last = verdict.tokens[torch.arange(len(active)), count - 1]
-        finished = hit_eos | (produced >= steps)
+        self.produced = produced + count
+        self.last = verdict.tokens[torch.arange(len(active)), count - 1]
+        self.finished = hit_eos | (self.produced >= self.steps)
         if name is None:
-            step_times.setdefault(len(active), []).append(time.perf_counter() - step_start)
-    if handed:
-        results = handoff.gather([handle for _, handle in handed])
-        for (cont, _), result in zip(handed, results, strict=True):
+            self.step_times.setdefault(len(active), []).append(
+                time.perf_counter() - step_start)
+
+    def _emit(self, verdict, count: torch.Tensor, name: str | None) -> None:
+        """Write each row's ``count`` emitted tokens of ``verdict`` to the outputs and
+        tell the drafters (``name``'s drafted them)."""
+        col = torch.arange(verdict.tokens.shape[1])
+        emit = col[None, :] < count[:, None]
+        where_rows = self.active[:, None].expand_as(emit)[emit]
+        where_cols = (self.produced[:, None] + col[None, :])[emit]
+        self.tokens[where_rows, where_cols] = verdict.tokens[emit]
+        self.logprobs[where_rows, where_cols] = verdict.logprobs[emit]
+        self.mask[where_rows, where_cols] = 1
+        if self.drafters:
+            emitted = [verdict.tokens[r, :int(count[r])].tolist()
+                       for r in range(len(self.active))]
+            for seq, new in zip(self.seqs, emitted, strict=True):
+                seq.extend(new)
+            for other_name, drafter in self.drafters.items():
+                drafter.commit(verdict.accepted, emitted, drafted=other_name == name)
+
+    def merge_handed(self, handoff, pad_id: int) -> None:
+        """The rows handed to peers, back from them (or finished here, where a peer's
+        model moved on)."""
+        results = handoff.gather([handle for _, handle in self.handed])
+        for (cont, _), result in zip(self.handed, results, strict=True):
             if result is None:  # the peer's model moved on: finish the rows here
-                result = decode(module, None, None, cont.streams, params, eos_id, pad_id,
-                                sample_step, resume=cont)
+                result = decode(self.module, None, None, cont.streams, self.params,
+                                self.eos_id, pad_id, self.sample_step, resume=cont)
                 result = result[0], result[1].steps
             else:
-                stats.moved[cont.rows] = 1
+                self.stats.moved[cont.rows] = 1
             out, steps_done = result
             rows = cont.rows
-            tokens_out[rows] = out["response_ids"]
-            logprobs_out[rows] = out["sample_logprobs"]
-            mask_out[rows] = out["response_mask"]
-            stats.steps[rows] = steps_done
-    stats.seconds = time.perf_counter() - start_time
-    return {"response_ids": tokens_out, "response_mask": mask_out,
-            "sample_logprobs": logprobs_out}, stats
+            self.tokens[rows] = out["response_ids"]
+            self.logprobs[rows] = out["sample_logprobs"]
+            self.mask[rows] = out["response_mask"]
+            self.stats.steps[rows] = steps_done
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The call's output: every row's tokens, mask and log-probs."""
+        return {"response_ids": self.tokens, "response_mask": self.mask,
+                "sample_logprobs": self.logprobs}
