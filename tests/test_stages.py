@@ -10,7 +10,7 @@ import torch
 
 from rlhfflow import ops
 from rlhfflow.config.spec import AlgorithmSpec
-from rlhfflow.data.records import prompt_problem, prompt_token_ids, render_prompt
+from rlhfflow.data.records import pad_prompts, prompt_problem, prompt_token_ids, render_prompt
 from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.models import load_model, sequence_scores
 from rlhfflow.engine.rewardfns import (
@@ -23,7 +23,7 @@ from rlhfflow.engine.rewardfns import (
 from rlhfflow.engine.sampling import filter_logits
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, concat_batches, create_stage
 from rlhfflow.stages.rewards import length_ratio, vowel_ratio
-from tests.conftest import CONFIGS, chat_tokenizer, make_prompt_batch
+from tests.conftest import CONFIGS, REPO, chat_tokenizer, make_prompt_batch
 
 TEXTS = ["describe the sun:", "a", "talk about a fire and a rain:", "hello there",
          "speak of the star:", "x y z"]
@@ -907,3 +907,46 @@ def test_evaluate_refuses_a_bad_chat_record_naming_its_line(tmp_path):
     key, message = stage.check_params(stage.params, True, tmp_path)
     assert key == "params.prompts"
     assert message.startswith(f"{tmp_path / 'eval.jsonl'}:2: messages[0].role: unknown role")
+
+
+def test_evaluate_plays_records_as_episodes_through_a_rollout(tmp_path, chat_lm_dir):
+    from rlhfflow.engine.forward import stage_seed
+
+    guess = str(REPO / "examples" / "multiturn" / "envs.py") + ":GuessNumber"
+    records = [{"messages": [{"role": "user", "content": f"guess {i}"}], "secret": i}
+               for i in range(1, 6)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rollout = {"env": guess, "max_turns": 3, "max_new_tokens": 6, "max_tokens": 40,
+               "info": ["won"]}
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir))})
+    stage = create_stage("evaluate", "eval", params={"prompts": "eval.jsonl",
+                                                     "rollout": rollout, "batch_size": 2},
+                         model="actor")
+    assert stage.check_params(stage.params, True, tmp_path) is None
+    out = stage.run({}, _ctx(store, base_dir=str(tmp_path)))
+    # the same episodes as the rollout stage plays on those records, on its own streams
+    tok = store.get("actor").tokenizer
+    texts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
+             for r in records]
+    ids, mask = pad_prompts([prompt_token_ids(tok, t, templated=True) for t in texts],
+                            tok.pad_token_id)
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "prompt_index": torch.arange(5),
+             "sample_index": torch.zeros(5, dtype=torch.long), "prompt_text": texts,
+             "prompt_fields": [json.dumps({k: v for k, v in r.items()}) for r in records]}
+    ctx = _ctx(store, base_dir=str(tmp_path))
+    direct = create_stage("rollout", params=rollout, model="actor").run(
+        batch, StageContext(iteration=0, seed=stage_seed(ctx.seed, "eval"), models=store,
+                            settings=ctx.settings))
+    assert out["eval/env_reward_mean"] == pytest.approx(float(direct["env_reward"].mean()))
+    assert out["eval/reward_mean"] == out["eval/env_reward_mean"]
+    assert out["eval/turns_mean"] == pytest.approx(float(direct["turns"].float().mean()))
+    assert out["eval/info_won_mean"] == pytest.approx(float(direct["info_won"].mean()))
+    assert out["eval/prompts"] == 5
+    # a rollout key that is wrong is named under params.rollout
+    bad = create_stage("evaluate", params={"prompts": "eval.jsonl",
+                                           "rollout": {**rollout, "max_turns": 0}})
+    key, message = bad.check_params(bad.params, True, tmp_path)
+    assert key == "params.rollout.max_turns" and "greater than 0" in message
+    both = create_stage("evaluate", params={"prompts": "eval.jsonl",
+                                            "rollout": {"env": guess, "tools": [guess]}})
+    assert both.check_params(both.params, True, tmp_path)[0] == "params.rollout.tools"

@@ -5,6 +5,9 @@ given; nothing is trained or written.
     python examples/multiturn/heldout.py examples/multiturn/python.yaml \
         --model models/smollm2-135m --model runs/multiturn-python/models/actor/final
 
+A pipeline without a score stage whose rollout scores itself (an agent's reward,
+``scores: true``) is scored by its reward and ``info`` columns.
+
 The held-out records are the file beside the pipeline's prompts with `-test` for `-train`
 (what the examples' make_data.py writes), or `--prompts FILE`. It prints, per model, each
 reward function's mean over the held-out episodes with its standard error, and as its
@@ -47,11 +50,16 @@ def heldout(config: Path, model: str | None, records: int, batch: int, samples: 
     if model is not None:
         overrides[f"models.{actor}.path"] = str(Path(model).resolve())
     pipeline = load_pipeline(config, overrides)
-    scorer = pipeline.graph.scorers()[0]
-    # the columns of the functions a stage lists under ``functions`` (``score_<name>``);
-    # a single ``function`` writes ``scores`` alone
-    named = {entry.column[len("score_"):]: entry.column
-             for entry in getattr(pipeline.params[scorer], "functions", [])}
+    if pipeline.graph.scorers():
+        scorer = pipeline.graph.scorers()[0]
+        # the columns of the functions a stage lists under ``functions``
+        # (``score_<name>``); a single ``function`` writes ``scores`` alone
+        named = {entry.column[len("score_"):]: entry.column
+                 for entry in getattr(pipeline.params[scorer], "functions", [])}
+    else:  # a rollout that scores itself (scores: true): its reward and info columns
+        scorer = generator
+        named = {"reward": "env_reward", **{key: f"info_{key}" for key in
+                                            getattr(pipeline.params[scorer], "info", [])}}
     scores: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as work:
         for iteration in range(records // batch):

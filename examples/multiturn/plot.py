@@ -3,6 +3,7 @@
     python examples/multiturn/plot.py calculator runs/multiturn-calculator docs/images/multiturn-calculator.png
     python examples/multiturn/plot.py python runs/multiturn-python docs/images/multiturn-python.png
     python examples/multiturn/plot.py guess runs/multiturn-guess docs/images/multiturn-guess.png
+    python examples/multiturn/plot.py agent runs/agents-calculator docs/images/agents-calculator.png
 
 Each panel shows the per-iteration value (dots) and its running mean over 5 iterations
 (line), against the minutes since the run's first iteration started.
@@ -21,6 +22,8 @@ PANELS = {
                ("reward_mean_exact_answer", "exact-match accuracy")],
     "guess": [("turns_mean", "model turns per episode (5 at most)"),
               ("info_won_mean", "win rate")],
+    "agent": [("info_tool_calls_mean", "calculator calls per episode"),
+              ("info_exact_mean", "exact-match accuracy")],
 }
 
 

@@ -4,6 +4,13 @@ K iterations, inside a training pipeline; its metrics are logged as ``eval/...``
 A stage of its own rather than a second ``generate`` + ``score``: those read the
 iteration's training prompts and write the training columns (``responses``, ``scores``),
 while an evaluation has other prompts and must leave the training batch alone.
+
+With ``rollout:`` (a ``rollout`` stage's params: an environment, tools or an agent) each
+record is played as an episode by that rollout, in this task, on the stage's model: the
+same path as training's episodes. The episodes' ``env_reward`` is the score unless reward
+functions are named (they then read the episode's text); the rollout's figures are logged
+too (``eval/env_reward_mean``, ``eval/turns_mean``, ``eval/info_KEY_mean``,
+``eval/agent_failed_frac``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,16 @@ from rlhfflow.engine.rewardfns import (
     reward_inputs,
 )
 from rlhfflow.engine.usercode import load_function
-from rlhfflow.sdk import Batch, PlanHints, Stage, StageContext, StageParams, register_stage
+from rlhfflow.sdk import (
+    Batch,
+    PlanHints,
+    Stage,
+    StageContext,
+    StageParams,
+    create_stage,
+    get_stage_type,
+    register_stage,
+)
 
 
 class EvaluateParams(StageParams):
@@ -66,6 +82,11 @@ class EvaluateParams(StageParams):
     functions: list[RewardFunctionSpec] = Field(
         [], description="several reward functions ({function, weight, kwargs, name}), as "
         "a score stage's params.functions; each is logged as eval/reward_mean_NAME")
+    rollout: dict[str, Any] | None = Field(
+        None, description="play each record as an episode: a rollout stage's params "
+        "(env, tools or agent, max_turns, max_new_tokens, temperature, ...; its own "
+        "sampling settings apply, not greedy/temperature here); the episodes' env_reward "
+        "is the score unless function(s) are given")
 
     def reward_functions(self) -> list[RewardFunctionSpec]:
         """The functions the stage calls: ``functions``, or ``function`` alone."""
@@ -104,7 +125,11 @@ class EvaluateStage(Stage):
         if params.function is not None and params.functions:
             return ("params.functions", "give either params.function or params.functions, "
                                         "not both")
-        if not functions:
+        if params.rollout is not None:
+            problem = _rollout_problem(params.rollout, has_model, base_dir)
+            if problem:
+                return problem
+        if not functions and params.rollout is None:
             return ("params.function", "required key is missing: the reward function "
                                        "('module:function') that scores the responses")
         for i, entry in enumerate(functions):
@@ -135,9 +160,50 @@ class EvaluateStage(Stage):
                                 f"{self.params.max_prompt_tokens}")
             prompts.append(text)
             token_ids.append(ids)
+        if self.params.rollout is not None:
+            return self._episodes(ctx, records, prompts, token_ids)
         responses, lengths = self._responses(ctx, token_ids)
         return {**self._metrics(ctx, records, prompts, responses),
                 "eval/response_length_mean": float(lengths.float().mean())}
+
+    def _episodes(self, ctx: StageContext, records: list[dict[str, Any]], prompts: list[str],
+                  token_ids: list[list[int]]) -> dict[str, Any]:
+        """The records played as episodes by the ``rollout`` params' stage, scored."""
+        rollout = create_stage("rollout", f"{self.name}.rollout", self.params.rollout,
+                               ctx.algorithm, self.model)
+        tok = ctx.models.get(self.model).tokenizer
+        # its own random streams: evaluating never shifts the training's draws
+        seed = stage_seed(ctx.seed, self.name)
+        episode_ctx = StageContext(iteration=ctx.iteration, seed=seed, models=ctx.models,
+                                   algorithm=ctx.algorithm, settings=ctx.settings)
+        fields = [json.dumps({k: v for k, v in r.items() if k != "prompt"}) for r in records]
+        outs: list[Batch] = []
+        for start in range(0, len(token_ids), self.params.batch_size):
+            rows = range(start, min(start + self.params.batch_size, len(token_ids)))
+            ids, mask = pad_prompts([token_ids[i] for i in rows], tok.pad_token_id)
+            batch = {"prompt_ids": ids, "prompt_mask": mask,
+                     "prompt_index": torch.tensor(list(rows)),
+                     "sample_index": torch.zeros(len(rows), dtype=torch.long),
+                     "prompt_text": [prompts[i] for i in rows],
+                     "prompt_fields": [fields[i] for i in rows]}
+            outs.append(rollout.run(batch, episode_ctx))
+        out = {key: torch.cat([o[key] for o in outs]) if isinstance(outs[0][key], torch.Tensor)
+               else [v for o in outs for v in o[key]] for key in outs[0]}
+        figures: dict[str, Any] = {
+            "eval/env_reward_mean": float(out["env_reward"].mean()),
+            "eval/turns_mean": float(out["turns"].float().mean()),
+            "eval/response_length_mean": float(out["response_mask"].sum(-1).float().mean()),
+            **{f"eval/{key}_mean": float(out[key].float().mean())
+               for key in out if key.startswith("info_")}}
+        if "agent_failed" in out:
+            figures["eval/agent_failed_frac"] = float(out["agent_failed"].float().mean())
+        if self.params.reward_functions():
+            return {**self._metrics(ctx, records, prompts, list(out["response_text"])),
+                    **figures}
+        rewards = out["env_reward"]
+        return {"eval/reward_mean": float(rewards.mean()),
+                "eval/reward_std": float(rewards.std(unbiased=False)), **figures,
+                "eval/prompts": len(prompts)}
 
     @torch.no_grad()
     def _responses(self, ctx: StageContext, token_ids: list[list[int]]
@@ -201,3 +267,21 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
         if problem:
             raise DataError(f"{path}:{number}: {problem}")
     return records
+
+
+def _rollout_problem(params: dict[str, Any], has_model: bool, base_dir: Path
+                     ) -> tuple[str, str] | None:
+    """Why ``params`` are not a rollout stage's params, as ``(key, message)``."""
+    from pydantic import ValidationError
+
+    cls = get_stage_type("rollout")
+    try:
+        parsed = cls.Params(**params)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        return (f"params.rollout.{where}", error["msg"])
+    problem = cls.check_params(parsed, has_model, base_dir)
+    if problem:
+        return (f"params.rollout.{problem[0].removeprefix('params.')}", problem[1])
+    return None
