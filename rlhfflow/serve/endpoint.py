@@ -199,7 +199,7 @@ class Endpoint:
                                             "created": 0, "owned_by": "rlhfflow"}]}
 
     def chat(self, body: dict[str, Any], session: Session | None = None) -> dict[str, Any]:
-        self._check_model(body)
+        self._check_model(body, session)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or \
                 not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -253,7 +253,7 @@ class Endpoint:
 
     def completions(self, body: dict[str, Any], session: Session | None = None
                     ) -> dict[str, Any]:
-        self._check_model(body)
+        self._check_model(body, session)
         if body.get("echo"):
             raise BadRequest("'echo' is not served", param="echo")
         prompt = body.get("prompt")
@@ -290,9 +290,10 @@ class Endpoint:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    def _check_model(self, body: dict[str, Any], session: Session | None = None) -> None:
         model = body.get("model")
-        if model is not None and model != self.settings.model:
+        # a session serves the policy under whatever name the agent was written with
+        if session is None and model is not None and model != self.settings.model:
             raise BadRequest(f"the model {model!r} is not served here; this endpoint serves "
                              f"{self.settings.model!r}", HTTPStatus.NOT_FOUND, "model",
                              "model_not_found")
