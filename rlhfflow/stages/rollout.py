@@ -303,6 +303,12 @@ class RolloutStage(Stage):
                     callable(getattr(env, hook, None)) for hook in ("reset", "step")):
                 return ("params.env", f"{params.env!r} is not a class with reset(record) "
                                       "and step(text) methods")
+            # a class may check its own env_kwargs (rlhfflow.engine.envpackages: the
+            # package installed, an environment id it knows): (key under params, message)
+            check = getattr(env, "check_env_kwargs", None)
+            found = check(params.env_kwargs) if callable(check) else None
+            if found:
+                return (f"params.{found[0]}", found[1])
         for i, ref in enumerate(params.tools):
             problem, _ = imported(ref, base_dir)
             if problem:
