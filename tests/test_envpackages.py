@@ -6,7 +6,10 @@ skip where its extra is not installed (``pip install 'rlhfflow[gem,skyrl-gym]'``
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,8 @@ from rlhfflow.engine.envpackages import GemEnv, PackageEnv, SkyRLGymEnv, Unknown
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multiturn"
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "multiturn"
 ADAPTERS = "rlhfflow.engine.envpackages"
 GUESS = "game:GuessTheNumber-v0-easy"
 
@@ -144,6 +148,11 @@ def test_one_run_mixes_environments_of_both_packages_by_a_record_field(chat_lm_d
                    max_new_tokens=6, max_tokens=120)
     assert out["turns"].tolist() == [1, 1, 2, 2]
     assert out["env_reward"].tolist() == pytest.approx([-0.1, -0.1, 0.0, 0.0])
+    # on threads (GEM's seeding under the adapters' lock), the same episodes
+    threaded = _rollout(store, batch, records, env=f"{ADAPTERS}:PackageEnv", max_turns=4,
+                        max_new_tokens=6, max_tokens=120, env_workers=2)
+    assert threaded["turns"].tolist() == out["turns"].tolist()
+    assert threaded["env_reward"].tolist() == out["env_reward"].tolist()
 
 
 def test_a_record_naming_an_unknown_environment_is_one_line():
@@ -213,3 +222,17 @@ def test_a_package_that_is_not_installed_is_refused_by_validate_with_exit_2(tmp_
     assert result.exit_code == 2 and "\n" not in result.stderr.rstrip("\n")
     assert "stages.rollout.params.env_kwargs.env_id: 'gem:game:GuessTheNumber-v0-easy' " \
            "needs the package gem-llm, which is not installed" in result.stderr
+
+
+def test_validate_refuses_an_unknown_gem_environment_as_a_real_command(tmp_path):
+    pytest.importorskip("gem", reason="pip install 'rlhfflow[gem]'")
+    path = _pipeline(tmp_path, env=f"{ADAPTERS}:GemEnv",
+                     env_kwargs={"env_id": "game:GuessTheNumber-v1"})
+    done = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "validate", str(path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "RLHFFLOW_WARM": "0"})
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"Error: {path}: stages.rollout.params.env_kwargs.env_id: gem-llm "
+                           "has no environment 'game:GuessTheNumber-v1' (did you mean "
+                           "'game:GuessTheNumber-v0-"), line
