@@ -1,6 +1,7 @@
 """The run's lifecycle: the executor materialises the models, places them, starts the
 workers' resident state, runs the setup stages, then the iterations, recovers from a lost
-worker by going back to the last checkpoint, and saves the trained models.
+worker by going back to the last checkpoint (``rlhfflow.runtime.recovery``), and saves the
+trained models.
 
 What each iteration's tasks are (micro-batches streaming through the stages, fusion, the
 model edges within and across iterations, bounded staleness, gangs, weight syncs to
@@ -117,7 +118,7 @@ class Executor(Recovery):
     """Runs a pipeline on a backend: the run's lifecycle (models, workers, setup stages,
     the iteration loop, recovery, the final save). What each iteration's tasks are comes
     from ``TaskCompiler``; ``Dataflow`` submits them; ``Checkpointer`` and ``Telemetry``
-    keep checkpoints and measurements."""
+    keep checkpoints and measurements; recovery is its ``Recovery`` base's."""
 
     def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True,
                  start: StartPoint | None = None, stop: threading.Event | None = None, *,
