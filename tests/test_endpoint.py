@@ -216,3 +216,4 @@ def test_rlhfflow_serve_serves_a_model_directory_until_interrupted(tool_lm_dir):
                                                                   "RLHFFLOW_API_KEY": ""})
     assert refused.returncode == 2 and "needs an API key" in refused.stderr
     assert "Traceback" not in refused.stderr
+

@@ -218,3 +218,62 @@ def test_bad_requests_are_refused_with_what_was_expected(lm):
         SamplingSettings(temperature=0)
     with pytest.raises(ValueError, match="on_update must be one of"):
         GenerationService(model, eos=None, pad_id=0, on_update="drop")
+
+
+def test_a_conversation_s_next_call_joins_on_the_kept_cache_with_the_same_values(lm):
+    model, tokenizer = lm
+    prompt = _prompts(tokenizer, 1)[0]
+    reply = tokenizer(" and then?", add_special_tokens=False)["input_ids"]
+
+    def conversation(key):
+        with GenerationService(model, eos=None, pad_id=tokenizer.pad_token_id) as service:
+            first = service.generate([Request(prompt, SamplingSettings(max_new_tokens=8),
+                                              uniforms=_uniforms(0, 8), cache_key=key)])[0]
+            second_prompt = prompt + first.tokens + reply
+            second = service.generate([Request(second_prompt,
+                                               SamplingSettings(max_new_tokens=8),
+                                               uniforms=_uniforms(1, 8), cache_key=key)])[0]
+            return first, second, second_prompt, service.stats.reused
+
+    first, second, second_prompt, reused = conversation("episode-1")
+    _, again, _, none_reused = conversation(None)
+    # the second call fed only the last sampled token and the reply on the first's cache
+    assert reused == len(prompt) + len(first.tokens) - 1 and none_reused == 0
+    assert second.tokens == again.tokens
+    fresh = _fresh_logprobs(model, second_prompt, second.tokens)
+    assert torch.allclose(torch.tensor(second.logprobs, dtype=torch.float32), fresh,
+                          atol=1e-4)
+
+
+def test_a_kept_cache_is_dropped_by_forget_an_update_or_a_prompt_that_does_not_extend(lm):
+    model, tokenizer = lm
+    prompt = _prompts(tokenizer, 1)[0]
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with GenerationService(model, eos=None, pad_id=tokenizer.pad_token_id) as service:
+        def call(p, key="k"):
+            return service.generate([Request(p, SamplingSettings(max_new_tokens=4),
+                                             cache_key=key)])[0]
+
+        first = call(prompt)
+        call(prompt[:-1] + [prompt[-1] + 1] + first.tokens)  # another history: no reuse
+        assert service.stats.reused == 0
+        first = call(prompt)
+        service.forget("k")
+        call(prompt + first.tokens)
+        assert service.stats.reused == 0
+        first = call(prompt)
+        assert service.update_weights(weights).result(timeout=60) == 1  # the same values
+        call(prompt + first.tokens)
+        assert service.stats.reused == 0  # a cache of the weights before the update
+        first = call(prompt)
+        call(prompt + first.tokens)
+        assert service.stats.reused > 0
+
+
+def test_requests_arriving_together_are_prefilled_together(lm):
+    model, tokenizer = lm
+    prompts = _prompts(tokenizer, 12)
+    with GenerationService(model, eos=None, pad_id=tokenizer.pad_token_id,
+                           max_in_flight=12) as service:
+        service.generate([Request(p, SamplingSettings(max_new_tokens=4)) for p in prompts])
+        assert service.stats.joins == 1 and service.stats.joined == 12

@@ -21,6 +21,12 @@ policy's exactly; with ``"keep"`` the cache of the old weights stays (cheaper, t
 and values of earlier tokens are the old policy's). Each token's version says which
 policy sampled it.
 
+A request with a ``cache_key`` leaves its KV cache behind when it finishes; the next
+request with that key whose prompt begins with the finished one's prompt and completion
+(a conversation's next call) joins on that cache and feeds only what follows, as the
+multi-turn rollout's rows keep theirs across turns. Caches of old weights are dropped at
+an update; ``forget`` drops one, and the oldest go beyond ``4 * max_in_flight``.
+
 Sampling is :func:`rlhfflow.engine.sampling.sample_step`'s arithmetic with one uniform per
 output position: a request brings its own uniforms (the stages' counter-based streams) or
 a seed; the same request with the same uniforms gives the same tokens whatever else is in
@@ -33,25 +39,29 @@ behind: requests in, tokens, log-probs and versions out.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from rlhfflow import ops
+from rlhfflow.engine.episodes import JOIN_WAIT_STEPS
 from rlhfflow.engine.forward import stage_seed
 from rlhfflow.engine.sampling import sample_step
-from rlhfflow.engine.turns import TurnBatch
+from rlhfflow.engine.turns import RowCache, TurnBatch
 from rlhfflow.errors import RunError
 
 log = logging.getLogger(__name__)
 
 UPDATE_POLICIES = ("recompute", "keep")
+#: when nothing decodes, wait this long for more requests before a prefill
+GATHER_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,10 @@ class Request:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     uniforms: torch.Tensor | None = None
     seed: int | None = None
+    cache_key: str | None = None
+    """Keep the request's KV cache under this key when it finishes; a later request with
+    the key whose prompt begins with this one's prompt and completion feeds only what
+    follows (a conversation's next call). ``forget`` drops it."""
 
 
 @dataclass
@@ -141,6 +155,8 @@ class ServiceStats:
     finished: int = 0
     tokens: int = 0
     updates: int = 0
+    reused: int = 0
+    """Prompt tokens a join did not prefill: they were in a kept cache."""
 
     def occupancy(self, max_in_flight: int) -> float:
         """The decode batch's mean fill: rows per step over ``max_in_flight``."""
@@ -152,6 +168,8 @@ class GenerationService:
 
     ``eos``: the ids that end a request (``rlhfflow.engine.generation.eos_ids``);
     ``tokenizer``: needed only for stop strings. Use as a context manager, or ``close()``.
+    Create it where the model samples (``with resident.generating():``): the loop's
+    thread runs in a copy of the creator's context variables.
     """
 
     def __init__(self, module: torch.nn.Module, *, eos: Sequence[int] | None, pad_id: int,
@@ -176,10 +194,19 @@ class GenerationService:
         self._updates: deque[tuple[Mapping[str, torch.Tensor], int | None,
                                    concurrent.futures.Future]] = deque()
         self._ids = itertools.count()
+        self._waited = 0  # decode steps the queued requests have waited
+        # cache_key -> (the tokens in the cache, the cache, the version that made it)
+        self._kept: OrderedDict[str, tuple[list[int], RowCache, int]] = OrderedDict()
+        self._kept_lock = threading.Lock()
+        self.max_kept = 4 * max_in_flight
         self._wake = threading.Condition()
         self._closed = False
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # the loop runs in the creator's context: its context variables (the lean
+        # forward's sampling kernels, under ``ResidentModel.generating``) hold there too
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._loop,), name=name,
+                                        daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers' side
@@ -226,6 +253,11 @@ class GenerationService:
             self._updates.append((state, version, future))
             self._wake.notify()
         return future
+
+    def forget(self, cache_key: str) -> None:
+        """Drop the cache kept under ``cache_key`` (its conversation is over)."""
+        with self._kept_lock:
+            self._kept.pop(cache_key, None)
 
     @property
     def in_flight(self) -> int:
@@ -274,12 +306,24 @@ class GenerationService:
         with self._wake:
             while not (self._closed or self._queue or self._updates or self._rows):
                 self._wake.wait()
+            if not self._rows and len(self._queue) < self.max_in_flight:
+                # nothing decodes: requests sent together arrive a little apart; one
+                # prefill of them all costs less than one each
+                deadline = time.monotonic() + GATHER_S
+                while not self._closed and len(self._queue) < self.max_in_flight and \
+                        (left := deadline - time.monotonic()) > 0:
+                    self._wake.wait(left)
             if self._closed:
                 return False
             updates = list(self._updates)
             self._updates.clear()
-            room = self.max_in_flight - len(self._rows)
-            joining = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            joining = []
+            if self._queue and self._joins_now():
+                room = self.max_in_flight - len(self._rows)
+                joining = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                self._waited = 0
+            elif self._queue:
+                self._waited += 1
         for state, version, future in updates:
             self._install(state, version, future)
         if joining:
@@ -288,6 +332,15 @@ class GenerationService:
             self._step()
         return True
 
+    def _joins_now(self) -> bool:
+        """Whether queued requests join before this round's step: when nothing decodes,
+        when they would fill the batch or are a quarter of the rows decoding, or after
+        ``JOIN_WAIT_STEPS`` steps of waiting (a join is a forward of its own: many small
+        ones cost more than fewer larger ones, as in the multi-turn rollout)."""
+        decoding, waiting = len(self._rows), len(self._queue)
+        return not decoding or decoding + waiting >= self.max_in_flight or \
+            4 * waiting >= decoding or self._waited >= JOIN_WAIT_STEPS
+
     def _install(self, state: Mapping[str, torch.Tensor], version: int | None,
                  future: concurrent.futures.Future) -> None:
         params = dict(self.module.named_parameters())
@@ -295,6 +348,8 @@ class GenerationService:
             params[name].copy_(tensor)
         self.version = version if version is not None else self.version + 1
         self.stats.updates += 1
+        with self._kept_lock:  # caches of the old weights: a later call prefills afresh
+            self._kept.clear()
         if self.on_update == "recompute" and self._batch.rows:
             self._recompute()
         future.set_result(self.version)
@@ -311,16 +366,45 @@ class GenerationService:
         self._sample(rows, self._batch.join(rows, [None] * len(rows), blocks, self.pad_id))
 
     def _join(self, joining: list[tuple[int, _Row]]) -> None:
+        """Prefill the joining requests into the batch: those whose kept cache their
+        prompt extends feed only the rest, in one forward; the others, in another."""
         now = time.monotonic()
-        rows = [number for number, _ in joining]
+        cached: list[tuple[int, RowCache, list[int]]] = []
+        fresh: list[int] = []
         for number, row in joining:
             row.started = now
             self._rows[number] = row
-        blocks = [row.request.prompt for _, row in joining]
-        logits = self._batch.join(rows, [None] * len(rows), blocks, self.pad_id)
+            found = self._take_kept(row.request)
+            if found is None:
+                fresh.append(number)
+            else:
+                cache, block = found
+                cached.append((number, cache, block))
+                self.stats.reused += cache.length
+        if cached:
+            rows = [number for number, _, _ in cached]
+            self._sample(rows, self._batch.join(rows, [c for _, c, _ in cached],
+                                                [b for _, _, b in cached], self.pad_id))
+        if fresh:
+            blocks = [self._rows[number].request.prompt for number in fresh]
+            self._sample(fresh, self._batch.join(fresh, [None] * len(fresh), blocks,
+                                                 self.pad_id))
         self.stats.joins += 1
-        self.stats.joined += len(rows)
-        self._sample(rows, logits)
+        self.stats.joined += len(joining)
+
+    def _take_kept(self, request: Request) -> tuple[RowCache, list[int]] | None:
+        """The kept cache ``request`` extends, and the tokens to feed on top of it."""
+        if request.cache_key is None:
+            return None
+        with self._kept_lock:
+            kept = self._kept.pop(request.cache_key, None)
+        if kept is None:
+            return None
+        fed, cache, version = kept
+        prompt = request.prompt
+        if version != self.version or len(prompt) <= len(fed) or prompt[:len(fed)] != fed:
+            return None
+        return cache, prompt[len(fed):]
 
     def _step(self) -> None:
         rows = list(self._batch.rows)
@@ -377,7 +461,19 @@ class GenerationService:
 
     def _finish(self, finished: list[tuple[int, str]]) -> None:
         at = {number: i for i, number in enumerate(self._batch.rows)}
-        self._batch.park([at[number] for number, _ in finished], keep_cache=False)
+        keep = [number for number, _ in finished
+                if self._rows[number].request.cache_key is not None]
+        drop = [number for number, _ in finished
+                if self._rows[number].request.cache_key is None]
+        # positions shift as rows leave: the kept ones first, then the rest, each parked
+        # by its position among the rows still there
+        if keep:
+            caches = self._batch.park([at[number] for number in keep], keep_cache=True)
+            for number, cache in zip(keep, caches, strict=True):
+                self._keep(self._rows[number], cache)
+        if drop:
+            at = {number: i for i, number in enumerate(self._batch.rows)}
+            self._batch.park([at[number] for number in drop], keep_cache=False)
         now = time.monotonic()
         for number, reason in finished:
             row = self._rows.pop(number)
@@ -386,6 +482,17 @@ class GenerationService:
             row.future.set_result(Completion(
                 row.request.prompt, row.tokens, row.logprobs, row.versions, reason,
                 row.submitted, row.started, now, row.top))
+
+    def _keep(self, row: _Row, cache: RowCache | None) -> None:
+        """Keep a finished request's cache under its key (the oldest kept go first)."""
+        if cache is None:
+            return
+        fed = (row.request.prompt + row.tokens)[:cache.length]
+        with self._kept_lock:
+            self._kept[row.request.cache_key] = (fed, cache, self.version)
+            self._kept.move_to_end(row.request.cache_key)
+            while len(self._kept) > self.max_kept:
+                self._kept.popitem(last=False)
 
     def _fail_all(self, failure: BaseException | None) -> None:
         error = ServiceClosed("the generation service closed before the request finished"

@@ -117,6 +117,9 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: per call choice, its prompt and completion as text (special tokens kept) and ids
     history: list[tuple[str, list[int]]] = field(default_factory=list)
+    #: the id the endpoint serves it under (``open``); its calls' KV caches are kept
+    #: under it, so a call that extends the last one feeds only the new tokens
+    name: str = ""
 
     def draws(self, steps: int) -> torch.Tensor | None:
         """The next ``steps`` uniforms of the episode's stream (None: no generator)."""
@@ -151,8 +154,7 @@ class Endpoint:
         self.said: OrderedDict[str, str] = OrderedDict()  # call id -> the text behind it
         self._said_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = ThreadingHTTPServer((settings.host, settings.port), handler)
-        self.server.daemon_threads = True
+        self.server = _Server((settings.host, settings.port), handler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -164,6 +166,7 @@ class Endpoint:
     def open(self, session: Session) -> str:
         """Serve ``session`` under a new id: its ``base_url``."""
         name = uuid.uuid4().hex
+        session.name = name
         self.sessions[name] = session
         return f"{self.base_url.removesuffix('/v1')}/sessions/{name}/v1"
 
@@ -171,6 +174,7 @@ class Endpoint:
         """Stop serving the session of ``base_url``; calls it makes later are refused."""
         session = self.sessions.pop(base_url.rstrip("/").split("/")[-2])
         session.open = False
+        self.service.forget(session.name)
         return session
 
     def start(self) -> str:
@@ -341,9 +345,12 @@ class Endpoint:
             settings = SamplingSettings(**{**settings.__dict__, "max_new_tokens": room})
         seed = body.get("seed")
         self.requests += 1
+        # one choice continues a session's conversation: its cache is kept for the next call
+        key = session.name if session is not None and n == 1 else None
         futures = [self.service.submit(Request(
             prompt, settings, seed=None if seed is None else stage_seed(int(seed), i),
-            uniforms=None if session is None else session.draws(settings.max_new_tokens)))
+            uniforms=None if session is None else session.draws(settings.max_new_tokens),
+            cache_key=key))
             for i in range(n)]
         done = [future.result() for future in futures]
         if session is not None:
@@ -444,6 +451,14 @@ def _before_calls(text: str, fmt: ToolFormat) -> str | None:
 def _positions(module) -> int:
     config = getattr(module, "config", None)
     return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection; a listen backlog for many agents connecting at once
+    (the standard library's 5 refuses some of 16 agents that start together)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):
