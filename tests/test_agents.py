@@ -11,7 +11,7 @@ import torch
 
 from rlhfflow.config.spec import SpecError
 from rlhfflow.stages import create_stage
-from tests.conftest import chat_batch, chat_store
+from tests.conftest import REPO, chat_batch, chat_store
 from tests.test_rollout import (  # noqa: F401 - tool_lm_dir is a fixture
     TEXTS,
     TOOL_CALL,
@@ -108,6 +108,27 @@ async def own_system_prompt(client, record):
 
 
 def wrong(client):
+    return 0.0
+
+
+async def guess(client, record):
+    """The rollout's rules with examples/multiturn/envs.py's game, as an agent."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("envs", record["envs"])
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    env = envs.GuessNumber()
+    env.reset(record)
+    messages = list(record["messages"])
+    for turn in range(3):
+        answer = await client.chat.completions.create(model="policy", messages=messages)
+        text = answer.choices[0].message.content
+        messages.append({"role": "assistant", "content": text})
+        said, _, done, _ = env.step(text)
+        if done or turn == 2:
+            break
+        messages += [{"role": "tool", "content": m["content"]} for m in said]
     return 0.0
 '''
 
@@ -243,3 +264,33 @@ def test_validation_names_a_bad_agent(agents_file):
     key, message = problem(agent="agents.py:once", tools=["agents.py:plain"])
     assert key == "params.agent" and "alone" in message
     assert SpecError  # the loader turns the pair into one line naming the file
+
+
+def test_an_agent_that_plays_the_rollout_s_rules_gets_the_rollout_s_episodes(chat_lm_dir,
+                                                                           agents_file):
+    """Each episode draws its n-th token from the n-th uniform of its stream across its
+    calls, as a rollout's row does across its turns: where the agent's calls extend each
+    other at token level, its episodes are the rollout's, token for token."""
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    envs = str(REPO / "examples" / "multiturn" / "envs.py")
+    batch = _batch(tok, TEXTS)
+    batch["prompt_fields"] = [json.dumps({**json.loads(f), "secret": 3, "envs": envs})
+                              for f in batch["prompt_fields"]]
+    params = {"max_turns": 3, "max_new_tokens": 12, "max_tokens": 90}
+    rollout = create_stage("rollout", params={"env": f"{envs}:GuessNumber", **params},
+                           model="actor").run(batch, _ctx(store))
+    agent = _agent_rollout(store, batch, f"{agents_file}:guess", **params)
+    # where a call did not extend the one before (a random model's <eos> or <unk>, which
+    # the template re-renders or drops), the agent's sample ends after the call before:
+    # up to there it is the rollout's
+    for row in range(agent["response_ids"].shape[0]):
+        said = agent["response_mask"][row].nonzero().squeeze(-1)
+        end = int(said[-1]) + 1
+        assert torch.equal(agent["response_ids"][row, :end], rollout["response_ids"][row, :end])
+        assert torch.equal(agent["response_mask"][row, :end],
+                           rollout["response_mask"][row, :end])
+        torch.testing.assert_close(agent["sample_logprobs"][row, :end],
+                                   rollout["sample_logprobs"][row, :end], atol=1e-4, rtol=0)
+    # later turns were compared: the n-th token of an episode drew the n-th uniform
+    assert (agent["turns"] >= 2).sum() >= 3

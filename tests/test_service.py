@@ -3,6 +3,8 @@ Llama, against the plain decode loop and a fresh forward over the recorded token
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -277,3 +279,28 @@ def test_requests_arriving_together_are_prefilled_together(lm):
                            max_in_flight=12) as service:
         service.generate([Request(p, SamplingSettings(max_new_tokens=4)) for p in prompts])
         assert service.stats.joins == 1 and service.stats.joined == 12
+
+
+def test_a_driven_service_decodes_on_the_caller_s_thread_the_same_tokens(lm):
+    model, tokenizer = lm
+    prompts = _prompts(tokenizer, 4)
+    requests = [Request(p, SamplingSettings(max_new_tokens=6), uniforms=_uniforms(i, 6))
+                for i, p in enumerate(prompts)]
+    with GenerationService(model, eos=None, pad_id=tokenizer.pad_token_id) as threaded:
+        expected = [c.tokens for c in threaded.generate(requests)]
+        with pytest.raises(RuntimeError, match="thread of its own"):
+            threaded.drive(lambda: True)
+    forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda *_: forwards.append(threading.current_thread()))
+    service = GenerationService(model, eos=None, pad_id=tokenizer.pad_token_id, thread=False)
+    try:
+        with service, concurrent.futures.ThreadPoolExecutor(1) as caller:
+            # another thread asks, as the endpoint's do; this one decodes until it has all
+            asked = caller.submit(lambda: [f.result() for f in map(service.submit, requests)])
+            asked.add_done_callback(lambda _: service.wake())
+            service.drive(asked.done)
+            assert [c.tokens for c in asked.result()] == expected
+    finally:
+        hook.remove()
+    assert forwards and set(forwards) == {threading.current_thread()}

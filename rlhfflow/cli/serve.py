@@ -73,8 +73,10 @@ def serve(model: str, host: str, port: int, name: str | None, api_key: str | Non
         raise UserError(f"MODEL: {first_line(exc)}") from None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         tokenizer.eos_token_id
+    # this (main) thread decodes; the HTTP server answers on threads of its own
     service = GenerationService(module, eos=eos_ids(module, tokenizer), pad_id=pad or 0,
-                                tokenizer=tokenizer, max_in_flight=max_in_flight, seed=seed)
+                                tokenizer=tokenizer, max_in_flight=max_in_flight, seed=seed,
+                                thread=False)
     try:
         endpoint = Endpoint(service, tokenizer, settings, make_format(tool_format, tokenizer,
                                                                        os.getcwd()))
@@ -82,14 +84,12 @@ def serve(model: str, host: str, port: int, name: str | None, api_key: str | Non
         service.close()
         raise UserError(f"--port: cannot bind {host}:{port}: {exc.strerror or exc}") from None
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # requests in flight finish first
+        signal.signal(sig, lambda *_: stop.set())
     with service, endpoint:
         click.echo(f"rlhfflow: serving {settings.model} at {endpoint.base_url} "
                    f"({'API key required' if api_key else 'no API key: loopback only'}; "
                    f"Ctrl-C stops)", err=True)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
+        service.drive(stop.is_set)
         click.echo(f"rlhfflow: served {endpoint.requests} requests, "
                    f"{service.stats.tokens} tokens; stopped", err=True)

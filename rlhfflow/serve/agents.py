@@ -97,37 +97,48 @@ class AgentRunner:
             generators: Sequence[torch.Generator]) -> list[AgentOutcome]:
         """One episode per record (``generators``: each episode's random stream)."""
         threads = concurrent.futures.ThreadPoolExecutor(self.concurrency, "rlhfflow-agent")
+        service = self.endpoint.service
         try:
             with self.endpoint, concurrent.futures.ThreadPoolExecutor(1) as loop_thread:
-                return loop_thread.submit(asyncio.run, self._all(fn, records, generators,
-                                                                 threads)).result()
+                agents = loop_thread.submit(asyncio.run, self._all(fn, records, generators,
+                                                                   threads))
+                if service.driven:  # this thread decodes while the agents run
+                    agents.add_done_callback(lambda _: service.wake())
+                    service.drive(agents.done)
+                return agents.result()
         finally:  # a timed-out plain function may still run: not waited for
             threads.shutdown(wait=False, cancel_futures=True)
 
     async def _all(self, fn, records, generators, threads) -> list[AgentOutcome]:
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def one(record: dict[str, Any], generator: torch.Generator) -> AgentOutcome:
-            async with gate:
-                return await self._episode(fn, record, generator, threads)
-
-        return list(await asyncio.gather(*(one(r, g) for r, g in
-                                           zip(records, generators, strict=True))))
-
-    async def _episode(self, fn, record, generator, threads) -> AgentOutcome:
         import openai
 
-        session = Session(self.sampling, generator)
-        url = self.endpoint.open(session)
+        gate = asyncio.Semaphore(self.concurrency)
+        plain = not inspect.iscoroutinefunction(fn)
+        # every episode's session and client first: making a client takes milliseconds,
+        # and agents that start together then call together (one prefill for them all)
+        started = []
+        for generator in generators:
+            session = Session(self.sampling, generator)
+            url = self.endpoint.open(session)
+            make = openai.OpenAI if plain else openai.AsyncOpenAI
+            started.append((session, url, make(base_url=url, api_key=self.key,
+                                               max_retries=0, timeout=self.timeout_s)))
+
+        async def one(record: dict[str, Any], episode) -> AgentOutcome:
+            async with gate:
+                return await self._episode(fn, record, *episode, threads)
+
+        return list(await asyncio.gather(*(one(r, e) for r, e in
+                                           zip(records, started, strict=True))))
+
+    async def _episode(self, fn, record, session: Session, url: str, client,
+                       threads) -> AgentOutcome:
         outcome = AgentOutcome()
         try:
             if inspect.iscoroutinefunction(fn):
-                async with openai.AsyncOpenAI(base_url=url, api_key=self.key, max_retries=0,
-                                              timeout=self.timeout_s) as client:
+                async with client:
                     result = await asyncio.wait_for(fn(client, record), self.timeout_s)
             else:
-                client = openai.OpenAI(base_url=url, api_key=self.key, max_retries=0,
-                                       timeout=self.timeout_s)
                 running = asyncio.get_running_loop().run_in_executor(threads, fn, client,
                                                                      record)
                 result = await asyncio.wait_for(running, self.timeout_s)

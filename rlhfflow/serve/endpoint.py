@@ -106,9 +106,11 @@ class Call:
 @dataclass
 class Session:
     """One episode's calls (see the module's docstring): ``sampling`` replaces what a
-    request asks (its ``max_new_tokens`` caps the request's ``max_tokens``), uniforms come
-    from ``generator`` in the order choices are asked for, and ``calls`` grow as they
-    finish."""
+    request asks (its ``max_new_tokens`` caps the request's ``max_tokens``), and
+    ``calls`` grow as they finish. Uniforms come from ``generator`` as one stream per
+    episode, the n-th token the episode samples drawing the n-th (as a rollout's row
+    does across its turns): a call starts where the calls before it ended; a call made
+    while another is in flight starts after what that one may use."""
 
     sampling: SamplingSettings | None = None
     generator: torch.Generator | None = None
@@ -120,19 +122,37 @@ class Session:
     #: the id the endpoint serves it under (``open``); its calls' KV caches are kept
     #: under it, so a call that extends the last one feeds only the new tokens
     name: str = ""
+    stream: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    drawn: int = 0       # tokens the finished calls sampled, in stream order
+    reserved: int = 0    # the stream's end the calls in flight may reach
+    in_flight: int = 0
 
-    def draws(self, steps: int) -> torch.Tensor | None:
-        """The next ``steps`` uniforms of the episode's stream (None: no generator)."""
+    def draws(self, steps: int) -> tuple[torch.Tensor | None, int]:
+        """The uniforms of a call of at most ``steps`` tokens, and where they start."""
         if self.generator is None:
-            return None
+            return None, 0
         with self.lock:
-            return torch.rand(steps, generator=self.generator, dtype=torch.float64)
+            start = self.reserved if self.in_flight else self.drawn
+            end = start + steps
+            if end > len(self.stream):  # drawn in order: the same as one long draw
+                more = torch.rand(end - len(self.stream), generator=self.generator,
+                                  dtype=torch.float64)
+                self.stream = torch.cat([self.stream, more])
+            self.reserved = max(self.reserved, end)
+            self.in_flight += 1
+            return self.stream[start:end], start
 
-    def record(self, prompt: list[int], completion: Completion, text: str) -> None:
-        """Book a finished choice; ``text``: its prompt and completion as text."""
+    def record(self, prompt: list[int], completion: Completion, text: str,
+               start: int = 0) -> None:
+        """Book a finished choice that drew from ``start``; ``text``: its prompt and
+        completion as text."""
         with self.lock:
             self.calls.append(Call(prompt, completion))
             self.history.append((text, prompt + completion.tokens))
+            self.in_flight = max(0, self.in_flight - 1)
+            self.drawn = max(self.drawn, start + len(completion.tokens))
+            if not self.in_flight:
+                self.reserved = self.drawn
 
     def extended(self, text: str) -> tuple[str, list[int]] | None:
         """The latest earlier call whose prompt and completion ``text`` begins with."""
@@ -347,17 +367,18 @@ class Endpoint:
         self.requests += 1
         # one choice continues a session's conversation: its cache is kept for the next call
         key = session.name if session is not None and n == 1 else None
+        draws = [session.draws(settings.max_new_tokens) if session is not None else (None, 0)
+                 for _ in range(n)]
         futures = [self.service.submit(Request(
             prompt, settings, seed=None if seed is None else stage_seed(int(seed), i),
-            uniforms=None if session is None else session.draws(settings.max_new_tokens),
-            cache_key=key))
+            uniforms=draws[i][0], cache_key=key))
             for i in range(n)]
         done = [future.result() for future in futures]
         if session is not None:
             text = self.tokenizer.decode(prompt) if text is None else text
-            for completion in done:
+            for completion, (_, start) in zip(done, draws, strict=True):
                 said = self.tokenizer.decode(completion.tokens, skip_special_tokens=False)
-                session.record(prompt, completion, text + said)
+                session.record(prompt, completion, text + said, start)
         return done
 
     def _prompt_ids(self, text: str, templated: bool, session: Session | None

@@ -415,7 +415,7 @@ class RolloutStage(Stage):
         with resident.generating(), GenerationService(
                 resident.module, eos=eos_ids(resident.module, tok), pad_id=pad_id,
                 tokenizer=tok, max_in_flight=params.agent_concurrency, seed=ctx.seed,
-                version=resident.version) as service:
+                version=resident.version, thread=False) as service:
             runner = AgentRunner(service, tok, calls, sampling, params.agent_concurrency,
                                  params.agent_timeout_s)
             outcomes = runner.run(fn, records, generators)
