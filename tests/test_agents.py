@@ -111,6 +111,34 @@ def wrong(client):
     return 0.0
 
 
+LEFT = {}
+
+
+async def reach(client, record):
+    """Tries to reach further than its own episode: an earlier episode's session, and its
+    own without the task's key."""
+    import openai
+
+    await client.chat.completions.create(model="policy", messages=record["messages"],
+                                         max_tokens=2)
+    refused = {}
+    for name, url, key in [("stale", LEFT.get("url"), client.api_key),
+                           ("keyless", str(client.base_url), "guess")]:
+        if url is None:
+            continue
+        other = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        try:
+            await other.chat.completions.create(model="policy", max_tokens=2,
+                                                messages=record["messages"])
+            refused[name] = 0.0
+        except (openai.NotFoundError, openai.AuthenticationError):
+            refused[name] = 1.0
+        finally:
+            await other.close()
+    LEFT["url"] = str(client.base_url)
+    return {"reward": 1.0, "info": refused}
+
+
 async def guess(client, record):
     """The rollout's rules with examples/multiturn/envs.py's game, as an agent."""
     import importlib.util
@@ -294,3 +322,17 @@ def test_an_agent_that_plays_the_rollout_s_rules_gets_the_rollout_s_episodes(cha
                                    rollout["sample_logprobs"][row, :end], atol=1e-4, rtol=0)
     # later turns were compared: the n-th token of an episode drew the n-th uniform
     assert (agent["turns"] >= 2).sum() >= 3
+
+
+def test_an_agent_cannot_use_an_earlier_episode_s_session_or_call_without_the_key(
+        chat_lm_dir, agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    out = _agent_rollout(store, _batch(tok, TEXTS[:2]), f"{agents_file}:reach",
+                         max_new_tokens=4, max_tokens=8, agent_concurrency=1,
+                         info=["stale", "keyless"])
+    # one agent at a time: from the second on, each finds the session before its own
+    assert out["info_stale"].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert out["info_keyless"].tolist() == [1.0] * 4
+    # the refused calls were not served: each episode made (and trained) its own call only
+    assert out["agent_calls"].tolist() == [1] * 4 and out["agent_failed"].sum() == 0
