@@ -134,8 +134,9 @@ def test_best_of_n_trains_on_the_best_response_of_each_prompt_and_climbs(cluster
     # measured: 0.10 -> 0.44 (seed 0, 12 iterations); training on random rows stays ~0.1
     assert np.mean(rewards[-3:]) - np.mean(rewards[:3]) > 0.2, rewards
     evals = [m.get("eval/reward_mean") for m in result.metrics]
-    assert [k for k, e in enumerate(evals) if e is not None] == [0, 5, 10]
-    assert evals[10] > evals[0]
+    # every 5 iterations, and the last (the model as trained)
+    assert [k for k, e in enumerate(evals) if e is not None] == [0, 5, 10, 11]
+    assert evals[11] > evals[0]
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -158,7 +159,8 @@ def test_an_evaluation_stage_leaves_training_unchanged(cluster, tmp_path):
         assert a["reward_mean"] == b["reward_mean"]
         assert a["train"]["train_sft"]["sft_loss"] == b["train"]["train_sft"]["sft_loss"]
         assert not [k for k in b if k.startswith("eval/")]
-    assert [m["iteration"] for m in runs["with"].metrics if "eval/reward_mean" in m] == [0]
+    assert [m["iteration"] for m in runs["with"].metrics if "eval/reward_mean" in m] == \
+        [0, 2]  # its every, and the run's last iteration
     buffers = [ExperienceBuffer(r.output_dir / "buffer.zarr", create=False) for r in
                runs.values()]
     for k in range(3):

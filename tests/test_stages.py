@@ -950,3 +950,22 @@ def test_evaluate_plays_records_as_episodes_through_a_rollout(tmp_path, chat_lm_
     both = create_stage("evaluate", params={"prompts": "eval.jsonl",
                                             "rollout": {"env": guess, "tools": [guess]}})
     assert both.check_params(both.params, True, tmp_path)[0] == "params.rollout.tools"
+
+
+def test_evaluate_runs_every_k_iterations_and_in_the_run_s_last(tmp_path, chat_lm_dir):
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    store = ModelStore({"actor": ModelConfig("actor", "lm", str(chat_lm_dir))})
+
+    def evaluated(iteration, iterations=None, **params):
+        stage = create_stage("evaluate", params={"prompts": "eval.jsonl", "every": 3,
+                                                 "function": "rlhfflow.stages.rewards:"
+                                                             "vowel_ratio", **params},
+                             model="actor")
+        ctx = StageContext(iteration=iteration, seed=0, models=store,
+                           settings={"base_dir": str(tmp_path), "iterations": iterations})
+        return bool(stage.run({}, ctx))
+
+    assert [evaluated(i, 5) for i in range(5)] == [True, False, False, True, True]
+    assert [evaluated(i, 5, final=False) for i in range(5)] == \
+        [True, False, False, True, False]
+    assert evaluated(4) is False  # outside a run (stage test): every K only

@@ -278,7 +278,8 @@ class Executor(Recovery):
                                rows_topic=rows_topic(self.pipeline, self.plan, self.backend,
                                                      self._layout()["threads"] or 1,
                                                      self.choice),
-                               env_pool=env_pool(self.pipeline, self.backend))
+                               env_pool=env_pool(self.pipeline, self.backend),
+                               iterations=spec.iterations)
         run = RunDef(stages=stage_defs(self.pipeline), models=self.models,
                      algorithm=spec.algorithm, seed=spec.seed, settings=settings)
         self.backend.start(run, spec.cluster.torch_threads)

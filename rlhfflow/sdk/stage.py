@@ -82,6 +82,8 @@ class RunSettings:
             generating stage (``rlhfflow.runtime.worker.rebalance``), or None.
         env_pool: the Dask resource that marks the CPU pool's workers for environment
             steps (``env``), or None when the run has no pool.
+        iterations: the run's iterations (its last is ``iterations - 1``), or None
+            outside a run.
     """
 
     temperature: float = 1.0
@@ -90,6 +92,7 @@ class RunSettings:
     device: str = "auto"
     rows_topic: str | None = None
     env_pool: str | None = None
+    iterations: int | None = None
 
     @classmethod
     def of(cls, settings: RunSettings | Mapping[str, Any] | None) -> RunSettings:

@@ -1,5 +1,6 @@
 """``evaluate``: score the model's responses to an evaluation prompt set of its own, every
-K iterations, inside a training pipeline; its metrics are logged as ``eval/...``.
+K iterations and in the run's last, inside a training pipeline; its metrics are logged as
+``eval/...``.
 
 A stage of its own rather than a second ``generate`` + ``score``: those read the
 iteration's training prompts and write the training columns (``responses``, ``scores``),
@@ -67,6 +68,8 @@ class EvaluateParams(StageParams):
         "the tokenizer's chat template, true every record, false none")
     every: Annotated[int, Field(gt=0, description="evaluate in iterations 0, K, 2K, "
                                                   "...")] = 1
+    final: bool = Field(True, description="evaluate in the run's last iteration too (the "
+                                          "model as trained), whatever every says")
     max_new_tokens: Annotated[int, Field(gt=0, description="most new tokens per "
                                                            "response")] = 32
     greedy: bool = Field(True, description="argmax decoding (the default: evaluations "
@@ -140,7 +143,9 @@ class EvaluateStage(Stage):
         return None
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
-        if ctx.iteration % self.params.every:
+        last = ctx.settings.iterations is not None and \
+            ctx.iteration == ctx.settings.iterations - 1
+        if ctx.iteration % self.params.every and not (self.params.final and last):
             return {}
         base_dir = Path(ctx.settings.base_dir)
         path = Path(self.params.prompts)
