@@ -302,10 +302,12 @@ def test_an_agent_that_plays_the_rollout_s_rules_gets_the_rollout_s_episodes(cha
     store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
     envs = str(REPO / "examples" / "multiturn" / "envs.py")
-    batch = _batch(tok, TEXTS)
+    # a random model's first turn ends on <eos> or holds <unk> in about half the rows (its
+    # history then does not extend): 24 rows leave enough second turns to compare
+    batch = _batch(tok, TEXTS, samples=8)
     batch["prompt_fields"] = [json.dumps({**json.loads(f), "secret": 3, "envs": envs})
                               for f in batch["prompt_fields"]]
-    params = {"max_turns": 3, "max_new_tokens": 12, "max_tokens": 90}
+    params = {"max_turns": 3, "max_new_tokens": 8, "max_tokens": 80}  # within 128 positions
     rollout = create_stage("rollout", params={"env": f"{envs}:GuessNumber", **params},
                            model="actor").run(batch, _ctx(store))
     agent = _agent_rollout(store, batch, f"{agents_file}:guess", **params)
@@ -321,7 +323,7 @@ def test_an_agent_that_plays_the_rollout_s_rules_gets_the_rollout_s_episodes(cha
         torch.testing.assert_close(agent["sample_logprobs"][row, :end],
                                    rollout["sample_logprobs"][row, :end], atol=1e-4, rtol=0)
     # later turns were compared: the n-th token of an episode drew the n-th uniform
-    assert (agent["turns"] >= 2).sum() >= 3
+    assert (agent["turns"] >= 2).sum() >= 2
 
 
 def test_an_agent_cannot_use_an_earlier_episode_s_session_or_call_without_the_key(
