@@ -35,13 +35,6 @@ from rlhfflow.engine.forward import stage_seed
 from rlhfflow.errors import SpecError
 
 
-def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
-    """Contiguous ``(start, stop)`` row ranges of equal size (the last may be shorter);
-    the size is the zarr chunk, so every micro-batch writes its own chunks."""
-    size = -(-rows // max(1, min(micro_batches, rows)))
-    return [(a, min(rows, a + size)) for a in range(0, rows, size)]
-
-
 def load_tokenizer(pipeline, model: str):
     """The tokenizer of ``model`` (of the model its weights come from)."""
     root = pipeline.spec.models[pipeline.model_root(model)]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.graph import SOURCE
-from rlhfflow.data.source import micro_batch_bounds
 from rlhfflow.plan.placement import ExecutionPlan, inputs_of
 from rlhfflow.plan.tasks import (
     AFTER,
@@ -55,6 +54,13 @@ SOURCE_KIND, STAGE, STORE, EXPORT, INSTALL, CHECKPOINT = (
     SourceTask.kind, StageTask.kind, StoreTask.kind, ExportTask.kind, InstallTask.kind,
     CheckpointTask.kind)
 
+
+
+def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """Contiguous ``(start, stop)`` row ranges of equal size (the last may be shorter);
+    the size is the zarr chunk, so every micro-batch writes its own chunks."""
+    size = -(-rows // max(1, min(micro_batches, rows)))
+    return [(a, min(rows, a + size)) for a in range(0, rows, size)]
 
 @dataclass
 class IterationTasks:
