@@ -40,13 +40,19 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+def row_generators(seed: int, iteration: int, prompt_index: torch.Tensor,
+                   sample_index: torch.Tensor) -> list[torch.Generator]:
+    """Each row's own random generator: the stream its sampled tokens draw from, the n-th
+    token of the row's response (across turns and calls) the n-th uniform."""
+    return [torch.Generator().manual_seed(stage_seed(seed, iteration, p, s))
+            for p, s in zip(prompt_index.tolist(), sample_index.tolist(), strict=True)]
+
+
 def sample_uniforms(seed: int, iteration: int, prompt_index: torch.Tensor,
                     sample_index: torch.Tensor, steps: int) -> torch.Tensor:
     """One uniform per row and step ``[N, steps]``, each row from its own generator."""
-    rows = []
-    for p, s in zip(prompt_index.tolist(), sample_index.tolist(), strict=True):
-        gen = torch.Generator().manual_seed(stage_seed(seed, iteration, p, s))
-        rows.append(torch.rand(steps, generator=gen, dtype=torch.float64))
+    rows = [torch.rand(steps, generator=gen, dtype=torch.float64)
+            for gen in row_generators(seed, iteration, prompt_index, sample_index)]
     return torch.stack(rows) if rows else torch.zeros(0, steps, dtype=torch.float64)
 
 

@@ -191,7 +191,6 @@ class GenerationService:
         self.stats = ServiceStats()
         self._batch = TurnBatch(module)
         self._rows: dict[int, _Row] = {}        # row id -> its state, while decoding
-        self._last: dict[int, int] = {}         # row id -> its last sampled token
         self._queue: deque[tuple[int, _Row]] = deque()
         self._updates: deque[tuple[Mapping[str, torch.Tensor], int | None,
                                    concurrent.futures.Future]] = deque()
@@ -246,7 +245,8 @@ class GenerationService:
                        version: int | None = None) -> concurrent.futures.Future:
         """Install ``state`` (parameter name -> tensor, all or some of the model's)
         between two decode steps; the future gives the new version (``version``, or the
-        current one plus one) once tokens are sampled with it."""
+        current one plus one) once it is installed: every token sampled after that is
+        the new weights'."""
         names = dict(self.module.named_parameters())
         unknown = [name for name in state if name not in names]
         if unknown:
@@ -267,16 +267,6 @@ class GenerationService:
     def driven(self) -> bool:
         """Whether the caller runs the loop (``thread=False``, :meth:`drive`)."""
         return self._thread is None
-
-    @property
-    def in_flight(self) -> int:
-        """Requests decoding now."""
-        return len(self._rows)
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting for room."""
-        return len(self._queue)
 
     def drive(self, until: Callable[[], bool]) -> None:
         """Run the decode loop in this thread until ``until()`` is true and nothing is in
@@ -454,7 +444,7 @@ class GenerationService:
         rows = list(self._batch.rows)
         self.stats.steps += 1
         self.stats.rows_stepped += len(rows)
-        logits = self._batch.step(torch.tensor([self._last[r] for r in rows]))
+        logits = self._batch.step(torch.tensor([self._rows[r].tokens[-1] for r in rows]))
         self._sample(rows, logits)
 
     def _sample(self, rows: list[int], logits: torch.Tensor) -> None:
@@ -483,7 +473,6 @@ class GenerationService:
             row.tokens.append(token)
             row.logprobs.append(lp)
             row.versions.append(self.version)
-            self._last[number] = token
             reason = self._finish_reason(row, token)
             if reason is not None:
                 finished.append((number, reason))
@@ -521,7 +510,6 @@ class GenerationService:
         now = time.monotonic()
         for number, reason in finished:
             row = self._rows.pop(number)
-            self._last.pop(number, None)
             self.stats.finished += 1
             row.future.set_result(Completion(
                 row.request.prompt, row.tokens, row.logprobs, row.versions, reason,

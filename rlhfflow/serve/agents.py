@@ -119,10 +119,10 @@ class AgentRunner:
         started = []
         for generator in generators:
             session = Session(self.sampling, generator)
-            url = self.endpoint.open(session)
             make = openai.OpenAI if plain else openai.AsyncOpenAI
-            started.append((session, url, make(base_url=url, api_key=self.key,
-                                               max_retries=0, timeout=self.timeout_s)))
+            started.append((session, make(base_url=self.endpoint.open(session),
+                                          api_key=self.key, max_retries=0,
+                                          timeout=self.timeout_s)))
 
         async def one(record: dict[str, Any], episode) -> AgentOutcome:
             async with gate:
@@ -131,8 +131,8 @@ class AgentRunner:
         return list(await asyncio.gather(*(one(r, e) for r, e in
                                            zip(records, started, strict=True))))
 
-    async def _episode(self, fn, record, session: Session, url: str, client,
-                       threads) -> AgentOutcome:
+    async def _episode(self, fn, record, session: Session, client, threads
+                       ) -> AgentOutcome:
         outcome = AgentOutcome()
         try:
             if inspect.iscoroutinefunction(fn):
@@ -154,7 +154,7 @@ class AgentRunner:
             if problem:
                 outcome.error, outcome.message = "reward", problem
         finally:
-            self.endpoint.close_session(url)
+            self.endpoint.close_session(session)
         outcome.calls = list(session.calls)
         if outcome.error is None and not outcome.calls:
             outcome.error, outcome.message = "no_call", "the agent made no call"
@@ -179,39 +179,30 @@ def _reward(result: Any) -> tuple[float, dict[str, float], str | None]:
 
 @dataclass
 class Trajectory:
-    """An episode as one sample after the data set's prompt: ``tokens``, ``mask`` (1 on
-    the model's), ``logprobs``, ``spans`` (``(start, end, by_model)`` per piece),
-    ``calls`` trained and ``untrained`` (calls after one that rewrote history)."""
+    """An episode as one sample after the data set's prompt: its ``pieces`` in order,
+    each the tokens between two calls (log-probs None: not the model's) or a call's
+    completion with its log-probs; the ``calls`` in it and those ``untrained`` (after one
+    that rewrote history)."""
 
-    tokens: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    spans: list[tuple[int, int, bool]] = field(default_factory=list)
+    pieces: list[tuple[list[int], list[float] | None]] = field(default_factory=list)
     calls: int = 0
     untrained: int = 0
-
-    def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        start = len(self.tokens)
-        self.tokens += tokens
-        self.mask += [0 if logprobs is None else 1] * len(tokens)
-        self.logprobs += [0.0] * len(tokens) if logprobs is None else list(logprobs)
-        if tokens:
-            self.spans.append((start, len(self.tokens), logprobs is not None))
 
 
 def trajectory(prompt: Sequence[int], calls: Sequence[Call]) -> Trajectory | None:
     """The calls as one sample after ``prompt`` (see the module's docstring); None when the
     first call's prompt does not begin with ``prompt``."""
-    prompt = list(prompt)
+    sequence = list(prompt)  # what the next call's prompt must begin with
     out = Trajectory()
     for i, call in enumerate(calls):
-        sequence = prompt + out.tokens
         if call.prompt[:len(sequence)] != sequence:
             if i == 0:
                 return None
             out.untrained = len(calls) - i
             break
-        out.add(call.prompt[len(sequence):], None)
-        out.add(call.completion.tokens, call.completion.logprobs)
+        if len(call.prompt) > len(sequence):
+            out.pieces.append((call.prompt[len(sequence):], None))
+        out.pieces.append((call.completion.tokens, call.completion.logprobs))
+        sequence = call.prompt + call.completion.tokens
         out.calls += 1
     return out

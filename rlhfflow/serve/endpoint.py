@@ -190,12 +190,11 @@ class Endpoint:
         self.sessions[name] = session
         return f"{self.base_url.removesuffix('/v1')}/sessions/{name}/v1"
 
-    def close_session(self, base_url: str) -> Session:
-        """Stop serving the session of ``base_url``; calls it makes later are refused."""
-        session = self.sessions.pop(base_url.rstrip("/").split("/")[-2])
+    def close_session(self, session: Session) -> None:
+        """Stop serving ``session``; calls it makes later are refused."""
+        self.sessions.pop(session.name, None)
         session.open = False
         self.service.forget(session.name)
-        return session
 
     def start(self) -> str:
         self._thread = threading.Thread(target=self.server.serve_forever,
@@ -362,7 +361,7 @@ class Endpoint:
             raise BadRequest(f"the prompt has {len(prompt)} tokens, more than the model's "
                              f"context allows", param="messages")
         if settings.max_new_tokens > room:
-            settings = SamplingSettings(**{**settings.__dict__, "max_new_tokens": room})
+            settings = replace(settings, max_new_tokens=room)
         seed = body.get("seed")
         self.requests += 1
         # one choice continues a session's conversation: its cache is kept for the next call

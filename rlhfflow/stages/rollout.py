@@ -86,9 +86,8 @@ from rlhfflow.engine.environments import (
     tool_schemas,
 )
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
-from rlhfflow.engine.forward import stage_seed
 from rlhfflow.engine.generation import eos_ids
-from rlhfflow.engine.sampling import sample_uniforms
+from rlhfflow.engine.sampling import row_generators, sample_uniforms
 from rlhfflow.engine.sandbox import SandboxSettings, sandbox_for
 from rlhfflow.engine.sandboxprocess import Limits
 from rlhfflow.engine.service import GenerationService, SamplingSettings
@@ -403,9 +402,8 @@ class RolloutStage(Stage):
         real = batch["prompt_mask"].bool()
         prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
         # each episode's stream is the one its row samples with in a rollout with an env
-        generators = [torch.Generator().manual_seed(stage_seed(ctx.seed, ctx.iteration, p, s))
-                      for p, s in zip(batch["prompt_index"].tolist(),
-                                      batch["sample_index"].tolist(), strict=True)]
+        generators = row_generators(ctx.seed, ctx.iteration, batch["prompt_index"],
+                                    batch["sample_index"])
         sampling = SamplingSettings(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, greedy=params.greedy,
@@ -451,17 +449,15 @@ class RolloutStage(Stage):
                 "the record's messages first; put a system prompt in the data)")
         if made is None:
             return episode, len(outcome.calls)
-        width = self.params.max_tokens
-        for start, end, by_model in made.spans:
-            if start >= width:
+        for tokens, logprobs in made.pieces:
+            room = self.params.max_tokens - len(episode.tokens)
+            if room <= 0:
                 break
-            end = min(end, width)
-            piece = made.tokens[start:end]
-            if by_model:
-                episode.add(piece, made.logprobs[start:end])
+            if logprobs is not None:
+                episode.add(tokens[:room], logprobs[:room])
             else:
-                episode.add(piece, None, [{"role": "env", "content": tok.decode(
-                    piece, skip_special_tokens=True)}])
+                episode.add(tokens[:room], None, [{"role": "env", "content": tok.decode(
+                    tokens[:room], skip_special_tokens=True)}])
         episode.turns = made.calls
         if outcome.error is not None:
             episode.mask = [0] * len(episode.mask)
