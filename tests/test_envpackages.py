@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
@@ -23,6 +22,7 @@ from rlhfflow.engine import envpackages
 from rlhfflow.engine.envpackages import GemEnv, PackageEnv, SkyRLGymEnv, UnknownEnvironment
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
+from tests.test_rollout import _pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "multiturn"
@@ -168,15 +168,6 @@ def test_a_record_naming_an_unknown_environment_is_one_line():
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _pipeline(tmp_path, **params) -> Path:
-    data = yaml.safe_load((EXAMPLE / "guess-tiny.yaml").read_text())
-    data["data"]["prompts"] = str(EXAMPLE / "prompts.jsonl")
-    data["stages"]["rollout"]["params"] = {"max_tokens": 32, **params}
-    path = tmp_path / "dag.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 @pytest.mark.parametrize("params, key, message", [
