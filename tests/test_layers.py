@@ -199,3 +199,24 @@ def test_no_stage_module_imports_another_built_in_stage():
     crossing = sorted(f"{m} -> {t}" for m in stage_modules for t in graph[m]
                       if t in stage_modules)
     assert crossing == []
+
+
+def test_the_compiler_and_the_algorithm_check_import_no_torch():
+    """Compiling a plan and checking a config's algorithm (its estimator and loss names,
+    looked up in the ops registries) need no torch: in a fresh interpreter, importing the
+    plan and config packages and validating an ``algorithm:`` section leave it out, and
+    the engine too."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhfflow.plan.compiler, rlhfflow.plan.placement, rlhfflow.plan, "
+            "rlhfflow.config, rlhfflow.config.spec; "
+            "from rlhfflow.spec.algorithm import AlgorithmSpec; "
+            "ppo = AlgorithmSpec.model_validate({'off_policy': {'correction': 'tis'}}); "
+            "grpo = AlgorithmSpec.model_validate({'name': 'grpo', 'scale_rewards': 'batch'}); "
+            "assert ppo.uses_critic and grpo.grouped; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') "
+            "or m.startswith('rlhfflow.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -27,6 +27,11 @@ Policy-loss inputs (``POLICY_LOSS_INPUTS``): ``logprobs``, ``old_logprobs``,
 ``weights`` (B, T), an off-policy correction's importance weights (``ops.offpolicy``,
 1 everywhere without one), which a loss must take for ``algorithm.off_policy`` to apply.
 It returns ``(loss scalar, stats: dict of python floats)``; every stat is logged.
+
+This module imports no torch: a config names its estimator and loss, and is checked
+against these registries (``rlhfflow.spec``), where torch is not needed, on the
+coordinator, by ``rlhfflow plan`` and ``validate``. The built-ins below take the math
+from the torch modules when they are called (with tensors, so torch is loaded by then).
 """
 
 from __future__ import annotations
@@ -34,19 +39,10 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from rlhfflow.ops.advantages import (
-    gae,
-    group_advantages,
-    reinforce_plus_plus,
-    reinforce_plus_plus_baseline,
-    remax,
-)
-from rlhfflow.ops.core import masked_whiten
-from rlhfflow.ops.losses import policy_loss
+if TYPE_CHECKING:
+    import torch
 
 ESTIMATOR_INPUTS = ("scores", "token_rewards", "mask", "group_ids", "values",
                     "baseline_scores", "config")
@@ -199,6 +195,7 @@ def call(fn: Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
 
 
 # --- built-in advantage estimators -----------------------------------------------------
+# Each takes its math from the torch modules when called (see the module docstring).
 
 
 class _AlgorithmConfig(Protocol):
@@ -229,6 +226,9 @@ def _gae_estimator(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
                    config: _AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: ``gae`` over the per-token rewards, whitened over the batch's valid tokens
     when ``config.whiten_advantages``; returns are the critic's targets."""
+    from rlhfflow.ops.advantages import gae
+    from rlhfflow.ops.core import masked_whiten
+
     advantages, returns = gae(token_rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
@@ -245,6 +245,8 @@ def _grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
                     config: object = None) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="grpo")``, scaled per ``config.scale_rewards`` (default
     ``group``), broadcast to the tokens."""
+    from rlhfflow.ops.advantages import group_advantages
+
     scale = _scale(config, "group")
     return _broadcast(group_advantages(scores, group_ids, "grpo", scale=scale), mask), None
 
@@ -253,6 +255,8 @@ def _grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
 def _rloo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor
                     ) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="rloo")`` broadcast to the tokens."""
+    from rlhfflow.ops.advantages import group_advantages
+
     return _broadcast(group_advantages(scores, group_ids, "rloo"), mask), None
 
 
@@ -261,6 +265,8 @@ def _dr_grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torc
                        config: object = None) -> tuple[torch.Tensor, None]:
     """``group_advantages(mode="dr_grpo")`` (GRPO without the std) broadcast to the
     tokens; ``config.scale_rewards`` may still ask for a ``group`` or ``batch`` std."""
+    from rlhfflow.ops.advantages import group_advantages
+
     scale = _scale(config, "none")
     mode = "dr_grpo" if scale == "none" else "grpo"
     return _broadcast(group_advantages(scores, group_ids, mode, scale=scale), mask), None
@@ -270,6 +276,8 @@ def _dr_grpo_estimator(scores: torch.Tensor, group_ids: torch.Tensor, mask: torc
 def _reinforce_pp_estimator(token_rewards: torch.Tensor, mask: torch.Tensor,
                             config: _AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``reinforce_plus_plus`` with ``config.gamma``."""
+    from rlhfflow.ops.advantages import reinforce_plus_plus
+
     return reinforce_plus_plus(token_rewards, mask, config.gamma)
 
 
@@ -277,6 +285,8 @@ def _reinforce_pp_estimator(token_rewards: torch.Tensor, mask: torch.Tensor,
 def _reinforce_pp_baseline_estimator(scores: torch.Tensor, group_ids: torch.Tensor,
                                      mask: torch.Tensor) -> tuple[torch.Tensor, None]:
     """``reinforce_plus_plus_baseline``: group-mean baseline, whitened over the batch."""
+    from rlhfflow.ops.advantages import reinforce_plus_plus_baseline
+
     return reinforce_plus_plus_baseline(scores, group_ids, mask), None
 
 
@@ -284,6 +294,8 @@ def _reinforce_pp_baseline_estimator(scores: torch.Tensor, group_ids: torch.Tens
 def _remax_estimator(token_rewards: torch.Tensor, baseline_scores: torch.Tensor,
                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``remax``: reward-to-go minus the greedy response's score."""
+    from rlhfflow.ops.advantages import remax
+
     return remax(token_rewards, baseline_scores, mask)
 
 
@@ -298,6 +310,8 @@ def _ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """``policy_loss`` with the config's clip range, dual clip and importance-sampling
     level (``sequence`` is GSPO), and an off-policy correction's ``weights``."""
+    from rlhfflow.ops.losses import policy_loss
+
     return policy_loss(logprobs, old_logprobs, advantages, mask, config.clip_low,
                        config.clip_high, config.dual_clip, agg, count,
                        getattr(config, "importance_sampling_level", "token"), weights)
