@@ -48,6 +48,26 @@ def warn_lora_below_a_tiny_head(file: Path, pipeline: Pipeline) -> None:
                 "layers with lm_head among them (docs/how-to/lora.md)", file, name)
 
 
+def check_streaming(file: Path, pipeline: Pipeline) -> None:
+    """A stage that streams episodes needs ``overlap.max_staleness`` (how many iterations
+    ahead it may start them); without an off-policy correction the older tokens train as
+    if the current policy sampled them, which is warned of."""
+    spec = pipeline.spec
+    for name in pipeline.graph.loop_stages:
+        if not pipeline.graph.nodes[name].streams:
+            continue
+        if spec.overlap.max_staleness == 0:
+            raise SpecError(file, f"stages.{name}.params.stream", "streaming starts the next "
+                            "iterations' episodes early: set overlap.max_staleness to 1 or "
+                            "more (how many iterations ahead), or stream to false")
+        if spec.algorithm.off_policy.correction == "none":
+            logging.getLogger(__name__).warning(
+                "warning: %s: stages.%s.params.stream: with algorithm.off_policy.correction "
+                "none, tokens sampled by a policy up to %d update(s) older train as if the "
+                "current one sampled them (a bias toward the older policy); set a "
+                "correction (tis, mis or decoupled)", file, name, spec.overlap.max_staleness)
+
+
 def check_attention(file: Path, pipeline: Pipeline) -> None:
     """Refuse an ``attn_implementation`` the installed transformers lacks, and a
     ``flash_attention_*`` one on a CPU (its kernels are CUDA only)."""

@@ -63,6 +63,8 @@ class StageNode:
     every: int = 1
     #: its model's work per token, in forward passes (``PlanHints.passes``)
     passes: float = 1.0
+    #: it keeps work in flight across iterations (``PlanHints.streams``)
+    streams: bool = False
     #: the figures of the iteration's record it declares (``Stage.iteration_metrics``)
     metrics: tuple[IterationMetric, ...] = ()
 

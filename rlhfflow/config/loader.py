@@ -22,6 +22,7 @@ from rlhfflow.config.checks import (
     check_lora_targets,
     check_model_shapes,
     check_prompts,
+    check_streaming,
     check_tokenizers,
     warn_lora_below_a_tiny_head,
     warn_slow_dtypes,
@@ -72,6 +73,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     _check_training(file, pipeline)
     check_files(file, pipeline)
     check_attention(file, pipeline)
+    check_streaming(file, pipeline)
     check_auxiliary_models(file, pipeline)
     check_model_shapes(file, pipeline)
     check_lora_targets(file, pipeline)
@@ -362,6 +364,7 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             row_filter=hints.row_filter,
             kept_share=1.0 if kept is None else min(kept, samples) / max(samples, 1),
             every=max(1, int(hints.every)), passes=float(hints.passes),
+            streams=bool(hints.streams),
             metrics=_stage_metrics(file, name, cls, params[name], declared))
     try:
         graph = StageGraph(nodes)

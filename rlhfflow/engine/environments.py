@@ -224,14 +224,21 @@ class Episode:
     done: bool = False
     env_seconds: float = 0.0
     log: list[dict[str, Any]] = field(default_factory=list)
+    #: per response token, the version of the weights that sampled it (-1: not sampled)
+    versions: list[int] = field(default_factory=list)
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
-            messages: Sequence[Message] = (), role: str = "env") -> None:
-        """Append the model's tokens (with log-probs) or the environment's (None, with
-        the ``messages`` they render, whose role defaults to ``role``), and log the turn
-        with its span of response tokens."""
+            messages: Sequence[Message] = (), role: str = "env",
+            version: int | Sequence[int] = -1) -> None:
+        """Append the model's tokens (with log-probs, sampled by the weights of
+        ``version``, one for all or one per token) or the environment's (None, with the ``messages`` they render, whose
+        role defaults to ``role``), and log the turn with its span of response tokens."""
         start = len(self.tokens)
         self.tokens += tokens
+        if logprobs is None or isinstance(version, int):
+            self.versions += [version if logprobs is not None else -1] * len(tokens)
+        else:
+            self.versions += list(version)
         self.mask += [1 if logprobs is not None else 0] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         span = [start, len(self.tokens)]

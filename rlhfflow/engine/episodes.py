@@ -121,6 +121,8 @@ class EpisodeLoop:
         self.batch = TurnBatch(module)
         self.timeline = Timeline()
         self.turn: dict[int, tuple[list[int], list[float], int]] = {}  # tokens, lps, limit
+        #: the version of the weights decoding now; each model token records it
+        self.version = 0
         self.last: dict[int, int] = {}      # the row's last sampled token (not fed yet)
         self.parked: dict[int, Any] = {}    # row -> its RowCache (or None) while away
         self.in_flight: dict[concurrent.futures.Future, int] = {}
@@ -165,7 +167,7 @@ class EpisodeLoop:
         the turns that end with it."""
         params = self.params
         drawn = torch.tensor([self.episodes[r].drawn + len(self.turn[r][0]) for r in rows])
-        uniforms = self.uniforms[torch.tensor(rows), drawn]
+        uniforms = self.draws(rows, drawn)
         token = sample_step(logits, uniforms, params).to(logits.device)
         logprob = torch.log_softmax(ops.tempered(logits, params.temperature), -1).gather(
             -1, token[:, None])[:, 0].cpu()
@@ -182,6 +184,15 @@ class EpisodeLoop:
         if ended:
             self.end_turns(ended)
 
+    def draws(self, rows: list[int], drawn: torch.Tensor) -> torch.Tensor:
+        """The uniforms of ``rows``' next tokens: row r's ``drawn[i]``-th."""
+        return self.uniforms[torch.tensor(rows), drawn]
+
+    def versions_of(self, row: int, n: int) -> int | list[int]:
+        """The versions of the weights that sampled the ``n`` tokens of ``row``'s turn
+        that just ended (one for all of them, here)."""
+        return self.version
+
     def end_turns(self, rows: list[int]) -> None:
         """Take ``rows``, whose turn ended, out of the batch and to the environment."""
         at = {row: i for i, row in enumerate(self.batch.rows)}
@@ -190,7 +201,7 @@ class EpisodeLoop:
             tokens, logprobs, _ = self.turn.pop(row)
             episode = self.episodes[row]
             episode.said = tokens
-            episode.add(tokens, logprobs)
+            episode.add(tokens, logprobs, version=self.versions_of(row, len(tokens)))
             episode.drawn += len(tokens)
             episode.turns += 1
             self.parked[row] = cache
@@ -244,16 +255,19 @@ class EpisodeLoop:
         rows = sorted(self.ready)
         self.ready.clear()
         caches = [self.parked.pop(row) for row in rows]
-        blocks = []
-        for row, cache in zip(rows, caches, strict=True):
-            sequence = self.prompts[row] + self.episodes[row].tokens
-            if cache is None:
-                log.debug("rollout row %d re-prefills its %d tokens (kv_cache is off)",
-                          row, len(sequence))
-            blocks.append(sequence[cache.length if cache is not None else 0:])
+        blocks = [self.block(row, cache) for row, cache in zip(rows, caches, strict=True)]
         self.timeline.joins.append(tuple(rows))
         self.begin(rows)
         self.sample(self.batch.join(rows, caches, blocks, self.pad_id), rows)
+
+    def block(self, row: int, cache) -> list[int]:
+        """What ``row`` feeds when it rejoins: what follows its ``cache`` (a
+        ``RowCache``; None: the whole episode)."""
+        sequence = self.prompts[row] + self.episodes[row].tokens
+        if cache is None:
+            log.debug("rollout row %d re-prefills its %d tokens (no cache kept)", row,
+                      len(sequence))
+        return sequence[cache.length if cache is not None else 0:]
 
 
 def _timed_step(env: Environment, text: str) -> tuple[tuple, float, float]:

@@ -279,6 +279,8 @@ class TaskCompiler:
             # every column read has a producer: the spec refuses one nothing writes
             if (p := self.graph.producer(c, n)) is not None and p not in group))
         label = "+".join(group)
+        ahead = self.plan.max_staleness if any(self.graph.nodes[n].streams for n in group) \
+            else 0
         if sp.micro_batches is None:
             parts = tuple(Part(tuple(it.handles[p])) for p in producers)
             waits = order + [Wait(h, AFTER) for x in inputs if x not in producers
@@ -289,7 +291,8 @@ class TaskCompiler:
             workers = next((w for n in group if (w := self.plan.stages[n].workers)), ())
             return [StageTask(id=f"{label}-{k}", iteration=k, stages=group, parts=parts,
                               waits=_unique(waits), workers=workers[:1], priority=priority,
-                              retries=retries, rows=(0, it.rows), versions=versions)]
+                              retries=retries, rows=(0, it.rows), versions=versions,
+                              ahead=ahead)]
         tasks = []
         for j, (a, b) in enumerate(it.bounds[name]):
             row_parts: list[Part] = []
@@ -302,10 +305,13 @@ class TaskCompiler:
                     waits += _waits(refs, AFTER)
             if SOURCE in producers:
                 row_parts.append(self.rows_of(it, SOURCE, a, b)[0])
+            # a stream's episodes stay on their worker: micro-batch j always runs there
+            pinned = sp.worker(j) if ahead else None
             tasks.append(StageTask(id=f"{label}-{k}-{j}", iteration=k, stages=group,
                                    parts=tuple(row_parts), waits=_unique(waits),
-                                   workers=sp.workers, priority=priority, retries=retries,
-                                   rows=(a, b), versions=versions))
+                                   workers=sp.workers if pinned is None else (pinned,),
+                                   priority=priority, retries=retries, rows=(a, b),
+                                   versions=versions, ahead=ahead))
         return tasks
 
     def _gang(self, name: str, k: int, parts: tuple[Part, ...], waits: list[Wait],

@@ -43,7 +43,8 @@ def plan_text(plan: ExecutionPlan, pipeline: Pipeline) -> str:
     lines.append("stages:")
     lines += [_stage_line(plan, pipeline.graph.nodes[name]) for name in pipeline.graph.order]
     lines.append("overlap:")
-    lines += _overlap_lines(plan)
+    lines += _overlap_lines(plan, [n for n in plan.stages
+                                   if pipeline.graph.nodes[n].streams])
     lines.append("weights moved:")
     lines += _moved_lines(plan, pipeline.graph)
     return "\n".join(lines)
@@ -84,7 +85,9 @@ def _where_and_split(node: StageNode, sp: StagePlan, group: tuple[str, ...]
     else:
         where = f"worker{'s' if len(sp.workers) > 1 else ''} {_ws(sp.workers)}"
         split = f"{n_mb} micro-batch(es)"
-        if len(sp.workers) > 1:
+        if len(sp.workers) > 1 and node.streams:
+            split += ", micro-batch j always on the same one (its episodes stay there)"
+        elif len(sp.workers) > 1:
             split += ", each on whichever of them is free"
         if n_mb < len(sp.workers):
             split += f" (only {n_mb} of {len(sp.workers)} workers busy: raise " \
@@ -92,14 +95,20 @@ def _where_and_split(node: StageNode, sp: StagePlan, group: tuple[str, ...]
     return where, split
 
 
-def _overlap_lines(plan: ExecutionPlan) -> list[str]:
-    """What runs at the same time: streaming, stages ahead, fused stages."""
+def _overlap_lines(plan: ExecutionPlan, streams: list[str]) -> list[str]:
+    """What runs at the same time: streaming, stages ahead, episodes streamed (by the
+    stages ``streams``), fused stages."""
     if plan.sequential:
         return ["  sequential: each stage waits for the whole previous one, each "
                 "iteration for the previous one (no streaming, fusion or overlap)"]
     lines = ["  streaming: each micro-batch moves on as soon as it is ready; "
              "iteration k+1 starts as soon as its inputs exist"]
-    if plan.max_staleness:
+    if plan.max_staleness and streams:
+        lines.append(f"  max_staleness {plan.max_staleness}: {', '.join(streams)} streams "
+                     f"episodes: iteration k's task starts those of the next "
+                     f"{plan.max_staleness} iteration(s) as room frees and they go on across the weight "
+                     f"updates (each token records the policy version that sampled it)")
+    elif plan.max_staleness:
         ahead = [n for n, sp in plan.stages.items() if sp.lag]
         lines.append(f"  max_staleness {plan.max_staleness}: {', '.join(ahead)} of "
                      f"iteration k run with the actor of iteration k-{plan.max_staleness}"

@@ -212,10 +212,11 @@ def _stage_plans(pipeline: Pipeline, refs: _WorkerRefs, homes: Mapping[str, tupl
     replicas and shadows)."""
     spec, graph, file = pipeline.spec, pipeline.graph, pipeline.source
     placement = spec.placement
-    # with staleness, the generating model's inference runs ahead on older weights
+    # with staleness, the generating model's inference runs ahead on older weights; a
+    # generator that streams runs its episodes ahead itself, its tasks in order
     ahead_models = {model for g in graph.generators()
                     if staleness and (model := graph.nodes[g].model) in spec.models
-                    and spec.models[model].trainable}
+                    and spec.models[model].trainable and not graph.nodes[g].streams}
     stages: dict[str, StagePlan] = {}
     replicas: dict[str, set[int]] = {m: set(h) for m, h in homes.items()}
     for name in graph.order:

@@ -183,6 +183,8 @@ class StageTask(Task):
         reports: a storing task that is its iteration's only task, on a one-worker plan,
             returns its worker's task timings with its result (the coordinator then asks
             no worker for them).
+        ahead: for a group with a stage that streams, how many later iterations' rows
+            (its own rows of them) go with the task (``StageContext.ahead``).
     """
 
     kind: ClassVar[str] = "stage"
@@ -193,6 +195,7 @@ class StageTask(Task):
     rank: int = 0
     storage: Storage = Storage.STORE_TASK
     reports: bool = False
+    ahead: int = 0
 
     @property
     def stores(self) -> bool:

@@ -57,12 +57,16 @@ class Dataflow:
     """Submits task specs to ``backend`` and keeps the handle of every live spec id.
 
     ``addresses`` maps the plan's worker indexes to worker addresses; ``buffer_path``
-    and ``stored`` are where store tasks write and which columns.
+    and ``stored`` are where store tasks write and which columns; ``prompts(k)`` is
+    iteration k's source batch (None past the run's end), for the tasks of a stage that
+    streams, which get the next iterations' rows (``StageTask.ahead``).
     """
 
     def __init__(self, backend, addresses: Sequence[str], buffer_path: str | None = None,
-                 stored: Iterable[str] = ()) -> None:
+                 stored: Iterable[str] = (),
+                 prompts: Callable[[int], Batch | None] | None = None) -> None:
         self.backend = backend
+        self.prompts = prompts
         self.addresses = list(addresses)
         self.buffer_path = buffer_path
         self.stored = list(stored)
@@ -158,7 +162,18 @@ class Dataflow:
             iteration=spec.iteration, parts=self._parts(spec.parts), after=self.waits(spec),
             versions=dict(spec.versions),
             gang=tuple(self.addresses[w] for w in spec.gang) if spec.gang else None,
-            store=store)
+            store=store, **({"ahead": self._ahead(spec)} if spec.ahead else {}))
+
+    def _ahead(self, spec: StageTask) -> list[tuple[int, Batch]]:
+        """The task's rows of the next ``spec.ahead`` iterations (those the run has)."""
+        assert self.prompts is not None, "a streaming stage's task needs the prompts"
+        out = []
+        for j in range(spec.iteration + 1, spec.iteration + 1 + spec.ahead):
+            batch = self.prompts(j)
+            if batch is None:
+                break
+            out.append((j, slice_batch(batch, *spec.rows)))
+        return out
 
     @_submit.register
     def _(self, spec: StoreTask, **context: Any) -> Any:

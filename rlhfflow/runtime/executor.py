@@ -91,7 +91,7 @@ from rlhfflow.runtime.workers import (
     rows_topic,
     stage_defs,
 )
-from rlhfflow.sdk import IterationMetric, RunSettings
+from rlhfflow.sdk import Batch, IterationMetric, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class Executor(Recovery):
         self.compiler = TaskCompiler(self.pipeline, self.plan,
                                      {m: c.version for m, c in self.models.items()})
         self.dataflow = Dataflow(self.backend, self.addresses, str(self.out / "buffer.zarr"),
-                                 self.stored)
+                                 self.stored, self._prompts)
         self.checkpointer = Checkpointer(self.pipeline, self.out, self.dataflow,
                                          self._wait_for, self.digest)
         settings = RunSettings(temperature=self.pipeline.rollout_temperature,
@@ -384,6 +384,11 @@ class Executor(Recovery):
                 self.summary["predicted_iteration_s"] = round(self.choice.best.predicted_s, 4)
                 self._say(prediction_line(self.choice, self.summary["iteration_s"],
                                           self.pipeline.source, self.out))
+
+    def _prompts(self, k: int) -> Batch | None:
+        """Iteration ``k``'s source batch, None past the run's last iteration (the tasks
+        of a stage that streams get the next iterations' rows)."""
+        return self.source.batch(k) if k < self.pipeline.spec.iterations else None
 
     def _begin(self, step: Begin) -> None:
         """An iteration's prompts, placed next to the first stage's tasks, and the stages

@@ -126,6 +126,11 @@ class StageContext:
         env_executor: a ``concurrent.futures.Executor`` whose calls run in other
             processes, on the run's CPU pool for environment steps (``cluster.env_workers``),
             or None where the run has no pool. Stages stay Dask-free: they see only this.
+        ahead: for a stage that streams (``PlanHints.streams``), the source rows of the
+            next iterations that its task in those iterations will get, as
+            ``(iteration, batch)`` pairs (as many iterations as the run's
+            ``max_staleness``, fewer at the end of the run): it may start their work
+            early. Empty for every other stage.
     """
 
     iteration: int
@@ -137,6 +142,7 @@ class StageContext:
     peers: Any = None
     spans: Any = None
     env_executor: Any = None
+    ahead: list[tuple[int, Batch]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.settings = RunSettings.of(self.settings)
@@ -171,6 +177,11 @@ class PlanHints:
             passes: 1 for a forward (log-probs, values, a reward model, generation), 3
             per epoch for training (the backward costs about two forwards). What
             ``model_flops`` and MFU count (``rlhfflow.plan.flops``).
+        streams: the stage keeps its work in flight across iterations (a ``rollout``
+            with ``stream: true``): its tasks get the next iterations' rows
+            (``StageContext.ahead``) up to ``overlap.max_staleness`` ahead, run in the
+            iterations' order on fixed workers (micro-batch j always on the same one),
+            and its model's other stages do not run ahead.
     """
 
     response_tokens: int = 0
@@ -181,6 +192,7 @@ class PlanHints:
     row_filter: str | None = None
     kept_per_prompt: int | None = None
     passes: float = 1.0
+    streams: bool = False
 
 
 #: How an ``IterationMetric`` reduces its column (``IterationMetric.reduce``).

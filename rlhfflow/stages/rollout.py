@@ -65,6 +65,7 @@ Not done yet: drafters do not draft for the rollout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -91,6 +92,7 @@ from rlhfflow.engine.sampling import row_generators, sample_uniforms
 from rlhfflow.engine.sandbox import SandboxSettings, sandbox_for
 from rlhfflow.engine.sandboxprocess import Limits
 from rlhfflow.engine.service import GenerationService, SamplingSettings
+from rlhfflow.engine.streaming import Admission, EpisodeStream, stream_columns
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
 from rlhfflow.sdk import (
@@ -106,6 +108,19 @@ from rlhfflow.sdk import (
 from rlhfflow.serve.agents import AgentOutcome, AgentRunner, agent_problem, trajectory
 
 log = logging.getLogger(__name__)
+
+#: what a rollout with ``stream: true`` writes besides the episode
+STREAM_COLUMNS = {
+    # per token: the version of the weights that sampled it (-1: not the model's)
+    "token_versions": Column("int64", "response"),
+    # per token: how many versions older than the task's weights the sampling one was
+    "token_lag": Column("float32", "response"),
+    "version_spread": Column("int64"),     # newest minus oldest version of its tokens
+    "started_ahead": Column("int8"),       # an earlier iteration's task started it
+    "decode_occupancy": Column("float32"),  # the task's (each row of it)
+    "episodes_in_flight": Column("float32"),  # the task's mean (each row of it)
+    "episodes_dropped": Column("int64"),   # the task's, on its first row
+}
 
 
 class SandboxParams(BaseModel):
@@ -227,6 +242,19 @@ class RolloutParams(StageParams):
                           "counted in agent_failed")] = 120.0
     agent_concurrency: Annotated[int, Field(
         gt=0, description="agents running at once (and requests decoded together)")] = 16
+    stream: bool = Field(
+        False, description="keep episodes in flight across iterations (docs/how-to/"
+                           "streaming.md): the worker's episode loop lives from task to "
+                           "task and starts the next iterations' episodes (up to "
+                           "overlap.max_staleness ahead, which must be 1 or more) in the "
+                           "tail of this one's; an episode goes on across weight updates, "
+                           "each token recording the version that sampled it "
+                           "(token_versions)")
+    stream_in_flight: Annotated[int | None, Field(
+        gt=0, description="with stream: the episodes kept in flight per task while later "
+                          "iterations' wait to start (more: a larger decode batch and more "
+                          "tokens from older policies); null: the task's rows, so the "
+                          "next iterations' episodes start as this one's finish")] = None
 
 
 @register_stage
@@ -265,6 +293,8 @@ class RolloutStage(Stage):
                **{f"info_{key}": Column("float32") for key in params.info}}
         if params.scores:
             out.update(scores=Column("float32"), score_valid=Column("int8"))
+        if params.stream:
+            out.update(STREAM_COLUMNS)
         return out
 
     @classmethod
@@ -274,17 +304,32 @@ class RolloutStage(Stage):
                   IterationMetric("agent_failed_frac", "agent_failed"),
                   IterationMetric("agent_untrained_calls", "agent_untrained_calls", "sum",
                                   digits=0)) if params.agent else ()
-        return (*agents, IterationMetric("env_reward_mean", "env_reward"),
+        streams = (
+            IterationMetric("token_lag_mean", "token_lag", "token_mean",
+                            over="response_mask"),
+            IterationMetric("version_spread_mean", "version_spread"),
+            IterationMetric("started_ahead_frac", "started_ahead"),
+            IterationMetric("decode_occupancy", "decode_occupancy"),
+            IterationMetric("episodes_in_flight", "episodes_in_flight"),
+            IterationMetric("episodes_dropped", "episodes_dropped", "sum", digits=0),
+        ) if params.stream else ()
+        return (*agents, *streams, IterationMetric("env_reward_mean", "env_reward"),
                 IterationMetric("turns_mean", "turns"),
                 *(IterationMetric(f"info_{key}_mean", f"info_{key}") for key in params.info))
 
     @classmethod
     def plan_hints(cls, params) -> PlanHints:
         return replace(super().plan_hints(params), response_tokens=params.max_tokens,
-                       turns=params.max_turns, env_on_pool=params.env_placement == "pool")
+                       turns=params.max_turns, env_on_pool=params.env_placement == "pool",
+                       streams=params.stream)
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
+        if params.stream and params.agent is not None:
+            return ("params.stream", "agents do not stream yet: give params.stream or "
+                                     "params.agent, not both")
+        if params.stream_in_flight is not None and not params.stream:
+            return ("params.stream_in_flight", "goes with params.stream: true")
         if params.agent is not None:
             if params.env is not None or params.tools:
                 return ("params.agent", "give params.agent alone: an agent brings its own "
@@ -350,26 +395,20 @@ class RolloutStage(Stage):
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         if self.params.agent is not None:
             return self.run_agents(batch, ctx)
+        if self.params.stream:
+            return self.run_stream(batch, ctx)
         resident = ctx.models.get(self.model)
         tok, params = resident.tokenizer, self.params
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         fmt = TurnFormat(tok, params.plain_separator)
-        rows = len(batch["prompt_index"])
-        texts = batch.get("prompt_text") or [""] * rows
-        fields = batch.get("prompt_fields") or ["{}"] * rows
-        templated = [fmt.templated(text) for text in texts]
         calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
-        episodes = [Episode(self.make_env(ctx, calls)) for _ in range(rows)]
-        for row, episode in enumerate(episodes):
-            opening = episode.opened(settled(episode.env.reset(
-                {**json.loads(fields[row]), "prompt": texts[row]})))
-            if opening:
-                add_messages(params, episode, opening, fmt, templated[row], None)
-        uniforms = sample_uniforms(ctx.seed, ctx.iteration, batch["prompt_index"],
-                                   batch["sample_index"], params.max_tokens)
-        real = batch["prompt_mask"].bool()
-        prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
-        stops = [*params.stop, *([calls.stop] if params.tools and calls.stop else [])]
+        made = self.admissions(batch, ctx.iteration, ctx, fmt, calls)
+        episodes = [a.episode for a in made]
+        templated = [a.templated for a in made]
+        prompts = [a.prompt for a in made]
+        uniforms = torch.stack([a.uniforms for a in made]) if made else \
+            torch.empty(0, params.max_tokens, dtype=torch.float64)
+        stops = self.stops(calls)
         loop = EpisodeLoop(params, resident.module, tok, fmt, templated, prompts, uniforms,
                            pad_id, stops)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
@@ -388,6 +427,103 @@ class RolloutStage(Stage):
         out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
                                           dtype=torch.float32)
         return out
+
+    def admissions(self, batch: Batch, iteration: int, ctx: StageContext, fmt: TurnFormat,
+                   calls: ToolFormat, skip=lambda key: False) -> list[Admission]:
+        """The episodes of ``batch``'s rows (of ``iteration``): each environment made
+        and reset with its record, its opening added; the rows whose key ``skip`` names
+        left out."""
+        params = self.params
+        rows = len(batch["prompt_index"])
+        texts = batch.get("prompt_text") or [""] * rows
+        fields = batch.get("prompt_fields") or ["{}"] * rows
+        keys = [(iteration, int(p), int(q)) for p, q in zip(
+            batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
+        wanted = [row for row in range(rows) if not skip(keys[row])]
+        if not wanted:
+            return []
+        uniforms = sample_uniforms(ctx.seed, iteration, batch["prompt_index"][wanted],
+                                   batch["sample_index"][wanted], params.max_tokens)
+        real = batch["prompt_mask"].bool()
+        out = []
+        for i, row in enumerate(wanted):
+            templated = fmt.templated(texts[row])
+            episode = Episode(self.make_env(ctx, calls))
+            opening = episode.opened(settled(episode.env.reset(
+                {**json.loads(fields[row]), "prompt": texts[row]})))
+            if opening:
+                add_messages(params, episode, opening, fmt, templated, None)
+            out.append(Admission(keys[row], episode,
+                                 batch["prompt_ids"][row][real[row]].tolist(), templated,
+                                 uniforms[i]))
+        return out
+
+    def stops(self, calls: ToolFormat) -> list[str]:
+        """The strings that end a model turn: ``params.stop``, and a tool call's end."""
+        return [*self.params.stop, *([calls.stop] if self.params.tools and calls.stop
+                                     else [])]
+
+    def run_stream(self, batch: Batch, ctx: StageContext) -> Batch:
+        """This task's episodes played by the worker's episode stream
+        (``rlhfflow.engine.streaming``), which keeps the next iterations' going in the
+        meantime (``ctx.ahead``) and what is unfinished for the tasks that own it."""
+        resident = ctx.models.get(self.model)
+        tok, params = resident.tokenizer, self.params
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        fmt = TurnFormat(tok, params.plain_separator)
+        calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
+        rows = len(batch["prompt_index"])
+        stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows)
+        own = [(ctx.iteration, int(p), int(q)) for p, q in zip(
+            batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
+        arrivals = self.admissions(batch, ctx.iteration, ctx, fmt, calls, stream.knows)
+        for j, later in ctx.ahead:
+            arrivals += self.admissions(later, j, ctx, fmt, calls, stream.knows)
+        shipped = ctx.env_executor if params.env_placement == "pool" else None
+        if shipped is not None:
+            self.check_shippable([a.episode for a in arrivals])
+        with resident.generating():
+            mine = stream.begin_task(ctx.iteration, resident.version, own, arrivals,
+                                     shipped or self.env_pool(), ships=shipped is not None)
+            stream.play(mine)
+        episodes, early = stream.take(mine)
+        self.last_timeline = stream.timeline
+        if ctx.spans is not None:
+            for start, stop in stream.timeline.env_busy():
+                ctx.spans("env-pool" if shipped is not None else "env", start, stop)
+        out = self.columns(episodes, tok, pad_id, resident.version)
+        out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
+                                          dtype=torch.float32)
+        out.update(stream_columns(episodes, early, stream.stats, resident.version,
+                                  params.max_tokens))
+        return out
+
+    def stream_for(self, resident, tok, fmt: TurnFormat, pad_id: int, calls: ToolFormat,
+                   rows: int) -> EpisodeStream:
+        """The worker's episode stream for this stage, made at its first task (again
+        if the model was replaced, dropping what the old one held)."""
+        stream = getattr(self, "_stream", None)
+        if stream is not None and stream.module is not resident.module:
+            log.warning("stage %r: the model was replaced; %d episodes in flight are "
+                        "dropped and start again", self.name, stream.close())
+            stream = None
+        if stream is None:
+            target = self.params.stream_in_flight or rows
+            stream = EpisodeStream(self.params, resident.module, tok, fmt, pad_id, target,
+                                   self.stops(calls))
+            self._stream = stream
+        return stream
+
+    def env_pool(self):
+        """The threads of a stream's environment steps, kept with the stream (None:
+        steps run inline)."""
+        if self.params.env_workers == 0:
+            return None
+        pool = getattr(self, "_env_pool", None)
+        if pool is None:
+            pool = self._env_pool = concurrent.futures.ThreadPoolExecutor(
+                self.params.env_workers, "rollout-env")
+        return pool
 
     def run_agents(self, batch: Batch, ctx: StageContext) -> Batch:
         """Each row's episode played by the agent function (``params.agent``) through a
@@ -542,5 +678,6 @@ class RolloutStage(Stage):
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
         return out
+
 
 

@@ -137,8 +137,8 @@ class StoreRows:
 
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
                after: list[Any], versions: Mapping[str, int] | None = None,
-               gang: tuple[str, ...] | None = None, store: StoreRows | None = None
-               ) -> TaskResult:
+               gang: tuple[str, ...] | None = None, store: StoreRows | None = None,
+               ahead: list[tuple[int, Batch]] | None = None) -> TaskResult:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
 
     ``name`` may be a tuple of fused stages: they run one after the other in this task,
@@ -149,12 +149,14 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     at once instead of hanging in a collective). With ``store`` the task then writes its
     rows to the buffer as a store task would and returns the partial sums too
     (``TaskResult.stored``): one Dask task fewer per iteration, and the write runs before
-    the task's result goes out, not beside it."""
+    the task's result goes out, not beside it. ``ahead``: the task's rows of the next
+    iterations, for a stage that streams (``StageContext.ahead``)."""
     del after
     host = current_host()
     names = (name,) if isinstance(name, str) else tuple(name)
     check_versions(host, "+".join(names), versions)
     ctx = host.context(iteration)
+    ctx.ahead = list(ahead or ())
     if gang is not None:
         from rlhfflow.engine.parallel import current_gang
 

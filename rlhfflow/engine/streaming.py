@@ -1,0 +1,304 @@
+"""Streaming episodes: one decode loop per rollout worker that lives across iterations.
+
+A plain rollout task plays its batch's episodes and returns when the slowest one ends: as
+episodes finish, the decode batch empties and the worker waits on a long tail (an
+episode with many turns, a slow tool). An :class:`EpisodeStream` is the multi-turn
+episode loop (:class:`rlhfflow.engine.episodes.EpisodeLoop`: rows leave the batch for the
+environment and rejoin with their KV cache) kept in the worker between tasks, so the
+episodes of the *next* iterations can run in that tail:
+
+- A task hands the stream its own episodes (started at once, or found already under way)
+  and the next iterations' (``ahead``: admitted while fewer than ``target`` episodes are
+  in flight, nearest iteration first), and plays until its own are done. What is still
+  under way stays in the stream, its environment steps going on, for the task that owns
+  it.
+- **Partial rollouts**: an episode goes on across weight updates. Each model token records
+  the version of the weights that sampled it (``Episode.versions``). When a task finds
+  newer weights than the stream decoded with, every episode in flight rebuilds its KV
+  cache under them (what AReaL calls recomputing after an interruption): the tokens it
+  sampled stay, the next ones are the new policy's.
+- **Staleness by admission**: the stream is only given the iterations it may run ahead
+  (the run's ``max_staleness``), so no token is older than that many versions when it is
+  trained on; nothing is thrown away to keep the bound. An episode the stream holds that
+  no task will claim (the run went back to a checkpoint, the rows went to another
+  worker) is dropped and counted (``TaskStats.dropped``).
+
+The same episode (prompt, seed, weights) gives the same tokens as the plain loop up to
+float rounding of batched products: its uniforms are its row's stream
+(``sampling.sample_uniforms``), whatever else decodes beside it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhfflow.engine.environments import Episode, TurnFormat
+from rlhfflow.engine.episodes import EpisodeLoop, EpisodeParams, Timeline
+from rlhfflow.types import Batch
+
+log = logging.getLogger(__name__)
+
+#: an episode's identity across tasks: (iteration, prompt_index, sample_index)
+Key = tuple[int, int, int]
+
+
+@dataclass
+class Admission:
+    """What an episode needs to start: its key, its ``Episode`` (the environment reset,
+    its opening messages added), its prompt's token ids, whether the prompt was rendered
+    with the chat template, and its uniforms (float64, one per response token)."""
+
+    key: Key
+    episode: Episode
+    prompt: list[int]
+    templated: bool
+    uniforms: torch.Tensor
+
+
+@dataclass
+class TaskStats:
+    """What the stream did during one task: decode ``steps``, the rows decoding summed
+    over them (``decoding``), the episodes in flight summed over them (``live``), the
+    episodes of later iterations it started (``started_ahead``) and those it dropped."""
+
+    target: int
+    steps: int = 0
+    decoding: int = 0
+    live: int = 0
+    started_ahead: int = 0
+    dropped: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """The decode batch's mean share of ``target`` rows over the task's steps."""
+        return self.decoding / (self.steps * self.target) if self.steps else 0.0
+
+    @property
+    def in_flight(self) -> float:
+        """The mean number of episodes in flight (decoding, in the environment, or
+        waiting to rejoin) over the task's decode steps."""
+        return self.live / self.steps if self.steps else 0.0
+
+
+class EpisodeStream(EpisodeLoop):
+    """The episode loop kept across tasks (see the module's docstring). Rows are numbered
+    as episodes arrive and forgotten when a task takes them; ``target`` is how many
+    episodes the stream keeps in flight when it has later iterations' episodes waiting."""
+
+    def __init__(self, params: EpisodeParams, module: torch.nn.Module, tok, fmt: TurnFormat,
+                 pad_id: int, target: int, stops: Sequence[str] | None = None) -> None:
+        super().__init__(params, module, tok, fmt, [], [], torch.empty(0, 0), pad_id, stops)
+        self.module = module
+        self.target = target
+        self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
+        self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
+        self.templated: dict[int, bool] = {}  # type: ignore[assignment]
+        self.uniforms: dict[int, torch.Tensor] = {}  # type: ignore[assignment]
+        self.keys: dict[int, Key] = {}
+        self.rows: dict[Key, int] = {}
+        self.waiting: deque[int] = deque()  # admitted ahead, not started (no room yet)
+        self.midturn: set[int] = set()      # parked by a weight update in the middle of a turn
+        # row -> the versions of the tokens its turn sampled before the last weight update
+        self.turn_versions: dict[int, list[int]] = {}
+        self.started_in: dict[int, int] = {}  # row -> the task that started it
+        self.pool: concurrent.futures.Executor | None = None
+        self.ships = False
+        self.tasks = 0
+        self.numbered = 0  # rows numbered so far
+        self.stats = TaskStats(target)
+
+    # ----------------------------------------------------------------- a task
+    def knows(self, key: Key) -> bool:
+        """Whether the episode ``key`` is in the stream (started or waiting)."""
+        return key in self.rows
+
+    def begin_task(self, iteration: int, version: int, own: Sequence[Key],
+                   arrivals: Sequence[Admission], pool: concurrent.futures.Executor | None,
+                   ships: bool = False) -> list[int]:
+        """Open the task of ``iteration`` on weights ``version``: drop what no task will
+        claim (an earlier iteration's episodes, this iteration's that are not ``own``),
+        take the new episodes ``arrivals`` (each key once: ``knows``), start ``own`` at
+        once and queue the later ones. Returns the rows of ``own``, in order."""
+        self.tasks += 1
+        self.stats = TaskStats(self.target)
+        self.pool, self.ships = pool, ships
+        self.timeline = Timeline()
+        self.ready = dict.fromkeys(self.ready, 0)  # step numbers restart with the timeline
+        if version != self.version:
+            self.reweigh(version)
+        mine = set(own)
+        for row, key in list(self.keys.items()):
+            if key[0] < iteration or (key[0] == iteration and key not in mine):
+                self.drop(row)
+        for arrival in arrivals:
+            self.add(arrival)
+        rows = [self.rows[key] for key in own]
+        fresh = [row for row in rows if row not in self.started_in]
+        for row in fresh:
+            self.waiting.remove(row)
+        self.start(fresh)
+        return rows
+
+    def play(self, rows: Sequence[int]) -> None:
+        """Decode until every episode of ``rows`` is done, starting waiting episodes of
+        later iterations as room frees."""
+        self.admit()
+        while not all(self.episodes[row].done for row in rows):
+            self.admit()
+            if not (self.batch.rows or self.ready or self.in_flight):
+                raise RuntimeError("episode stream: episodes unfinished but none in flight")
+            self.collect(wait=not self.batch.rows and not self.ready)
+            if self.ready and self.joins_now():
+                self.join()
+            if self.batch.rows:
+                self.step()
+
+    def take(self, rows: Sequence[int]) -> tuple[list[Episode], list[bool]]:
+        """The finished episodes of ``rows`` (forgotten by the stream), and for each
+        whether an earlier task started it."""
+        episodes, ahead = [], []
+        for row in rows:
+            episodes.append(self.episodes[row])
+            ahead.append(self.started_in[row] < self.tasks)
+            self.forget(row)
+        return episodes, ahead
+
+    def close(self) -> int:
+        """Drop every episode in the stream (the run ends, the model was replaced);
+        returns how many were dropped."""
+        rows = list(self.keys)
+        for row in rows:
+            self.drop(row)
+        return len(rows)
+
+    # ----------------------------------------------------------------- episodes
+    def add(self, arrival: Admission) -> None:
+        """Take a new episode, not started yet."""
+        if arrival.key in self.rows:
+            raise ValueError(f"episode {arrival.key} is already in the stream")
+        row, self.numbered = self.numbered, self.numbered + 1
+        self.keys[row], self.rows[arrival.key] = arrival.key, row
+        self.episodes[row], self.prompts[row] = arrival.episode, arrival.prompt
+        self.templated[row], self.uniforms[row] = arrival.templated, arrival.uniforms
+        self.waiting.append(row)
+
+    def start(self, rows: Sequence[int]) -> None:
+        """Start ``rows``: each joins the batch with its prompt and opening (an episode
+        its opening already ended is done at once)."""
+        for row in rows:
+            self.started_in[row] = self.tasks
+            if not self.episodes[row].done:
+                self.parked[row] = None
+                self.ready[row] = len(self.timeline.steps)
+
+    def admit(self) -> None:
+        """Start waiting episodes while fewer than ``target`` are in flight."""
+        while self.waiting and self.live() < self.target:
+            self.start([self.waiting.popleft()])
+            self.stats.started_ahead += 1
+
+    def live(self) -> int:
+        """Episodes started and not done: decoding, in the environment, or waiting to
+        rejoin."""
+        return len(self.batch.rows) + len(self.in_flight) + len(self.ready)
+
+    def drop(self, row: int) -> None:
+        """Forget an episode wherever it is (its environment step, if one is running,
+        finishes unheard)."""
+        if row in self.batch.rows:
+            self.batch.park([self.batch.rows.index(row)], keep_cache=False)
+        for future in [f for f, r in self.in_flight.items() if r == row]:
+            del self.in_flight[future]
+        if row in self.waiting:
+            self.waiting.remove(row)
+        self.stats.dropped += 1
+        self.forget(row)
+
+    def forget(self, row: int) -> None:
+        key = self.keys.pop(row)
+        del self.rows[key], self.episodes[row], self.prompts[row], self.templated[row]
+        del self.uniforms[row]
+        for state in (self.ready, self.parked, self.turn, self.last, self.started_in,
+                      self.turn_versions):
+            state.pop(row, None)
+        self.midturn.discard(row)
+
+    # ----------------------------------------------------------------- weights
+    def reweigh(self, version: int) -> None:
+        """New weights: every episode in flight rebuilds its cache under them when it next
+        joins (those decoding leave the batch in the middle of their turn)."""
+        decoding = list(self.batch.rows)
+        if decoding:
+            self.batch.park(list(range(len(decoding))), keep_cache=False)
+            for row in decoding:
+                self.midturn.add(row)
+                self.ready[row] = 0
+                done = self.turn_versions.setdefault(row, [])
+                done += [self.version] * (len(self.turn[row][0]) - len(done))
+        for row in self.parked:
+            self.parked[row] = None
+        for row in decoding:
+            self.parked[row] = None
+        log.debug("episode stream: weights %d -> %d, %d episodes recompute", self.version,
+                  version, len(self.parked))
+        self.version = version
+
+    # ----------------------------------------------------------------- the loop's hooks
+    def draws(self, rows: list[int], drawn: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.uniforms[row][d] for row, d in zip(rows, drawn.tolist(),
+                                                                   strict=True)])
+
+    def versions_of(self, row: int, n: int) -> int | list[int]:
+        before = self.turn_versions.pop(row, [])
+        return before + [self.version] * (n - len(before)) if before else self.version
+
+    def begin(self, rows: list[int]) -> None:
+        # a row parked in the middle of its turn goes on with it
+        super().begin([row for row in rows if row not in self.midturn])
+        self.midturn.difference_update(rows)
+
+    def block(self, row: int, cache) -> list[int]:
+        if row in self.midturn:  # the turn so far, its last token not fed yet
+            sequence = self.prompts[row] + self.episodes[row].tokens + self.turn[row][0]
+            return sequence[cache.length if cache is not None else 0:]
+        return super().block(row, cache)
+
+    def step(self) -> None:
+        self.stats.steps += 1
+        self.stats.decoding += len(self.batch.rows)
+        self.stats.live += self.live()
+        super().step()
+
+
+def stream_columns(episodes: list[Episode], early: list[bool], stats: TaskStats,
+                   version: int, width: int) -> Batch:
+    """The columns a streamed task adds (``rlhfflow.stages.rollout.STREAM_COLUMNS``) for
+    its finished ``episodes`` (``early``: started by an earlier task), from the task's
+    ``stats`` on weights ``version``; a row's ``policy_version`` is then its oldest
+    token's (what staleness is counted from)."""
+    rows = len(episodes)
+    versions = torch.full((rows, width), -1, dtype=torch.long)
+    for row, episode in enumerate(episodes):
+        versions[row, :len(episode.versions)] = torch.tensor(episode.versions,
+                                                             dtype=torch.long)
+    sampled = versions >= 0
+    lag = torch.where(sampled, version - versions, 0).float()
+    oldest = torch.where(sampled, versions, version).amin(-1) if width else \
+        torch.full((rows,), version)
+    newest = torch.where(sampled, versions, -1).amax(-1) if width else oldest
+    dropped = torch.zeros(rows, dtype=torch.long)
+    if rows:
+        dropped[0] = stats.dropped
+    return {"token_versions": versions, "token_lag": lag,
+            "version_spread": torch.where(newest >= 0, newest - oldest, 0),
+            "policy_version": oldest,
+            "started_ahead": torch.tensor(early, dtype=torch.int8),
+            "decode_occupancy": torch.full((rows,), stats.occupancy),
+            "episodes_in_flight": torch.full((rows,), stats.in_flight),
+            "episodes_dropped": dropped}

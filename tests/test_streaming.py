@@ -1,0 +1,184 @@
+"""Streaming rollouts (``rollout`` with ``stream: true``): the worker's episode loop lives
+across tasks, starts the next iterations' episodes in the tail of this one's, and carries
+episodes across weight updates, each token recording the version that sampled it. Run
+from Python with real tiny models, then as a pipeline on a real Dask cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlhfflow.engine.forward import response_logprobs
+from rlhfflow.stages import StageContext, create_stage
+from tests.conftest import chat_batch, chat_store
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "multiturn"
+GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
+TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
+PARAMS = {"env": GUESS, "max_turns": 3, "max_new_tokens": 6, "max_tokens": 120}
+
+
+def _ctx(store, iteration, ahead=()) -> StageContext:
+    return StageContext(iteration=iteration, seed=0, models=store,
+                        settings={"base_dir": str(EXAMPLE)}, ahead=list(ahead))
+
+
+def _batches(tok, n: int) -> list[dict]:
+    """Iteration k's source rows: the same texts, prompt indices of their own."""
+    out = []
+    for k in range(n):
+        batch = chat_batch(tok, TEXTS, samples=2)
+        batch["prompt_index"] = batch["prompt_index"] + 10 * k
+        out.append(batch)
+    return out
+
+
+def _check_against_fresh_forward(module, batch, out, version_of_tokens) -> None:
+    """The sampler's log-probs of the tokens a version sampled equal one forward of the
+    weights ``module`` holds, for the tokens ``version_of_tokens`` selects."""
+    fresh = response_logprobs(module, {**batch, **out})
+    chosen = version_of_tokens & (out["response_mask"] == 1)
+    assert chosen.any()
+    torch.testing.assert_close(fresh[chosen], out["sample_logprobs"][chosen], atol=1e-4,
+                               rtol=0)
+
+
+def test_a_stream_plays_the_plain_rollout_s_episodes_and_starts_the_next_ones_early(
+        chat_lm_dir):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 3)
+    plain = create_stage("rollout", params=PARAMS, model="actor")
+    expected = [plain.run(batches[k], _ctx(store, k)) for k in range(3)]
+
+    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+                                            "stream_in_flight": 12}, model="actor")
+    got = [stage.run(batches[k], _ctx(store, k, [(k + 1, batches[k + 1])] if k < 2 else []))
+           for k in range(3)]
+    for k in range(3):
+        # the same episodes (weights unchanged): the same tokens, log-probs to rounding
+        assert torch.equal(got[k]["response_ids"], expected[k]["response_ids"])
+        assert torch.equal(got[k]["response_mask"], expected[k]["response_mask"])
+        torch.testing.assert_close(got[k]["sample_logprobs"], expected[k]["sample_logprobs"],
+                                   atol=1e-4, rtol=0)
+        assert got[k]["turns"].tolist() == expected[k]["turns"].tolist()
+        versions = got[k]["token_versions"]
+        assert ((versions == 0) == (got[k]["response_mask"] == 1)).all()
+        assert (versions[got[k]["response_mask"] == 0] == -1).all()
+        assert got[k]["token_lag"].abs().sum() == 0
+    # iteration 0's task started iteration 1's episodes (room for 12 in flight, 6 its own)
+    assert got[0]["started_ahead"].sum() == 0
+    assert got[1]["started_ahead"].sum() == 6 and got[2]["started_ahead"].sum() == 6
+    assert got[0]["episodes_in_flight"][0] > 6
+    assert not stage._stream.keys  # nothing left behind after the last iteration
+    assert sum(int(g["episodes_dropped"].sum()) for g in got) == 0
+
+
+def test_episodes_go_on_across_a_weight_update_and_each_token_says_its_version(
+        chat_lm_dir):
+    store = chat_store(chat_lm_dir)
+    resident = store.get("actor")
+    tok = resident.tokenizer
+    batches = _batches(tok, 2)
+    # 8 in flight: 2 of iteration 1's episodes start at once, the others as room frees
+    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+                                            "stream_in_flight": 8}, model="actor")
+    stage.run(batches[0], _ctx(store, 0, [(1, batches[1])]))
+    # iteration 1's episodes are under way, some unfinished
+    assert not all(e.done for e in stage._stream.episodes.values())
+    old = {n: p.detach().clone() for n, p in resident.module.named_parameters()}
+    with torch.no_grad():  # an update: new weights, the next version
+        for p in resident.module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    resident.version += 1
+    out = stage.run(batches[1], _ctx(store, 1))
+    versions, mask = out["token_versions"], out["response_mask"]
+    assert set(versions[mask == 1].tolist()) == {0, 1}  # partial rollouts: both policies
+    assert out["policy_version"].tolist() == \
+        [int(versions[r][mask[r] == 1].min()) for r in range(len(versions))]
+    assert (out["token_lag"][versions == 0] == 1).all()
+    assert out["version_spread"].max() == 1
+    # every token is its own policy's: the new weights' after the update, the old before
+    _check_against_fresh_forward(resident.module, batches[1], out, versions == 1)
+    new = {n: p.detach().clone() for n, p in resident.module.named_parameters()}
+    with torch.no_grad():
+        for n, p in resident.module.named_parameters():
+            p.copy_(old[n])
+    _check_against_fresh_forward(resident.module, batches[1], out, versions == 0)
+    with torch.no_grad():
+        for n, p in resident.module.named_parameters():
+            p.copy_(new[n])
+
+
+def test_episodes_no_task_will_claim_are_dropped_and_counted(chat_lm_dir):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 3)
+    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    stage.run(batches[0], _ctx(store, 0, [(1, batches[1])]))
+    held = len(stage._stream.keys)
+    assert held == 6
+    # the run went on at iteration 2 (say, back from a checkpoint on another plan):
+    # iteration 1's episodes will never be claimed
+    out = stage.run(batches[2], _ctx(store, 2))
+    assert int(out["episodes_dropped"].sum()) == held
+    assert out["started_ahead"].sum() == 0 and not stage._stream.keys
+
+
+# --------------------------------------------------------------------------- a pipeline
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHFFLOW_WARM": "0"}
+    return subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def _pipeline(tmp_path: Path, **overrides) -> Path:
+    config = yaml.safe_load((EXAMPLE / "guess-stream-tiny.yaml").read_text())
+    config["data"]["prompts"] = str(EXAMPLE / config["data"]["prompts"])
+    config["stages"]["rollout"]["params"]["env"] = GUESS
+    config["output"] = str(tmp_path / "out")
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        config[section][name] = value
+    path = tmp_path / "stream.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_a_streaming_pipeline_trains_on_two_workers_and_reports_its_stream(tmp_path):
+    path = _pipeline(tmp_path)
+    result = _cli("run", str(path), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in
+               (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    later = records[1:]
+    assert all(r["started_ahead_frac"] > 0 for r in later)  # episodes started early
+    assert all(r["episodes_dropped"] == 0 for r in records)
+    # (an iteration whose episodes all finished in the task before decodes nothing)
+    assert all(0 <= r["decode_occupancy"] <= 1 for r in records)
+    assert records[0]["decode_occupancy"] > 0
+    # staleness is bounded by admission: no token is more than max_staleness behind
+    assert all(r["train"]["train_actor"]["staleness_max"] <= 1 for r in records)
+    assert any(r["token_lag_mean"] > 0 for r in later)
+
+
+def test_streaming_needs_a_staleness_bound_and_names_its_bias_without_a_correction(
+        tmp_path):
+    path = _pipeline(tmp_path, **{"overlap.max_staleness": 0})
+    result = _cli("validate", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert "stream" in line and "max_staleness" in line and str(path.name) in line
+    assert "Traceback" not in result.stderr
