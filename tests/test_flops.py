@@ -13,6 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.shapes import ModelShape, model_shapes
 from rlhfflow.engine import peak
 from rlhfflow.engine.models import (
     build_char_tokenizer,
@@ -29,7 +30,6 @@ from rlhfflow.plan.flops import (
     stage_work,
     weight_passes,
 )
-from rlhfflow.plan.shapes import ModelShape, model_shapes
 from rlhfflow.runtime.run import run_pipeline
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 from tests.conftest import small_pipeline

@@ -220,3 +220,12 @@ def test_the_compiler_and_the_algorithm_check_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_plan_module_imports_the_engine():
+    """The plan computes with model shapes (``rlhfflow.config.shapes.ModelShape``) read
+    by the config layer; it loads no model code itself."""
+    graph = import_graph()
+    arrows = sorted(f"{m} -> {t}" for m in graph if m.startswith("rlhfflow.plan")
+                    for t in graph[m] if t.startswith("rlhfflow.engine"))
+    assert arrows == []

@@ -228,9 +228,9 @@ def test_deepspeed_trains_lora_adapters_on_a_gang_of_two_like_the_torch_backend(
 
 
 def test_the_planner_counts_adapters_and_a_shared_reference_costs_nothing(tmp_path):
+    from rlhfflow.config.shapes import model_shapes
     from rlhfflow.plan.auto.costmodel import CostModel
     from rlhfflow.plan.auto.planner import resolve_plan
-    from rlhfflow.plan.shapes import model_shapes
 
     path = small_pipeline(tmp_path, "grpo", overrides={
         "models.actor.lora": LORA, "placement.strategy": "disaggregated"})

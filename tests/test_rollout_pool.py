@@ -148,8 +148,8 @@ def test_pool_placement_without_a_pool_is_one_line_naming_the_key(tmp_path):
 
 
 def test_the_planner_does_not_charge_pool_steps_to_the_model_worker(tmp_path):
+    from rlhfflow.config.shapes import model_shapes
     from rlhfflow.plan.auto.costmodel import CostModel, Observation, Profile, machine_info
-    from rlhfflow.plan.shapes import model_shapes
 
     path = _guess(tmp_path, {"workers": 1, "env_workers": 1})
     task = load_pipeline(path)

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlhfflow.plan.shapes import ModelShape
+from rlhfflow.config.shapes import ModelShape
 
 if TYPE_CHECKING:
     from rlhfflow.config.pipeline import Pipeline

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from rlhfflow.config.graph import StageGraph
 from rlhfflow.config.pipeline import Pipeline
+from rlhfflow.config.shapes import model_shapes
 from rlhfflow.config.spec import WorkerRef
 from rlhfflow.errors import SpecError, did_you_mean
-from rlhfflow.plan.shapes import model_shapes
 
 STRATEGIES = ("colocated", "interleaved", "disaggregated")
 """The concrete strategies; ``auto`` picks one of them (``rlhfflow.plan.auto.planner``)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from rlhfflow.config.graph import SOURCE
 from rlhfflow.config.loader import Pipeline
+from rlhfflow.config.shapes import model_shapes
 from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.monitor import RunMonitor
@@ -40,7 +41,6 @@ from rlhfflow.plan.compiler import (
 )
 from rlhfflow.plan.flops import stage_work
 from rlhfflow.plan.placement import ExecutionPlan
-from rlhfflow.plan.shapes import model_shapes
 from rlhfflow.runtime.backend import TaskFailed
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (

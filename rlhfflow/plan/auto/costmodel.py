@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhfflow.config.shapes import ModelShape, model_shapes
 from rlhfflow.errors import UserError
-from rlhfflow.plan.shapes import ModelShape, model_shapes
 
 if TYPE_CHECKING:
     from rlhfflow.config.pipeline import Pipeline

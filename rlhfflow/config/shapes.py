@@ -1,6 +1,10 @@
 """The shapes of a pipeline's models (parameters, layers, width, vocabulary, bytes), read
 from their configs without loading weights: what placement balances and sizes its
-transfers by, and what the cost model prices work with."""
+transfers by, and what the cost model prices work with.
+
+They are read here, in the layer that reads what the user's files name (the model
+configs are read for the checks too), so that the plan computes with ``ModelShape``
+values and imports no engine module."""
 
 from __future__ import annotations
 
