@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,30 @@ def test_episodes_no_task_will_claim_are_dropped_and_counted(chat_lm_dir):
     assert out["started_ahead"].sum() == 0 and not stage._stream.keys
 
 
+def test_two_micro_batches_on_one_worker_keep_each_other_s_episodes(chat_lm_dir):
+    """Micro-batches 0 and 1 of every iteration run on the same worker (more micro-batches
+    than workers): each task's episodes started ahead wait for their own task."""
+    from rlhfflow.engine.batch import slice_batch
+
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 3)
+    halves = [[slice_batch(b, 0, 3), slice_batch(b, 3, 6)] for b in batches]
+    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+                                            "stream_in_flight": 6}, model="actor")
+    plain = create_stage("rollout", params=PARAMS, model="actor")
+    for k in range(3):
+        for j in range(2):
+            ahead = [(k + 1, halves[k + 1][j])] if k < 2 else []
+            out = stage.run(halves[k][j], _ctx(store, k, ahead))
+            expected = plain.run(halves[k][j], _ctx(store, k))
+            assert torch.equal(out["response_ids"], expected["response_ids"])
+            assert int(out["episodes_dropped"].sum()) == 0
+            if k:
+                assert out["started_ahead"].all()
+    assert not stage._stream.keys
+
+
 # --------------------------------------------------------------------------- a pipeline
 
 
@@ -142,11 +167,16 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def _pipeline(tmp_path: Path, **overrides) -> Path:
+def _pipeline(tmp_path: Path, iterations: int | None = None, checkpoint=None,
+              **overrides) -> Path:
     config = yaml.safe_load((EXAMPLE / "guess-stream-tiny.yaml").read_text())
     config["data"]["prompts"] = str(EXAMPLE / config["data"]["prompts"])
     config["stages"]["rollout"]["params"]["env"] = GUESS
     config["output"] = str(tmp_path / "out")
+    if iterations is not None:
+        config["iterations"] = iterations
+    if checkpoint is not None:
+        config["checkpoint"] = checkpoint
     for key, value in overrides.items():
         section, _, name = key.partition(".")
         config[section][name] = value
@@ -182,3 +212,59 @@ def test_streaming_needs_a_staleness_bound_and_names_its_bias_without_a_correcti
     line = result.stderr.strip().splitlines()[-1]
     assert "stream" in line and "max_staleness" in line and str(path.name) in line
     assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _popen(path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLHFFLOW_WARM": "0",
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rlhfflow.cli.main", "run", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _faulty_pipeline(tmp_path: Path) -> tuple[Path, Path]:
+    path = _pipeline(tmp_path, iterations=6, checkpoint={"every": 1, "keep": 2})
+    return path, tmp_path / "out"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_loses_and_repeats_no_episode(tmp_path):
+    """The episodes in flight die with the run; the resumed run starts the iteration after
+    the last checkpoint afresh from its prompts: every iteration trained once."""
+    import psutil
+
+    from tests.test_resume import _assert_each_iteration_once, _wait_for_lines
+
+    path, out = _faulty_pipeline(tmp_path)
+    proc = _popen(path)
+    _wait_for_lines(out / "metrics.jsonl", 3, proc)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    psutil.wait_procs(workers, timeout=60)
+    again = _popen(path)
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert "resuming after iteration" in stderr
+    _assert_each_iteration_once(out, 6)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_replaced_and_a_streaming_run_completes(tmp_path):
+    import psutil
+
+    from rlhfflow.runtime.cluster import embedded_worker_processes
+    from tests.test_resume import _assert_each_iteration_once, _wait_for_lines
+
+    path, out = _faulty_pipeline(tmp_path)
+    proc = _popen(path)
+    _wait_for_lines(out / "metrics.jsonl", 2, proc)
+    workers = embedded_worker_processes(psutil.Process(proc.pid))
+    workers[0].kill()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "recovering from the last checkpoint" in stderr
+    _assert_each_iteration_once(out, 6)

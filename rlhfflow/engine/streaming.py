@@ -122,9 +122,10 @@ class EpisodeStream(EpisodeLoop):
                    arrivals: Sequence[Admission], pool: concurrent.futures.Executor | None,
                    ships: bool = False) -> list[int]:
         """Open the task of ``iteration`` on weights ``version``: drop what no task will
-        claim (an earlier iteration's episodes, this iteration's that are not ``own``),
-        take the new episodes ``arrivals`` (each key once: ``knows``), start ``own`` at
-        once and queue the later ones. Returns the rows of ``own``, in order."""
+        claim (an earlier iteration's episodes; this iteration's other rows may be another
+        task's on this worker), take the new episodes ``arrivals`` (each key once:
+        ``knows``), start ``own`` at once and queue the later ones. Returns the rows of
+        ``own``, in order."""
         self.tasks += 1
         self.stats = TaskStats(self.target)
         self.pool, self.ships = pool, ships
@@ -132,9 +133,8 @@ class EpisodeStream(EpisodeLoop):
         self.ready = dict.fromkeys(self.ready, 0)  # step numbers restart with the timeline
         if version != self.version:
             self.reweigh(version)
-        mine = set(own)
         for row, key in list(self.keys.items()):
-            if key[0] < iteration or (key[0] == iteration and key not in mine):
+            if key[0] < iteration:
                 self.drop(row)
         for arrival in arrivals:
             self.add(arrival)
