@@ -16,14 +16,14 @@ import pytest
 from dask.utils import key_split
 from distributed import Client, get_task_stream
 
-from rlhfflow.config.loader import load_pipeline
+from rlhfflow.config.loader import Pipeline, load_pipeline
 from rlhfflow.runtime.backend import DaskBackend
 from rlhfflow.runtime.executor import Executor
 from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.runtime.runstate import prepare_output
 from rlhfflow.runtime.worker.host import resident_models
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
-from tests.conftest import CONFIGS, small_pipeline
+from tests.conftest import CONFIGS, DATA, small_pipeline
 
 PPO_STAGES = {"generate", "reward", "ref_logprob", "old_logprob", "values", "advantages",
               "train_actor", "train_critic"}
@@ -391,6 +391,41 @@ def test_a_single_reward_function_adds_no_per_function_means(tmp_path):
     path = small_pipeline(tmp_path, "grpo", iterations=1)
     record = run_pipeline(load_pipeline(path), progress=False, inline=True).metrics[0]
     assert not [k for k in record if k.startswith("reward_mean_")]
+
+
+def test_a_run_takes_the_prompts_validation_read_unless_they_changed(tmp_path):
+    """The prompts are read and tokenized once (``rlhfflow run`` validates, then runs):
+    the executor takes what the loader read (``Pipeline.prompts``), also for a pipeline
+    the planner derived with other micro-batches, and it equals a fresh read; other
+    prompts (another batch size, a file rewritten since) are read anew."""
+    import torch
+
+    from rlhfflow.config.loader import derive
+    from rlhfflow.data.source import PromptSource
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = (DATA / "prompts.jsonl").read_text().splitlines()
+    prompts.write_text("\n".join(lines) + "\n")
+    pipeline = load_pipeline(small_pipeline(tmp_path, "grpo",
+                                            overrides={"data.prompts": str(prompts)}))
+    kept = pipeline.prompts
+    assert kept is not None
+
+    def source_of(run: Pipeline) -> PromptSource:
+        executor = Executor(run, None, tmp_path / "out", progress=False)
+        executor.prepare()
+        return executor.source
+
+    assert source_of(pipeline) is kept
+    assert source_of(derive(pipeline, {"data.micro_batches": 1})) is kept
+    fresh = PromptSource.from_pipeline(pipeline, "actor")
+    assert fresh is not kept and fresh.texts == kept.texts
+    for k in range(3):
+        assert torch.equal(fresh.batch(k)["prompt_ids"], kept.batch(k)["prompt_ids"])
+    other = source_of(derive(pipeline, {"data.batch_size": 4}))
+    assert other is not kept and other.batch_size == 4
+    prompts.write_text("\n".join(lines[:3]) + "\n")
+    assert len(source_of(pipeline).texts) == 3
 
 
 def test_the_startup_clock_names_where_the_time_went():

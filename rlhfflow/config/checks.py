@@ -11,10 +11,14 @@ import logging
 import os
 from pathlib import Path
 from types import MethodType
+from typing import TYPE_CHECKING
 
 from rlhfflow.config.pipeline import Pipeline
 from rlhfflow.errors import SpecError, did_you_mean
 from rlhfflow.sdk import Stage, resolve_stage_type
+
+if TYPE_CHECKING:
+    from rlhfflow.data.source import PromptSource
 
 
 def warn_slow_dtypes(file: Path, pipeline: Pipeline) -> None:
@@ -297,16 +301,17 @@ def _check_context(file: Path, pipeline: Pipeline) -> None:
                             f"positions of model {model!r} (stage {name!r})")
 
 
-def check_prompts(file: Path, pipeline: Pipeline) -> None:
+def check_prompts(file: Path, pipeline: Pipeline) -> PromptSource | None:
     """Read the prompts file as the run will (records, chat template, token counts), and
-    check that every record has the fields the reward functions ask for."""
+    check that every record has the fields the reward functions ask for. Returns what it
+    read (``Pipeline.prompts``, which the run takes), None if the pipeline reads none."""
     from rlhfflow.data.source import PromptSource
     from rlhfflow.engine.rewardfns import reward_fields, trial_call
     from rlhfflow.engine.usercode import load_function
 
     generates = pipeline.graph.generators()
     if pipeline.spec.data is None or not generates or pipeline.spec.iterations == 0:
-        return
+        return None
     generator_model = pipeline.graph.nodes[generates[0]].model
     assert generator_model is not None  # a generator decodes from its model
     source = PromptSource.from_pipeline(pipeline, generator_model)
@@ -329,6 +334,7 @@ def check_prompts(file: Path, pipeline: Pipeline) -> None:
                 _try_reward(file, f"stages.{name}.{key}", trial_call(
                     entry, pipeline.base_dir, source.texts[:2], source.fields[:2],
                     episodes=getattr(params, "episodes", False) is True))
+    return source
 
 
 #: what the trial call was, as its messages say

@@ -79,7 +79,7 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     check_lora_targets(file, pipeline)
     check_tokenizers(file, pipeline)
     pipeline = replace(pipeline, spec=_resolve_optimizers(file, pipeline))
-    check_prompts(file, pipeline)
+    pipeline = replace(pipeline, prompts=check_prompts(file, pipeline))
     warn_slow_dtypes(file, pipeline)
     warn_lora_below_a_tiny_head(file, pipeline)
     return pipeline

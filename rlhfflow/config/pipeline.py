@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.graph import StageGraph
 from rlhfflow.config.spec import PipelineSpec
 from rlhfflow.sdk import StageParams, resolve_stage_type
+
+if TYPE_CHECKING:
+    from rlhfflow.data.source import PromptSource
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,10 @@ class Pipeline:
     source: Path
     params: Mapping[str, StageParams]
     graph: StageGraph
+    #: the prompts as validation read and tokenized them (``check_prompts``), which the
+    #: run takes instead of reading them again when its pipeline asks for the same ones
+    #: (``PromptSource.from_pipeline``'s ``kept``); None: not read
+    prompts: PromptSource | None = field(default=None, compare=False, repr=False)
 
     @property
     def base_dir(self) -> Path:

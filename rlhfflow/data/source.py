@@ -4,7 +4,8 @@ Iteration ``k`` takes prompts ``k*B .. k*B+B-1`` of an endless stream made of ep
 a permutation of the file seeded by ``(seed, epoch)``; each prompt is repeated
 ``samples_per_prompt`` times. Prompts are rendered (chat template) and tokenized once, up
 front, so a bad file or an over-long prompt stops the run before any cluster work; the
-loader does the same for ``rlhfflow validate``.
+loader does the same for ``rlhfflow validate``, and a run in the same process takes what
+the loader read (``Pipeline.prompts``) instead of reading it again.
 
 Every field of a record other than the prompt itself (``answer``, ``tests``, ...) travels
 with its rows as the text column ``prompt_fields`` (a JSON object per row), from which the
@@ -91,14 +92,24 @@ class PromptSource:
         self._picks: list[tuple[int, int]] = []
         self._picks_start = 0
         self._taken = [0] * len(self.members)
+        #: what ``from_pipeline`` read this source from (None: built directly)
+        self.inputs: tuple[object, ...] | None = None
 
     @classmethod
-    def from_pipeline(cls, pipeline, model: str) -> PromptSource:
+    def from_pipeline(cls, pipeline, model: str, kept: PromptSource | None = None
+                      ) -> PromptSource:
         """The source of ``pipeline``, rendering and tokenizing with ``model``'s tokenizer
         (with the tools ``pipeline.prompt_tools`` gives, for the chat template's ``tools=``).
         A bad record is a ``DataError`` naming ``file:line`` (or is skipped and listed,
         with ``data.on_bad_prompt: skip``); a Hub data set the cache lacks, or records
-        without the prompt field, a ``SpecError`` naming the ``data`` key."""
+        without the prompt field, a ``SpecError`` naming the ``data`` key.
+
+        ``kept``: a source read before (``Pipeline.prompts``, the one validation read),
+        returned as it is when it was read from the same inputs (``_inputs``), so a run
+        does not read and tokenize the prompts a second time."""
+        inputs = _inputs(pipeline, model)
+        if kept is not None and inputs is not None and kept.inputs == inputs:
+            return kept
         data = pipeline.spec.data
         skipped: list[str] | None = [] if data.on_bad_prompt == "skip" else None
         refs = source_refs(data)
@@ -147,6 +158,7 @@ class PromptSource:
                      groups=groups, weights=weights)
         source.skipped = skipped or []
         source.locations = locations
+        source.inputs = inputs
         return source
 
     def missing_field(self, name: str) -> str | None:
@@ -250,6 +262,25 @@ class SourceRef:
     subset: str | None
     rename: dict[str, str]
     own: tuple[str, ...] = ()  # the keys a data.sources entry sets itself
+
+
+def _inputs(pipeline, model: str) -> tuple[object, ...] | None:
+    """Everything ``PromptSource.from_pipeline`` reads: the pipeline file (relative paths),
+    the tokenizing model, the ``data`` section but for ``micro_batches`` (how a batch
+    splits, not what is in it: the planner derives pipelines that change it), the seed,
+    the models (tokenizers), the first generator's stage (its tools), and the size and
+    time of each prompt file. None if a file cannot be found or read (reading says why)."""
+    data = pipeline.spec.data
+    generates = pipeline.graph.generators()
+    generator = [(pipeline.spec.stages[g], pipeline.params[g]) for g in generates[:1]]
+    try:
+        paths = [path for ref in source_refs(data)
+                 for path in locate(ref.prompts, pipeline.base_dir, ref.split, ref.subset)]
+        stamps = [(str(path), path.stat().st_mtime_ns, path.stat().st_size) for path in paths]
+    except (HubDataError, OSError):
+        return None
+    return (pipeline.source, model, data.model_dump(exclude={"micro_batches"}),
+            pipeline.spec.seed, pipeline.spec.models, generator, stamps)
 
 
 def source_refs(data) -> list[SourceRef]:

@@ -181,7 +181,8 @@ class Executor(Recovery):
         checkpoint = self.start.checkpoint
         if self.graph.loop_stages and spec.iterations > 0:
             generate_model = self.graph.nodes[self.graph.generators()[0]].model
-            self.source = PromptSource.from_pipeline(self.pipeline, generate_model)
+            self.source = PromptSource.from_pipeline(self.pipeline, generate_model,
+                                                     kept=self.pipeline.prompts)
             self._list_skipped_prompts()
             self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
         self.initial_models = self._model_configs()

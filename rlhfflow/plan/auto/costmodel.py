@@ -187,7 +187,8 @@ def prompt_tokens(pipeline: Pipeline) -> int:
     try:
         from rlhfflow.data.source import PromptSource
 
-        source = PromptSource.from_pipeline(pipeline, pipeline.graph.model_of(generators[0]))
+        source = PromptSource.from_pipeline(pipeline, pipeline.graph.model_of(generators[0]),
+                                            kept=pipeline.prompts)
         if source.token_ids:
             return max(len(ids) for ids in source.token_ids)
     except Exception:  # noqa: BLE001 - an estimate: the run reports a bad file itself
