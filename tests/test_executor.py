@@ -400,7 +400,7 @@ def test_a_run_takes_the_prompts_validation_read_unless_they_changed(tmp_path):
     prompts (another batch size, a file rewritten since) are read anew."""
     import torch
 
-    from rlhfflow.config.loader import derive
+    from rlhfflow.config.pipeline import derive
     from rlhfflow.data.source import PromptSource
 
     prompts = tmp_path / "prompts.jsonl"

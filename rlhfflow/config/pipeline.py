@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,3 +107,24 @@ class Pipeline:
         """The sampling temperature of the first generator (log-probs must match it)."""
         generates = self.graph.generators()
         return self.graph.nodes[generates[0]].temperature if generates else 1.0
+
+
+def derive(pipeline: Pipeline, updates: Mapping[str, Any]) -> Pipeline:
+    """``pipeline`` with dotted keys of its spec replaced (``{"cluster.workers": 1,
+    "stages.values.micro_batches": 4}``), for settings that change where and how the
+    stages run but not what they compute (placement, overlap, cluster, output): the
+    params and graph are kept, nothing is revalidated (the prompts validation read too:
+    ``PromptSource.from_pipeline`` reads them again if they no longer apply)."""
+    spec = pipeline.spec
+    for key, value in updates.items():
+        spec = _set(spec, key.split("."), value)
+    return replace(pipeline, spec=spec)
+
+
+def _set(node: Any, path: list[str], value: Any) -> Any:
+    head, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        current = node[head]
+        return {**node, head: _set(current, rest, value) if rest else value}
+    current = getattr(node, head)
+    return node.model_copy(update={head: _set(current, rest, value) if rest else value})

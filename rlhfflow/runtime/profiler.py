@@ -108,7 +108,7 @@ def profile_pipeline(pipeline, iterations: int = 3,
                      say: Callable[[str], None] = print) -> Profile:
     """Run ``pipeline`` briefly under each layout and two plans, on an embedded cluster,
     and return the profile of its stages."""
-    from rlhfflow.config.loader import derive
+    from rlhfflow.config.pipeline import derive
     from rlhfflow.runtime.run import run_pipeline
 
     spec = pipeline.spec

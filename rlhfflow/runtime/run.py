@@ -10,7 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from rlhfflow.config.loader import Pipeline, derive
+from rlhfflow.config.pipeline import Pipeline, derive
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
 from rlhfflow.plan.auto.planner import choose_plan, load_profile
 from rlhfflow.runtime.backend import DaskBackend, WorkerLost

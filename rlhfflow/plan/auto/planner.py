@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhfflow.config.loader import derive
+from rlhfflow.config.pipeline import derive
 from rlhfflow.plan.auto.costmodel import CostModel, Profile, ProfileError
 from rlhfflow.plan.auto.simulate import Simulation, simulate
 from rlhfflow.plan.layout import default_torch_threads, layouts
