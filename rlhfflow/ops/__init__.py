@@ -149,3 +149,8 @@ def __getattr__(name: str) -> Any:
             globals()[name] = value  # found once; later uses do not come back here
             return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Every name, the torch ops not imported yet included (for ``dir`` and completion)."""
+    return sorted(set(globals()) | set(__all__))
