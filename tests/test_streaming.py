@@ -83,15 +83,16 @@ def test_a_stream_plays_the_plain_rollout_s_episodes_and_starts_the_next_ones_ea
     assert sum(int(g["episodes_dropped"].sum()) for g in got) == 0
 
 
+@pytest.mark.parametrize("on_update", ["recompute", "keep"])
 def test_episodes_go_on_across_a_weight_update_and_each_token_says_its_version(
-        chat_lm_dir):
+        chat_lm_dir, on_update):
     store = chat_store(chat_lm_dir)
     resident = store.get("actor")
     tok = resident.tokenizer
     batches = _batches(tok, 2)
     # 8 in flight: 2 of iteration 1's episodes start at once, the others as room frees
-    stage = create_stage("rollout", params={**PARAMS, "stream": True,
-                                            "stream_in_flight": 8}, model="actor")
+    stage = create_stage("rollout", params={**PARAMS, "stream": True, "stream_in_flight": 8,
+                                            "stream_on_update": on_update}, model="actor")
     stage.run(batches[0], _ctx(store, 0, [(1, batches[1])]))
     # iteration 1's episodes are under way, some unfinished
     assert not all(e.done for e in stage._stream.episodes.values())
@@ -107,6 +108,10 @@ def test_episodes_go_on_across_a_weight_update_and_each_token_says_its_version(
         [int(versions[r][mask[r] == 1].min()) for r in range(len(versions))]
     assert (out["token_lag"][versions == 0] == 1).all()
     assert out["version_spread"].max() == 1
+    if on_update == "keep":  # the old weights' caches kept: not the new policy's exactly
+        with pytest.raises(AssertionError):
+            _check_against_fresh_forward(resident.module, batches[1], out, versions == 1)
+        return
     # every token is its own policy's: the new weights' after the update, the old before
     _check_against_fresh_forward(resident.module, batches[1], out, versions == 1)
     new = {n: p.detach().clone() for n, p in resident.module.named_parameters()}
@@ -202,6 +207,10 @@ def test_a_streaming_pipeline_trains_on_two_workers_and_reports_its_stream(tmp_p
     # staleness is bounded by admission: no token is more than max_staleness behind
     assert all(r["train"]["train_actor"]["staleness_max"] <= 1 for r in records)
     assert any(r["token_lag_mean"] > 0 for r in later)
+    from rlhfflow.monitor.report import build_report
+
+    page = build_report(tmp_path / "out", samples=0)
+    assert "<h2>Streaming episodes</h2>" in page and "alt='streaming episodes'" in page
 
 
 def test_streaming_needs_a_staleness_bound_and_names_its_bias_without_a_correction(

@@ -92,10 +92,12 @@ class EpisodeStream(EpisodeLoop):
     episodes the stream keeps in flight when it has later iterations' episodes waiting."""
 
     def __init__(self, params: EpisodeParams, module: torch.nn.Module, tok, fmt: TurnFormat,
-                 pad_id: int, target: int, stops: Sequence[str] | None = None) -> None:
+                 pad_id: int, target: int, stops: Sequence[str] | None = None,
+                 recompute: bool = True) -> None:
         super().__init__(params, module, tok, fmt, [], [], torch.empty(0, 0), pad_id, stops)
         self.module = module
         self.target = target
+        self.recompute = recompute
         self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
         self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
         self.templated: dict[int, bool] = {}  # type: ignore[assignment]
@@ -232,7 +234,13 @@ class EpisodeStream(EpisodeLoop):
     # ----------------------------------------------------------------- weights
     def reweigh(self, version: int) -> None:
         """New weights: every episode in flight rebuilds its cache under them when it next
-        joins (those decoding leave the batch in the middle of their turn)."""
+        joins (those decoding leave the batch in the middle of their turn); with
+        ``recompute`` off the caches of the old weights are kept (cheaper: no prefill of
+        what is in flight, but the next tokens attend to the old weights' keys and
+        values)."""
+        if not self.recompute:
+            self.version = version
+            return
         decoding = list(self.batch.rows)
         if decoding:
             self.batch.park(list(range(len(decoding))), keep_cache=False)

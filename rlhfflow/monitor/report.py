@@ -161,7 +161,34 @@ def _component_sections(metrics: list[dict[str, Any]]) -> list[str]:
                   "iteration's episodes; <code>info_KEY</code> sums what the environment "
                   "returned under KEY in its steps' info.</p>",
                   _img(panels_plot(metrics, episodes, titles), "multi-turn episodes")]
+    lifted = _with_trainer_figures(metrics)
+    streams = [k for k in STREAM_TITLES if any(k in r for r in lifted)]
+    if any("episodes_in_flight" in r for r in metrics):  # a rollout with stream: true
+        parts += ["<h2>Streaming episodes</h2>", "<p class='note'>The streaming rollout's "
+                  "decode batch, episodes in flight, tokens' policy lag and the off-policy "
+                  "correction's weights (docs/how-to/streaming.md).</p>",
+                  _img(panels_plot(lifted, streams, [STREAM_TITLES[k] for k in streams]),
+                       "streaming episodes")]
     return parts
+
+
+#: the figures of a streaming rollout (and of its off-policy correction) the report plots
+STREAM_TITLES = {
+    "decode_occupancy": "decode batch occupancy", "episodes_in_flight": "episodes in flight",
+    "started_ahead_frac": "episodes started early", "token_lag_mean": "versions behind",
+    "version_spread_mean": "versions within an episode",
+    "is_ratio_mean": "importance weight (mean)", "is_bounded_frac": "tokens bounded",
+    "mismatch_kl": "sampler-learner mismatch KL"}
+
+
+def _with_trainer_figures(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records with the actor trainer's correction figures lifted to the top."""
+    out = []
+    for r in metrics:
+        trained = next((t for t in (r.get("train") or {}).values()
+                        if isinstance(t, dict) and "is_ratio_mean" in t), {})
+        out.append({**r, **{k: trained[k] for k in STREAM_TITLES if k in trained}})
+    return out
 
 
 EPISODE_TITLES = {"turns_mean": "model turns per episode",

@@ -250,6 +250,13 @@ class RolloutParams(StageParams):
                            "tail of this one's; an episode goes on across weight updates, "
                            "each token recording the version that sampled it "
                            "(token_versions)")
+    stream_on_update: Literal["recompute", "keep"] = Field(
+        "recompute", description="with stream, what the episodes in flight do at new "
+                                 "weights: 'recompute' their KV caches under them (each "
+                                 "later token is exactly the new policy's; costs a prefill "
+                                 "of what is in flight), or 'keep' the old weights' caches "
+                                 "(cheaper; the tokens' log-probs are still those they "
+                                 "were sampled with)")
     stream_in_flight: Annotated[int | None, Field(
         gt=0, description="with stream: the episodes kept in flight per task while later "
                           "iterations' wait to start (more: a larger decode batch and more "
@@ -328,8 +335,9 @@ class RolloutStage(Stage):
         if params.stream and params.agent is not None:
             return ("params.stream", "agents do not stream yet: give params.stream or "
                                      "params.agent, not both")
-        if params.stream_in_flight is not None and not params.stream:
-            return ("params.stream_in_flight", "goes with params.stream: true")
+        for key in ("stream_in_flight", "stream_on_update"):
+            if key in params.model_fields_set and not params.stream:
+                return (f"params.{key}", "goes with params.stream: true")
         if params.agent is not None:
             if params.env is not None or params.tools:
                 return ("params.agent", "give params.agent alone: an agent brings its own "
@@ -510,7 +518,8 @@ class RolloutStage(Stage):
         if stream is None:
             target = self.params.stream_in_flight or rows
             stream = EpisodeStream(self.params, resident.module, tok, fmt, pad_id, target,
-                                   self.stops(calls))
+                                   self.stops(calls),
+                                   recompute=self.params.stream_on_update == "recompute")
             self._stream = stream
         return stream
 
