@@ -213,9 +213,10 @@ def _check_stages(file: Path, spec: PipelineSpec
             if parent not in spec.stages:
                 hint = did_you_mean(parent, spec.stages)
                 raise SpecError(file, f"{where}.after[{i}]", f"unknown stage {parent!r}{hint}")
-        if stage.backend == "deepspeed" and (not cls.trains or cls.once):
-            raise SpecError(file, f"{where}.backend", f"'deepspeed' trains in the loop: only "
-                            f"train_actor and train_critic stages take it, not {stage.type!r}")
+        if stage.backend != "torch" and (not cls.trains or cls.once):
+            raise SpecError(file, f"{where}.backend", f"{stage.backend!r} trains in the loop: "
+                            f"only train_actor and train_critic stages take it, not "
+                            f"{stage.type!r}")
         if stage.deepspeed is not None and stage.backend != "deepspeed":
             raise SpecError(file, f"{where}.deepspeed", "DeepSpeed settings need "
                                                         "'backend: deepspeed' on the stage")
@@ -404,6 +405,17 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
                             f"scaling under backend: deepspeed (stage {deepspeed[0]!r}); use "
                             f"bfloat16 or float32, or backend: torch")
+        sharded = [t for t in trainers if spec.stages[t].backend == "fsdp"]
+        if sharded and model.dtype == "float16":
+            raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
+                            f"scaling under backend: fsdp (stage {sharded[0]!r}); use "
+                            f"bfloat16 or float32, or backend: torch")
+        if sharded and model.lora is not None:
+            # LoRA's adapters are a few MB: they need no sharding, and peft's layers under
+            # FSDP are not built here
+            raise SpecError(file, f"stages.{sharded[0]}.backend", f"backend: fsdp does not "
+                            f"train LoRA adapters (model {name!r} has lora); use backend: "
+                            f"torch for a LoRA model, or drop models.{name}.lora to shard it")
         if model.trainable and not trainers:
             raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
                             "stage trains it; add a training stage or set trainable: false")

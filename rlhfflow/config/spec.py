@@ -194,9 +194,12 @@ class StageSpec(Strict):
     retries: NonNegInt = Field(0, description=(
         "Times Dask retries a failed task of this stage (never the ranks of a data-parallel "
         "gang; a fused task: the largest `retries` of its stages)."))
-    backend: Literal["torch", "deepspeed"] = Field("torch", description=(
-        "How a `train_actor` or `train_critic` stage trains its model; `deepspeed` only on those "
-        "two."))
+    backend: Literal["torch", "deepspeed", "fsdp"] = Field("torch", description=(
+        "How a `train_actor` or `train_critic` stage trains its model; `deepspeed` and `fsdp` "
+        "only on those two. `fsdp`: the model's weights, gradients and AdamW state sharded over "
+        "its workers (torch FSDP2; at least 2, and no other stage may use the model there: "
+        "place generation on a shadow, e.g. `placement.strategy: disaggregated`); see "
+        "docs/how-to/sharded-training.md."))
     deepspeed: DeepSpeedSpec | None = Field(None, description=(
         "DeepSpeed settings; only with `backend: deepspeed`."))
     micro_batches: PositiveInt | None = Field(None, description=(

@@ -62,7 +62,9 @@ def response_logits(module: torch.nn.Module, batch: Batch, temperature: float = 
     (~1e-7: the matrix products have other shapes)."""
     device = next(module.parameters()).device
     response_len = batch["response_ids"].shape[1]
-    parts = response_parts(batch) if _takes_cache(module) else None
+    # a sharded model's ranks must make the same forward calls (each gathers the weights
+    # with the other ranks), and the parts' count depends on a rank's rows: one call
+    parts = response_parts(batch) if _takes_cache(module) and not _sharded(module) else None
     if parts is not None:
         logits = _logits_in_parts(module, batch, parts, device)
     elif _keeps_logits(module):
@@ -79,6 +81,13 @@ def response_logits(module: torch.nn.Module, batch: Batch, temperature: float = 
                      use_cache=False)
         logits = out.logits[:, prompt_len - 1: prompt_len - 1 + response_len].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are sharded over a gang (FSDP2's DTensors)."""
+    from rlhfflow.engine.parallel import is_sharded
+
+    return is_sharded(next(module.parameters()))
 
 
 #: A response group of its own must save more than this share of the padded batch's
@@ -328,7 +337,8 @@ def response_logprobs(module: torch.nn.Module, batch: Batch, temperature: float 
     ``temperature``; 0 on padding. The values of ``ops.logprobs_from_logits`` on
     ``response_logits``, computed group by group where that splits the batch (the
     log-softmax is per position, so they are the same values)."""
-    parts = response_parts(batch) if _takes_cache(module) else None
+    # one call on a sharded model, as in response_logits
+    parts = response_parts(batch) if _takes_cache(module) and not _sharded(module) else None
     if parts is not None:
         device = next(module.parameters()).device
         logprobs = _logits_in_parts(module, batch, parts, device, temperature)
@@ -343,7 +353,8 @@ def response_values(module: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Per-token values ``[N, Lr]`` from a value-head model, aligned with the log-probs
     (the value of the state before each response token); 0 on padding."""
     device = next(module.parameters()).device
-    parts = response_parts(batch) if _takes_cache(module) else None
+    # one call on a sharded model, as in response_logits
+    parts = response_parts(batch) if _takes_cache(module) and not _sharded(module) else None
     if parts is not None:  # each prompt once, responses cut to length (response_logits)
         values = _logits_in_parts(module, batch, parts, device)[..., 0]
     else:

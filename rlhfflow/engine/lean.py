@@ -215,6 +215,15 @@ def enable(module: torch.nn.Module) -> bool:
     return True
 
 
+def disable(module: torch.nn.Module) -> None:
+    """Give ``module`` (under peft's wrapper: its transformers model) transformers'
+    forward back, where ``enable`` gave it the lean one."""
+    module = transformers_model(module)
+    base = getattr(type(module), "_lean_base", None)
+    if base is not None:
+        module.__class__ = base
+
+
 _CLASSES: dict[type, type] = {}
 
 

@@ -314,9 +314,12 @@ def save_tiny_model(path: str | os.PathLike, head: str = "lm", seed: int = 0,
 
 
 def save_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | os.PathLike,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Save ``model`` and ``tokenizer`` (safetensors) into the directory ``path``, atomically.
+    """Save ``model`` and ``tokenizer`` (safetensors) into the directory ``path``, atomically;
+    ``state_dict``: the weights to save instead of the module's own (a sharded model's,
+    gathered).
 
     Everything is written to a hidden temporary sibling directory first and renamed into place,
     so a crash never leaves a half-written directory at ``path`` that looks like a valid model.
@@ -333,7 +336,7 @@ def save_model(
         skip_deepspeed_unwrap()
         with quiet_transformers(), save_on_any_rank(model):
             # Always safetensors: transformers 5 has no other format (4.x defaults to it).
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, state_dict=state_dict)
             tokenizer.save_pretrained(tmp)
         if not (tmp / "config.json").is_file():
             raise RuntimeError(f"saving {path}: transformers wrote no config.json")

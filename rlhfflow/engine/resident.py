@@ -132,6 +132,8 @@ class ResidentModel:
         self.scaler: torch.amp.GradScaler | None = None
         self.overflow_steps = 0
         self.engine = None  # a DeepSpeed engine, when a stage trains it with DeepSpeed
+        # sharded over a gang (FSDP2, ``use_fsdp``): this process's rank, else None
+        self.shard_rank: int | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -162,6 +164,8 @@ class ResidentModel:
             if self.config.dtype == "float16":
                 self.scaler = torch.amp.GradScaler(torch.device(self.device).type)
             saved = self.config.optimizer_state
+            if saved and self.shard_rank is not None:  # each rank its own part
+                saved = str(zero_shard_path(saved, self.shard_rank))
             if saved and Path(saved).is_file():  # resuming: moments and steps as saved
                 state = torch.load(saved, map_location=self.device, weights_only=True)
                 if state.get("format") != _OPTIMIZER_FORMAT:  # a bare AdamW state
@@ -173,8 +177,38 @@ class ResidentModel:
                 if state.get("scaler") and self.scaler is not None:
                     self.scaler.load_state_dict(state["scaler"])
                 self.skipped_steps = int(state.get("skipped_steps", 0))
+                if self.shard_rank is not None:
+                    self._shard_moments()
         return self._optimizer
 
+    def _shard_moments(self) -> None:
+        """A sharded model's loaded AdamW moments (saved as this rank's parts) laid out
+        as its parameters again."""
+        from rlhfflow.engine.parallel import like_shard
+
+        for param, state in self._optimizer.state.items():
+            for key, value in state.items():
+                state[key] = like_shard(value, param)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights, gradients and optimizer state are sharded over a gang."""
+        return self.shard_rank is not None
+
+    def use_fsdp(self, gang) -> None:
+        """Shard the weights (and from now on the gradients and optimizer state) over
+        ``gang`` with FSDP2 (``engine.parallel.shard_module``); a checkpoint's optimizer
+        part of this rank is loaded when there is one. Every rank calls it at once."""
+        from rlhfflow.engine.parallel import shard_module
+
+        if self._optimizer is not None:
+            raise RuntimeError(f"model {self.config.name!r} took steps unsharded")
+        # FSDP gathers a layer's weights in hooks around the module calls, which the
+        # lean forward's loop skips: the model goes back to transformers' forward
+        lean.disable(self.module)
+        shard_module(self.module, gang)
+        self.shard_rank = gang.rank
+        self.optimizer  # noqa: B018 - created on the shards (and loaded) now
     def _nonfinite(self, what: str) -> None:
         """Count a step with a non-finite ``what`` (the caller skips it); raise once the
         budget ``optimizer.skip_nonfinite`` is spent."""
@@ -211,6 +245,8 @@ class ResidentModel:
         step; returns the gradient norm. ``loss`` is this rank's share of the batch loss,
         so the gang's gradients add up to the whole batch's."""
         optimizer = self.optimizer  # created (with its schedule) before the first step
+        if self.sharded:
+            return self._sharded_step(loss, gang, optimizer)
         bad = float(not torch.isfinite(loss.detach()).all())
         ganged = gang is not None and gang.size > 1
         # the ranks of a gang must skip (or stop) together: one rank leaving the step
@@ -267,6 +303,31 @@ class ResidentModel:
         self.scheduler.step()
         return float(norm)
 
+    def _sharded_step(self, loss: torch.Tensor, gang, optimizer: torch.optim.Optimizer
+                      ) -> float:
+        """``step`` of a sharded model: FSDP reduce-scatters the gradients in the backward
+        pass, each rank clips and updates its parts of the parameters."""
+        from rlhfflow.engine.parallel import allreduce_sum, gathered
+
+        # the ranks skip (or stop) together, before the backward pass's collectives
+        if allreduce_sum([float(not torch.isfinite(loss.detach()).all())], gang)[0]:
+            self._nonfinite(f"loss is {float(loss.detach().float().sum())}")
+            return float("nan")
+        optimizer.zero_grad(set_to_none=True)
+        # FSDP averages the ranks' gradients; the shares are meant to be summed
+        (loss * gang.size).backward()
+        clip = self.config.optimizer.get("grad_clip")
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = gathered(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")))
+        if not torch.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            self._nonfinite(f"gradient norm is {float(norm)}")
+            return float("nan")
+        self.last_lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        self.scheduler.step()
+        return float(norm)
+
     def _overflow(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> float:
         """fp16: the gradients overflowed at this loss scale. The scaler skips the step
         and halves the scale (counted in ``overflow_steps``, the usual price of dynamic
@@ -306,10 +367,14 @@ class ResidentModel:
 
     def state_for_transfer(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors, to send to another worker's copy (a LoRA model's
-        adapters only: the base is the same everywhere)."""
+        adapters only: the base is the same everywhere); a sharded model's parts on this
+        rank (``install_parts`` puts the ranks' parts together)."""
+        from rlhfflow.engine.parallel import local_part
+
         if self.config.lora is not None:
             return lora.adapter_state(self.module)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        return {k: local_part(v).detach().to("cpu", copy=True)
+                for k, v in self.module.state_dict().items()}
 
     def install(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights with ``weights`` received from the model's home; they are
@@ -319,6 +384,22 @@ class ResidentModel:
         else:
             with torch.no_grad():
                 self.module.load_state_dict(dict(weights), strict=True)
+        self.version = version
+
+    def install_parts(self, parts: list[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights with those of a model sharded over ``len(parts)`` ranks,
+        ``parts[r]`` rank r's (``state_for_transfer``), one tensor put together at a
+        time: no second whole copy of the weights is made here."""
+        from rlhfflow.engine.parallel import assemble
+
+        own = self.module.state_dict()
+        if set(own) != set(parts[0]):
+            missing = sorted(set(own) ^ set(parts[0]))
+            raise KeyError(f"model {self.config.name!r}: sharded weights do not match the "
+                           f"copy here ({', '.join(missing[:3])} ...)")
+        with torch.no_grad():
+            for name, target in own.items():
+                target.copy_(assemble([p[name] for p in parts]))
         self.version = version
 
     def save(self, path: str | Path) -> None:
@@ -331,18 +412,39 @@ class ResidentModel:
 
     def export(self, path: str | Path) -> None:
         """Save the model as users deploy it, in transformers format (atomically): a
-        LoRA model with its adapters merged into a copy of the weights."""
+        LoRA model with its adapters merged into a copy of the weights. A sharded model
+        is gathered one tensor at a time on every rank (each rank calls this at once)
+        and rank 0 saves it."""
         from rlhfflow.engine.models import save_model
 
+        if self.sharded:
+            state = self._gathered_state()
+            if self.shard_rank == 0:
+                save_model(self.module, self.tokenizer, path, state_dict=state)
+            return
         module = self.module
         if self.config.lora is not None:
             module = lora.merged_copy(self.module)
         save_model(module, self.tokenizer, path)
 
+    def _gathered_state(self) -> dict[str, torch.Tensor]:
+        """A sharded model's whole weights on rank 0 (CPU tensors; tied weights one
+        tensor, as transformers saves them), empty on the other ranks."""
+        from rlhfflow.engine.parallel import gathered
+
+        whole: dict[int, torch.Tensor] = {}
+        state = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) not in whole:
+                full = gathered(tensor.detach())
+                whole[id(tensor)] = full.cpu() if self.shard_rank == 0 else full[:0]
+            state[name] = whole[id(tensor)]
+        return state if self.shard_rank == 0 else {}
+
     def save_optimizer(self, path: str | Path, rank: int = 0) -> None:
         """Save the optimizer state (created now if no step was taken yet) with the
-        schedule's position; a DeepSpeed engine's ZeRO shard of ``rank`` goes to
-        ``zero_shard_path(path, rank)``. With ``optimizer.checkpoint: false`` only the
+        schedule's position; a DeepSpeed engine's ZeRO shard of ``rank``, or a sharded
+        model's part of the moments on ``rank``, goes to ``zero_shard_path(path, rank)``. With ``optimizer.checkpoint: false`` only the
         schedule's position and the skip count are saved (a few bytes)."""
         path = Path(path)
         keep = self.config.optimizer.get("checkpoint", True) is not False
@@ -350,6 +452,11 @@ class ResidentModel:
         if self.engine is not None:
             if keep:
                 path, moments = zero_shard_path(path, rank), self.engine.optimizer.state_dict()
+            elif rank != 0:
+                return
+        elif self.sharded:
+            if keep:
+                path, moments = zero_shard_path(path, rank), self._local_moments()
             elif rank != 0:
                 return
         elif keep:
@@ -367,6 +474,16 @@ class ResidentModel:
                 raise OSError(errno.ENOSPC, "No space left on device", str(staged)) from None
             raise
         staged.replace(path)
+
+
+    def _local_moments(self) -> dict[str, Any]:
+        """A sharded model's AdamW state with this rank's parts of the moments."""
+        from rlhfflow.engine.parallel import local_part
+
+        state = self.optimizer.state_dict()
+        state["state"] = {i: {k: local_part(v) for k, v in s.items()}
+                          for i, s in state["state"].items()}
+        return state
 
 
 def zero_shard_path(path: str | Path, rank: int) -> Path:

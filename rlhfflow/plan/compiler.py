@@ -337,17 +337,20 @@ class TaskCompiler:
         out: list[Task] = []
         first = priority(k, TRANSFER_LEVEL)
         for t in self.plan.transfers_after(trainer):
-            export = ExportTask(id=f"export-{k}-{t.model}", iteration=k,
-                                parts=(Part(tuple(trained)),), workers=(t.source,),
-                                priority=first, model=t.model)
-            out.append(export)
+            # a sharded model: each rank exports its part, each shadow puts them together
+            sources = self.plan.homes[t.model] if self.sharded(t.model) else (t.source,)
+            exports = [ExportTask(id=f"export-{k}-{t.model}" + (f"-r{r}" if r else ""),
+                                  iteration=k, parts=(Part(tuple(trained)),), workers=(w,),
+                                  priority=first, model=t.model)
+                       for r, w in enumerate(sources)]
+            out += exports
             for w in t.targets:
                 users = [h for n, sp in self.plan.stages.items()
                          if later is not None and sp.lag and w in sp.workers
                          and self.graph.nodes[n].model == t.model
                          for h in later.handles.get(n, [])]
                 out.append(InstallTask(id=f"realloc-{k}-{t.model}-w{w}", iteration=k,
-                                       parts=(Part((export.id,)),),
+                                       parts=(Part(tuple(e.id for e in exports)),),
                                        waits=tuple(_waits(users, AHEAD_USERS, t.model)),
                                        workers=(w,), priority=first, model=t.model,
                                        version=self.versions[t.model]))
@@ -380,10 +383,12 @@ class TaskCompiler:
     def checkpoint(self, k: int, after: Mapping[str, list[str]]) -> list[CheckpointTask]:
         """Tasks saving every loop-trained model into checkpoint ``k``, each after
         ``after[model]`` (the iteration's training tasks of that model): rank 0 of its
-        gang saves it, and every rank its ZeRO shard when DeepSpeed trains it."""
+        gang saves it, and every rank its ZeRO shard when DeepSpeed trains it (a sharded
+        model: every rank its optimizer part, and all gather the weights rank 0 saves)."""
         specs = []
         for m in self.graph.loop_trained():
-            ranks = self.plan.homes[m] if self.deepspeed(m) else self.plan.homes[m][:1]
+            ranks = self.plan.homes[m] if self.deepspeed(m) or self.sharded(m) \
+                else self.plan.homes[m][:1]
             specs += [CheckpointTask(id=f"checkpoint-{k}-{m}-r{rank}", iteration=k,
                                      waits=tuple(_waits(after.get(m, []), TRAINED, m)),
                                      workers=(w,), priority=priority(k, CHECKPOINT_LEVEL),
@@ -448,6 +453,11 @@ class TaskCompiler:
         model = self.graph.nodes[stage].model
         homes = self.plan.homes.get(model, ()) if model is not None else ()
         return bool(set(sp.workers) & set(homes))
+
+    def sharded(self, model: str) -> bool:
+        """Whether a loop stage trains ``model`` sharded over its gang (``backend: fsdp``)."""
+        return any(self.pipeline.spec.stages[t].backend == "fsdp"
+                   for t in self.graph.trainers(model))
 
     def deepspeed(self, model: str) -> bool:
         """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""

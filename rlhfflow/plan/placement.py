@@ -142,6 +142,7 @@ def make_plan(pipeline: Pipeline, n_workers: int,
     stages, replicas = _stage_plans(pipeline, refs, homes, staleness)
     plan_replicas = {m: tuple(sorted(w)) for m, w in replicas.items()}
     _check_gangs(file, stages, graph)
+    _check_sharded(pipeline, stages, homes)
     transfers = _transfers(pipeline, used, homes, plan_replicas, sizes)
     fused = () if overlap.sequential or not overlap.fuse else _fuse(pipeline, stages)
     return ExecutionPlan(placement.strategy, n_workers, groups, homes, plan_replicas, stages,
@@ -484,6 +485,32 @@ def _check_gangs(file: Path, stages: Mapping[str, StagePlan], graph: StageGraph)
                                 f"training of {other_model!r} on {list(workers)}; trained "
                                 f"models must share all their workers or none")
         seen.setdefault(plan.workers, name)
+
+
+def _check_sharded(pipeline: Pipeline, stages: Mapping[str, StagePlan],
+                   homes: Mapping[str, tuple[int, ...]]) -> None:
+    """A model trained with ``backend: fsdp`` is sharded over at least two workers, and
+    only its training runs there: any other forward on a shard would be a collective
+    the other ranks never join (its generation and inference run on shadows)."""
+    spec, graph, file = pipeline.spec, pipeline.graph, pipeline.source
+    for name, stage in spec.stages.items():
+        model = graph.nodes[name].model if name in graph.nodes else None
+        if stage.backend != "fsdp" or model is None:
+            continue
+        home = homes[model]
+        if len(home) < 2:
+            raise PlanError(file, f"stages.{name}.backend", f"backend: fsdp shards model "
+                            f"{model!r} over its workers, and it has one ({list(home)}); "
+                            f"give it 2 or more (placement.models.{model} or the train "
+                            f"group), or use backend: torch")
+        for user in graph.users(model):
+            node = graph.nodes[user]
+            if not node.trains and set(stages[user].workers) & set(home):
+                raise PlanError(file, f"placement.stages.{user}", f"stage {user!r} uses "
+                                f"model {model!r}, sharded on workers {list(home)} (stage "
+                                f"{name!r}, backend: fsdp): run it elsewhere, on a shadow "
+                                f"(placement.strategy: disaggregated, or "
+                                f"placement.stages.{user}: rollout)")
 
 
 def model_sizes(pipeline: Pipeline) -> dict[str, int]:

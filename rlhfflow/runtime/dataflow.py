@@ -188,8 +188,9 @@ class Dataflow:
 
     @_submit.register
     def _(self, spec: InstallTask, **context: Any) -> Any:
-        [export] = self[spec.parts[0].refs]
-        return self._task(spec, install_weights_task, payload=export, version=spec.version,
+        exports = self[spec.parts[0].refs]  # a sharded model's: one per rank
+        payload = exports[0] if len(exports) == 1 else exports
+        return self._task(spec, install_weights_task, payload=payload, version=spec.version,
                           iteration=spec.iteration, after=self.waits(spec))
 
     @_submit.register

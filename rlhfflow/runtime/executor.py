@@ -565,14 +565,16 @@ class Executor(Recovery):
     def _save_final(self) -> None:
         """Save every trainable model in transformers format under OUTPUT/models/NAME/final:
         hard links to the last checkpoint's weights where it holds exactly them (the
-        weights stored once: 1.1 GB less for a 135M model), else saved by its home."""
+        weights stored once: 1.1 GB less for a 135M model), else saved by its home (a
+        sharded model: gathered by all its ranks, saved by the first)."""
         trainable = [m for m in self.plan.homes if self.pipeline.spec.models[m].trainable]
         linked = self._final_in_checkpoint(trainable)
         for m in linked:
             link_model(linked[m], self.out / "models" / m / "final")
         saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
-                                     [], key=f"save-{_token()}", worker=self._home(m))
-                 for m in trainable if m not in linked]
+                                     [], key=f"save-{_token()}", worker=self.addresses[w])
+                 for m in trainable if m not in linked
+                 for w in self.plan.homes[m][:None if self.compiler.sharded(m) else 1]]
         self.backend.wait(saves)
 
     def _final_in_checkpoint(self, models: list[str]) -> dict[str, Path]:

@@ -98,8 +98,9 @@ class Trainer(Stage):
     In a data-parallel gang (``ctx.gang``) every rank sees the whole batch, draws the same
     minibatches and trains on its shard of each; losses are divided by the minibatch's
     own counts (``ops.loss_count``), so the summed gradients equal one worker's update
-    on the whole minibatch. ``backend`` is ``"torch"`` or ``"deepspeed"`` (set by the
-    executor from the stage's ``backend:``/``deepspeed:`` keys).
+    on the whole minibatch. ``backend`` is ``"torch"``, ``"deepspeed"`` or ``"fsdp"`` (the
+    model sharded over the gang; set by the executor from the stage's
+    ``backend:``/``deepspeed:`` keys).
     """
 
     Params = TrainParams
@@ -115,6 +116,8 @@ class Trainer(Stage):
             options = self.deepspeed or {}
             resident.use_deepspeed(options.get("zero_stage", 2), options.get("config", {}),
                                    gang.rank if gang else 0)
+        if self.backend == "fsdp" and not resident.sharded:
+            resident.use_fsdp(gang)
         batch = {k: v.to(resident.device) for k, v in batch.items()
                  if isinstance(v, torch.Tensor)}
         batch = self.before_steps(resident, batch, ctx)

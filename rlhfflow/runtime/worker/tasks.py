@@ -329,11 +329,12 @@ def checkpoint_task(model: str, directory: str, after: list[Any], rank: int = 0
                     ) -> dict[str, Any]:
     """Save a trainable model's weights and optimizer state into a checkpoint being
     assembled (``directory`` is the checkpoint's temporary directory). Rank 0 of a gang
-    saves the weights; each rank of a DeepSpeed gang saves its ZeRO optimizer shard."""
+    saves the weights; each rank of a DeepSpeed gang saves its ZeRO optimizer shard, and
+    of a sharded model its optimizer part (every rank gathers the weights with rank 0)."""
     del after
     resident = current_host().store.get(model)
     root = Path(directory)
-    if rank == 0:
+    if rank == 0 or resident.sharded:
         resident.save(root / "models" / model)
     resident.save_optimizer(root / "optimizers" / f"{model}.pt", rank)
     return {"model": model, "version": resident.version}
@@ -352,20 +353,28 @@ def export_weights_task(model: str, iteration: int, after: list[Any]) -> dict[st
             "nbytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 
-def install_weights_task(payload: dict[str, Any], version: int, iteration: int,
-                         after: list[Any] = ()) -> dict[str, Any]:
-    """Install weights sent by ``export_weights_task`` on this worker's copy, checking
-    they are the version the plan expects; ``after`` (the tasks still using the copy
-    there) only orders it. Returns bytes received and the seconds from export to
-    installed (transfer included)."""
+def install_weights_task(payload: dict[str, Any] | list[dict[str, Any]], version: int,
+                         iteration: int, after: list[Any] = ()) -> dict[str, Any]:
+    """Install weights sent by ``export_weights_task`` on this worker's copy (a list of
+    payloads: a sharded model's parts, one per rank, put together a tensor at a time),
+    checking they are the version the plan expects; ``after`` (the tasks still using the
+    copy there) only orders it. Returns bytes received and the seconds from export (the
+    first rank's) to installed (transfer included)."""
     del after
     host = current_host()
     host.updates.enter(iteration)  # a stop may hold it (UpdateGate)
     start = time.time()
-    if payload["version"] != version:
-        raise StaleWeights(f"received {payload['model']!r} version {payload['version']}, "
-                           f"expected version {version}")
-    host.store.get(payload["model"]).install(payload["weights"], version)
+    parts = payload if isinstance(payload, list) else [payload]
+    for part in parts:
+        if part["version"] != version:
+            raise StaleWeights(f"received {part['model']!r} version {part['version']}, "
+                               f"expected version {version}")
+    resident = host.store.get(parts[0]["model"])
+    if len(parts) == 1:
+        resident.install(parts[0]["weights"], version)
+    else:
+        resident.install_parts([p["weights"] for p in parts], version)
     done = time.time()
     host.record(iteration, "realloc", start, done)
-    return {"nbytes": payload["nbytes"], "seconds": done - payload["sent"]}
+    return {"nbytes": sum(p["nbytes"] for p in parts),
+            "seconds": done - min(p["sent"] for p in parts)}

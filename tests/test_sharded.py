@@ -1,0 +1,159 @@
+"""Sharded training (``backend: fsdp``, torch FSDP2 over a gang): the same learning as the
+unsharded trainer, checkpoints that resume exactly and load as transformers models, the
+new weights reallocated to a generating shadow after each update, and what validation
+refuses. Real Dask workers, a real gloo process group, tiny models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhfflow.config.loader import load_pipeline
+from rlhfflow.engine.models import load_model
+from rlhfflow.errors import SpecError
+from rlhfflow.plan.auto.planner import resolve_plan
+from rlhfflow.plan.placement import PlanError
+from rlhfflow.runtime.run import run_pipeline
+from rlhfflow.storage import ExperienceBuffer
+from tests.conftest import CONFIGS, small_pipeline
+
+GRPO = CONFIGS / "grpo-tiny.yaml"
+#: one generating worker (the shadow) and a train group of two (the gang)
+DISAGGREGATED = {"placement.strategy": "disaggregated", "placement.groups":
+                 {"rollout": [0], "train": [1, 2]}}
+COMPARED = ("reward_mean", "kl_mean", "policy_loss", "clip_frac", "tokens_generated")
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    """Three device workers in their own processes: a shadow and a gang of two."""
+    from rlhfflow.runtime.cluster import local_cluster
+
+    with local_cluster(3, dashboard_address="127.0.0.1:0", torch_threads=1) as cluster:
+        yield cluster
+
+
+def _run(cluster, tmp_path: Path, backend: str, iterations: int = 4,
+         overrides: dict | None = None, name: str | None = None, overwrite: bool = True):
+    name = name or backend
+    (tmp_path / name).mkdir(exist_ok=True)
+    settings = {**DISAGGREGATED, "cluster.address": cluster.scheduler_address,
+                "stages.train_actor.backend": backend, "cluster.collective_timeout_s": 120,
+                "checkpoint.every": 1, **(overrides or {})}
+    path = small_pipeline(tmp_path / name, "grpo", iterations=iterations,
+                          overrides=settings, file_name="grpo.yaml")
+    return run_pipeline(load_pipeline(path), progress=False, overwrite=overwrite)
+
+
+@pytest.fixture(scope="module")
+def runs(cluster3, tmp_path_factory):
+    """The 4-iteration GRPO run, its actor trained unsharded (``torch``, the gang's
+    data-parallel trainer) and sharded (``fsdp``)."""
+    tmp_path = tmp_path_factory.mktemp("runs")
+    return {b: _run(cluster3, tmp_path, b) for b in ("torch", "fsdp")}
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    module, _ = load_model(directory, "lm")
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_sharded_trainer_learns_as_the_unsharded_one_and_feeds_its_shadow(runs):
+    """GRPO, 4 iterations, the actor trained on a gang of two and generating on a third
+    worker: with the actor sharded (FSDP2) every iteration's metrics and sampled tokens
+    are those of the unsharded gang, the final weights agree to float rounding, and the
+    shadow got each update's weights (its samples are the unsharded run's) with their
+    bytes and time reported."""
+    for key in COMPARED:
+        assert [m[key] for m in runs["fsdp"].metrics] == pytest.approx(
+            [m[key] for m in runs["torch"].metrics], rel=1e-4, abs=1e-6), key
+    norms = {b: [m["train"]["train_actor"]["grad_norm"] for m in r.metrics]
+             for b, r in runs.items()}
+    assert norms["fsdp"] == pytest.approx(norms["torch"], rel=1e-4)
+    finals = {b: _weights(r.output_dir / "models" / "actor" / "final") for b, r in runs.items()}
+    init = _weights(runs["torch"].output_dir / "models" / "actor" / "init")
+    moved = torch.cat([(finals["torch"][k] - init[k]).flatten() for k in init])
+    apart = torch.cat([(finals["fsdp"][k] - finals["torch"][k]).flatten() for k in init])
+    # AdamW steps of lr size, and the same sums in another order: 2e-4 of the way moved
+    assert apart.norm() < 1e-3 * moved.norm()
+    # the shadow sampled each iteration from what the trainer had after the update before:
+    # the same tokens as the unsharded run's shadow, which got the whole weights
+    buffers = {b: ExperienceBuffer(r.output_dir / "buffer.zarr") for b, r in runs.items()}
+    for k in range(1, 4):
+        rows = {b: buf.read(k, ["response_ids", "sample_logprobs", "response_mask"])
+                for b, buf in buffers.items()}
+        assert (rows["fsdp"]["response_ids"] == rows["torch"]["response_ids"]).all()
+        mask = rows["torch"]["response_mask"].astype(bool)
+        logprobs = {b: r["sample_logprobs"][mask] for b, r in rows.items()}
+        assert abs(logprobs["fsdp"] - logprobs["torch"]).max() < 1e-3
+    nbytes = sum(t.numel() * t.element_size() for t in init.values())
+    for m in runs["fsdp"].metrics:
+        assert m["realloc_bytes"] == nbytes and m["realloc_s"] > 0
+
+
+def test_a_sharded_run_checkpoints_and_resumes_exactly(runs, cluster3, tmp_path):
+    """Every rank saves its part of the optimizer state, rank 0 the gathered weights as a
+    transformers model; a run stopped after 2 iterations and resumed to 4 has the metrics
+    and final weights of the uninterrupted one."""
+    whole = runs["fsdp"]
+    [*_, last] = sorted((whole.output_dir / "checkpoints").iterdir())
+    assert sorted(p.name for p in (last / "optimizers").iterdir()) == \
+        ["actor.zero-rank0.pt", "actor.zero-rank1.pt"]
+    final = _weights(whole.output_dir / "models" / "actor" / "final")
+    assert _max_difference(_weights(last / "models" / "actor"), final) == 0.0
+
+    _run(cluster3, tmp_path, "fsdp", iterations=2, name="stopped")
+    resumed = _run(cluster3, tmp_path, "fsdp", iterations=4, name="stopped", overwrite=False)
+    assert [m["iteration"] for m in resumed.metrics] == [2, 3]
+    for key in COMPARED:
+        assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics[2:]], key
+    again = _weights(resumed.output_dir / "models" / "actor" / "final")
+    assert _max_difference(again, final) == 0.0
+
+
+def _plan(overrides: dict, workers: int):
+    return resolve_plan(load_pipeline(GRPO, {"stages.train_actor.backend": "fsdp",
+                                             **overrides}), workers)
+
+
+def test_a_sharded_model_is_used_only_by_its_training_where_it_lives():
+    with pytest.raises(PlanError, match="placement.stages.generate: stage 'generate' uses "
+                                        "model 'actor', sharded on workers"):
+        _plan({"placement.strategy": "colocated"}, 2)
+    plan = _plan({}, 3)  # auto: the plan that generates on a shadow
+    assert plan.strategy == "disaggregated" and plan.stages["train_actor"].gang
+    assert plan.stages["generate"].shadow
+
+
+def test_sharding_over_one_worker_is_refused():
+    with pytest.raises(PlanError, match=r"stages.train_actor.backend: backend: fsdp shards "
+                                        r"model 'actor' over its workers, and it has one"):
+        _plan({"placement.strategy": "disaggregated"}, 2)
+
+
+@pytest.mark.parametrize(("overrides", "key", "says"), [
+    ({"models.actor.lora": {"r": 4}}, "stages.train_actor.backend", "does not train LoRA"),
+    ({"models.actor.dtype": "float16"}, "models.actor.dtype", "no loss scaling"),
+    ({"stages.generate.backend": "fsdp"}, "stages.generate.backend", "trains in the loop"),
+])
+def test_sharding_with_what_it_cannot_go_with_is_refused(overrides, key, says):
+    with pytest.raises(SpecError, match=f"{key}: .*{says}"):
+        load_pipeline(GRPO, {"stages.train_actor.backend": "fsdp", **overrides})
+
+
+def test_the_cli_refuses_an_unshardable_plan_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "rlhfflow.cli.main", "plan", str(GRPO),
+                           "stages.train_actor.backend=fsdp", "--strategy", "colocated"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "placement.stages.generate" in line and "backend: fsdp" in line
