@@ -434,26 +434,6 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
                                       "so it needs a 'data' section with a prompts file")
 
 
-def derive(pipeline: Pipeline, updates: Mapping[str, Any]) -> Pipeline:
-    """``pipeline`` with dotted keys of its spec replaced (``{"cluster.workers": 1,
-    "stages.values.micro_batches": 4}``), for settings that change where and how the
-    stages run but not what they compute (placement, overlap, cluster, output): the
-    params and graph are kept, nothing is revalidated."""
-    from dataclasses import replace
-
-    spec = pipeline.spec
-    for key, value in updates.items():
-        spec = _set(spec, key.split("."), value)
-    return replace(pipeline, spec=spec)
-
-
-def _set(node: Any, path: list[str], value: Any) -> Any:
-    head, rest = path[0], path[1:]
-    if isinstance(node, dict):
-        current = node[head]
-        return {**node, head: _set(current, rest, value) if rest else value}
-    current = getattr(node, head)
-    return node.model_copy(update={head: _set(current, rest, value) if rest else value})
 class _TrainerParams(Protocol):
     """The params every training stage has: its passes over a batch."""
 
