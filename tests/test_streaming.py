@@ -163,6 +163,43 @@ def test_two_micro_batches_on_one_worker_keep_each_other_s_episodes(chat_lm_dir)
     assert not stage._stream.keys
 
 
+def test_between_tasks_the_stream_plays_on_and_waits_while_a_task_runs(chat_lm_dir):
+    """In a run's worker (``between_tasks``) the episodes in flight play on after the
+    task returns, on the stream's thread; ``paused`` (what a task that writes weights
+    holds) stops it at a step boundary."""
+    import time
+
+    from rlhfflow.engine.streaming import paused
+
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 2)
+    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+                                            "stream_in_flight": 7}, model="actor")
+    ctx = _ctx(store, 0, [(1, batches[1])])
+    ctx.between_tasks = True
+    with paused():  # as stage_task holds it
+        stage.run(batches[0], ctx)
+        stream = stage._stream
+        before = (stream.stats.steps, [e.tokens[:] for e in stream.episodes.values()])
+        time.sleep(0.3)  # the task still runs: nothing moves
+        assert (stream.stats.steps, [e.tokens for e in stream.episodes.values()]) == before
+    deadline = time.monotonic() + 30
+    while not all(e.done for e in stream.episodes.values()):
+        assert time.monotonic() < deadline, "the stream did not play on between tasks"
+        time.sleep(0.02)
+    assert stream.stats.steps > before[0]
+    with paused():
+        ctx = _ctx(store, 1)
+        ctx.between_tasks = True
+        out = stage.run(batches[1], ctx)
+    expected = create_stage("rollout", params=PARAMS, model="actor").run(batches[1],
+                                                                        _ctx(store, 1))
+    assert torch.equal(out["response_ids"], expected["response_ids"])
+    assert out["started_ahead"].all()
+    stage._stream.close()
+
+
 # --------------------------------------------------------------------------- a pipeline
 
 

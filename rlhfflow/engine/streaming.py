@@ -31,9 +31,13 @@ float rounding of batched products: its uniforms are its row's stream
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import threading
+import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +50,31 @@ log = logging.getLogger(__name__)
 
 #: an episode's identity across tasks: (iteration, prompt_index, sample_index)
 Key = tuple[int, int, int]
+
+#: the streams of this process that decode between tasks (``EpisodeStream.between``)
+_BETWEEN: weakref.WeakSet[EpisodeStream] = weakref.WeakSet()
+#: per thread, the streams each ``paused`` block it is in holds (innermost last)
+_PAUSES = threading.local()
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Hold every stream of this process that decodes between tasks at its next step
+    boundary for the block: a task that writes a model's weights (a training step, an
+    install) or plays a stream itself runs alone. A stream that starts decoding between
+    tasks inside the block is held by it too."""
+    held: list[EpisodeStream] = []
+    stack = _PAUSES.__dict__.setdefault("stack", [])
+    stack.append(held)
+    try:
+        for stream in list(_BETWEEN):
+            stream.lock.acquire()
+            held.append(stream)
+        yield
+    finally:
+        stack.pop()
+        for stream in held:
+            stream.lock.release()
 
 
 @dataclass
@@ -114,6 +143,11 @@ class EpisodeStream(EpisodeLoop):
         self.tasks = 0
         self.numbered = 0  # rows numbered so far
         self.stats = TaskStats(target)
+        # decoding between tasks (``between``): the lock a step holds, ``paused`` takes
+        self.lock = threading.RLock()  # a task's own thread may take it again
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.closed = False
 
     # ----------------------------------------------------------------- a task
     def knows(self, key: Key) -> bool:
@@ -128,8 +162,10 @@ class EpisodeStream(EpisodeLoop):
         task's on this worker), take the new episodes ``arrivals`` (each key once:
         ``knows``), start ``own`` at once and queue the later ones. Returns the rows of
         ``own``, in order."""
+        if self.failure is not None:  # what went wrong between tasks fails this one
+            failure, self.failure = self.failure, None
+            raise failure
         self.tasks += 1
-        self.stats = TaskStats(self.target)
         self.pool, self.ships = pool, ships
         self.timeline = Timeline()
         self.ready = dict.fromkeys(self.ready, 0)  # step numbers restart with the timeline
@@ -171,9 +207,69 @@ class EpisodeStream(EpisodeLoop):
             self.forget(row)
         return episodes, ahead
 
+    def harvest(self) -> TaskStats:
+        """What the stream did since the last harvest (a task and the time before it)."""
+        stats, self.stats = self.stats, TaskStats(self.target)
+        return stats
+
+    # ----------------------------------------------------------------- between tasks
+    def between(self, version: Callable[[], int],
+                generating: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Go on decoding when no task runs (on a thread of the stream's own, started
+        once): the episodes in flight and the waiting ones play on, new weights
+        (``version()`` moved) are taken up between two steps, and ``paused`` holds the
+        thread for any task that runs meanwhile."""
+        stack = _PAUSES.__dict__.get("stack")
+        if stack and self not in stack[-1]:  # started by a task: held until it ends
+            self.lock.acquire()
+            stack[-1].append(self)
+        _BETWEEN.add(self)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._between, args=(version, generating),
+                                           name="episode-stream", daemon=True)
+            self.thread.start()
+
+    def _between(self, version: Callable[[], int],
+                 generating: Callable[[], contextlib.AbstractContextManager]) -> None:
+        while not self.closed:
+            with self.lock:
+                if self.closed or self.failure is not None:
+                    return
+                try:
+                    if version() != self.version:
+                        self.reweigh(version())
+                    with generating():
+                        moved = self.round()
+                except BaseException as exc:  # noqa: BLE001  (the next task raises it)
+                    self.failure = exc
+                    return
+            if not moved:
+                waiting = list(self.in_flight)
+                if waiting:
+                    concurrent.futures.wait(waiting, timeout=0.02,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                else:
+                    time.sleep(0.005)
+
+    def round(self) -> bool:
+        """One pass of the loop without waiting: start waiting episodes where there is
+        room, take the environment's answers, join, one decode step. Whether anything
+        decoded or joined."""
+        self.admit()
+        self.collect(wait=False)
+        joined = bool(self.ready) and self.joins_now()
+        if joined:
+            self.join()
+        if self.batch.rows:
+            self.step()
+            return True
+        return joined
+
     def close(self) -> int:
-        """Drop every episode in the stream (the run ends, the model was replaced);
-        returns how many were dropped."""
+        """Drop every episode in the stream (the run ends, the model was replaced) and
+        stop decoding between tasks; returns how many were dropped."""
+        self.closed = True
+        _BETWEEN.discard(self)
         rows = list(self.keys)
         for row in rows:
             self.drop(row)

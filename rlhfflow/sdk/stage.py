@@ -131,6 +131,10 @@ class StageContext:
             ``(iteration, batch)`` pairs (as many iterations as the run's
             ``max_staleness``, fewer at the end of the run): it may start their work
             early. Empty for every other stage.
+        between_tasks: the runtime holds a stage's work between tasks while any task that
+            writes a model's weights runs (``rlhfflow.engine.streaming.paused``), so a
+            stage that streams may go on decoding when no task runs. False outside a
+            run's worker (a stage run from Python or by ``stage test``).
     """
 
     iteration: int
@@ -143,6 +147,7 @@ class StageContext:
     spans: Any = None
     env_executor: Any = None
     ahead: list[tuple[int, Batch]] = field(default_factory=list)
+    between_tasks: bool = False
 
     def __post_init__(self) -> None:
         self.settings = RunSettings.of(self.settings)

@@ -502,8 +502,10 @@ class RolloutStage(Stage):
         out = self.columns(episodes, tok, pad_id, resident.version)
         out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
                                           dtype=torch.float32)
-        out.update(stream_columns(episodes, early, stream.stats, resident.version,
+        out.update(stream_columns(episodes, early, stream.harvest(), resident.version,
                                   params.max_tokens))
+        if ctx.between_tasks:  # the episodes in flight play on until the next task
+            stream.between(lambda: resident.version, resident.generating)
         return out
 
     def stream_for(self, resident, tok, fmt: TurnFormat, pad_id: int, calls: ToolFormat,

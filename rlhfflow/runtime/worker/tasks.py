@@ -21,6 +21,7 @@ import torch
 
 from rlhfflow.engine.batch import concat_batches, slice_batch
 from rlhfflow.engine.forward import shared_prompt_rows
+from rlhfflow.engine.streaming import paused
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.plan.tasks import Storage
 from rlhfflow.runtime.worker.host import WorkerHost, current_host, worker_address
@@ -135,6 +136,17 @@ class StoreRows:
     reports: bool = False
 
 
+def holds_streams(fn):
+    """A task that writes a model's weights (or plays a stream): the episode streams that
+    decode between tasks (``rlhfflow.engine.streaming``) wait while it runs."""
+    @functools.wraps(fn)
+    def task(*args: Any, **kwargs: Any) -> Any:
+        with paused():
+            return fn(*args, **kwargs)
+    return task
+
+
+@holds_streams
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
                after: list[Any], versions: Mapping[str, int] | None = None,
                gang: tuple[str, ...] | None = None, store: StoreRows | None = None,
@@ -157,6 +169,7 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     check_versions(host, "+".join(names), versions)
     ctx = host.context(iteration)
     ctx.ahead = list(ahead or ())
+    ctx.between_tasks = True  # this task holds the streams (holds_streams)
     if gang is not None:
         from rlhfflow.engine.parallel import current_gang
 
@@ -353,6 +366,7 @@ def export_weights_task(model: str, iteration: int, after: list[Any]) -> dict[st
             "nbytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 
+@holds_streams
 def install_weights_task(payload: dict[str, Any] | list[dict[str, Any]], version: int,
                          iteration: int, after: list[Any] = ()) -> dict[str, Any]:
     """Install weights sent by ``export_weights_task`` on this worker's copy (a list of
