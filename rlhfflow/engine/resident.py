@@ -326,6 +326,9 @@ class ResidentModel:
         self.last_lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         self.scheduler.step()
+        # the gradients' shards go now, not when the next step's backward begins: the
+        # next forward's activations would otherwise come on top of them
+        optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def _overflow(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> float:
