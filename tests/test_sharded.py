@@ -120,6 +120,16 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(runs, cluster3, tmp_path)
     assert _max_difference(again, final) == 0.0
 
 
+def test_gradient_checkpointing_on_a_sharded_model_changes_no_result(runs, cluster3, tmp_path):
+    """Each sharded layer's activations recomputed in the backward pass (FSDP gathers its
+    weights again for it): the metrics of the sharded run without it."""
+    recomputed = _run(cluster3, tmp_path, "fsdp", overrides={
+        "models.actor.gradient_checkpointing": True})
+    for key in COMPARED:
+        assert [m[key] for m in recomputed.metrics] == pytest.approx(
+            [m[key] for m in runs["fsdp"].metrics], rel=1e-5, abs=1e-7), key
+
+
 def _plan(overrides: dict, workers: int):
     return resolve_plan(load_pipeline(GRPO, {"stages.train_actor.backend": "fsdp",
                                              **overrides}), workers)
