@@ -250,6 +250,19 @@ def test_a_streaming_pipeline_trains_on_two_workers_and_reports_its_stream(tmp_p
     assert "<h2>Streaming episodes</h2>" in page and "alt='streaming episodes'" in page
 
 
+def test_the_plan_says_the_rollout_streams_and_pins_its_micro_batches(tmp_path):
+    path = _pipeline(tmp_path)
+    plan = _cli("plan", str(path), cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert "micro-batch j always on the same one" in plan.stdout
+    assert "rollout streams episodes" in plan.stdout
+    explained = _cli("plan", str(path), "--explain", "rollout", cwd=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    assert "rollout-1-0: rows 0-7, on worker 0" in explained.stdout
+    assert "rollout-1-1: rows 8-15, on worker 1" in explained.stdout
+    assert "streams: it also gets its rows of iteration(s) 2" in explained.stdout
+
+
 def test_streaming_needs_a_staleness_bound_and_names_its_bias_without_a_correction(
         tmp_path):
     path = _pipeline(tmp_path, **{"overlap.max_staleness": 0})

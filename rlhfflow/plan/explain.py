@@ -57,6 +57,12 @@ def explain(pipeline: Pipeline, plan: ExecutionPlan, stage: str, iteration: int 
         reads = [r for p in task.parts for r in p.refs]
         if reads:
             lines.append(_line(READS, None, reads, tasks))
+        if task.ahead:
+            later = range(task.iteration + 1, task.iteration + 1 + task.ahead)
+            lines.append(f"    streams: it also gets its rows of iteration(s) "
+                         f"{', '.join(map(str, later))} and starts their episodes as its own "
+                         f"finish (no further: max_staleness {task.ahead}); what is unfinished "
+                         f"plays on between tasks, and it waits only for its own episodes")
         by_rule: dict[tuple[Rule, str | None], list[str]] = defaultdict(list)
         for wait in task.waits:
             by_rule[(wait.rule, wait.model)].append(wait.task)
