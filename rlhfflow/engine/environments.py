@@ -453,3 +453,32 @@ def tool_schema_problem(refs: Sequence[str], tokenizer, base_dir: Path | str | N
 def _first_line(exc: Exception) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def check_shippable(episodes: Sequence[Episode], where: str) -> None:
+    """Make the environments of ``episodes`` ready to travel to the CPU pool: the
+    pipeline's own files they come from go by value (a pool worker cannot import them by
+    their name here), and one that does not pickle is ``EnvironmentNotShippable``, one
+    line starting with ``where`` (the stage and its key)."""
+    import sys
+
+    import cloudpickle
+
+    from rlhfflow.engine.usercode import USER_MODULE_PREFIX
+
+    if not episodes:
+        return
+    env = episodes[0].env
+    made_of = env.tools.values() if isinstance(env, ToolEnvironment) else [type(env)]
+    for thing in made_of:
+        module = sys.modules.get(getattr(thing, "__module__", None) or "")
+        # a file the pipeline names is imported under a name only this process knows
+        if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
+            cloudpickle.register_pickle_by_value(module)
+    try:
+        cloudpickle.dumps(env)
+    except Exception as exc:  # noqa: BLE001  (anything pickling raises is the answer)
+        raise EnvironmentNotShippable(
+            f"{where}: the environment cannot be pickled to run on the pool "
+            f"(env_placement: pool): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -38,7 +38,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlhfflow.engine.sandboxprocess import PROTECTS, Backend, Limits, WarmProcess
 from rlhfflow.engine.toolprocess import ToolFailed
@@ -337,6 +339,33 @@ class SandboxSettings:
     limits: Limits = field(default_factory=Limits)
     backend: str = "auto"
     warm: int = 2
+
+
+class SandboxParams(BaseModel):
+    """Limits of the sandbox that runs model-written code (the ``python`` tool,
+    ``rlhfflow.engine.sandbox:python``; docs/how-to/sandbox.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_s: Annotated[float, Field(gt=0, description="CPU seconds of one program")] = 5.0
+    wall_s: Annotated[float, Field(gt=0, description="wall seconds of one program")] = 10.0
+    memory_mb: Annotated[int, Field(ge=64, description="address space of one program, "
+                                                       "MiB")] = 512
+    file_mb: Annotated[int, Field(gt=0, description="MiB of one file it writes (and of "
+                                                    "its working directory)")] = 16
+    processes: Annotated[int, Field(gt=0, description="processes alive at once")] = 16
+    output_kb: Annotated[int, Field(gt=0, description="KiB of output before it is "
+                                                      "stopped")] = 256
+    backend: Literal["auto", "bwrap", "unshare", "process"] = Field(
+        "auto", description="'auto': the strongest that starts on the machine")
+    warm: Annotated[int, Field(ge=0, description="sandboxes kept started per process")] = 2
+
+    def settings(self) -> SandboxSettings:
+        """The engine's form of these settings."""
+        limits = Limits(cpu_s=self.cpu_s, wall_s=self.wall_s, memory_mb=self.memory_mb,
+                        file_mb=self.file_mb, processes=self.processes,
+                        output_kb=self.output_kb)
+        return SandboxSettings(limits, self.backend, self.warm)
 
 
 _settings: ContextVar[SandboxSettings | None] = ContextVar("sandbox_settings", default=None)

@@ -148,6 +148,7 @@ class EpisodeStream(EpisodeLoop):
         self.thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.closed = False
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------------- a task
     def knows(self, key: Key) -> bool:
@@ -206,6 +207,13 @@ class EpisodeStream(EpisodeLoop):
             ahead.append(self.started_in[row] < self.tasks)
             self.forget(row)
         return episodes, ahead
+
+    def threads(self, workers: int) -> concurrent.futures.Executor | None:
+        """``workers`` threads for the environment's steps, kept with the stream (they
+        go on between tasks); None for 0: steps run in the loop."""
+        if workers and self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(workers, "rollout-env")
+        return self._threads if workers else None
 
     def harvest(self) -> TaskStats:
         """What the stream did since the last harvest (a task and the time before it)."""
@@ -270,6 +278,8 @@ class EpisodeStream(EpisodeLoop):
         stop decoding between tasks; returns how many were dropped."""
         self.closed = True
         _BETWEEN.discard(self)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
         rows = list(self.keys)
         for row in rows:
             self.drop(row)

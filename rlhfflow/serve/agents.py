@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rlhfflow.engine.environments import Episode
 from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.toolformats import ToolFormat
 from rlhfflow.engine.usercode import imported
@@ -206,3 +207,37 @@ def trajectory(prompt: Sequence[int], calls: Sequence[Call]) -> Trajectory | Non
         sequence = call.prompt + call.completion.tokens
         out.calls += 1
     return out
+
+
+def agent_episode(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: int,
+              info: Sequence[str]) -> tuple[Episode, int]:
+    """An agent's episode as the rollout's ``Episode`` (cut at ``max_tokens``, its
+    ``info`` keys kept), and the calls left out of it. A failed episode keeps its tokens
+    with no trained one and reward 0."""
+    episode = Episode(None)
+    made = trajectory(prompt, outcome.calls) if outcome.calls else None
+    if made is None and outcome.error is None:
+        outcome.error, outcome.message = "prompt", (
+            "its first call's prompt does not begin with the data set's prompt (send "
+            "the record's messages first; put a system prompt in the data)")
+    if made is None:
+        return episode, len(outcome.calls)
+    for tokens, logprobs in made.pieces:
+        room = max_tokens - len(episode.tokens)
+        if room <= 0:
+            break
+        if logprobs is not None:
+            episode.add(tokens[:room], logprobs[:room])
+        else:
+            episode.add(tokens[:room], None, [{"role": "env", "content": tok.decode(
+                tokens[:room], skip_special_tokens=True)}])
+    episode.turns = made.calls
+    if outcome.error is not None:
+        episode.mask = [0] * len(episode.mask)
+        return episode, made.untrained
+    episode.reward = outcome.reward
+    last = next((t for t in reversed(episode.log) if t["role"] == "assistant"), None)
+    if last is not None:
+        last["reward"] = outcome.reward
+    episode.info = {key: outcome.info.get(key, 0.0) for key in info}
+    return episode, made.untrained

@@ -36,7 +36,7 @@ The episodes decode in one loop (:class:`EpisodeLoop`) with each one's KV cache 
 across its turns (``rlhfflow.engine.turns``): a row whose turn ended leaves the decode
 batch with its cache, its environment steps (on a thread with ``env_workers``) while the
 others decode, and it rejoins feeding only what followed its cache (``kv_cache: false``:
-the whole episode again, the same tokens).
+the whole episode again, the same tokens); ``stream: true`` keeps it across iterations.
 
 Sampling is ``generate``'s, per row: the row's uniforms come from the same generator
 (``sampling.sample_uniforms``) and its n-th model token of the episode draws the n-th,
@@ -58,30 +58,27 @@ policy through an ``openai`` client pointed at an endpoint the task serves on lo
 the reward. Every call is recorded; an episode whose calls extend each other at token
 level is one sample (the tokens between calls masked out, each completion with the
 log-probs it was sampled with). ``agent_calls``, ``agent_failed`` and
-``agent_untrained_calls`` count what happened (docs/how-to/agents.md).
-
-Not done yet: drafters do not draft for the rollout.
+``agent_untrained_calls`` count what happened (docs/how-to/agents.md). Not done yet:
+drafters do not draft for the rollout.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import re
-import sys
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from rlhfflow.engine.environments import (
     Environment,
-    EnvironmentNotShippable,
     Episode,
     ToolEnvironment,
     TurnFormat,
+    check_shippable,
     shows_tools,
     tool_schema_problem,
     tool_schemas,
@@ -89,12 +86,11 @@ from rlhfflow.engine.environments import (
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
 from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import row_generators, sample_uniforms
-from rlhfflow.engine.sandbox import SandboxSettings, sandbox_for
-from rlhfflow.engine.sandboxprocess import Limits
+from rlhfflow.engine.sandbox import SandboxParams, sandbox_for
 from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.streaming import Admission, EpisodeStream, stream_columns
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
-from rlhfflow.engine.usercode import USER_MODULE_PREFIX, imported, load_function
+from rlhfflow.engine.usercode import imported, load_function
 from rlhfflow.sdk import (
     Batch,
     Column,
@@ -105,7 +101,7 @@ from rlhfflow.sdk import (
     StageParams,
     register_stage,
 )
-from rlhfflow.serve.agents import AgentOutcome, AgentRunner, agent_problem, trajectory
+from rlhfflow.serve.agents import AgentRunner, agent_episode, agent_problem
 
 log = logging.getLogger(__name__)
 
@@ -121,33 +117,6 @@ STREAM_COLUMNS = {
     "episodes_in_flight": Column("float32"),  # the task's mean (each row of it)
     "episodes_dropped": Column("int64"),   # the task's, on its first row
 }
-
-
-class SandboxParams(BaseModel):
-    """Limits of the sandbox that runs model-written code (the ``python`` tool,
-    ``rlhfflow.engine.sandbox:python``; docs/how-to/sandbox.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    cpu_s: Annotated[float, Field(gt=0, description="CPU seconds of one program")] = 5.0
-    wall_s: Annotated[float, Field(gt=0, description="wall seconds of one program")] = 10.0
-    memory_mb: Annotated[int, Field(ge=64, description="address space of one program, "
-                                                       "MiB")] = 512
-    file_mb: Annotated[int, Field(gt=0, description="MiB of one file it writes (and of "
-                                                    "its working directory)")] = 16
-    processes: Annotated[int, Field(gt=0, description="processes alive at once")] = 16
-    output_kb: Annotated[int, Field(gt=0, description="KiB of output before it is "
-                                                      "stopped")] = 256
-    backend: Literal["auto", "bwrap", "unshare", "process"] = Field(
-        "auto", description="'auto': the strongest that starts on the machine")
-    warm: Annotated[int, Field(ge=0, description="sandboxes kept started per process")] = 2
-
-    def settings(self) -> SandboxSettings:
-        """The engine's form of these settings."""
-        limits = Limits(cpu_s=self.cpu_s, wall_s=self.wall_s, memory_mb=self.memory_mb,
-                        file_mb=self.file_mb, processes=self.processes,
-                        output_kb=self.output_kb)
-        return SandboxSettings(limits, self.backend, self.warm)
 
 
 class RolloutParams(StageParams):
@@ -421,7 +390,7 @@ class RolloutStage(Stage):
                            pad_id, stops)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
-            self.check_shippable(episodes)
+            check_shippable(episodes, self.shipping_key())
             with resident.generating():
                 loop.run(episodes, shipped, ships=True)
         else:
@@ -489,10 +458,11 @@ class RolloutStage(Stage):
             arrivals += self.admissions(later, j, ctx, fmt, calls, stream.knows)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
-            self.check_shippable([a.episode for a in arrivals])
+            check_shippable([a.episode for a in arrivals], self.shipping_key())
         with resident.generating():
             mine = stream.begin_task(ctx.iteration, resident.version, own, arrivals,
-                                     shipped or self.env_pool(), ships=shipped is not None)
+                                     shipped or stream.threads(params.env_workers),
+                                     ships=shipped is not None)
             stream.play(mine)
         episodes, early = stream.take(mine)
         self.last_timeline = stream.timeline
@@ -525,17 +495,6 @@ class RolloutStage(Stage):
             self._stream = stream
         return stream
 
-    def env_pool(self):
-        """The threads of a stream's environment steps, kept with the stream (None:
-        steps run inline)."""
-        if self.params.env_workers == 0:
-            return None
-        pool = getattr(self, "_env_pool", None)
-        if pool is None:
-            pool = self._env_pool = concurrent.futures.ThreadPoolExecutor(
-                self.params.env_workers, "rollout-env")
-        return pool
-
     def run_agents(self, batch: Batch, ctx: StageContext) -> Batch:
         """Each row's episode played by the agent function (``params.agent``) through a
         generation service and an endpoint on this worker (``rlhfflow.serve.agents``)."""
@@ -566,7 +525,8 @@ class RolloutStage(Stage):
             outcomes = runner.run(fn, records, generators)
         episodes, untrained = [], []
         for row, outcome in enumerate(outcomes):
-            episode, left = self.agent_episode(prompts[row], outcome, tok)
+            episode, left = agent_episode(prompts[row], outcome, tok, params.max_tokens,
+                                          params.info)
             episodes.append(episode)
             untrained.append(left)
         failed = [o for o in outcomes if o.error is not None]
@@ -583,39 +543,6 @@ class RolloutStage(Stage):
         out["agent_untrained_calls"] = torch.tensor(untrained, dtype=torch.long)
         return out
 
-    def agent_episode(self, prompt: list[int], outcome: AgentOutcome, tok
-                      ) -> tuple[Episode, int]:
-        """An agent's episode as the rollout's ``Episode`` (cut at ``max_tokens``), and
-        the calls left out of it. A failed episode keeps its tokens with no trained one
-        and reward 0."""
-        episode = Episode(None)
-        made = trajectory(prompt, outcome.calls) if outcome.calls else None
-        if made is None and outcome.error is None:
-            outcome.error, outcome.message = "prompt", (
-                "its first call's prompt does not begin with the data set's prompt (send "
-                "the record's messages first; put a system prompt in the data)")
-        if made is None:
-            return episode, len(outcome.calls)
-        for tokens, logprobs in made.pieces:
-            room = self.params.max_tokens - len(episode.tokens)
-            if room <= 0:
-                break
-            if logprobs is not None:
-                episode.add(tokens[:room], logprobs[:room])
-            else:
-                episode.add(tokens[:room], None, [{"role": "env", "content": tok.decode(
-                    tokens[:room], skip_special_tokens=True)}])
-        episode.turns = made.calls
-        if outcome.error is not None:
-            episode.mask = [0] * len(episode.mask)
-            return episode, made.untrained
-        episode.reward = outcome.reward
-        last = next((t for t in reversed(episode.log) if t["role"] == "assistant"), None)
-        if last is not None:
-            last["reward"] = outcome.reward
-        episode.info = {key: outcome.info.get(key, 0.0) for key in self.params.info}
-        return episode, made.untrained
-
     def make_env(self, ctx: StageContext, calls: ToolFormat | None = None) -> Environment:
         """A new environment for one episode (its tool calls parsed by ``calls``)."""
         params = self.params
@@ -630,30 +557,9 @@ class RolloutStage(Stage):
         return ToolEnvironment(tools, params.tool_timeout_s, params.tool_isolation, settings,
                                calls)
 
-    def check_shippable(self, episodes: list[Episode]) -> None:
-        """Make the environments ready to travel to the pool: the pipeline's own files
-        they come from go by value (a pool worker cannot import them by their name here),
-        and an environment that does not pickle is one line naming ``params.env``."""
-        import cloudpickle
-
-        params = self.params
-        if not episodes:
-            return
-        env = episodes[0].env
-        made_of = env.tools.values() if isinstance(env, ToolEnvironment) else [type(env)]
-        for thing in made_of:
-            module = sys.modules.get(getattr(thing, "__module__", None) or "")
-            # a file the pipeline names is imported under a name only this process knows
-            if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
-                cloudpickle.register_pickle_by_value(module)
-        try:
-            cloudpickle.dumps(env)
-        except Exception as exc:  # noqa: BLE001  (anything pickling raises is the answer)
-            key = "params.env" if params.env is not None else "params.tools"
-            raise EnvironmentNotShippable(
-                f"stage {self.name!r}, {key}: the environment cannot be pickled to run on "
-                f"the pool (env_placement: pool): {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    def shipping_key(self) -> str:
+        """What a pool-shipping error names: the stage and its environment's key."""
+        return f"stage {self.name!r}, {'params.env' if self.params.env else 'params.tools'}"
 
     def columns(self, episodes: list[Episode], tok, pad_id: int, version: int) -> Batch:
         """The stage's columns from the finished episodes."""
