@@ -950,6 +950,9 @@ def test_evaluate_plays_records_as_episodes_through_a_rollout(tmp_path, chat_lm_
     both = create_stage("evaluate", params={"prompts": "eval.jsonl",
                                             "rollout": {"env": guess, "tools": [guess]}})
     assert both.check_params(both.params, True, tmp_path)[0] == "params.rollout.tools"
+    streams = create_stage("evaluate", params={"prompts": "eval.jsonl",
+                                               "rollout": {**rollout, "stream": True}})
+    assert streams.check_params(streams.params, True, tmp_path)[0] == "params.rollout.stream"
 
 
 def test_evaluate_runs_every_k_iterations_and_in_the_run_s_last(tmp_path, chat_lm_dir):

@@ -286,6 +286,9 @@ def _rollout_problem(params: dict[str, Any], has_model: bool, base_dir: Path
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         return (f"params.rollout.{where}", error["msg"])
+    if getattr(parsed, "stream", False):
+        return ("params.rollout.stream", "an evaluation plays its records to their end in "
+                                         "its own task; leave stream out of it")
     problem = cls.check_params(parsed, has_model, base_dir)
     if problem:
         return (f"params.rollout.{problem[0].removeprefix('params.')}", problem[1])
