@@ -122,12 +122,15 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(runs, cluster3, tmp_path)
 
 def test_gradient_checkpointing_on_a_sharded_model_changes_no_result(runs, cluster3, tmp_path):
     """Each sharded layer's activations recomputed in the backward pass (FSDP gathers its
-    weights again for it): the metrics of the sharded run without it."""
+    weights again for it): the metrics and final weights of the sharded run without it."""
     recomputed = _run(cluster3, tmp_path, "fsdp", overrides={
         "models.actor.gradient_checkpointing": True})
     for key in COMPARED:
         assert [m[key] for m in recomputed.metrics] == pytest.approx(
             [m[key] for m in runs["fsdp"].metrics], rel=1e-5, abs=1e-7), key
+    final = _weights(recomputed.output_dir / "models" / "actor" / "final")
+    assert _max_difference(final, _weights(runs["fsdp"].output_dir / "models" / "actor" /
+                                           "final")) < 1e-6
 
 
 def _plan(overrides: dict, workers: int):
