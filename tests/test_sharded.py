@@ -5,8 +5,10 @@ refuses. Real Dask workers, a real gloo process group, tiny models."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,39 @@ def test_the_cli_refuses_an_unshardable_plan_in_one_line():
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "placement.stages.generate" in line and "backend: fsdp" in line
+
+
+def test_a_sharded_run_killed_mid_run_resumes_as_if_never_stopped(runs, tmp_path):
+    """SIGKILL of the coordinator of a real ``rlhfflow run`` (its own three workers) after
+    two iterations; run again, it resumes from its last checkpoint, resharding the actor
+    and its AdamW parts, and ends with the uninterrupted run's metrics."""
+    import psutil
+
+    from rlhfflow.storage import MetricsLog
+
+    (tmp_path / "killed").mkdir()
+    path = small_pipeline(tmp_path / "killed", "grpo", iterations=4, file_name="grpo.yaml",
+                          overrides={**DISAGGREGATED, "cluster.workers": 3,
+                                     "stages.train_actor.backend": "fsdp",
+                                     "cluster.collective_timeout_s": 120,
+                                     "checkpoint.every": 1})
+    out = tmp_path / "killed" / "out"
+    command = [sys.executable, "-m", "rlhfflow.cli.main", "run", str(path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and
+               len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    psutil.wait_procs(workers, timeout=60)
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resuming after iteration" in again.stderr
+    metrics = MetricsLog(out / "metrics.jsonl").read()
+    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
+    for key in COMPARED:
+        assert [m[key] for m in metrics] == [m[key] for m in runs["fsdp"].metrics], key
