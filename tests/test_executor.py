@@ -17,8 +17,9 @@ from dask.utils import key_split
 from distributed import Client, get_task_stream
 
 from rlhfflow.config.loader import Pipeline, load_pipeline
-from rlhfflow.runtime.backend import DaskBackend
+from rlhfflow.runtime.backend import Backend, DaskBackend
 from rlhfflow.runtime.executor import Executor
+from rlhfflow.runtime.inline import InlineBackend
 from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.runtime.runstate import prepare_output
 from rlhfflow.runtime.worker.host import resident_models
@@ -192,6 +193,9 @@ def test_resident_models_are_loaded_once(cluster, tmp_path):
     # (and with it the models) before we could look
     backend = DaskBackend(Client(cluster))
     try:
+        # both backends are what the executor types them as (Backend), nothing probed
+        assert isinstance(backend, Backend) and isinstance(InlineBackend(), Backend)
+        assert not backend.in_process and InlineBackend().in_process
         executor = Executor(pipeline, backend, out, progress=False, start=start)
         result = executor.run()
         state = backend.client.run(resident_models)

@@ -45,7 +45,7 @@ class RunMonitor:
                  resumed: bool = False, first: int = 0) -> None:
         self.name = pipeline.name
         self.iterations = pipeline.spec.iterations
-        self.client = getattr(backend, "client", None)
+        self.client = backend.client
         self.run = uuid.uuid4().hex[:12]
         self.output_dir = output_dir
         self.completions_every = pipeline.spec.logging.completions_every
@@ -63,7 +63,7 @@ class RunMonitor:
             except Exception as exc:  # noqa: BLE001 - e.g. an unreachable tracking server
                 say(f"rlhfflow: warning: {where}: cannot log there, going on without it: "
                     f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
-        link = getattr(backend, "dashboard_link", None)
+        link = backend.dashboard_link
         if self.client is not None and link:
             say(page_line(self.client, link))
 

@@ -3,8 +3,9 @@ starts is ``rlhfflow.runtime.cluster``'s) or in this process (``InlineBackend``,
 ``rlhfflow.runtime.inline``: the no-Dask baseline of ``benchmarks/overhead.py`` and of
 tests); the errors both raise.
 
-The executor talks to both through the same handful of calls, so the only difference
-between an in-process run and a Dask run is the Dask layer itself.
+The executor talks to both through the same handful of calls (``Backend``, the protocol
+both implement), so the only difference between an in-process run and a Dask run is the
+Dask layer itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import dask
 
@@ -31,6 +32,51 @@ logger = logging.getLogger(__name__)
 #: How often a wait given a ``tick`` calls it (seconds): a stop request cancels what was
 #: submitted ahead within this, before the update of the next iteration can start.
 TICK_S = 0.2
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a run's tasks go: what the executor, the monitor and the worker setup ask of
+    ``DaskBackend`` and ``InlineBackend`` (no ``isinstance`` or ``getattr`` probing).
+
+    Attributes:
+        workers: the device workers' addresses (``("inline",)`` in process).
+        env_workers: the CPU pool's workers (environment steps), empty without one.
+        dashboard_link: the Dask dashboard's URL, or None.
+        client: the Dask ``Client``, or None in process.
+        cluster: the embedded cluster this backend started, or None.
+        pipelined: submitted tasks run when their inputs exist (Dask), not at once in
+            submission order (in process).
+        in_process: tasks run in this process (no workers to lose, to name or to pool).
+    """
+
+    workers: Sequence[str]
+    env_workers: Sequence[str]
+    dashboard_link: str | None
+    client: Any
+    cluster: Any
+    pipelined: bool
+    in_process: bool
+
+    def warm(self) -> list: ...
+    def start(self, run: RunDef, torch_threads: int | None) -> None: ...
+    def submit(self, fn: Callable, *args: Any, key: str,
+               worker: str | Sequence[str] | None = None, retries: int = 0,
+               priority: int = 0, kwargs: Mapping[str, Any] | None = None) -> Any: ...
+    def retries_used(self, handles: Sequence[Any]) -> int: ...
+    def place(self, data: Any, worker: str | None = None, key: str = "data") -> Any: ...
+    def wait(self, handles: Sequence[Any], pinned: Sequence[str] = (),
+             tick: Callable[[], None] | None = None) -> None: ...
+    def gather(self, handles: Sequence[Any], pinned: Sequence[str] = ()) -> list[Any]: ...
+    def run_on_workers(self, fn: Callable, *args: Any,
+                       workers: Sequence[str] | None = None) -> dict[str, Any]: ...
+    def restart_workers(self) -> None: ...
+    def check_alive(self, pinned: Sequence[str], grace: float = 0.0) -> None: ...
+    def cancel_all(self) -> None: ...
+    def states(self, handles: Sequence[Any]) -> list[str]: ...
+    def cancel(self, handles: Sequence[Any]) -> None: ...
+    def wait_for_workers(self, count: int, timeout: float) -> bool: ...
+    def close(self) -> None: ...
 
 
 def _first_key(handles: Sequence[Any], status: str) -> str:
@@ -157,6 +203,7 @@ class DaskBackend:
     """Tasks on a Dask cluster: pinned to workers by address, named after stages."""
 
     pipelined = True
+    in_process = False
 
     def __init__(self, client, cluster=None, output: WorkerOutput | None = None) -> None:
         self.client = client

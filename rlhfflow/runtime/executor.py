@@ -41,7 +41,7 @@ from rlhfflow.plan.compiler import (
 )
 from rlhfflow.plan.flops import stage_work
 from rlhfflow.plan.placement import ExecutionPlan
-from rlhfflow.runtime.backend import TaskFailed
+from rlhfflow.runtime.backend import Backend, TaskFailed
 from rlhfflow.runtime.budget import score_error_budget
 from rlhfflow.runtime.checkpointing import (
     Checkpointer,
@@ -51,7 +51,6 @@ from rlhfflow.runtime.checkpointing import (
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
 from rlhfflow.runtime.failures import RunError, raise_stage_failure
-from rlhfflow.runtime.inline import InlineBackend
 from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
 from rlhfflow.runtime.recovery import Recovery
 from rlhfflow.runtime.runstate import (
@@ -120,8 +119,9 @@ class Executor(Recovery):
     from ``TaskCompiler``; ``Dataflow`` submits them; ``Checkpointer`` and ``Telemetry``
     keep checkpoints and measurements; recovery is its ``Recovery`` base's."""
 
-    def __init__(self, pipeline: Pipeline, backend, output_dir: Path, progress: bool = True,
-                 start: StartPoint | None = None, stop: threading.Event | None = None, *,
+    def __init__(self, pipeline: Pipeline, backend: Backend | None, output_dir: Path,
+                 progress: bool = True, start: StartPoint | None = None,
+                 stop: threading.Event | None = None, *,
                  digest: str | None = None, choice: PlanChoice | None = None,
                  clock: StartupClock | None = None):
         """``digest``: of the pipeline file as written (a resume compares it; default: of
@@ -162,7 +162,7 @@ class Executor(Recovery):
         self.first_iteration_s: float | None = None
 
     # ----------------------------------------------------------------- set-up
-    def attach(self, backend) -> None:
+    def attach(self, backend: Backend) -> None:
         """Run on ``backend`` (an executor may be prepared before its cluster is up)."""
         self.backend = backend
         self.telemetry = Telemetry(backend, self.out, self._declared_metrics())
@@ -220,7 +220,7 @@ class Executor(Recovery):
         if self.backend.dashboard_link:
             moved = dashboard_moved(spec.cluster.dashboard_address,
                                      self.backend.dashboard_link) \
-                if getattr(self.backend, "cluster", None) is not None else ""
+                if self.backend.cluster is not None else ""
             self._say(f"rlhfflow: Dask dashboard: {self.backend.dashboard_link}{moved}")
         self.monitor = RunMonitor(self.pipeline, self.backend, self.out, self._say,
                                   resumed=self.start.resumed, first=first)
@@ -556,7 +556,7 @@ class Executor(Recovery):
             if isinstance(cause, StageFailed):  # one stage of a fused task
                 stage, cause = cause.stage, cause.cause
             workers = [self.addresses[w] for w in task.workers] \
-                if task and not isinstance(self.backend, InlineBackend) else []
+                if task and not self.backend.in_process else []
             raise_stage_failure(stage, cause, iteration, retries, workers)
         if not gather:
             return {}

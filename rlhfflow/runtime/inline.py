@@ -46,8 +46,12 @@ class InlineBackend:
     always submitted first). Same task functions, same retries; no Dask."""
 
     workers: Sequence[str] = ("inline",)
+    env_workers: Sequence[str] = ()
     dashboard_link: str | None = None
+    client = None
+    cluster = None
     pipelined = False
+    in_process = True
 
     def warm(self) -> list:
         """Nothing to import ahead: the in-process worker is this process."""

@@ -13,7 +13,7 @@ from rlhfflow.config.loader import Pipeline
 from rlhfflow.engine.models import save_tiny_model
 from rlhfflow.plan.layout import default_torch_threads
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
-from rlhfflow.runtime.backend import DaskBackend, TaskFailed
+from rlhfflow.runtime.backend import Backend, TaskFailed
 from rlhfflow.runtime.cluster import ENV_RESOURCE
 from rlhfflow.runtime.failures import RunError, disk_full, is_disk_full
 from rlhfflow.runtime.worker.host import StageDef, gang_port, join_gang_task
@@ -44,7 +44,7 @@ def layout(pipeline: Pipeline, plan: ExecutionPlan, workers: int) -> dict[str, A
             "gangs": {n: len(sp.workers) for n, sp in plan.stages.items() if sp.gang}}
 
 
-def rows_topic(pipeline: Pipeline, plan: ExecutionPlan, backend, threads: int,
+def rows_topic(pipeline: Pipeline, plan: ExecutionPlan, backend: Backend, threads: int,
                choice=None) -> str | None:
     """The event topic of sample reallocation (``rebalance``): set when a generating
     stage with ``params.migrate`` runs as micro-batch tasks on several Dask workers
@@ -52,7 +52,7 @@ def rows_topic(pipeline: Pipeline, plan: ExecutionPlan, backend, threads: int,
     ``MIN_TASK_S`` or more."""
     from rlhfflow.runtime.worker.rebalance import MIN_TASK_S
 
-    if not isinstance(backend, DaskBackend):
+    if backend.in_process:
         return None
     spec = pipeline.spec
     rows = spec.data.batch_size * spec.data.samples_per_prompt if spec.data else 0
@@ -70,12 +70,12 @@ def rows_topic(pipeline: Pipeline, plan: ExecutionPlan, backend, threads: int,
     return None
 
 
-def env_pool(pipeline: Pipeline, backend) -> str | None:
+def env_pool(pipeline: Pipeline, backend: Backend) -> str | None:
     """The Dask resource of the CPU pool that environment steps go to (``ENV_RESOURCE``),
     or None when no stage puts them there or the backend runs in process (its stages
     then step their environments in their own task). A cluster at ``cluster.address``
     without such workers is a ``RunError``: the steps would wait for them forever."""
-    if not isinstance(backend, DaskBackend) or \
+    if backend.in_process or \
             not any(node.env_on_pool for node in pipeline.graph.nodes.values()):
         return None
     if not backend.env_workers:
@@ -101,7 +101,8 @@ def check_gang_batches(pipeline: Pipeline, plan: ExecutionPlan) -> None:
                             f"it; use fewer minibatches or a larger batch")
 
 
-def join_gangs(backend, plan: ExecutionPlan, addresses: list[str], timeout: float) -> None:
+def join_gangs(backend: Backend, plan: ExecutionPlan, addresses: list[str],
+               timeout: float) -> None:
     """Create each gang's process group on all its members at once (out of band)."""
     for workers in plan.gangs:
         members = [addresses[i] for i in workers]
