@@ -90,7 +90,7 @@ from rlhfflow.runtime.workers import (
     rows_topic,
     stage_defs,
 )
-from rlhfflow.sdk import Batch, IterationMetric, RunSettings
+from rlhfflow.sdk import IterationMetric, RunSettings
 from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)
@@ -121,9 +121,8 @@ class Executor(Recovery):
 
     def __init__(self, pipeline: Pipeline, backend: Backend | None, output_dir: Path,
                  progress: bool = True, start: StartPoint | None = None,
-                 stop: threading.Event | None = None, *,
-                 digest: str | None = None, choice: PlanChoice | None = None,
-                 clock: StartupClock | None = None):
+                 stop: threading.Event | None = None, *, digest: str | None = None,
+                 choice: PlanChoice | None = None, clock: StartupClock | None = None):
         """``digest``: of the pipeline file as written (a resume compares it; default: of
         ``pipeline``); ``choice``: what ``placement: auto`` chose, if it did; ``clock``:
         the start-up clock, started with the process."""
@@ -268,8 +267,10 @@ class Executor(Recovery):
         check_gang_batches(self.pipeline, self.plan)
         self.compiler = TaskCompiler(self.pipeline, self.plan,
                                      {m: c.version for m, c in self.models.items()})
+        # a streaming stage's tasks get the next iterations' rows: the source's batches
         self.dataflow = Dataflow(self.backend, self.addresses, str(self.out / "buffer.zarr"),
-                                 self.stored, self._prompts)
+                                 self.stored, lambda k: self.source.batch(k)
+                                 if k < self.pipeline.spec.iterations else None)
         self.checkpointer = Checkpointer(self.pipeline, self.out, self.dataflow,
                                          self._wait_for, self.digest)
         settings = RunSettings(temperature=self.pipeline.rollout_temperature,
@@ -385,11 +386,6 @@ class Executor(Recovery):
                 self.summary["predicted_iteration_s"] = round(self.choice.best.predicted_s, 4)
                 self._say(prediction_line(self.choice, self.summary["iteration_s"],
                                           self.pipeline.source, self.out))
-
-    def _prompts(self, k: int) -> Batch | None:
-        """Iteration ``k``'s source batch, None past the run's last iteration (the tasks
-        of a stage that streams get the next iterations' rows)."""
-        return self.source.batch(k) if k < self.pipeline.spec.iterations else None
 
     def _begin(self, step: Begin) -> None:
         """An iteration's prompts, placed next to the first stage's tasks, and the stages
