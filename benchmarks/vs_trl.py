@@ -19,7 +19,8 @@ process to the end of the first iteration (imports and model loading included).
 TRL is an optional extra, never a dependency of rlhfflow::
 
     pip install -c constraints.txt -e ".[bench]"
-    python benchmarks/vs_trl.py [--configs tiny,small,arithmetic,FILE.yaml] [--iterations N]
+    python benchmarks/vs_trl.py [--configs tiny,small,arithmetic,calculator,FILE.yaml]
+                                [--iterations N]
                                 [--rounds R] [--threads T[,T]] [--workdir DIR]
                                 [--recompute-logprobs] [--device cpu|cuda]
                                 [--lora 0,16] [--lora-lr LR]
@@ -29,7 +30,19 @@ TRL is an optional extra, never a dependency of rlhfflow::
 (``rlhfflow models import-gguf --smollm2 models/smollm2-135m`` and
 ``python examples/arithmetic/make_data.py`` first), chat records, which TRL gets in its
 conversational form and renders with the same template, and an exact-match reward reading
-the records' ``answer`` field, which TRL passes as a dataset column. ``--lora`` runs each
+the records' ``answer`` field, which TRL passes as a dataset column. ``calculator`` is agent work:
+``examples/multiturn/calculator.yaml`` (``python examples/multiturn/make_data.py`` first),
+whose ``rollout`` plays up to 2 model turns with the tool ``tools.py:calculate`` between
+them, against TRL's tool loop (``GRPOTrainer(tools=...)``): the same tool function, the
+rollout's ``max_new_tokens`` per turn (TRL's ``generation_kwargs``), ``max_tokens`` per
+episode, tool results included (TRL's ``max_completion_length``), ``max_turns - 1`` tool
+rounds (``max_tool_calling_iterations``), and the score stage's reward functions with their
+weights (``reward_weights``), each reading the episode's text after the prompt, special
+tokens removed, on both sides. TRL refuses SmolLM2's own chat template for tools, so both
+systems load the model from a copy whose template is Hermes' (``HERMES_TEMPLATE``: the
+tools' schemas in the system prompt, ``<tool_call>`` JSON, results as ``tool`` turns), which
+rlhfflow's rollout parses by default and TRL with its Qwen response template; the prompts
+then carry the tools' schemas (``data.max_prompt_tokens`` raised to fit). ``--lora`` runs each
 config once per rank (0: every weight trained): both systems then train the same LoRA
 adapters (rlhfflow's ``models.ACTOR.lora``, TRL's ``peft_config``: every linear layer, alpha
 twice the rank, no dropout), at ``--lora-lr`` when given.
@@ -69,17 +82,137 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"tiny": ROOT / "configs" / "grpo-tiny.yaml",
            "small": ROOT / "configs" / "grpo-small.yaml",
            # the real model (SmolLM2-135M-Instruct), chat records, an exact-match reward
-           "arithmetic": ROOT / "examples" / "arithmetic" / "grpo.yaml"}
-DEFAULT_ITERATIONS = {"tiny": 30, "small": 8, "arithmetic": 6}
+           "arithmetic": ROOT / "examples" / "arithmetic" / "grpo.yaml",
+           # agent work: up to 2 model turns with a calculator tool between them
+           "calculator": ROOT / "examples" / "multiturn" / "calculator.yaml"}
+DEFAULT_ITERATIONS = {"tiny": 30, "small": 8, "arithmetic": 6, "calculator": 6}
 FILE_ITERATIONS = 8
 BENCH_PACKAGES = ("trl", "datasets", "accelerate")
 INSTALL_HINT = 'pip install -c constraints.txt -e ".[bench]"'
 
 
 # ------------------------------------------------------------------ the work, from the config
-def _stage(graph, type_name: str) -> str:
-    """The first stage of built-in type ``type_name`` in ``graph``."""
-    return next(name for name in graph.order if graph.nodes[name].type == type_name)
+def _stage(graph, *type_names: str) -> str:
+    """The first stage of one of the built-in types ``type_names`` in ``graph``."""
+    return next(name for name in graph.order if graph.nodes[name].type in type_names)
+
+
+def _generator(graph) -> str:
+    """The stage that samples the responses: ``generate``, or a multi-turn ``rollout``."""
+    return _stage(graph, "generate", "rollout")
+
+
+# Qwen2.5's Hermes template (TRL's chat_templates/qwen2_5.jinja) with two changes that keep
+# the calculator prompts' own worked example in the form SmolLM2 was tuned on: a tool
+# result is a `tool` turn (Qwen2.5: a `user` turn of <tool_response>), and a call is
+# <tool_call>{json}</tool_call> without newlines, as the example writes it. With Qwen2.5's
+# rendering SmolLM2 called the tool in 1 of 16 samples and no run scored above 0.
+HERMES_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful AI assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content %}
+            {{- message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '<tool_call>{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def hermes_model(source: Path, out: Path) -> Path:
+    """A directory of ``source``'s model (its weights and tokenizer, linked) whose chat
+    template is ``HERMES_TEMPLATE``: it renders ``tools=`` into the system prompt
+    (Hermes' <tools> block), assistant ``tool_calls`` as ``<tool_call>`` JSON and tool
+    results as ``tool`` turns. TRL refuses SmolLM2's own template for tools ("does not
+    support tool calling"), so both systems get this one; SmolLM2's ``<|im_start|>`` /
+    ``<|im_end|>`` are its special tokens already."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        target = out / f.name
+        if f.name in ("chat_template.jinja", "tokenizer_config.json") or target.exists():
+            continue
+        target.symlink_to(f.resolve())
+    config_file = source / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config.pop("chat_template", None)  # the .jinja file beside it is the template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (out / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return out
+
+
+def tool_overrides(config: Path, work: Path) -> dict[str, Any]:
+    """For a config whose ``rollout`` calls tools: its actor on the shared Hermes
+    template (``hermes_model``, written under ``work``), for both systems; else none."""
+    from rlhfflow.config import load_pipeline
+
+    pipeline = load_pipeline(config)
+    graph = pipeline.graph
+    generator = _generator(graph)
+    if graph.nodes[generator].type != "rollout" or not pipeline.params[generator].tools:
+        return {}
+    model = graph.nodes[generator].model
+    source = Path(pipeline.model_source(pipeline.spec.models[model].path))
+    path = hermes_model(source, work / "model-hermes")
+    # the template lists the tools' schemas in the system prompt (as rlhfflow's
+    # tools_in_prompt: auto and TRL's tools= both do with it): the prompts grow by that
+    return {f"models.{model}.path": str(path),
+            "data.max_prompt_tokens": max(pipeline.spec.data.max_prompt_tokens,
+                                          longest_prompt(pipeline, generator, path))}
+
+
+def longest_prompt(pipeline, generator: str, model: Path) -> int:
+    """Tokens of the longest of ``pipeline``'s chat prompts rendered by ``model``'s
+    template with the rollout's tools."""
+    from transformers import AutoTokenizer
+
+    from rlhfflow.engine.usercode import load_function
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tools = [load_function(ref, pipeline.base_dir) for ref in pipeline.params[generator].tools]
+    prompts = pipeline.resolve(pipeline.spec.data.prompts)
+    records = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
+    return max(len(tokenizer.apply_chat_template(r["messages"], tools=tools,
+                                                 add_generation_prompt=True,
+                                                 return_dict=False))
+               for r in records)
 
 
 def config_path(name: str) -> Path:
@@ -126,12 +259,18 @@ def describe_work(config: Path, iterations: int, init_path: Path, device: str = 
         raise SystemExit(f"{config}: vs_trl compares GRPO with k3 KL in the loss (TRL's "
                          f"only form); the file has {algo.name}, {algo.kl_estimator} in "
                          f"{algo.kl_in}")
-    generate = graph.nodes[_stage(graph, "generate")]
+    generate = graph.nodes[_generator(graph)]
+    sampling = pipeline.params[generate.name]
     score = pipeline.params[_stage(graph, "score")]
     train = pipeline.params[_stage(graph, "train_actor")]
     actor = spec.models[generate.model]
-    if score.function is None:
-        raise SystemExit(f"{config}: vs_trl needs a reward function")
+    rewards = score.reward_functions()
+    if not rewards:
+        raise SystemExit(f"{config}: vs_trl needs reward functions")
+    tools = list(getattr(sampling, "tools", []))
+    if generate.type == "rollout" and not tools:
+        raise SystemExit(f"{config}: vs_trl compares a rollout with tools (TRL's tool "
+                         f"loop); the file's rollout has none")
     if actor.dtype != "float32" and device == "cpu":
         raise SystemExit(f"{config}: on CPU vs_trl compares float32 actors (TRL's bf16 "
                          f"and fp16 are for GPUs); the file has {actor.dtype}")
@@ -155,10 +294,13 @@ def describe_work(config: Path, iterations: int, init_path: Path, device: str = 
         "prompts": [source.fields[i]["messages"] if chat else source.texts[i] for i in order],
         "fields": [{k: v for k, v in source.fields[i].items() if k != "messages"}
                    for i in order],
-        "reward": {"function": score.function, "kwargs": dict(score.kwargs)},
+        # the score stage's functions and weights (TRL's reward_funcs, reward_weights)
+        "rewards": [{"function": r.function, "weight": r.weight, "kwargs": dict(r.kwargs)}
+                    for r in rewards],
+        "tools": tools,
         "rows": rows, "batch_size": spec.data.batch_size,
         "samples_per_prompt": spec.data.samples_per_prompt,
-        "max_new_tokens": pipeline.params[generate.name].max_new_tokens,
+        "max_new_tokens": sampling.max_new_tokens,
         "steps_per_iteration": train.epochs * train.minibatches,
         "device": device,
         "trl": trl_settings(pipeline, train, rows, device),
@@ -170,9 +312,18 @@ def trl_settings(pipeline, train, rows: int, device: str = "cpu") -> dict[str, A
     which part of the pipeline it copies."""
     spec = pipeline.spec
     algo, data = spec.algorithm, spec.data
-    generate = pipeline.params[_stage(pipeline.graph, "generate")]
+    generate = pipeline.params[_generator(pipeline.graph)]
     actor = spec.models[pipeline.graph.nodes[_stage(pipeline.graph, "train_actor")].model]
     opt = actor.optimizer
+    episodes: dict[str, Any] = {}
+    if getattr(generate, "tools", None):
+        # a rollout's episode: max_new_tokens per model turn (TRL's generate() cap),
+        # max_tokens for the whole episode, tool results included (TRL's completion
+        # budget, which its tool loop enforces the same way), max_turns model turns
+        # (the first plus max_turns - 1 after tool results)
+        episodes = {"max_completion_length": generate.max_tokens,
+                    "generation_kwargs": {"max_new_tokens": generate.max_new_tokens},
+                    "max_tool_calling_iterations": generate.max_turns - 1}
     return {
         # one generation = batch_size prompts x samples_per_prompt rows, trained on for
         # `epochs` passes of `minibatches` optimizer steps (no gradient accumulation)
@@ -217,6 +368,7 @@ def trl_settings(pipeline, train, rows: int, device: str = "cpu") -> dict[str, A
         "disable_dropout": True,
         "use_cpu": device == "cpu",
         "use_vllm": False,
+        **episodes,
     }
 
 
@@ -229,7 +381,8 @@ def recompute_logprob_stages(config: Path) -> dict[str, Any]:
     import yaml
 
     stages = yaml.safe_load(config.read_text())["stages"]
-    generator = next(name for name, st in stages.items() if st.get("type") == "generate")
+    generator = next(name for name, st in stages.items()
+                     if st.get("type") in ("generate", "rollout"))
     out = {}
     for name, st in stages.items():
         st = dict(st)
@@ -274,6 +427,8 @@ def run_rlhfflow(job: dict[str, Any]) -> dict[str, Any]:
     stop.set()
     return {"iteration_s": [m["iteration_s"] for m in result.metrics],
             "reward": [m["reward_mean"] for m in result.metrics],
+            # the model's tokens per sample (response_mask: tool results left out)
+            "length": [m.get("response_length_mean") for m in result.metrics],
             "summary_s": result.summary.get("iteration_s"),
             # TRL is on-policy: the comparison holds only while rlhfflow's default is too
             "staleness_max": max((m["staleness_max"] or 0 for m in result.metrics), default=0),
@@ -294,6 +449,13 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     from rlhfflow.engine.usercode import load_function
 
     tokenizer = AutoTokenizer.from_pretrained(job["init_path"])
+    if job.get("tools"):
+        # how TRL parses a turn of HERMES_TEMPLATE into tool calls: its own response
+        # template for Qwen's <tool_call> JSON (it sets it itself only for templates it
+        # knows by their exact text)
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.response_template = qwen3_template
     # rlhfflow puts BOS before every plain prompt; TRL tokenizes the text as it is, and
     # the tokenizer turns the literal "<bos>" into that token. A chat prompt is rendered
     # by the template on both sides, which places its own start tokens.
@@ -302,27 +464,39 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     dataset = Dataset.from_dict({
         "prompt": job["prompts"] if job["chat"] else [bos + p for p in job["prompts"]],
         **{k: [f.get(k) for f in job["fields"]] for k in field_names}})
-    reward = load_function(job["reward"]["function"], job["base_dir"])
-    kwargs = job["reward"]["kwargs"]
+    tools = [load_function(ref, job["base_dir"]) for ref in job.get("tools", [])]
 
-    def reward_fn(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-        """The pipeline's reward function, called as rlhfflow calls it: the rendered
-        prompts and response texts (or TRL's forms, for a function in TRL's convention)
-        and the record fields it names."""
-        records = [{k: columns[k][i] for k in field_names} for i in range(len(prompts))]
-        if job["chat"]:
-            texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True,
-                                                   tokenize=False) for p in prompts]
-            responses = [c[-1]["content"] for c in completions]
-            records = [{**r, "messages": p} for r, p in zip(records, prompts, strict=True)]
-        else:
-            texts, responses = [p.removeprefix(bos) for p in prompts], list(completions)
-        fields_json = [json.dumps(r) for r in records]
-        args, keywords = reward_inputs(reward, texts, responses, fields_json)
-        return reward(*args, **keywords, **record_columns(reward, kwargs, fields_json),
-                      **kwargs)
+    def reward_fn(spec: dict[str, Any]):
+        """One of the pipeline's reward functions, called as rlhfflow calls it: the
+        rendered prompts and response texts (or TRL's forms, for a function in TRL's
+        convention) and the record fields it names."""
+        reward = load_function(spec["function"], job["base_dir"])
+        kwargs = spec["kwargs"]
 
-    reward_fn.__name__ = job["reward"]["function"].rsplit(":", 1)[-1]
+        def call(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+                 **columns: Any) -> list[float]:
+            records = [{k: columns[k][i] for k in field_names} for i in range(len(prompts))]
+            if job["chat"]:
+                # (with tools TRL hands over the prompts extended by their episodes; the
+                # calculator's rewards read the responses only)
+                texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True,
+                                                       tokenize=False) for p in prompts]
+                records = [{**r, "messages": p} for r, p in zip(records, prompts, strict=True)]
+                if tools:
+                    # the whole episode after the prompt, the model's turns and the tool
+                    # results, special tokens removed: rlhfflow's response_text of a rollout
+                    responses = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                else:
+                    responses = [c[-1]["content"] for c in completions]
+            else:
+                texts, responses = [p.removeprefix(bos) for p in prompts], list(completions)
+            fields_json = [json.dumps(r) for r in records]
+            args, keywords = reward_inputs(reward, texts, responses, fields_json)
+            return reward(*args, **keywords, **record_columns(reward, kwargs, fields_json),
+                          **kwargs)
+
+        call.__name__ = spec["function"].rsplit(":", 1)[-1]
+        return call
 
     class StepClock(TrainerCallback):
         """Wall time at the start of training and at the end of every optimizer step."""
@@ -341,7 +515,9 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
     steps = job["steps_per_iteration"]
     config = GRPOConfig(output_dir=job["output"], max_steps=job["iterations"] * steps,
                         logging_steps=1, save_strategy="no", report_to="none",
-                        disable_tqdm=True, dataloader_num_workers=0, **job["trl"])
+                        disable_tqdm=True, dataloader_num_workers=0,
+                        reward_weights=[spec["weight"] for spec in job["rewards"]],
+                        **job["trl"])
     peft_config = None
     if job.get("lora_settings"):
         from peft import LoraConfig
@@ -350,16 +526,21 @@ def run_trl(job: dict[str, Any]) -> dict[str, Any]:
         peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"],
                                  lora_dropout=lora["dropout"],
                                  target_modules=lora["target_modules"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=job["init_path"], reward_funcs=reward_fn, args=config,
-                          train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[clock], peft_config=peft_config)
+    trainer = GRPOTrainer(model=job["init_path"],
+                          reward_funcs=[reward_fn(spec) for spec in job["rewards"]],
+                          args=config, train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[clock], peft_config=peft_config, tools=tools or None)
     trainer.train()
     # iteration k = the generation at step k*steps and its `steps` optimizer steps
     ends = [clock.begin] + clock.ends
     iteration_s = [ends[(k + 1) * steps] - ends[k * steps] for k in range(job["iterations"])]
     # TRL logs the batch's mean reward at the step that generated it
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    return {"iteration_s": iteration_s, "reward": rewards, "version": trl.__version__,
+    # the model's tokens per sample (its tool_mask leaves the tool results out)
+    lengths = [log["completions/mean_length"] for log in trainer.state.log_history
+               if "completions/mean_length" in log]
+    return {"iteration_s": iteration_s, "reward": rewards, "length": lengths,
+            "version": trl.__version__,
             "threads": torch.get_num_threads(),
             "first_iteration_s": ends[steps] - job["launched"]}
 
@@ -420,6 +601,8 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     theirs: dict[int, list[dict[str, Any]]] = {t: [] for t in threads}
     # TRL starts from the actor's initial weights that rlhfflow's first round writes (the
     # same, seeded, in every round)
+    # a rollout with tools: both systems on the same tool-capable template
+    overrides = {**tool_overrides(config_path(name), work), **(overrides or {})}
     base = describe_work(config_path(name), iterations,
                          work / "rlhfflow-0" / "models" / "actor" / "init", device, overrides)
 
@@ -483,6 +666,9 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
             run["first_iteration_s"] for run in runs)),
         "reward": [_round(first["reward"][0]), _round(first["reward"][-1])],
         "rewards": [_round(r) for r in first["reward"]],
+        # the same work on both sides: the model's tokens per sample, mean of the first round
+        "response_tokens": _round(statistics.mean(first["length"]), 2)
+        if all(x is not None for x in first.get("length") or [None]) else None,
         # seeded: every round must learn the same numbers
         "same_rewards_every_round": all(run["reward"] == first["reward"] for run in runs),
         "iteration_s": [[_round(t) for t in run["iteration_s"]] for run in runs],
@@ -515,6 +701,10 @@ def print_table(name: str, fig: dict[str, Any]) -> None:
               f"{first:>14.4f}{last:>13.4f}")
         if not row["same_rewards_every_round"]:
             print(f"warning: {label}'s rewards differed between rounds (not seeded?)")
+    tokens = {label: row.get("response_tokens") for label, row in rows.items()}
+    if all(t is not None for t in tokens.values()):
+        print("the model's tokens per sample (mean of the first round's iterations): "
+              + ", ".join(f"{label} {t:.1f}" for label, t in tokens.items()))
     if "recompute_logprobs" in fig:
         print(f"speedup rlhfflow with an old_logprob pass (as TRL) vs TRL: "
               f"{fig['speedup_recompute_logprobs']:.3f}x")
