@@ -13,13 +13,24 @@ from click.testing import CliRunner
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.auto.costmodel import (
+    ACTIVATIONS,
     CostModel,
     Observation,
     Profile,
     ProfileError,
+    activation_bytes,
+    layer_params,
     model_shapes,
+    train_task_bytes,
+    trainer_state,
 )
-from rlhfflow.plan.auto.planner import RANK_TASK_S, choose_plan, resolve_plan, tasks_per_iteration
+from rlhfflow.plan.auto.planner import (
+    RANK_TASK_S,
+    choose_plan,
+    describe_choice,
+    resolve_plan,
+    tasks_per_iteration,
+)
 from rlhfflow.plan.auto.simulate import simulate
 from rlhfflow.plan.placement import STRATEGIES, PlanError, make_plan
 from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
@@ -328,6 +339,99 @@ def test_a_plan_that_does_not_fit_is_never_chosen():
     with pytest.raises(PlanError) as err:
         choose_plan(pipeline, n_workers=2)
     assert "placement.strategy: no plan fits the cluster (does not fit: worker" in str(err.value)
+
+
+# a GRPO actor of 128 MiB of fp32 weights (hidden 512, 8 layers) on 3 workers: 789 MiB
+# per worker unsharded and colocated, 557 MiB sharded over the train group, 466 MiB with
+# gradient checkpointing too
+LARGER = {"models.actor.tiny": {"layers": 8, "hidden": 512, "heads": 4}, "cluster.workers": 3}
+
+
+def _larger(**overrides):
+    return load_pipeline(GRPO, {**LARGER, **overrides})
+
+
+def test_the_memory_of_a_sharded_trainer_is_its_share_plus_what_it_gathers():
+    pipeline = _larger(**{"stages.train_actor.backend": "fsdp",
+                          "placement.strategy": "disaggregated"})
+    cost = CostModel(pipeline)
+    plan = make_plan(pipeline, 3)
+    rows = {name: 0 for name in plan.stages}
+    shape = cost.shapes["actor"]
+    home, [shadow] = plan.homes["actor"], plan.shadows("actor")
+    assert len(home) == 2
+    parts = cost.memory_parts(plan, rows)
+    layer, root = layer_params(shape)
+    first, second = (trainer_state(shape, 2, saves=w == home[0]) for w in home)
+    for w, state in zip(home, (first, second), strict=True):
+        # half the two AdamW moments; one layer and the embeddings gathered, with grads
+        assert parts[w]["trainer"] == pytest.approx(8 * shape.params / 2 + 8 * (layer + root))
+        # the frozen reference's whole copy beside it
+        assert parts[w]["weights"] == pytest.approx(shape.nbytes / 2 + cost.shapes["ref"].nbytes)
+        # a training step's gradients (no rows: no activations) or loading, whichever
+        assert parts[w]["work"] == pytest.approx(max(
+            train_task_bytes(shape, 0, 0, 2, "fsdp", False), state["transient"]))
+    assert first["transient"] > second["transient"]  # rank 0 gathers the checkpoint
+    # the shadow: a whole copy, and the ranks' parts of the new weights in flight
+    assert parts[shadow]["weights"] == shape.nbytes
+    assert parts[shadow]["incoming"] == shape.moved_bytes
+    # unsharded, each worker of the gang holds it all: 16 bytes per parameter
+    plain = CostModel(_larger(**{"placement.strategy": "disaggregated"}))
+    unsharded = plain.memory_parts(plan, rows)
+    assert unsharded[home[0]]["trainer"] == 12 * shape.params
+    assert unsharded[shadow]["incoming"] == 0
+    assert sum(parts[home[1]].values()) < 0.75 * sum(unsharded[home[1]].values())
+
+
+def test_gradient_checkpointing_keeps_one_layer_input_per_layer():
+    shape = CostModel(_larger()).shapes["actor"]
+    full = activation_bytes(shape, 4, 64, False)
+    kept = activation_bytes(shape, 4, 64, True)
+    assert full == 4 * 64 * shape.hidden * 4 * shape.layers * ACTIVATIONS
+    assert kept == 4 * 64 * shape.hidden * 4 * (shape.layers + ACTIVATIONS)
+
+
+def test_auto_shards_and_checkpoints_a_model_that_does_not_fit_otherwise():
+    # today's plans are unchanged where everything fits
+    assert choose_plan(_larger(), n_workers=3).best.fits == {}
+    sharded = choose_plan(_larger(**{"cluster.memory_limit": "650MB"}), n_workers=3)
+    assert sharded.best.fits == {"stages.train_actor.backend": "fsdp"}
+    assert sharded.best.strategy == "disaggregated"
+    assert sharded.pipeline.spec.stages["train_actor"].backend == "fsdp"
+    assert not sharded.pipeline.spec.models["actor"].gradient_checkpointing
+    assert max(sharded.best.memory) <= sharded.best.capacity
+    text = "\n".join(describe_choice(sharded, None))
+    assert "train_actor sharded (backend: fsdp)" in text
+    assert "no plan fits memory as the file is written (does not fit: worker" in text
+    both = choose_plan(_larger(**{"cluster.memory_limit": "500MB"}), n_workers=3)
+    assert both.best.fits == {"stages.train_actor.backend": "fsdp",
+                              "models.actor.gradient_checkpointing": True}
+    assert both.pipeline.spec.models["actor"].gradient_checkpointing
+    # what the file sets is the user's: an explicit backend is never changed
+    with pytest.raises(PlanError, match="no plan fits the cluster"):
+        choose_plan(_larger(**{"cluster.memory_limit": "650MB",
+                               "stages.train_actor.backend": "torch"}), n_workers=3)
+
+
+def test_a_plan_that_does_not_fit_says_what_needs_what_and_what_would_fit(tmp_path):
+    pipeline = _larger(**{"cluster.memory_limit": "600MB", "placement.strategy": "colocated"})
+    with pytest.raises(PlanError) as err:
+        choose_plan(pipeline, n_workers=3, vary=False)
+    line = str(err.value)
+    assert "\n" not in line
+    assert "does not fit: worker 0 needs 789.3 MiB (weights 256.4 MiB, trainer 384.7 MiB, " \
+        "work 148.2 MiB) over its 572.2 MiB limit (cluster.memory_limit)" in line
+    assert "would fit: placement.strategy: disaggregated, stages.train_actor.backend: fsdp " \
+        "(557.0 MiB)" in line
+    assert "models.actor.lora trains adapters only" in line
+    # rlhfflow run refuses it before starting a cluster (exit 2)
+    result = CliRunner().invoke(main, ["run", str(GRPO), "--set", "cluster.workers=3",
+                                       "--set", "cluster.memory_limit=600MB", "--set",
+                                       "placement.strategy=colocated", "--set",
+                                       "models.actor.tiny={layers: 8, hidden: 512, heads: 4}",
+                                       "--set", f"output={tmp_path / 'out'}"])
+    assert result.exit_code == 2, result.output
+    assert "cluster.memory_limit: does not fit: worker 0 needs 789.3 MiB" in result.output
 
 
 def test_resolve_plan_with_auto_returns_a_concrete_strategy():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlhfflow.config.pipeline import Pipeline, derive
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
-from rlhfflow.plan.auto.planner import choose_plan, load_profile
+from rlhfflow.plan.auto.planner import check_memory, choose_plan, load_profile
 from rlhfflow.runtime.backend import DaskBackend, WorkerLost
 from rlhfflow.runtime.cluster import cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
@@ -75,6 +75,8 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
         choice = choose_plan(pipeline, load_profile(pipeline), n_workers=workers)
         pipeline = choice.pipeline
         clock.mark("plan")
+    elif not auto and not inline and pipeline.spec.cluster.address is None:
+        check_memory(pipeline, pipeline.spec.cluster.workers)  # a plan as written
     cluster = pipeline.spec.cluster
     # the coordinator's own preparation (the prompts, the buffer) overlaps the embedded
     # cluster's start (its workers are forks of a server importing torch and the model

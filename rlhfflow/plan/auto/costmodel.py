@@ -21,6 +21,7 @@ not a profile is a one-line ``ProfileError``.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -443,27 +444,59 @@ class CostModel:
         return rows * (self.prompt_tokens + self.response_tokens) * 4 * 4
 
     # ----------------------------------------------------------------- memory
+    def with_pipeline(self, pipeline: Pipeline) -> CostModel:
+        """This cost model (its shapes, device, profile fits, token counts) for
+        ``pipeline``, one derived from its own with other memory settings (a trainer's
+        backend, gradient checkpointing, the rows' split)."""
+        other = copy.copy(self)
+        other.pipeline, other.graph = pipeline, pipeline.graph
+        return other
+
+    def sharded(self, model: str) -> bool:
+        """Whether ``model`` trains sharded over its home's workers (a trainer of it has
+        ``backend: fsdp``)."""
+        return any(self.pipeline.spec.stages[t].backend == "fsdp"
+                   for t in self.graph.trainers(model))
+
     def memory(self, plan: ExecutionPlan, rows_per_task: Mapping[str, int]) -> list[float]:
-        """Estimated peak bytes per worker of ``plan``: every model copy's weights; at a
-        model's home the gradients and AdamW state (fp32, two moments) too (a LoRA
-        model's: of its adapters); a frozen view of a LoRA model's base nothing where
-        that model is; a LoRA model's merged weights where it samples; plus the largest
-        KV cache or activation footprint of a task on that worker."""
-        per_worker = [0.0] * plan.n_workers
-        peak = [0.0] * plan.n_workers
-        tokens = self.prompt_tokens + self.response_tokens
+        """Estimated peak bytes per worker of ``plan`` (:meth:`memory_parts`, summed)."""
+        return [sum(parts.values()) for parts in self.memory_parts(plan, rows_per_task)]
+
+    def memory_parts(self, plan: ExecutionPlan, rows_per_task: Mapping[str, int]
+                     ) -> list[dict[str, float]]:
+        """Estimated peak bytes per worker of ``plan``, by what holds them: ``weights``,
+        every model copy's (a frozen view of a LoRA model's base nothing where that model
+        is; a LoRA model's merged weights where it samples); ``trainer``, at a trained
+        model's home, its gradients and AdamW state (fp32, two moments; a LoRA model's:
+        of its adapters), sharded over the home's workers under ``backend: fsdp``
+        (:func:`trainer_state`, its weights' share replacing the whole copy); ``incoming``,
+        on a shadow of a sharded model, the ranks' parts of the new weights in flight
+        (the model's size); ``work``, the largest KV cache or activation footprint of a
+        task on that worker (:meth:`task_bytes`), or of loading or saving a sharded
+        model there (``trainer_state``'s ``transient``)."""
+        parts = [{"weights": 0.0, "trainer": 0.0, "incoming": 0.0, "work": 0.0}
+                 for _ in range(plan.n_workers)]
+        transient = [0.0] * plan.n_workers
         for model, workers in plan.replicas.items():
             shape = self.shapes.get(model)
             if shape is None:
                 continue
             trained = self.pipeline.spec.models[model].trainable
+            home = plan.homes.get(model, ())
+            sharded = trained and self.sharded(model) and len(home) > 1
             for w in workers:
                 if shape.base_of is not None and w in plan.replicas.get(shape.base_of, ()):
                     continue  # the LoRA model's resident base, no copy of its own
-                extra = 0.0
-                if trained and w in plan.homes.get(model, ()):
-                    extra = shape.trained * 4 * 3  # gradients + two AdamW moments
-                per_worker[w] += shape.nbytes + extra
+                if trained and w in home:
+                    state = trainer_state(shape, len(home) if sharded else 1, self.head(model),
+                                          saves=rank_saves(w, home))
+                    parts[w]["trainer"] += state["trained"]
+                    parts[w]["weights"] += state["weights"]
+                    transient[w] = max(transient[w], state["transient"])
+                else:
+                    parts[w]["weights"] += shape.nbytes
+                    if sharded:
+                        parts[w]["incoming"] += shape.moved_bytes
         merged: set[tuple[str, int]] = set()
         for name, sp in plan.stages.items():
             node = self.graph.nodes[name]
@@ -472,19 +505,118 @@ class CostModel:
         for model, w in merged:
             shape = self.shapes.get(model)
             if shape is not None:
-                per_worker[w] += shape.merged * shape.bytes_per_param
+                parts[w]["weights"] += shape.merged * shape.bytes_per_param
         for name, sp in plan.stages.items():
-            node = self.graph.nodes[name]
-            shape = self.shapes.get(node.model) if node.model else None
-            if shape is None:
-                continue
-            rows = rows_per_task.get(name, 0)
-            if node.trains:  # a gang's rank holds the activations of its share only
-                mb = int(getattr(self.pipeline.params[name], "minibatches", 1))
-                share = rows / max(1, mb) / (len(sp.workers) if sp.gang else 1)
-                act = share * tokens * shape.hidden * shape.layers * 4 * 16
-            else:  # KV cache (keys and values per layer) and the logits of a forward
-                act = rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
+            work = self.task_bytes(name, rows_per_task.get(name, 0),
+                                   len(sp.workers) if sp.gang else 1)
             for w in sp.workers:
-                peak[w] = max(peak[w], act)
-        return [a + b for a, b in zip(per_worker, peak, strict=True)]
+                parts[w]["work"] = max(parts[w]["work"], work)
+        for w, extra in enumerate(transient):  # loading or saving a sharded model
+            parts[w]["work"] = max(parts[w]["work"], extra)
+        return parts
+
+    def head(self, model: str) -> str:
+        """The model's head (``models.NAME.head``: ``lm`` or a value head)."""
+        return str(self.pipeline.spec.models[model].head)
+
+    def task_bytes(self, stage: str, rows: int, gang: int = 1) -> float:
+        """Peak bytes of one task of ``stage`` on ``rows`` rows besides the weights and
+        optimizer state: a trainer's activations (:func:`activation_bytes`; a gang's
+        rank holds those of its share only), else the KV cache (keys and values per
+        layer) and the logits of a forward."""
+        node = self.graph.nodes[stage]
+        shape = self.shapes.get(node.model) if node.model else None
+        if shape is None:
+            return 0.0
+        tokens = self.prompt_tokens + self.response_tokens
+        if node.trains:
+            mb = int(getattr(self.pipeline.params[stage], "minibatches", 1))
+            model = self.graph.model_of(stage)
+            return train_task_bytes(shape, rows / max(1, mb) / gang, tokens, gang,
+                                    self.pipeline.spec.stages[stage].backend,
+                                    self.pipeline.spec.models[model].gradient_checkpointing)
+        return rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
+
+
+#: Bytes a training task holds besides its weights, gradients, optimizer state and
+#: activations (autograd's bookkeeping, the process group's buffers, the allocator's
+#: slack): measured 20-26 MB on each of the candidates of ``benchmarks/sharded_memory.py``.
+TRAIN_OVERHEAD = 20 * 2**20
+#: Values of hidden width a Llama decoder layer keeps per token for its backward (fp32):
+#: measured 31 on a forward of 4 rows x 64 tokens, hidden 512, 8 layers
+#: (``benchmarks/sharded_memory.py``; the estimate was 16 before, half the measured).
+ACTIVATIONS = 32
+
+
+def layer_params(shape: ModelShape, head: str = "lm") -> tuple[float, float]:
+    """(one decoder layer's parameters, the rest: embeddings, an untied head, the
+    final norm), from the matrix weights a token passes through."""
+    out = shape.hidden * (shape.vocab if head == "lm" else 1)
+    layers = max(1, shape.layers)
+    per_layer = max(0, shape.matmul_params - out) / layers if shape.matmul_params else \
+        shape.params / layers
+    return per_layer, max(0.0, shape.params - per_layer * layers)
+
+
+def trainer_state(shape: ModelShape, gang: int = 1, head: str = "lm", saves: bool = False
+                  ) -> dict[str, float]:
+    """Peak bytes of a trained model's weights (``weights``) and of its gradients and
+    AdamW state (``trained``) on one worker of its home, unsharded (``gang`` 1: the
+    whole copy, gradients and two fp32 moments of what trains) or sharded over ``gang``
+    workers (``backend: fsdp``, docs/how-to/sharded-training.md): ``4P/N`` of weights
+    and ``8P/N`` of moments (the ``4P/N`` of gradients are counted with the step's
+    activations, :meth:`CostModel.task_bytes`, which they replace as the backward runs);
+    on top, one decoder layer's whole
+    weights and gradients while it runs and the embeddings, head and final norm (the
+    root, gathered for the whole forward and backward) with theirs. ``transient``: what
+    a task that is not a training step may hold beyond that, alone on the worker:
+    loading reads the whole model before sharding it (``2 x 4P`` for a moment) and, on
+    the rank that saves (``saves``), a checkpoint gathers the whole weights (``4P``
+    besides its weights and moments, its gradients freed)."""
+    trained = shape.trained * 4
+    if gang <= 1:
+        return {"weights": float(shape.nbytes), "trained": 3.0 * trained, "transient": 0.0}
+    layer, root = layer_params(shape, head)
+    weights, moments = shape.nbytes / gang, 2 * trained / gang
+    # the gradients: CostModel.task_bytes
+    steady = weights + moments + 2 * 4 * (layer + root)
+    transient = max(2.0 * shape.nbytes, weights + moments + shape.nbytes if saves else 0.0)
+    return {"weights": weights, "trained": steady - weights,
+            "transient": max(0.0, transient - steady)}
+
+
+def train_task_bytes(shape: ModelShape, rows: float, tokens: int, gang: int, backend: str,
+                     checkpointing: bool) -> float:
+    """Peak bytes of one rank's training step on ``rows`` rows of ``tokens`` tokens
+    besides its weights and optimizer state (:func:`trainer_state`): its activations
+    (:func:`activation_bytes`), in a data-parallel gang (``backend: torch``) at least the
+    gradients' flat all-reduce buffer, sharded (``fsdp``) the gradients' shards, and
+    ``TRAIN_OVERHEAD``."""
+    act = activation_bytes(shape, rows, tokens, checkpointing)
+    if gang > 1 and backend == "torch":
+        # the gradients' all-reduce copies them into one flat buffer, after the backward
+        # (engine.parallel.allreduce_gradients)
+        act = max(act, shape.trained * 4.0)
+    elif gang > 1 and backend == "fsdp":
+        # the gradients' shards, freed after each step, grow in the backward as the
+        # activations go; checkpointed, a layer's recomputed ones join them
+        grads = shape.trained * 4.0 / gang
+        act = act + grads if checkpointing else max(act, grads)
+    return act + TRAIN_OVERHEAD
+
+
+def rank_saves(worker: int, home: tuple[int, ...]) -> bool:
+    """Whether ``worker`` is the rank of ``home`` that gathers and saves the model."""
+    return bool(home) and worker == home[0]
+
+
+def activation_bytes(shape: ModelShape, rows: float, tokens: int, checkpointing: bool
+                     ) -> float:
+    """Activations a training step keeps for its backward on ``rows`` rows of ``tokens``
+    tokens: ``ACTIVATIONS`` values of hidden width per token and decoder layer, fp32;
+    with gradient checkpointing each layer's input only, and one layer's while its
+    forward runs again in the backward."""
+    per_token = shape.hidden * 4
+    if checkpointing:
+        return rows * tokens * per_token * (shape.layers + ACTIVATIONS)
+    return rows * tokens * per_token * shape.layers * ACTIVATIONS

@@ -19,7 +19,7 @@ import itertools
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,9 @@ class Candidate:
     capacity: float = 0.0
     problem: str | None = None  # why it cannot run (does not fit, invalid placement)
     error: PlanError | None = None  # the placement error behind ``problem``, if one
+    #: memory settings the planner chose because nothing fit without them
+    #: (``stages.NAME.backend: fsdp``, ``models.NAME.gradient_checkpointing: true``)
+    fits: dict[str, Any] = field(default_factory=dict)
 
     @property
     def simulated(self) -> Simulation:
@@ -80,12 +83,13 @@ class Candidate:
                "overlap.fuse": self.fuse}
         if self.embedded:
             out.update({"cluster.workers": self.workers, "cluster.torch_threads": self.threads})
-        return out
+        return {**out, **self.fits}
 
     def describe(self) -> str:
         """One line: strategy, layout, split, fusion."""
         return (f"{self.strategy} on {self.workers} worker(s) x {self.threads} thread(s), "
-                f"{self.micro_batches} micro-batch(es), {'fused' if self.fuse else 'unfused'}")
+                f"{self.micro_batches} micro-batch(es), {'fused' if self.fuse else 'unfused'}"
+                + "".join(f", {describe_fit(k)}" for k in self.fits))
 
 
 @dataclass
@@ -204,25 +208,34 @@ def choose_plan(pipeline: Pipeline, profile: Profile | None = None,
         not spec.overlap.sequential
     vary_split = vary and "micro_batches" not in spec.data.model_fields_set
     fuse_options = [True, False] if vary_fuse else [spec.overlap.fuse]
-    space = []
-    for workers, threads in _layouts(pipeline, n_workers, cores, cost.profiled):
-        splits = sorted({min(rows, m) for m in (workers, 2 * workers, 4 * workers,
-                                                 spec.data.micro_batches)}) if vary_split \
-            else [spec.data.micro_batches]
-        for strategy, micro, fuse in itertools.product(strategies, splits, fuse_options):
-            embedded = pipeline.spec.cluster.address is None
-            # on this machine's own cluster (not one planned larger than it)
-            space.append(Candidate(strategy, workers, threads, micro, fuse, embedded,
-                                   embedded and workers <= cores and
-                                   cost.contended(workers, threads)))
+    data = spec.data
+
+    def candidates(fits: dict[str, Any]) -> list[Candidate]:
+        space = []
+        for workers, threads in _layouts(pipeline, n_workers, cores, cost.profiled):
+            splits = sorted({min(rows, m) for m in (workers, 2 * workers, 4 * workers,
+                                                     data.micro_batches)}) \
+                if vary_split else [data.micro_batches]
+            for strategy, micro, fuse in itertools.product(strategies, splits, fuse_options):
+                embedded = pipeline.spec.cluster.address is None
+                # on this machine's own cluster (not one planned larger than it)
+                space.append(Candidate(strategy, workers, threads, micro, fuse, embedded,
+                                       embedded and workers <= cores and
+                                       cost.contended(workers, threads), fits=dict(fits)))
+        return space
+
+    space = candidates({})
     tasks = sum(c.micro_batches for c in space) * len(pipeline.graph.loop_stages)
     exhaustive = tasks <= 4000
-    if exhaustive:
-        for c in space:
-            _evaluate(pipeline, c, cost, profile, iterations=6 if tasks <= 1000 else 4)
-    else:
-        _descend(pipeline, space, cost, profile, started + budget_s)
-    evaluated = [c for c in space if c.simulation is not None or c.problem]
+    evaluated = _search(pipeline, space, cost, profile, tasks, started + budget_s)
+    if spec.placement.strategy == "auto" and all(c.problem for c in evaluated):
+        # nothing fits as written: the memory settings the file leaves to the planner
+        # (sharding a trained model, checkpointing its activations), in order of cost
+        for fits in memory_fits(pipeline):
+            space = candidates(fits)
+            evaluated += _search(pipeline, space, cost, profile, tasks, started + budget_s)
+            if not all(c.problem for c in evaluated):
+                break
     ranked = sorted(evaluated, key=lambda c: (c.problem is not None, c.predicted_s))
     if exhaustive and tasks > 1000:
         # a large space is simulated over 4 iterations, whose steady gaps are 2 and may
@@ -243,6 +256,58 @@ def choose_plan(pipeline: Pipeline, profile: Profile | None = None,
     best = ranked[0]
     return PlanChoice(ranked, derive(pipeline, best.updates), cost,
                       time.perf_counter() - started, exhaustive)
+
+
+def _search(pipeline: Pipeline, space: list[Candidate], cost: CostModel,
+            profile: Profile | None, tasks: int, deadline: float) -> list[Candidate]:
+    """Evaluate ``space`` (exhaustively, or by coordinate descent when it is large);
+    the candidates evaluated."""
+    if tasks <= 4000:
+        for c in space:
+            _evaluate(pipeline, c, cost, profile, iterations=6 if tasks <= 1000 else 4)
+    else:
+        _descend(pipeline, space, cost, profile, deadline)
+    return [c for c in space if c.simulation is not None or c.problem]
+
+
+def shardable(pipeline: Pipeline) -> list[str]:
+    """The training stages the planner may shard (``backend: fsdp``): a loop
+    ``train_actor``/``train_critic`` whose ``backend`` the file leaves unset, of a model
+    without LoRA in float32 or bfloat16 (what validation accepts under fsdp)."""
+    spec = pipeline.spec
+    out = []
+    for name in pipeline.graph.loop_stages:
+        stage, node = spec.stages[name], pipeline.graph.nodes[name]
+        if not node.trains or node.model is None or "backend" in stage.model_fields_set:
+            continue
+        model = spec.models[node.model]
+        if stage.type in ("train_actor", "train_critic") and model.lora is None and \
+                model.dtype != "float16" and model.trainable:
+            out.append(name)
+    return out
+
+
+def memory_fits(pipeline: Pipeline) -> list[dict[str, Any]]:
+    """The memory settings the planner tries, in order, when no plan fits as written:
+    every shardable trainer sharded, then also each trained model's activations
+    checkpointed (where the file leaves ``gradient_checkpointing`` unset)."""
+    stages = shardable(pipeline)
+    models = sorted({pipeline.graph.model_of(n) for n in pipeline.graph.loop_stages
+                     if pipeline.graph.nodes[n].trains})
+    checkpoint = {f"models.{m}.gradient_checkpointing": True for m in models
+                  if not pipeline.spec.models[m].gradient_checkpointing and
+                  "gradient_checkpointing" not in pipeline.spec.models[m].model_fields_set}
+    sharded = {f"stages.{n}.backend": "fsdp" for n in stages}
+    out = [fits for fits in (sharded, {**sharded, **checkpoint}) if fits]
+    return [f for i, f in enumerate(out) if f not in out[:i]]
+
+
+def describe_fit(key: str) -> str:
+    """A memory setting the planner chose, in a few words."""
+    parts = key.split(".")
+    if parts[-1] == "backend":
+        return f"{parts[1]} sharded (backend: fsdp)"
+    return f"{parts[1]} gradient checkpointing"
 
 
 def tasks_per_iteration(c: Candidate) -> float:
@@ -297,20 +362,127 @@ def _evaluate(pipeline: Pipeline, c: Candidate, cost: CostModel, profile: Profil
     except PlanError as exc:
         c.problem, c.error = exc.message, exc
         return
-    assert run.spec.data is not None  # a pipeline with loop stages has a data section
-    rows = run.spec.data.batch_size * run.spec.data.samples_per_prompt
-    per_task = {n: (rows if sp.micro_batches is None else -(-rows // sp.micro_batches))
-                for n, sp in c.plan.stages.items()}
-    c.memory = cost.memory(c.plan, per_task)
+    per_task = rows_per_task(run, c.plan)
+    sized = cost.with_pipeline(run)
+    parts = sized.memory_parts(c.plan, per_task)
+    c.memory = [sum(p.values()) for p in parts]
     c.capacity = worker_capacity(run, c.workers, profile)
     over = [w for w, m in enumerate(c.memory) if m > c.capacity]
     if over:
-        w = over[0]
-        c.problem = (f"does not fit: worker {w} needs {c.memory[w] / 2**30:.1f} GiB of "
-                     f"{c.capacity / 2**30:.1f} GiB")
+        w = max(over, key=lambda i: c.memory[i])
+        c.problem = does_not_fit(run, sized, c.plan, per_task, w, parts[w], c.capacity)
         return
     c.simulation = simulate(run, c.plan, cost, c.threads, iterations=iterations,
                             contended=c.contended)
+
+
+def rows_per_task(run: Pipeline, plan: ExecutionPlan) -> dict[str, int]:
+    """The rows of one task of each stage of ``plan``."""
+    assert run.spec.data is not None  # a pipeline with loop stages has a data section
+    rows = run.spec.data.batch_size * run.spec.data.samples_per_prompt
+    return {n: (rows if sp.micro_batches is None else -(-rows // sp.micro_batches))
+            for n, sp in plan.stages.items()}
+
+
+def derive_fits(run: Pipeline, fits: Mapping[str, Any]) -> Pipeline:
+    """``run`` with memory settings changed; a stage's params (``stages.NAME.params.KEY``)
+    in its typed params too, which ``derive`` keeps."""
+    tried = derive(run, fits)
+    params = dict(tried.params)
+    for key, value in fits.items():
+        parts = key.split(".")
+        if parts[0] == "stages" and len(parts) == 4 and parts[2] == "params":
+            params[parts[1]] = params[parts[1]].model_copy(update={parts[3]: value})
+    return replace(tried, params=params)
+
+
+def check_memory(pipeline: Pipeline, n_workers: int) -> None:
+    """Refuse a pipeline whose plan (its own strategy, on ``n_workers`` workers) does not
+    fit ``cluster.memory_limit`` where one is set: a ``PlanError`` of one line
+    (:func:`does_not_fit`). Without a limit nothing is checked (the machine's memory
+    split between the workers is the planner's guess, not a limit the workers keep)."""
+    limit = pipeline.spec.cluster.memory_limit
+    if limit in ("auto", "0", 0) or pipeline.spec.data is None or \
+            pipeline.spec.placement.strategy == "auto":
+        return
+    cost = CostModel(pipeline)
+    plan = make_plan(pipeline, n_workers, {m: s.nbytes for m, s in cost.shapes.items()})
+    per_task = rows_per_task(pipeline, plan)
+    parts = cost.memory_parts(plan, per_task)
+    capacity = worker_capacity(pipeline, n_workers, None)
+    need = [sum(p.values()) for p in parts]
+    w = max(range(len(need)), key=lambda i: need[i])
+    if need[w] > capacity:
+        raise PlanError(pipeline.source, "cluster.memory_limit",
+                        does_not_fit(pipeline, cost, plan, per_task, w, parts[w], capacity))
+
+
+def does_not_fit(run: Pipeline, cost: CostModel, plan: ExecutionPlan,
+                 per_task: Mapping[str, int], w: int, parts: Mapping[str, float],
+                 capacity: float) -> str:
+    """One line: worker ``w`` needs this much (of what), over the limit, and what would
+    fit there (the settings tried on this plan: sharding, checkpointing, more
+    micro-batches or minibatches; LoRA named where a trained model's state is the
+    most of it)."""
+    limit = run.spec.cluster.memory_limit
+    source = "cluster.memory_limit" if limit not in ("auto", "0", 0) else \
+        "the machine's memory split between the workers"
+    held = ", ".join(f"{k} {size(v)}" for k, v in parts.items() if v > 0)
+    text = (f"does not fit: worker {w} needs {size(sum(parts.values()))} ({held}) over its "
+            f"{size(capacity)} limit ({source})")
+    remedies = []
+    for fits in _remedies(run, plan, w):
+        try:
+            tried = derive_fits(run, fits)
+            other = make_plan(tried, plan.n_workers, {m: s.nbytes for m, s in
+                                                      cost.shapes.items()})
+        except PlanError:
+            continue
+        need = max(cost.with_pipeline(tried).memory(other, rows_per_task(tried, other)))
+        if need <= capacity:  # on every worker
+            remedies.append(", ".join(f"{k}: {str(v).lower()}" for k, v in fits.items()) +
+                            f" ({size(need)})")
+    if remedies:
+        text += "; would fit: " + "; or ".join(remedies)
+    else:
+        text += "; no one of backend: fsdp, gradient_checkpointing, more minibatches or " \
+            "micro-batches fits alone"
+    trained = [m for m, home in plan.homes.items() if w in home and
+               run.spec.models[m].trainable and run.spec.models[m].lora is None]
+    if trained and parts.get("trainer", 0) > parts.get("work", 0):
+        text += f"; models.{trained[0]}.lora trains adapters only"
+    return text
+
+
+def size(nbytes: float) -> str:
+    """Bytes in GiB (1 GiB and more) or MiB, for a memory line."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _remedies(run: Pipeline, plan: ExecutionPlan, w: int) -> list[dict[str, Any]]:
+    """Settings that lower worker ``w``'s need, one change each: shard a trainer there
+    over its home, checkpoint a trained model's activations, twice the rows' split."""
+    out: list[dict[str, Any]] = []
+    graph, spec = run.graph, run.spec
+    for name in graph.loop_stages:
+        node = graph.nodes[name]
+        if not node.trains or node.model is None or w not in plan.stages[name].workers:
+            continue
+        model = spec.models[node.model]
+        if spec.stages[name].backend == "torch" and model.lora is None and \
+                model.dtype != "float16":
+            out.append({f"stages.{name}.backend": "fsdp"})
+            if spec.placement.strategy != "disaggregated":  # generation on a shadow
+                out.append({"placement.strategy": "disaggregated",
+                            f"stages.{name}.backend": "fsdp"})
+        if not model.gradient_checkpointing:
+            out.append({f"models.{node.model}.gradient_checkpointing": True})
+        params = run.params[name]
+        if hasattr(params, "minibatches"):
+            out.append({f"stages.{name}.params.minibatches": 2 * int(params.minibatches)})
+    assert spec.data is not None  # planned: a pipeline with loop stages
+    out.append({"data.micro_batches": 2 * spec.data.micro_batches})
+    return out
 
 
 def _descend(pipeline: Pipeline, space: list[Candidate], cost: CostModel, profile: Profile | None,
@@ -407,6 +579,13 @@ def describe_choice(choice: PlanChoice, profile: Profile | None, candidates: int
         how = "all of them" if choice.exhaustive else "guided search"
         lines.append(f"planner: chose {best.describe()}, out of {len(choice.candidates)} "
                      f"plans ({how}, {choice.search_s:.2f}s)")
+    if best.fits:
+        same = [c for c in choice.candidates if c.problem and not c.fits and
+                c.describe() == replace(best, fits={}).describe()]
+        unfit = next((c.problem for c in same), "")
+        lines.append("planner: no plan fits memory as the file is written" +
+                     (f" ({unfit})" if unfit else "") + "; it chose " +
+                     ", ".join(describe_fit(k) for k in best.fits))
     lines.append("memory (estimated peak per worker): " + ", ".join(
         f"w{w} {m / 2**20:.0f} MiB" for w, m in enumerate(best.memory))
         + f" of {best.capacity / 2**30:.1f} GiB each")
