@@ -50,6 +50,14 @@ async def twice(client, record):
     return {"reward": 1.0, "info": {"asked": 2, "ignored": "text"}}
 
 
+async def where(client, record):
+    """Once, and which process it ran in."""
+    import os
+
+    await client.chat.completions.create(model="policy", messages=record["messages"])
+    return {"reward": 1.0, "info": {"pid": os.getpid()}}
+
+
 def plain(client, record):
     """A plain function with the blocking client."""
     client.chat.completions.create(model="policy", messages=record["messages"])
@@ -220,6 +228,37 @@ def test_a_two_call_agent_is_one_sample_with_the_user_turn_masked(chat_lm_dir, a
         first, second = (t["span"][1] - t["span"][0] for t in turns[::2])
         assert first <= 6 and second <= 8
     _check_logprobs_match_a_fresh_forward(store, batch, out)
+
+
+@pytest.mark.parametrize("agent", ["where", "plain"])
+def test_agents_on_the_pool_run_in_another_process_and_play_the_same_episodes(
+        chat_lm_dir, agents_file, agent):
+    """``env_placement: pool``: each episode's agent runs in a pool process (a process pool
+    started with spawn stands in for the run's Dask pool: the stage sees an Executor),
+    calling the endpoint of the task's worker on loopback."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS)
+    params = {"max_turns": 1, "max_new_tokens": 8, "max_tokens": 8, "info": ["pid"]}
+    here = _agent_rollout(store, batch, f"{agents_file}:{agent}", **params)
+    stage = create_stage("rollout", params={"agent": f"{agents_file}:{agent}",
+                                            "env_placement": "pool", **params},
+                         model="actor")
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        ctx = _ctx(store)
+        ctx.env_executor = pool
+        shipped = stage.run(batch, ctx)
+    assert shipped["agent_failed"].sum() == 0 and shipped["agent_calls"].tolist() == [1] * 6
+    assert torch.equal(shipped["response_ids"], here["response_ids"])
+    assert torch.equal(shipped["response_mask"], here["response_mask"])
+    if agent == "where":
+        assert os.getpid() not in shipped["info_pid"].tolist()
+        assert set(here["info_pid"].tolist()) == {os.getpid()}
 
 
 def test_a_plain_function_agent_runs_on_a_thread(chat_lm_dir, agents_file):

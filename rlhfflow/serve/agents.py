@@ -22,8 +22,10 @@ says which). A call whose prompt does not extend the one before (a template that
 history) ends the sample there; the calls after it are counted as untrained.
 
 An agent runs in the worker's process, on the event loop of the stage's task (a plain
-function on a thread of its own): it can do what that process can (files, network). A
-timed-out plain function cannot be stopped; its later calls are refused.
+function on a thread of its own), or with ``env_placement: pool`` in a process of the run's
+CPU pool on the same machine (``run_shipped_agent``: pickled there, with a client of its
+own on its session's loopback URL): it can do what that process can (files, network). A
+timed-out agent cannot be stopped; its later calls are refused.
 """
 
 from __future__ import annotations
@@ -87,12 +89,14 @@ class AgentRunner:
     (no other process on the machine can use it): ``run`` plays one episode per record."""
 
     def __init__(self, service: GenerationService, tokenizer, tool_format: ToolFormat,
-                 sampling: SamplingSettings, concurrency: int, timeout_s: float) -> None:
+                 sampling: SamplingSettings, concurrency: int, timeout_s: float,
+                 pool: concurrent.futures.Executor | None = None) -> None:
         self.key = secrets.token_hex(16)
         self.endpoint = Endpoint(service, tokenizer,
                                  EndpointSettings(model="policy", api_key=self.key),
                                  tool_format)
         self.sampling, self.concurrency, self.timeout_s = sampling, concurrency, timeout_s
+        self.pool = pool  # agents run there, in other processes on this machine
 
     def run(self, fn: Callable[..., Any], records: Sequence[dict[str, Any]],
             generators: Sequence[torch.Generator]) -> list[AgentOutcome]:
@@ -118,12 +122,15 @@ class AgentRunner:
         # every episode's session and client first: making a client takes milliseconds,
         # and agents that start together then call together (one prefill for them all)
         started = []
+        shipped = pickled_agent(fn) if self.pool is not None else None
         for generator in generators:
             session = Session(self.sampling, generator)
+            url = self.endpoint.open(session)
             make = openai.OpenAI if plain else openai.AsyncOpenAI
-            started.append((session, make(base_url=self.endpoint.open(session),
-                                          api_key=self.key, max_retries=0,
-                                          timeout=self.timeout_s)))
+            started.append((session, url if shipped is not None else make(
+                base_url=url, api_key=self.key, max_retries=0, timeout=self.timeout_s)))
+        if shipped is not None:
+            fn = shipped
 
         async def one(record: dict[str, Any], episode) -> AgentOutcome:
             async with gate:
@@ -136,7 +143,11 @@ class AgentRunner:
                        ) -> AgentOutcome:
         outcome = AgentOutcome()
         try:
-            if inspect.iscoroutinefunction(fn):
+            if isinstance(fn, bytes):  # on the pool: ``client`` is the session's URL
+                running = asyncio.wrap_future(self.pool.submit(
+                    run_shipped_agent, fn, record, client, self.key, self.timeout_s))
+                result = await asyncio.wait_for(running, self.timeout_s)
+            elif inspect.iscoroutinefunction(fn):
                 async with client:
                     result = await asyncio.wait_for(fn(client, record), self.timeout_s)
             else:
@@ -160,6 +171,41 @@ class AgentRunner:
         if outcome.error is None and not outcome.calls:
             outcome.error, outcome.message = "no_call", "the agent made no call"
         return outcome
+
+
+def pickled_agent(fn: Callable[..., Any]) -> bytes:
+    """``fn`` pickled to run on the CPU pool: from a file the pipeline names (imported
+    under a name only this process knows), by value."""
+    import sys
+
+    import cloudpickle
+
+    from rlhfflow.engine.usercode import USER_MODULE_PREFIX
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
+        cloudpickle.register_pickle_by_value(module)
+    return cloudpickle.dumps(fn)
+
+
+def run_shipped_agent(payload: bytes, record: dict[str, Any], base_url: str, api_key: str,
+                      timeout_s: float) -> Any:
+    """One episode on a pool worker: the agent (``pickled_agent``) with a client of its
+    own on the session's URL (the endpoint listens on the rollout worker's loopback, so
+    the pool must be on the same machine). Returns what the agent returned."""
+    import cloudpickle
+    import openai
+
+    fn = cloudpickle.loads(payload)
+    if inspect.iscoroutinefunction(fn):
+        async def episode() -> Any:
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                          timeout=timeout_s) as client:
+                return await fn(client, record)
+        return asyncio.run(episode())
+    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                       timeout=timeout_s) as client:
+        return fn(client, record)
 
 
 def _reward(result: Any) -> tuple[float, dict[str, float], str | None]:

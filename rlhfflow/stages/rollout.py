@@ -196,8 +196,8 @@ class RolloutParams(StageParams):
                             "environment object is pickled there and back with every "
                             "step), so a slow tool holds no model worker; which rows share "
                             "a forward then depends on how long steps take, as with "
-                            "env_workers. A run without a pool (in process, `stage test`) "
-                            "steps in the task")
+                            "env_workers; with agent, each episode's agent runs there. A "
+                            "run without a pool (in process, `stage test`) steps in the task")
     plain_separator: str = Field("\n", description="around environment messages when the "
                                                    "prompt was not rendered with a chat "
                                                    "template")
@@ -512,8 +512,7 @@ class RolloutStage(Stage):
                                     batch["sample_index"])
         sampling = SamplingSettings(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-            top_k=params.top_k, top_p=params.top_p, greedy=params.greedy,
-            stop=tuple(params.stop))
+            top_k=params.top_k, top_p=params.top_p, greedy=params.greedy, stop=tuple(params.stop))
         fn = load_function(params.agent, ctx.settings.base_dir)
         calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
         with resident.generating(), GenerationService(
@@ -521,7 +520,8 @@ class RolloutStage(Stage):
                 tokenizer=tok, max_in_flight=params.agent_concurrency, seed=ctx.seed,
                 version=resident.version, thread=False) as service:
             runner = AgentRunner(service, tok, calls, sampling, params.agent_concurrency,
-                                 params.agent_timeout_s)
+                                 params.agent_timeout_s, ctx.env_executor
+                                 if params.env_placement == "pool" else None)
             outcomes = runner.run(fn, records, generators)
         episodes, untrained = [], []
         for row, outcome in enumerate(outcomes):
