@@ -615,8 +615,10 @@ def activation_bytes(shape: ModelShape, rows: float, tokens: int, checkpointing:
     """Activations a training step keeps for its backward on ``rows`` rows of ``tokens``
     tokens: ``ACTIVATIONS`` values of hidden width per token and decoder layer, fp32;
     with gradient checkpointing each layer's input only, and one layer's while its
-    forward runs again in the backward."""
+    forward runs again in the backward; and the logits with their gradient (2 values of
+    vocabulary width per token: what a large vocabulary adds, not measured yet)."""
     per_token = shape.hidden * 4
+    logits = rows * tokens * shape.vocab * 4 * 2
     if checkpointing:
-        return rows * tokens * per_token * (shape.layers + ACTIVATIONS)
-    return rows * tokens * per_token * shape.layers * ACTIVATIONS
+        return rows * tokens * per_token * (shape.layers + ACTIVATIONS) + logits
+    return rows * tokens * per_token * shape.layers * ACTIVATIONS + logits
