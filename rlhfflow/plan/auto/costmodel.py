@@ -534,7 +534,8 @@ class CostModel:
             model = self.graph.model_of(stage)
             return train_task_bytes(shape, rows / max(1, mb) / gang, tokens, gang,
                                     self.pipeline.spec.stages[stage].backend,
-                                    self.pipeline.spec.models[model].gradient_checkpointing)
+                                    self.pipeline.spec.models[model].gradient_checkpointing,
+                                    self.response_tokens)
         return rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
 
 
@@ -542,6 +543,12 @@ class CostModel:
 #: activations (autograd's bookkeeping, the process group's buffers, the allocator's
 #: slack): measured 20-26 MB on each of the candidates of ``benchmarks/sharded_memory.py``.
 TRAIN_OVERHEAD = 20 * 2**20
+#: Values of vocabulary width a training step keeps per predicted token (fp32): the
+#: logits, their log-softmax and what the loss and its gradient make of them. Fitted to
+#: SmolLM2-135M's 49152-token vocabulary (benchmarks/memory_saving.py, 2 rows x 128
+#: tokens, the loss over 64 response tokens each: 2670 MiB over the loaded weights
+#: measured, 2579 predicted; with checkpointing 2084 and 2074).
+LOGITS = 20
 #: Values of hidden width a Llama decoder layer keeps per token for its backward (fp32):
 #: measured 31 on a forward of 4 rows x 64 tokens, hidden 512, 8 layers
 #: (``benchmarks/sharded_memory.py``; the estimate was 16 before, half the measured).
@@ -586,13 +593,14 @@ def trainer_state(shape: ModelShape, gang: int = 1, head: str = "lm", saves: boo
 
 
 def train_task_bytes(shape: ModelShape, rows: float, tokens: int, gang: int, backend: str,
-                     checkpointing: bool) -> float:
+                     checkpointing: bool, predicted: int | None = None) -> float:
     """Peak bytes of one rank's training step on ``rows`` rows of ``tokens`` tokens
     besides its weights and optimizer state (:func:`trainer_state`): its activations
     (:func:`activation_bytes`), in a data-parallel gang (``backend: torch``) at least the
     gradients' flat all-reduce buffer, sharded (``fsdp``) the gradients' shards, and
-    ``TRAIN_OVERHEAD``."""
-    act = activation_bytes(shape, rows, tokens, checkpointing)
+    ``TRAIN_OVERHEAD``. ``predicted``: the tokens of a row whose logits the step
+    computes (a trainer's: the response's; default all)."""
+    act = activation_bytes(shape, rows, tokens, checkpointing, predicted)
     if gang > 1 and backend == "torch":
         # the gradients' all-reduce copies them into one flat buffer, after the backward
         # (engine.parallel.allreduce_gradients)
@@ -610,15 +618,16 @@ def rank_saves(worker: int, home: tuple[int, ...]) -> bool:
     return bool(home) and worker == home[0]
 
 
-def activation_bytes(shape: ModelShape, rows: float, tokens: int, checkpointing: bool
-                     ) -> float:
+def activation_bytes(shape: ModelShape, rows: float, tokens: int, checkpointing: bool,
+                     predicted: int | None = None) -> float:
     """Activations a training step keeps for its backward on ``rows`` rows of ``tokens``
     tokens: ``ACTIVATIONS`` values of hidden width per token and decoder layer, fp32;
     with gradient checkpointing each layer's input only, and one layer's while its
-    forward runs again in the backward; and the logits with their gradient (2 values of
-    vocabulary width per token: what a large vocabulary adds, not measured yet)."""
+    forward runs again in the backward; and ``LOGITS`` values of vocabulary width per
+    token whose logits it computes (``predicted`` of them per row, default all: a
+    trainer's head runs on the response tokens only, ``engine.forward.response_logits``)."""
     per_token = shape.hidden * 4
-    logits = rows * tokens * shape.vocab * 4 * 2
+    logits = rows * (tokens if predicted is None else predicted) * shape.vocab * 4 * LOGITS
     if checkpointing:
         return rows * tokens * per_token * (shape.layers + ACTIVATIONS) + logits
     return rows * tokens * per_token * shape.layers * ACTIVATIONS + logits
