@@ -34,6 +34,7 @@ from rlhfflow.plan.auto.planner import (
     tasks_per_iteration,
 )
 from rlhfflow.plan.auto.simulate import simulate
+from rlhfflow.plan.describe import plan_text
 from rlhfflow.plan.placement import STRATEGIES, PlanError, make_plan
 from rlhfflow.runtime.profiler import observations_from_run, profile_pipeline
 from rlhfflow.runtime.run import run_pipeline
@@ -383,6 +384,11 @@ def test_the_memory_of_a_sharded_trainer_is_its_share_plus_what_it_gathers():
     assert unsharded[home[0]]["trainer"] == 12 * shape.params
     assert unsharded[shadow]["incoming"] == 0
     assert sum(parts[home[1]].values()) < 0.75 * sum(unsharded[home[1]].values())
+    # the plan in words says how it trains and what it moves
+    text = plan_text(plan, pipeline)
+    assert "sharded over 2 workers (backend: fsdp)" in text
+    assert "train_actor gathers weights (forward, backward) and reduce-scatters gradients" \
+        in text and "all-reduces" not in text
 
 
 def test_gradient_checkpointing_keeps_one_layer_input_per_layer():

@@ -41,19 +41,25 @@ def plan_text(plan: ExecutionPlan, pipeline: Pipeline) -> str:
         lines.append(f"  {m:<14} workers {_ws(home)} ({_size(plan.model_bytes.get(m, 0))}, "
                      f"{'trained' if spec.models[m].trainable else 'frozen'}){extra}")
     lines.append("stages:")
-    lines += [_stage_line(plan, pipeline.graph.nodes[name]) for name in pipeline.graph.order]
+    sharded = frozenset(n for n, st in spec.stages.items() if st.backend == "fsdp")
+    lines += [_stage_line(plan, pipeline.graph.nodes[name], name in sharded)
+              for name in pipeline.graph.order]
     lines.append("overlap:")
     lines += _overlap_lines(plan, [n for n in plan.stages
                                    if pipeline.graph.nodes[n].streams])
     lines.append("weights moved:")
-    lines += _moved_lines(plan, pipeline.graph)
+    lines += _moved_lines(plan, pipeline.graph, sharded)
     return "\n".join(lines)
 
 
-def _stage_line(plan: ExecutionPlan, node: StageNode) -> str:
-    """One stage of the plan: its type, where it runs and how its batch is split."""
+def _stage_line(plan: ExecutionPlan, node: StageNode, sharded: bool = False) -> str:
+    """One stage of the plan: its type, where it runs and how its batch is split
+    (``sharded``: it trains its model sharded over its gang, ``backend: fsdp``)."""
     name, sp, group = node.name, plan.stages[node.name], plan.group(node.name)
     where, split = _where_and_split(node, sp, group)
+    if sharded and sp.gang and len(sp.workers) > 1:
+        split = (f"sharded over {len(sp.workers)} workers (backend: fsdp): each minibatch "
+                 f"split {len(sp.workers)} ways, weights gathered a layer at a time")
     tag = " [shadow]" if sp.shadow else ""
     if len(group) > 1 and group[0] != name:
         tag += f" [fused into {group[0]}]"
@@ -123,8 +129,11 @@ def _overlap_lines(plan: ExecutionPlan, streams: list[str]) -> list[str]:
     return lines
 
 
-def _moved_lines(plan: ExecutionPlan, graph: StageGraph) -> list[str]:
-    """The weights sent to shadows and the gradients all-reduced, per iteration."""
+def _moved_lines(plan: ExecutionPlan, graph: StageGraph, sharded: frozenset[str] = frozenset()
+                 ) -> list[str]:
+    """The weights sent to shadows and the gradients all-reduced (a sharded trainer's:
+    weights gathered in the forward and backward, gradients reduce-scattered), per
+    iteration."""
     lines = []
     moved = False
     for t in plan.transfers:
@@ -137,6 +146,12 @@ def _moved_lines(plan: ExecutionPlan, graph: StageGraph) -> list[str]:
             moved = True
             m, n = graph.model_of(name), len(sp.workers)
             if n == 1:
+                continue
+            if name in sharded:
+                moves = int(plan.model_bytes.get(m, 0) * 3 * (n - 1) / n)
+                lines.append(f"  {m}: {name} gathers weights (forward, backward) and "
+                             f"reduce-scatters gradients over workers {_ws(sp.workers)}: "
+                             f"{_size(moves)} per worker per optimizer step")
                 continue
             ring = int(plan.model_bytes.get(m, 0) * 2 * (n - 1) / n)
             lines.append(f"  {m}: {name} all-reduces gradients over workers {_ws(sp.workers)}: "
