@@ -464,7 +464,8 @@ class CostModel:
 
     def memory_parts(self, plan: ExecutionPlan, rows_per_task: Mapping[str, int]
                      ) -> list[dict[str, float]]:
-        """Estimated peak bytes per worker of ``plan``, by what holds them: ``weights``,
+        """Estimated peak bytes per worker of ``plan``, by what holds them: ``process``,
+        the worker process itself (``WORKER_PROCESS``); ``weights``,
         every model copy's (a frozen view of a LoRA model's base nothing where that model
         is; a LoRA model's merged weights where it samples); ``trainer``, at a trained
         model's home, its gradients and AdamW state (fp32, two moments; a LoRA model's:
@@ -474,8 +475,8 @@ class CostModel:
         (the model's size); ``work``, the largest KV cache or activation footprint of a
         task on that worker (:meth:`task_bytes`), or of loading or saving a sharded
         model there (``trainer_state``'s ``transient``)."""
-        parts = [{"weights": 0.0, "trainer": 0.0, "incoming": 0.0, "work": 0.0}
-                 for _ in range(plan.n_workers)]
+        parts = [{"process": float(WORKER_PROCESS), "weights": 0.0, "trainer": 0.0,
+                  "incoming": 0.0, "work": 0.0} for _ in range(plan.n_workers)]
         transient = [0.0] * plan.n_workers
         for model, workers in plan.replicas.items():
             shape = self.shapes.get(model)
@@ -539,6 +540,10 @@ class CostModel:
         return rows * tokens * (2 * shape.layers * shape.hidden + shape.vocab) * 4
 
 
+#: Resident bytes of a worker process before it loads a model: Python with torch,
+#: transformers, Dask, zarr and the stages imported (measured 405 MiB, 2026-11-28, torch
+#: 2.x on CPU). A run's worker is measured against its limit by its whole RSS.
+WORKER_PROCESS = 400 * 2**20
 #: Bytes a training task holds besides its weights, gradients, optimizer state and
 #: activations (autograd's bookkeeping, the process group's buffers, the allocator's
 #: slack): measured 20-26 MB on each of the candidates of ``benchmarks/sharded_memory.py``.

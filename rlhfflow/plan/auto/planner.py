@@ -147,13 +147,17 @@ class PlanChoice:
 
 def worker_capacity(pipeline: Pipeline, workers: int, profile: Profile | None) -> float:
     """Bytes one worker may hold: ``cluster.memory_limit``, else the device memory the
-    profile recorded (a GPU's), else this machine's memory split between the workers."""
+    profile recorded (a GPU's), else this machine's memory split between the workers.
+    Of a worker's own limit, the share below which Dask keeps it running tasks
+    (``distributed.worker.memory.pause``, 80% by default): a worker over it pauses, and
+    a gang with a paused rank waits for ever (measured: a sharded run at 80% of a
+    650 MB limit made no progress in 7 minutes)."""
     from dask.utils import parse_bytes
 
     limit = pipeline.spec.cluster.memory_limit
     if limit not in ("auto", "0", 0):
         try:
-            return float(parse_bytes(limit))
+            return float(parse_bytes(limit)) * pause_fraction()
         except (ValueError, TypeError):
             pass
     if profile is not None and profile.device.get("memory_bytes"):
@@ -164,7 +168,22 @@ def worker_capacity(pipeline: Pipeline, workers: int, profile: Profile | None) -
 
     # this machine's memory, split among the workers it could run (a cluster planned
     # larger than the machine is assumed to have machines like it)
-    return float(psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1)))
+    return float(psutil.virtual_memory().total / max(1, min(workers, os.cpu_count() or 1))
+                 ) * pause_fraction()
+
+
+def pause_fraction() -> float:
+    """The share of its memory limit at which a Dask worker pauses (stops starting tasks):
+    ``distributed.worker.memory.pause``, else the nanny's ``terminate`` (1 when neither
+    is set)."""
+    import dask
+
+    # Dask's defaults where distributed (whose config holds them) is not imported yet
+    for key, default in (("pause", 0.8), ("terminate", 0.95)):
+        value = dask.config.get(f"distributed.worker.memory.{key}", default)
+        if value not in (False, None):
+            return float(value)
+    return 1.0
 
 
 def _layouts(pipeline: Pipeline, n_workers: int | None, cores: int, measured: bool
@@ -429,7 +448,8 @@ def does_not_fit(run: Pipeline, cost: CostModel, plan: ExecutionPlan,
         "the machine's memory split between the workers"
     held = ", ".join(f"{k} {size(v)}" for k, v in parts.items() if v > 0)
     text = (f"does not fit: worker {w} needs {size(sum(parts.values()))} ({held}) over its "
-            f"{size(capacity)} limit ({source})")
+            f"{size(capacity)} limit ({source}, at Dask's pause fraction "
+            f"{pause_fraction():g})")
     remedies = []
     for fits in _remedies(run, plan, w):
         try:
