@@ -171,6 +171,23 @@ def deepspeed_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 # and first builds a comm extension; FSDP2 is also what runs on GPUs unchanged (NCCL).
 
 
+def return_freed_memory() -> bool:
+    """Have glibc hand freed blocks of 64 KiB and more back to the system (``mallopt``
+    ``M_MMAP_THRESHOLD``, what ``MALLOC_MMAP_THRESHOLD_=65536`` sets at start-up) in this
+    process from now on; False where the C library is not glibc. A sharded rank frees and
+    makes again a layer's gathered weights and gradients at every layer: with glibc's
+    dynamic threshold they stay in its heap and its RSS went above an unsharded rank's
+    (benchmarks/sharded_memory.py), and a run planned to fit ``cluster.memory_limit``
+    was ended by its nanny at 1.21 GiB of a plan of 0.93. The cost: each such tensor
+    is a fresh mmap (a tiny sharded GRPO run's iterations took 2.5x as long)."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 65536))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def shard_module(module: torch.nn.Module, gang: Gang) -> None:
     """Shard ``module``'s parameters over ``gang`` in place (FSDP2): each block of its
     first ``ModuleList`` (a transformer's layers) is gathered on its own, the rest
@@ -179,6 +196,8 @@ def shard_module(module: torch.nn.Module, gang: Gang) -> None:
     from torch.distributed.fsdp import fully_shard
 
     device = "cuda" if gang.backend == "nccl" else "cpu"
+    if device == "cpu":  # the layers' buffers in host memory leave when freed
+        return_freed_memory()
     mesh = init_device_mesh(device, (gang.size,))
     blocks = next((m for m in module.modules() if isinstance(m, torch.nn.ModuleList)), ())
     for block in blocks:
