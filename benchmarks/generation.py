@@ -33,6 +33,7 @@ Prints a table, then one JSON object with the figures as its last line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 from pathlib import Path
@@ -81,8 +82,11 @@ def save_random_smollm2(model_dir: Path, shape: dict | None = None) -> None:
 
     shape = {**SMOLLM2_SHAPE, **(shape or {})}
     filler = shape["vocab_size"] - len(DEFAULT_ALPHABET) - 4  # 4 special tokens first
+    # from the CJK ideographs on, past the surrogates (0xD800-0xDFFF), which no string
+    # may hold: SmolLM2's 49152 symbols reach beyond them
+    codes = (c for c in itertools.count(0x4E00) if not 0xD800 <= c <= 0xDFFF)
     tokenizer = build_char_tokenizer(DEFAULT_ALPHABET + "".join(
-        chr(0x4E00 + i) for i in range(filler)))
+        chr(next(codes)) for _ in range(filler)))
     config = LlamaConfig(**shape, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
