@@ -14,15 +14,17 @@ from click.testing import CliRunner
 from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.plan.auto.costmodel import (
-    ACTIVATIONS,
-    LOGITS,
     CostModel,
     Observation,
     Profile,
     ProfileError,
+    model_shapes,
+)
+from rlhfflow.plan.auto.memory import (
+    ACTIVATIONS,
+    LOGITS,
     activation_bytes,
     layer_params,
-    model_shapes,
     train_task_bytes,
     trainer_state,
 )
