@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rlhfflow.config.pipeline import Pipeline, derive
 from rlhfflow.monitor.workerlogs import LOG_DIRECTORY
-from rlhfflow.plan.auto.planner import check_memory, choose_plan, load_profile
+from rlhfflow.plan.auto.fitting import check_memory
+from rlhfflow.plan.auto.planner import choose_plan, load_profile
 from rlhfflow.runtime.backend import DaskBackend, WorkerLost
 from rlhfflow.runtime.cluster import cuda_count
 from rlhfflow.runtime.executor import Executor, RunResult
