@@ -231,8 +231,9 @@ class Episode:
             messages: Sequence[Message] = (), role: str = "env",
             version: int | Sequence[int] = -1) -> None:
         """Append the model's tokens (with log-probs, sampled by the weights of
-        ``version``, one for all or one per token) or the environment's (None, with the ``messages`` they render, whose
-        role defaults to ``role``), and log the turn with its span of response tokens."""
+        ``version``, one for all or one per token) or the environment's (None, with the
+        ``messages`` they render, whose role defaults to ``role``), and log the turn with
+        its span of response tokens."""
         start = len(self.tokens)
         self.tokens += tokens
         if logprobs is None or isinstance(version, int):
@@ -460,21 +461,14 @@ def check_shippable(episodes: Sequence[Episode], where: str) -> None:
     pipeline's own files they come from go by value (a pool worker cannot import them by
     their name here), and one that does not pickle is ``EnvironmentNotShippable``, one
     line starting with ``where`` (the stage and its key)."""
-    import sys
-
     import cloudpickle
 
-    from rlhfflow.engine.usercode import USER_MODULE_PREFIX
+    from rlhfflow.engine.usercode import by_value
 
     if not episodes:
         return
     env = episodes[0].env
-    made_of = env.tools.values() if isinstance(env, ToolEnvironment) else [type(env)]
-    for thing in made_of:
-        module = sys.modules.get(getattr(thing, "__module__", None) or "")
-        # a file the pipeline names is imported under a name only this process knows
-        if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
-            cloudpickle.register_pickle_by_value(module)
+    by_value(*(env.tools.values() if isinstance(env, ToolEnvironment) else [type(env)]))
     try:
         cloudpickle.dumps(env)
     except Exception as exc:  # noqa: BLE001  (anything pickling raises is the answer)

@@ -19,6 +19,18 @@ from rlhfflow.ops.registry import load_callable
 USER_MODULE_PREFIX = "rlhfflow_user_"
 
 
+def by_value(*objects: Any) -> None:
+    """Have cloudpickle send ``objects`` that come from a file the pipeline names (its
+    module imported under ``USER_MODULE_PREFIX`` and a name only this process knows) by
+    value, so that another process (the CPU pool) need not import that file by name."""
+    import cloudpickle
+
+    for thing in objects:
+        module = sys.modules.get(getattr(thing, "__module__", None) or "")
+        if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
+            cloudpickle.register_pickle_by_value(module)
+
+
 def load_function(ref: str, base_dir: str | Path | None = None) -> Callable[..., Any]:
     """Import the callable ``module:attr`` or ``path/file.py:attr``. Only the name the
     pipeline gives is imported; nothing is searched for."""

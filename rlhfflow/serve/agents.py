@@ -45,7 +45,7 @@ import torch
 from rlhfflow.engine.environments import Episode
 from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.toolformats import ToolFormat
-from rlhfflow.engine.usercode import imported
+from rlhfflow.engine.usercode import by_value, imported
 from rlhfflow.serve.endpoint import Call, Endpoint, EndpointSettings, Session
 
 #: why an episode trained nothing (``AgentOutcome.error``)
@@ -176,15 +176,9 @@ class AgentRunner:
 def pickled_agent(fn: Callable[..., Any]) -> bytes:
     """``fn`` pickled to run on the CPU pool: from a file the pipeline names (imported
     under a name only this process knows), by value."""
-    import sys
-
     import cloudpickle
 
-    from rlhfflow.engine.usercode import USER_MODULE_PREFIX
-
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    if module is not None and module.__name__.startswith(USER_MODULE_PREFIX):
-        cloudpickle.register_pickle_by_value(module)
+    by_value(fn)
     return cloudpickle.dumps(fn)
 
 
@@ -256,7 +250,7 @@ def trajectory(prompt: Sequence[int], calls: Sequence[Call]) -> Trajectory | Non
 
 
 def agent_episode(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: int,
-              info: Sequence[str]) -> tuple[Episode, int]:
+                  info: Sequence[str]) -> tuple[Episode, int]:
     """An agent's episode as the rollout's ``Episode`` (cut at ``max_tokens``, its
     ``info`` keys kept), and the calls left out of it. A failed episode keeps its tokens
     with no trained one and reward 0."""
