@@ -92,9 +92,10 @@ class Admission:
 
 @dataclass
 class TaskStats:
-    """What the stream did during one task: decode ``steps``, the rows decoding summed
-    over them (``decoding``), the episodes in flight summed over them (``live``), the
-    episodes of later iterations it started (``started_ahead``) and those it dropped."""
+    """What the stream did since its last harvest (a task, and the time between tasks
+    before it): decode ``steps``, the rows decoding summed over them (``decoding``), the
+    episodes in flight summed over them (``live``), the episodes of later iterations it
+    started (``started_ahead``) and those it dropped."""
 
     target: int
     steps: int = 0
@@ -189,14 +190,10 @@ class EpisodeStream(EpisodeLoop):
         later iterations as room frees."""
         self.admit()
         while not all(self.episodes[row].done for row in rows):
-            self.admit()
             if not (self.batch.rows or self.ready or self.in_flight):
                 raise RuntimeError("episode stream: episodes unfinished but none in flight")
-            self.collect(wait=not self.batch.rows and not self.ready)
-            if self.ready and self.joins_now():
-                self.join()
-            if self.batch.rows:
-                self.step()
+            if not self.round():  # nothing to decode: wait for the environment's answers
+                self.collect(wait=True)
 
     def take(self, rows: Sequence[int]) -> tuple[list[Episode], list[bool]]:
         """The finished episodes of ``rows`` (forgotten by the stream), and for each
@@ -350,14 +347,12 @@ class EpisodeStream(EpisodeLoop):
         decoding = list(self.batch.rows)
         if decoding:
             self.batch.park(list(range(len(decoding))), keep_cache=False)
-            for row in decoding:
-                self.midturn.add(row)
-                self.ready[row] = 0
-                done = self.turn_versions.setdefault(row, [])
-                done += [self.version] * (len(self.turn[row][0]) - len(done))
-        for row in self.parked:
-            self.parked[row] = None
         for row in decoding:
+            self.midturn.add(row)
+            self.ready[row] = 0
+            done = self.turn_versions.setdefault(row, [])
+            done += [self.version] * (len(self.turn[row][0]) - len(done))
+        for row in [*self.parked, *decoding]:
             self.parked[row] = None
         log.debug("episode stream: weights %d -> %d, %d episodes recompute", self.version,
                   version, len(self.parked))

@@ -55,12 +55,12 @@ SOURCE_KIND, STAGE, STORE, EXPORT, INSTALL, CHECKPOINT = (
     CheckpointTask.kind)
 
 
-
 def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
     """Contiguous ``(start, stop)`` row ranges of equal size (the last may be shorter);
     the size is the zarr chunk, so every micro-batch writes its own chunks."""
     size = -(-rows // max(1, min(micro_batches, rows)))
     return [(a, min(rows, a + size)) for a in range(0, rows, size)]
+
 
 @dataclass
 class IterationTasks:

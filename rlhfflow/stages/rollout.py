@@ -88,7 +88,7 @@ from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import row_generators, sample_uniforms
 from rlhfflow.engine.sandbox import SandboxParams, sandbox_for
 from rlhfflow.engine.service import GenerationService, SamplingSettings
-from rlhfflow.engine.streaming import Admission, EpisodeStream, stream_columns
+from rlhfflow.engine.streaming import Admission, EpisodeStream, Key, stream_columns
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import imported, load_function
 from rlhfflow.sdk import (
@@ -396,14 +396,16 @@ class RolloutStage(Stage):
         else:
             with env_threads(params.env_workers) as pool, resident.generating():
                 loop.run(episodes, pool)
-        self.last_timeline = loop.timeline
-        if ctx.spans is not None:  # "env-pool": steps that took none of this task's time
-            for start, stop in loop.timeline.env_busy():
-                ctx.spans("env-pool" if shipped is not None else "env", start, stop)
-        out = self.columns(episodes, tok, pad_id, resident.version)
-        out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
-                                          dtype=torch.float32)
-        return out
+        self.timed(loop.timeline, ctx, shipped is not None)
+        return self.columns(episodes, tok, pad_id, resident.version)
+
+    def timed(self, timeline: Timeline, ctx: StageContext, shipped: bool) -> None:
+        """Keep the call's ``timeline`` and record its environment steps for the task
+        timeline ("env-pool": steps that took none of this task's time)."""
+        self.last_timeline = timeline
+        if ctx.spans is not None:
+            for start, stop in timeline.env_busy():
+                ctx.spans("env-pool" if shipped else "env", start, stop)
 
     def admissions(self, batch: Batch, iteration: int, ctx: StageContext, fmt: TurnFormat,
                    calls: ToolFormat, skip=lambda key: False) -> list[Admission]:
@@ -414,8 +416,7 @@ class RolloutStage(Stage):
         rows = len(batch["prompt_index"])
         texts = batch.get("prompt_text") or [""] * rows
         fields = batch.get("prompt_fields") or ["{}"] * rows
-        keys = [(iteration, int(p), int(q)) for p, q in zip(
-            batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
+        keys = row_keys(batch, iteration)
         wanted = [row for row in range(rows) if not skip(keys[row])]
         if not wanted:
             return []
@@ -451,8 +452,7 @@ class RolloutStage(Stage):
         calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
         rows = len(batch["prompt_index"])
         stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows)
-        own = [(ctx.iteration, int(p), int(q)) for p, q in zip(
-            batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
+        own = row_keys(batch, ctx.iteration)
         arrivals = self.admissions(batch, ctx.iteration, ctx, fmt, calls, stream.knows)
         for j, later in ctx.ahead:
             arrivals += self.admissions(later, j, ctx, fmt, calls, stream.knows)
@@ -465,13 +465,8 @@ class RolloutStage(Stage):
                                      ships=shipped is not None)
             stream.play(mine)
         episodes, early = stream.take(mine)
-        self.last_timeline = stream.timeline
-        if ctx.spans is not None:
-            for start, stop in stream.timeline.env_busy():
-                ctx.spans("env-pool" if shipped is not None else "env", start, stop)
+        self.timed(stream.timeline, ctx, shipped is not None)
         out = self.columns(episodes, tok, pad_id, resident.version)
-        out["env_seconds"] = torch.tensor([e.env_seconds for e in episodes],
-                                          dtype=torch.float32)
         out.update(stream_columns(episodes, early, stream.harvest(), resident.version,
                                   params.max_tokens))
         if ctx.between_tasks:  # the episodes in flight play on until the next task
@@ -536,7 +531,6 @@ class RolloutStage(Stage):
                         self.name, len(failed), rows, ", ".join(kinds), failed[0].error,
                         failed[0].message)
         out = self.columns(episodes, tok, pad_id, resident.version)
-        out["env_seconds"] = torch.zeros(rows, dtype=torch.float32)
         out["agent_calls"] = torch.tensor([len(o.calls) for o in outcomes], dtype=torch.long)
         out["agent_failed"] = torch.tensor([o.error is not None for o in outcomes],
                                            dtype=torch.int8)
@@ -587,6 +581,8 @@ class RolloutStage(Stage):
                                                  skip_special_tokens=True),
                "env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
                "turns": torch.tensor([e.turns for e in episodes], dtype=torch.long),
+               "env_seconds": torch.tensor([e.env_seconds for e in episodes],
+                                           dtype=torch.float32),
                "policy_version": torch.full((rows,), version, dtype=torch.long),
                **{f"info_{key}": torch.tensor([e.info.get(key, 0.0) for e in episodes],
                                               dtype=torch.float32)
@@ -597,4 +593,8 @@ class RolloutStage(Stage):
         return out
 
 
-
+def row_keys(batch: Batch, iteration: int) -> list[Key]:
+    """Each row's episode's identity across tasks: ``(iteration, prompt_index,
+    sample_index)``."""
+    return [(iteration, int(p), int(q)) for p, q in zip(
+        batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
