@@ -51,8 +51,8 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt | $(BIN)/python
 # scikit-learn and SQLAlchemy, which the demo does not need. docs: MkDocs, so the tests
 # build the documentation site (tests/test_docs.py). data, wandb and trackio: Hub data
 # sets written as the Hub stores them, an offline W&B run and a local Trackio run read back
-# (tests/test_hub_data.py, tests/test_trackers.py). gem and skyrl-gym: environment packages
-# the rollout plays (tests/test_envpackages.py; ~70 MB and ~15 s together, no torch).
+# (tests/data/test_hub_data.py, tests/monitor/test_trackers.py). gem and skyrl-gym: environment packages
+# the rollout plays (tests/engine/test_envpackages.py; ~70 MB and ~15 s together, no torch).
 $(TEST_STAMP): $(STAMP)
 	PIP_CONSTRAINT=constraints.txt $(BIN)/pip install -e ".[tensorboard,mlflow,docs,data,wandb,trackio,gem,skyrl-gym]"
 	@touch $@

@@ -150,7 +150,7 @@ def part_pytest(ctx: Context) -> dict:
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py",
                "-p", "no:cacheprovider", "-q", "-rA", f"--junitxml={xml}"]
     env = dict(os.environ)
-    if ctx.dry_run:  # the tests on the CPU; DeepSpeed's are tests/test_placement.py's there
+    if ctx.dry_run:  # the tests on the CPU; DeepSpeed's are tests/plan/test_placement.py's there
         env["RLHFFLOW_GPU_TEST_DEVICE"] = "cpu"
         command += ["-k", "not deepspeed"]
     done = subprocess.run(command, cwd=ROOT, env=env)

@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # into 5x slower runs. It also keeps float results independent of the machine's cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # `rlhfflow run` subprocesses import for themselves, as before the warm server: one server
-# per environment a test sets up would leave a dozen behind (tests/test_warm.py tests it)
+# per environment a test sets up would leave a dozen behind (tests/launch/test_warm.py tests it)
 os.environ.setdefault("RLHFFLOW_WARM", "0")
 # Dask worker processes inherit the environment: as in the product, keep their logs quiet
 os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "critical")

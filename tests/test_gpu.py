@@ -254,7 +254,7 @@ def test_a_grpo_iteration_trains_in_bf16_through_the_stages_on_cuda(tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_checkpoint_saved_on_cuda_resumes_exactly(tmp_path):
-    """As tests/test_resume.py on CPU: 3 iterations, a checkpoint, 2 more after a resume,
+    """As tests/runtime/test_resume.py on CPU: 3 iterations, a checkpoint, 2 more after a resume,
     the same results as 5 in one go. cuBLAS and some backward kernels are not
     deterministic by default (atomics): deterministic algorithms are asked for, so a
     difference is the resume's, not the GPU's."""

@@ -14,7 +14,7 @@ What is the same, so nothing else changes:
 * **Values.** The same operations in the same order (RMSNorm in float32, rotary tables
   from the model's own ``inv_freq`` and ``attention_scaling``, SDPA with a boolean mask of
   keys a query sees, the same scaling): on CPU the logits are bitwise those of
-  transformers, with and without a KV cache (``tests/test_lean.py``). Gradients flow
+  transformers, with and without a KV cache (``tests/engine/test_lean.py``). Gradients flow
   through the same parameters, so training, DeepSpeed's engine (which calls the module)
   and checkpoints are unchanged.
 * **The interface.** The forward takes transformers' arguments (``input_ids``,
@@ -33,7 +33,7 @@ the lean forward reads a Linear that peft's LoRA ``Linear`` replaced it computes
 layer's forward computes, the same operations in the same order: the base layer, then
 ``B(A(dropout(x))) * scaling`` added for each active adapter, the base alone with the
 adapters disabled (logits and the gradients of ``A`` and ``B`` bitwise peft's on CPU,
-``tests/test_lean.py``). Within ``merged_adapters`` (generation), a layer computed
+``tests/engine/test_lean.py``). Within ``merged_adapters`` (generation), a layer computed
 without gradients is one product with its merged weight ``W + scaling * B A`` instead,
 equal up to float rounding. Within ``training`` (a training step), a layer whose merged
 weight still matches its adapters is one product with it too, its gradients those of the

@@ -16,7 +16,7 @@ Nothing is ever downloaded: tokenizers are built from an alphabet with the ``tok
 library and models from a config with random weights.
 
 KV-cache decoding with transformers 5.x (checked against 5.23 and 5.24, see
-``tests/test_models.py::test_kv_cache_matches_full_forward``): no helper is needed. For a
+``tests/engine/test_models.py::test_kv_cache_matches_full_forward``): no helper is needed. For a
 left-padded batch, the plain forward call works (5.24 renamed ``past_key_values`` to
 ``cache``, in the call and in its output; the old name warns and goes in 5.40, and
 ``rlhfflow.engine.forward.cache_kwargs`` / ``output_cache`` take whichever the installed
@@ -213,7 +213,7 @@ def tiny_parameter_count(
     """Parameters of the model :func:`build_tiny_model` builds from these arguments, counted
     from the shapes of :func:`tiny_config` instead of building it: the coordinator plans
     tiny models without importing transformers' model classes (``parameter_bytes`` agrees,
-    ``tests/test_models.py``). Llama: untied embeddings, 4x MLP (gate, up, down), two norms
+    ``tests/engine/test_models.py``). Llama: untied embeddings, 4x MLP (gate, up, down), two norms
     per layer; GPT-2: tied embeddings, learned positions, biases. A value head is one
     output with a bias."""
     vocab, h = len(tokenizer), hidden

@@ -11,7 +11,7 @@ forward gets each decoder layer's ``forward`` wrapped. Only forwards that build 
 (grad enabled) and keep no KV cache are checkpointed; inference is unchanged.
 
 The gradients are those of the plain forward (the same operations run again on the
-same inputs; ``tests/test_recompute.py``), and the saved activations shrink from every
+same inputs; ``tests/engine/test_recompute.py``), and the saved activations shrink from every
 layer's intermediates to each layer's input.
 """
 

@@ -2,7 +2,7 @@
 a finished run's report opened in headless Chromium (the system's ``chromium``, driven by
 Playwright), checking that the plots are drawn, not just that the HTML is there.
 
-``RLHFFLOW_SCREENSHOTS=docs/images pytest tests/test_browser.py`` also refreshes the
+``RLHFFLOW_SCREENSHOTS=docs/images pytest tests/monitor/test_browser.py`` also refreshes the
 screenshots in docs/images.
 """
 

@@ -21,7 +21,7 @@ from rlhfflow.engine.environments import EnvironmentMisbehaved
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]

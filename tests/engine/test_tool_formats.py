@@ -40,7 +40,7 @@ from rlhfflow.engine.toolformats import (
 )
 from tests.conftest import CHAT_TEMPLATE, chat_batch, chat_store, chat_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 ADD_SCHEMA = {"type": "function", "function": {
     "name": "add", "description": "Add two numbers.",
@@ -197,7 +197,7 @@ LLAMA_CALL = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
 def llama_tool_lm_dir(tmp_path_factory) -> Path:
     """A tiny Llama taught to answer a chat prompt with ``LLAMA_CALL`` and end its turn
     (``<|im_end|>``), as Llama 3 writes a JSON tool call."""
-    from tests.test_rollout import TEXTS, teach
+    from tests.stages.test_rollout import TEXTS, teach
 
     tok = build_char_tokenizer(DEFAULT_ALPHABET + '{}"')
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -217,7 +217,7 @@ def llama_tool_lm_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("fmt, turns", [("llama3_json", 2), ("hermes", 1)])
 def test_a_rollout_runs_the_tool_calls_of_its_tool_format(llama_tool_lm_dir, fmt, turns):
-    from tests.test_rollout import TEXTS, _rollout
+    from tests.stages.test_rollout import TEXTS, _rollout
 
     store = chat_store(llama_tool_lm_dir)
     tok = store.get("actor").tokenizer

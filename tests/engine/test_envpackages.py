@@ -22,9 +22,9 @@ from rlhfflow.engine import envpackages
 from rlhfflow.engine.envpackages import GemEnv, PackageEnv, SkyRLGymEnv, UnknownEnvironment
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
-from tests.test_rollout import _pipeline
+from tests.stages.test_rollout import _pipeline
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 ADAPTERS = "rlhfflow.engine.envpackages"
 GUESS = "game:GuessTheNumber-v0-easy"

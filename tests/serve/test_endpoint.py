@@ -20,7 +20,7 @@ from rlhfflow.engine.service import GenerationService
 from rlhfflow.engine.toolformats import Hermes
 from rlhfflow.serve.endpoint import Endpoint, EndpointSettings
 from tests.conftest import REPO
-from tests.test_rollout import TEXTS, TOOL_CALL, tool_lm_dir  # noqa: F401 - a fixture
+from tests.stages.test_rollout import TEXTS, TOOL_CALL, tool_lm_dir  # noqa: F401 - a fixture
 
 openai = pytest.importorskip("openai", reason="openai not installed (pip install "
                              "'rlhfflow[test]')")

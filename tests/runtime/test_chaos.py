@@ -16,7 +16,7 @@ from distributed import Client, LocalCluster, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from rlhfflow.runtime.backend import DaskBackend, TaskFailed, WorkerLost
-from tests.test_warm import runtime  # noqa: F401 - a fixture: a warm server of the test's own
+from tests.launch.test_warm import runtime  # noqa: F401 - a fixture: a warm server of the test's own
 
 # the worker processes need not import this module
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

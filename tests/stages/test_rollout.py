@@ -31,7 +31,7 @@ from rlhfflow.engine.usercode import load_function
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import CHAT_TEMPLATE, chat_batch, chat_store, make_prompt_batch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
@@ -216,7 +216,7 @@ def test_a_slow_environment_step_overlaps_the_decoding_of_other_rows(chat_lm_dir
     batch["prompt_fields"] = [json.dumps({"secret": 3, "delay": 1.0 if row == 0 else 0.0})
                               for row in range(6)]
     stage = create_stage("rollout", model="actor", params=dict(
-        env="tests.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80,
+        env="tests.stages.test_rollout:SlowGuess", max_turns=3, max_new_tokens=5, max_tokens=80,
         env_workers=8))
     ctx, spans = _ctx(store), []
     ctx.spans = lambda part, start, stop: spans.append((part, start, stop))
@@ -240,8 +240,8 @@ def test_an_async_environment_step_is_awaited(chat_lm_dir):
     tok = store.get("actor").tokenizer
     batch = chat_batch(tok, TEXTS[:1], samples=2)
     params = dict(max_turns=2, max_new_tokens=5, max_tokens=60, env_workers=0)
-    sync = _rollout(store, batch, env="tests.test_rollout:SlowGuess", **params)
-    out = _rollout(store, batch, env="tests.test_rollout:AsyncGuess", **params)
+    sync = _rollout(store, batch, env="tests.stages.test_rollout:SlowGuess", **params)
+    out = _rollout(store, batch, env="tests.stages.test_rollout:AsyncGuess", **params)
     assert torch.equal(out["response_ids"], sync["response_ids"])
     assert out["turns"].tolist() == [2, 2]
 

@@ -14,7 +14,7 @@ from rlhfflow.config.graph import SOURCE, CycleError, StageGraph, StageNode
 from rlhfflow.config.loader import Pipeline, load_pipeline
 from rlhfflow.stages import SOURCE_COLUMNS, Column
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PPO_TINY = ROOT / "configs" / "ppo-tiny.yaml"
 GRPO_TINY = ROOT / "configs" / "grpo-tiny.yaml"
 

@@ -18,7 +18,7 @@ from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
-from tests.test_rollout import EXAMPLE, TEXTS
+from tests.stages.test_rollout import EXAMPLE, TEXTS
 
 #: A guessing game that notes the process of each hook in the file ``log``; a module of
 #: its own file, as a pipeline names it (imported under a name only the parent knows).

@@ -25,7 +25,7 @@ from rlhfflow.runtime.cluster import embedded_worker_processes
 from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.storage import CheckpointStore, ExperienceBuffer, MetricsLog
 from tests.conftest import DATA, small_pipeline
-from tests.test_setup_stages import _with_setup_stage
+from tests.stages.test_setup_stages import _with_setup_stage
 
 # what must not change when a run is stopped and resumed (timings may)
 RESULT_KEYS = ("iteration", "samples", "reward_mean", "reward_std", "kl_mean", "policy_loss",

@@ -279,7 +279,7 @@ def test_a_rollout_counts_the_failed_programs_in_its_info_columns(tmp_path):
     from rlhfflow.config.loader import load_pipeline
     from rlhfflow.runtime.stagetest import run_stage_alone
 
-    example = Path(__file__).parents[1] / "examples" / "multiturn"
+    example = Path(__file__).parents[2] / "examples" / "multiturn"
     data = yaml.safe_load((example / "guess-tiny.yaml").read_text())
     data["data"]["prompts"] = str(example / "prompts.jsonl")
     data["stages"]["rollout"]["params"] = {
@@ -301,7 +301,7 @@ def test_sandboxed_steps_on_the_cpu_pool_give_the_steps_in_the_task(chat_lm_dir,
 
     from rlhfflow.sdk import StageContext, create_stage
     from tests.conftest import chat_batch, chat_store
-    from tests.test_rollout import TEXTS
+    from tests.stages.test_rollout import TEXTS
 
     store = chat_store(chat_lm_dir)
     batch = chat_batch(store.get("actor").tokenizer, TEXTS, samples=2, secrets=[3, 5, 7])

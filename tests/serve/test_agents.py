@@ -12,7 +12,7 @@ import torch
 from rlhfflow.config.spec import SpecError
 from rlhfflow.stages import create_stage
 from tests.conftest import REPO, chat_batch, chat_store
-from tests.test_rollout import (  # noqa: F401 - tool_lm_dir is a fixture
+from tests.stages.test_rollout import (  # noqa: F401 - tool_lm_dir is a fixture
     TEXTS,
     TOOL_CALL,
     _check_logprobs_match_a_fresh_forward,

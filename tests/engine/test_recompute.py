@@ -116,7 +116,7 @@ import torch
 import torch.distributed as dist
 from rlhfflow.engine.forward import response_logits
 from rlhfflow.stages import ModelConfig, ModelStore
-from tests.test_recompute import _batch
+from tests.engine.test_recompute import _batch
 
 path = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=0, world_size=1)
@@ -143,7 +143,7 @@ def test_a_checkpointed_model_takes_the_same_step_under_deepspeed_zero2(tmp_path
     its ZeRO-2 step equals the plain torch step of the same model without checkpointing."""
     pytest.importorskip("deepspeed")
     save_tiny_model(tmp_path / "m", n_layer=3, hidden=32, n_head=4)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "LOCAL_RANK": "0", "RANK": "0",
            "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     script = tmp_path / "step.py"

@@ -494,7 +494,7 @@ def test_response_logits_equal_the_full_forwards(tokenizer, arch):
     """Only the response positions go through the LM head; the values are those of a
     forward over every position (to the bit in one forward: distinct prompts, responses
     of the full length; to float rounding where responses end early and run cut to
-    their length, tests/test_shared_prompts.py)."""
+    their length, tests/engine/test_shared_prompts.py)."""
     from rlhfflow.engine.forward import response_logits, sequence_inputs
 
     module = build_tiny_model(tokenizer, "lm", seed=0, arch=arch)

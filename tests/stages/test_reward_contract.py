@@ -20,7 +20,7 @@ from rlhfflow.cli.main import main
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store, small_pipeline
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TRIAL = "a trial call on two rows (the first prompt records, made-up responses) failed"

@@ -20,7 +20,7 @@ from rlhfflow.runtime.worker.host import PLUGIN_NAME, RLHFWorkerPlugin, RunDef, 
 from rlhfflow.runtime.worker.tasks import part, stage_task
 from rlhfflow.stages import ModelConfig, ModelStore, StageContext, create_stage
 from tests.conftest import make_prompt_batch, peaked_model
-from tests.test_generation import TEXTS
+from tests.engine.test_generation import TEXTS
 
 PARAMS = {"max_new_tokens": 16, "migrate_min_s": 0.0}
 

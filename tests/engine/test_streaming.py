@@ -20,7 +20,7 @@ from rlhfflow.engine.forward import response_logprobs
 from rlhfflow.stages import StageContext, create_stage
 from tests.conftest import chat_batch, chat_store
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
@@ -295,7 +295,7 @@ def test_sigkill_then_resume_loses_and_repeats_no_episode(tmp_path):
     the last checkpoint afresh from its prompts: every iteration trained once."""
     import psutil
 
-    from tests.test_resume import _assert_each_iteration_once, _wait_for_lines
+    from tests.runtime.test_resume import _assert_each_iteration_once, _wait_for_lines
 
     path, out = _faulty_pipeline(tmp_path)
     proc = _popen(path)
@@ -316,7 +316,7 @@ def test_a_killed_worker_is_replaced_and_a_streaming_run_completes(tmp_path):
     import psutil
 
     from rlhfflow.runtime.cluster import embedded_worker_processes
-    from tests.test_resume import _assert_each_iteration_once, _wait_for_lines
+    from tests.runtime.test_resume import _assert_each_iteration_once, _wait_for_lines
 
     path, out = _faulty_pipeline(tmp_path)
     proc = _popen(path)

@@ -25,7 +25,7 @@ import pytest
 
 from rlhfflow.launch import warm
 from tests.conftest import REPO, small_pipeline
-from tests.test_worker_output import check_said_and_kept, noisy_pipeline
+from tests.monitor.test_worker_output import check_said_and_kept, noisy_pipeline
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not warm.supported(), reason="no fork server here")]

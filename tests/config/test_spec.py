@@ -21,7 +21,7 @@ from rlhfflow.cli.main import main
 from rlhfflow.config.loader import load_pipeline
 from rlhfflow.config.spec import SpecError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PPO_TINY = ROOT / "configs" / "ppo-tiny.yaml"
 PROMPTS = ROOT / "configs" / "data" / "prompts.jsonl"
 SFT_DATA = ROOT / "configs" / "data" / "sft.jsonl"
