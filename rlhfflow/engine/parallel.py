@@ -13,7 +13,7 @@ import datetime
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +215,22 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded ``tensor`` (``tensor`` itself when not sharded)."""
     return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The keys of a state dict whose tensor is an earlier key's storage (tied weights,
+    e.g. an LM head that is the input embedding), each to the first key of that storage;
+    a sharded tensor by its part on this rank."""
+    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    tied: dict[str, str] = {}
+    for key, value in state.items():
+        part = local_part(value)
+        if part.numel() == 0:
+            continue
+        found = first.setdefault((part.data_ptr(), tuple(part.shape)), key)
+        if found != key:
+            tied[key] = found
+    return tied
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:

@@ -372,37 +372,48 @@ class ResidentModel:
         """The weights as CPU tensors, to send to another worker's copy (a LoRA model's
         adapters only: the base is the same everywhere); a sharded model's parts on this
         rank (``install_parts`` puts the ranks' parts together)."""
-        from rlhfflow.engine.parallel import local_part
+        from rlhfflow.engine.parallel import aliases, local_part
 
         if self.config.lora is not None:
             return lora.adapter_state(self.module)
+        state = self.module.state_dict()
+        tied = aliases(state)  # sent once: the receiver's copy ties them as this one does
         return {k: local_part(v).detach().to("cpu", copy=True)
-                for k, v in self.module.state_dict().items()}
+                for k, v in state.items() if k not in tied}
 
     def install(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights with ``weights`` received from the model's home; they are
         version ``version``."""
+        from rlhfflow.engine.parallel import aliases
+
         if self.config.lora is not None:
             lora.install_adapter_state(self.module, weights)
         else:
+            own = self.module.state_dict()
+            # a tied weight (an LM head that is the embedding) comes once, under the
+            # first of its names: the copy here is tied the same way
+            full = {**{k: weights[src] for k, src in aliases(own).items()
+                       if k not in weights and src in weights}, **weights}
             with torch.no_grad():
-                self.module.load_state_dict(dict(weights), strict=True)
+                self.module.load_state_dict(full, strict=True)
         self.version = version
 
     def install_parts(self, parts: list[Mapping[str, torch.Tensor]], version: int) -> None:
         """Replace the weights with those of a model sharded over ``len(parts)`` ranks,
         ``parts[r]`` rank r's (``state_for_transfer``), one tensor put together at a
         time: no second whole copy of the weights is made here."""
-        from rlhfflow.engine.parallel import assemble
+        from rlhfflow.engine.parallel import aliases, assemble
 
         own = self.module.state_dict()
-        if set(own) != set(parts[0]):
-            missing = sorted(set(own) ^ set(parts[0]))
+        tied = aliases(own)  # put together once, under the first of their names
+        if set(own) - set(tied) != set(parts[0]):
+            missing = sorted((set(own) - set(tied)) ^ set(parts[0]))
             raise KeyError(f"model {self.config.name!r}: sharded weights do not match the "
                            f"copy here ({', '.join(missing[:3])} ...)")
         with torch.no_grad():
             for name, target in own.items():
-                target.copy_(assemble([p[name] for p in parts]))
+                if name not in tied:
+                    target.copy_(assemble([p[name] for p in parts]))
         self.version = version
 
     def save(self, path: str | Path) -> None:

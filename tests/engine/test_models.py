@@ -510,3 +510,34 @@ def test_response_logits_equal_the_full_forwards(tokenizer, arch):
     batch["response_mask"] = torch.tensor([[1, 1, 1, 0, 0]] * 3)
     torch.testing.assert_close(response_logits(module, batch)[:, :3], full[:, :3].float(),
                                atol=1e-6, rtol=1e-6)
+
+
+def test_a_tied_weight_moves_once_and_lands_tied(tok, tmp_path):
+    """A model whose LM head is its input embedding (GPT-2 here, SmolLM2 in the examples)
+    sends that matrix once to another worker's copy, whole or as a sharded model's parts,
+    and the copy ends with every weight of the sender's, still tied."""
+    from transformers import GPT2LMHeadModel
+
+    from rlhfflow.stages import ModelConfig, ModelStore
+
+    torch.manual_seed(0)
+    save_model(GPT2LMHeadModel(tiny_config(tok, arch="gpt2")), tok, tmp_path / "tied")
+    path = str(tmp_path / "tied")
+    home = ModelStore({"m": ModelConfig("m", "lm", path, trainable=True,
+                                        optimizer={"lr": 1e-2})}).get("m")
+    with torch.no_grad():  # new weights, the head's with the embedding's
+        for p in home.module.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    state = home.module.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    weights = home.state_for_transfer()
+    assert "lm_head.weight" not in weights and "transformer.wte.weight" in weights
+    assert sum(t.numel() * t.element_size() for t in weights.values()) == \
+        sum(p.numel() * p.element_size() for p in home.module.parameters())
+    for install in (lambda s: s.install(weights, 1), lambda s: s.install_parts([weights], 1)):
+        shadow = ModelStore({"m": ModelConfig("m", "lm", path)}).get("m")
+        install(shadow)
+        got = shadow.module.state_dict()
+        assert set(got) == set(state)
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        assert shadow.module.lm_head.weight is shadow.module.transformer.wte.weight
