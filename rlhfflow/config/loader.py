@@ -410,12 +410,6 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"models.{name}.dtype", f"float16 training has no loss "
                             f"scaling under backend: fsdp (stage {sharded[0]!r}); use "
                             f"bfloat16 or float32, or backend: torch")
-        if sharded and model.lora is not None:
-            # LoRA's adapters are a few MB: they need no sharding, and peft's layers under
-            # FSDP are not built here
-            raise SpecError(file, f"stages.{sharded[0]}.backend", f"backend: fsdp does not "
-                            f"train LoRA adapters (model {name!r} has lora); use backend: "
-                            f"torch for a LoRA model, or drop models.{name}.lora to shard it")
         if model.trainable and not trainers:
             raise SpecError(file, f"models.{name}.trainable", "the model is trainable but no "
                             "stage trains it; add a training stage or set trainable: false")

@@ -14,6 +14,11 @@ as its base). What follows from the base never changing:
   loadable with ``PeftModel.from_pretrained``) and the ``final`` export is the merged model
   (:func:`merged_copy`), plain transformers.
 
+Sharded over a gang (``backend: fsdp``), the base and the adapters are split alike:
+each rank sends its part of the adapters, a checkpoint gathers them
+(:func:`gathered_adapters`) and the final export merges them into the base reloaded on
+rank 0 (:func:`export_sharded`).
+
 A LoRA model of the default shape gets the lean forward (``engine.lean``), which
 computes peft's LoRA layers itself; the base view has plain layers again and gets it like
 any model.
@@ -116,9 +121,28 @@ def base_view(module: torch.nn.Module) -> torch.nn.Module:
 
 def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters of LoRA ``module`` (adapters, a value head) by name, as
-    CPU copies: what a shadow copy needs, the base being the same everywhere."""
-    return {k: p.detach().to("cpu", copy=True) for k, p in module.named_parameters()
-            if p.requires_grad}
+    CPU copies: what a shadow copy needs, the base being the same everywhere. Of a model
+    sharded over a gang (``backend: fsdp``), this rank's parts (``engine.parallel``'s
+    ``assemble`` puts the ranks' parts together)."""
+    from rlhfflow.engine.parallel import local_part
+
+    return {k: local_part(p.detach()).to("cpu", copy=True)
+            for k, p in module.named_parameters() if p.requires_grad}
+
+
+def gathered_adapters(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole trainable parameters of LoRA ``module`` sharded over a gang, as CPU
+    tensors on rank 0 and None on the others (a collective: every rank calls it at
+    once); a model that is not sharded: None."""
+    import torch.distributed as dist
+
+    from rlhfflow.engine.parallel import gathered, is_sharded
+
+    trained = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    if not any(is_sharded(p) for p in trained.values()):
+        return None
+    whole = {k: gathered(p.detach()).cpu() for k, p in trained.items()}
+    return whole if dist.get_rank() == 0 else None
 
 
 def install_adapter_state(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -134,14 +158,22 @@ def install_adapter_state(module: torch.nn.Module, weights: Mapping[str, torch.T
             params[key].copy_(value)
 
 
-def save_adapter(module: torch.nn.Module, tokenizer: Any, path: str | os.PathLike) -> None:
+def save_adapter(module: torch.nn.Module, tokenizer: Any, path: str | os.PathLike,
+                 sharded: bool = False) -> None:
     """Save LoRA ``module``'s adapters (peft's format: ``adapter_config.json`` and
-    ``adapter_model.safetensors``) and the tokenizer into ``path``, atomically."""
+    ``adapter_model.safetensors``) and the tokenizer into ``path``, atomically. A model
+    sharded over a gang (``sharded``): every rank calls this at once, the adapters are
+    gathered (a few MB) and rank 0 saves them."""
+    state = None
+    if sharded:
+        state = gathered_adapters(module)
+        if state is None:  # another rank saves
+            return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        module.save_pretrained(tmp)
+        module.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         if not (tmp / ADAPTER_CONFIG).is_file():
             raise RuntimeError(f"saving {path}: peft wrote no {ADAPTER_CONFIG}")
@@ -184,6 +216,27 @@ def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
                 if adapter in getattr(layer, "lora_A", {}):
                     target.weight += layer.get_delta_weight(adapter).to(target.weight.dtype)
     return merged
+
+
+def export_sharded(module: torch.nn.Module, tokenizer: Any, path: str | os.PathLike,
+                   config: Any, device: str) -> None:
+    """Save LoRA ``module``, sharded over a gang, as users deploy it: its adapters,
+    gathered, merged into a plain copy of the frozen weights it was made from (its
+    ``ModelConfig``'s ``init_path``, loaded in fp32 on rank 0 only), in place: one whole
+    copy of the weights, as a sharded model's export gathers. Every rank calls this at
+    once; rank 0 saves."""
+    from rlhfflow.engine.models import load_model, save_model
+
+    adapters = gathered_adapters(module)
+    if adapters is None:  # another rank saves
+        return
+    base, _ = load_model(config.init_path, config.head, device=device)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    plain = apply_lora(base, config.lora, config.head, config.name)
+    install_adapter_state(plain, adapters)
+    with torch.no_grad():
+        save_model(plain.merge_and_unload(), tokenizer, path)
 
 
 def lora_parameter_counts(config, lora: Mapping[str, Any], head: str) -> tuple[int, int]:

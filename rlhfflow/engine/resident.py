@@ -404,6 +404,8 @@ class ResidentModel:
         time: no second whole copy of the weights is made here."""
         from rlhfflow.engine.parallel import aliases, assemble
 
+        if self.config.lora is not None:  # the adapters' parts, a few MB
+            return self.install({k: assemble([p[k] for p in parts]) for k in parts[0]}, version)
         own = self.module.state_dict()
         tied = aliases(own)  # put together once, under the first of their names
         if set(own) - set(tied) != set(parts[0]):
@@ -420,7 +422,7 @@ class ResidentModel:
         """Save what a checkpoint keeps (atomically): weights and tokenizer in
         transformers format, or a LoRA model's adapters in peft's format."""
         if self.config.lora is not None:
-            lora.save_adapter(self.module, self.tokenizer, path)
+            lora.save_adapter(self.module, self.tokenizer, path, sharded=self.sharded)
         else:
             self.export(path)
 
@@ -428,9 +430,13 @@ class ResidentModel:
         """Save the model as users deploy it, in transformers format (atomically): a
         LoRA model with its adapters merged into a copy of the weights. A sharded model
         is gathered one tensor at a time on every rank (each rank calls this at once)
-        and rank 0 saves it."""
+        and rank 0 saves it; a sharded LoRA model's adapters are gathered and merged into
+        the base weights reloaded on rank 0 (``lora.export_sharded``)."""
         from rlhfflow.engine.models import save_model
 
+        if self.sharded and self.config.lora is not None:
+            return lora.export_sharded(self.module, self.tokenizer, path, self.config,
+                                       self.device)
         if self.sharded:
             state = self._gathered_state()
             if self.shard_rank == 0:

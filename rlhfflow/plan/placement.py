@@ -243,9 +243,12 @@ def _stage_plans(pipeline: Pipeline, refs: _WorkerRefs, homes: Mapping[str, tupl
                 stages[name] = StagePlan(name, home, gang=len(home) > 1 or deepspeed)
             continue
         ahead = node.model in ahead_models and not node.per_batch
+        # a view of the base of a LoRA model trained sharded: beside its whole copies
+        base = pipeline.lora_base(node.model)
+        on_shadow = base is not None and _trains_sharded(pipeline, base)
         if explicit is not None:
             workers = refs.resolve(explicit, key)
-        elif placement.strategy == "disaggregated" and (node.generates or ahead):
+        elif placement.strategy == "disaggregated" and (node.generates or ahead or on_shadow):
             # behaviour log-probs are computed next to generation, with its weights
             workers = refs.groups["rollout"]
         else:
@@ -503,14 +506,26 @@ def _check_sharded(pipeline: Pipeline, stages: Mapping[str, StagePlan],
                             f"{model!r} over its workers, and it has one ({list(home)}); "
                             f"give it 2 or more (placement.models.{model} or the train "
                             f"group), or use backend: torch")
-        for user in graph.users(model):
-            node = graph.nodes[user]
-            if not node.trains and set(stages[user].workers) & set(home):
+        # a frozen view of a LoRA model's base is that model's weights too
+        views = [m for m in spec.models if pipeline.lora_base(m) == model]
+        for used in (model, *views):
+            for user in graph.users(used):
+                node = graph.nodes[user]
+                if node.trains or not set(stages[user].workers) & set(home):
+                    continue
+                what = f"model {used!r}" + (f" (the base of {model!r})" if used != model
+                                            else "")
                 raise PlanError(file, f"placement.stages.{user}", f"stage {user!r} uses "
-                                f"model {model!r}, sharded on workers {list(home)} (stage "
-                                f"{name!r}, backend: fsdp): run it elsewhere, on a shadow "
+                                f"{what}, sharded on workers {list(home)} (stage {name!r}, "
+                                f"backend: fsdp): run it elsewhere, on a shadow "
                                 f"(placement.strategy: disaggregated, or "
                                 f"placement.stages.{user}: rollout)")
+
+
+def _trains_sharded(pipeline: Pipeline, model: str) -> bool:
+    """Whether a stage trains ``model`` sharded over its workers (``backend: fsdp``)."""
+    return any(pipeline.spec.stages[t].backend == "fsdp"
+               for t in pipeline.graph.trainers(model))
 
 
 def model_sizes(pipeline: Pipeline) -> dict[str, int]:

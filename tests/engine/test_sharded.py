@@ -28,6 +28,8 @@ GRPO = CONFIGS / "grpo-tiny.yaml"
 DISAGGREGATED = {"placement.strategy": "disaggregated", "placement.groups":
                  {"rollout": [0], "train": [1, 2]}}
 COMPARED = ("reward_mean", "kl_mean", "policy_loss", "clip_frac", "tokens_generated")
+#: adapters on every Linear of the actor (the tiny demo's output head among them)
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +158,6 @@ def test_sharding_over_one_worker_is_refused():
 
 
 @pytest.mark.parametrize(("overrides", "key", "says"), [
-    ({"models.actor.lora": {"r": 4}}, "stages.train_actor.backend", "does not train LoRA"),
     ({"models.actor.dtype": "float16"}, "models.actor.dtype", "no loss scaling"),
     ({"stages.generate.backend": "fsdp"}, "stages.generate.backend", "trains in the loop"),
 ])
@@ -208,3 +209,94 @@ def test_a_sharded_run_killed_mid_run_resumes_as_if_never_stopped(runs, tmp_path
     assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
     for key in COMPARED:
         assert [m[key] for m in metrics] == [m[key] for m in runs["fsdp"].metrics], key
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_runs(cluster3, tmp_path_factory):
+    """The 4-iteration GRPO run of a LoRA actor (its reference the resident base)
+    trained on the gang of two unsharded (``torch``) and sharded (``fsdp``)."""
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    tmp_path = tmp_path_factory.mktemp("lora")
+    return {b: _run(cluster3, tmp_path, b, name=f"lora-{b}",
+                    overrides={"models.actor.lora": LORA}) for b in ("torch", "fsdp")}
+
+
+def _adapters(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    assert (directory / "adapter_config.json").is_file()
+    return load_file(directory / "adapter_model.safetensors")
+
+
+def test_sharded_lora_learns_as_the_unsharded_lora_gang(lora_runs):
+    """The frozen base and the adapters sharded over the gang (FSDP2), AdamW over the
+    adapters' parts only: every iteration's metrics, gradient norms and sampled tokens
+    are those of the unsharded LoRA gang; only the adapters move to the shadow; the
+    checkpoints hold the adapters (peft's format, each rank's part of their moments)
+    and the final model is merged, as the unsharded run's."""
+    for key in COMPARED:
+        assert [m[key] for m in lora_runs["fsdp"].metrics] == pytest.approx(
+            [m[key] for m in lora_runs["torch"].metrics], rel=1e-4, abs=1e-6), key
+    norms = {b: [m["train"]["train_actor"]["grad_norm"] for m in r.metrics]
+             for b, r in lora_runs.items()}
+    assert norms["fsdp"] == pytest.approx(norms["torch"], rel=1e-4)
+    buffers = {b: ExperienceBuffer(r.output_dir / "buffer.zarr") for b, r in lora_runs.items()}
+    for k in range(1, 4):
+        ids = {b: buf.read(k, ["response_ids"])["response_ids"] for b, buf in buffers.items()}
+        assert (ids["fsdp"] == ids["torch"]).all()
+    lasts = {b: sorted((r.output_dir / "checkpoints").iterdir())[-1]
+             for b, r in lora_runs.items()}
+    adapters = {b: _adapters(last / "models" / "actor") for b, last in lasts.items()}
+    assert adapters["fsdp"].keys() == adapters["torch"].keys()
+    assert all("lora_" in k for k in adapters["fsdp"])
+    assert any(k.endswith("lora_B.weight") and t.abs().max() > 0
+               for k, t in adapters["fsdp"].items())
+    assert _max_difference(adapters["fsdp"], adapters["torch"]) < 1e-4
+    assert sorted(p.name for p in (lasts["fsdp"] / "optimizers").iterdir()) == \
+        ["actor.zero-rank0.pt", "actor.zero-rank1.pt"]
+    nbytes = sum(t.numel() * t.element_size() for t in adapters["fsdp"].values())
+    for m in lora_runs["fsdp"].metrics:
+        assert m["realloc_bytes"] == nbytes and m["realloc_s"] > 0
+    finals = {b: _weights(r.output_dir / "models" / "actor" / "final")
+              for b, r in lora_runs.items()}
+    init = _weights(lora_runs["torch"].output_dir / "models" / "actor" / "init")
+    moved = torch.cat([(finals["torch"][k] - init[k]).flatten() for k in init])
+    apart = torch.cat([(finals["fsdp"][k] - finals["torch"][k]).flatten() for k in init])
+    assert moved.norm() > 0 and apart.norm() < 1e-3 * moved.norm()
+
+
+def test_a_sharded_lora_run_resumes_exactly(lora_runs, cluster3, tmp_path):
+    """Stopped after 2 iterations and resumed to 4 (the adapters from the checkpoint,
+    resharded, each rank's AdamW part): the uninterrupted run's metrics, adapters and
+    merged final weights, exactly."""
+    whole = lora_runs["fsdp"]
+    lora = {"models.actor.lora": LORA}
+    _run(cluster3, tmp_path, "fsdp", iterations=2, name="stopped", overrides=lora)
+    resumed = _run(cluster3, tmp_path, "fsdp", iterations=4, name="stopped", overrides=lora,
+                   overwrite=False)
+    assert [m["iteration"] for m in resumed.metrics] == [2, 3]
+    for key in COMPARED:
+        assert [m[key] for m in resumed.metrics] == [m[key] for m in whole.metrics[2:]], key
+    [*_, last] = sorted((resumed.output_dir / "checkpoints").iterdir())
+    [*_, whole_last] = sorted((whole.output_dir / "checkpoints").iterdir())
+    assert _max_difference(_adapters(last / "models" / "actor"),
+                           _adapters(whole_last / "models" / "actor")) == 0.0
+    final = "models/actor/final"
+    assert _max_difference(_weights(resumed.output_dir / final),
+                           _weights(whole.output_dir / final)) == 0.0
+
+
+def test_the_base_of_a_sharded_lora_model_is_read_on_its_shadow():
+    """A reference ``from:`` a sharded LoRA actor is a view of the actor's base: under
+    ``disaggregated`` it runs beside generation, on the shadow's whole copy; placed on
+    the gang it is refused (its forward would be on the shards)."""
+    plan = _plan({"models.actor.lora": LORA, "placement.strategy": "disaggregated"}, 3)
+    assert plan.stages["ref_logprob"].workers == plan.stages["generate"].workers == (0,)
+    assert plan.stages["train_actor"].workers == (1, 2)
+    with pytest.raises(PlanError, match=r"placement.stages.ref_logprob: stage 'ref_logprob' "
+                                        r"uses model 'ref' \(the base of 'actor'\), sharded"):
+        _plan({"models.actor.lora": LORA, **DISAGGREGATED,
+               "placement.stages.ref_logprob": "train"}, 3)
