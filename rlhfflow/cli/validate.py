@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from rlhfflow.cli.common import OVERRIDES_ARGUMENT, SET_OPTION, load, parse_sets, table
+from rlhfflow.cli.common import (
+    OVERRIDES_ARGUMENT,
+    SET_OPTION,
+    load,
+    parse_sets,
+    pipeline_errors,
+    table,
+)
 
 if TYPE_CHECKING:
     from rlhfflow.config.loader import Pipeline
@@ -70,11 +77,34 @@ def validate(file: str, overrides: tuple[str, ...], sets: tuple[str, ...]) -> No
 
     Exits 0 when the file is valid. Otherwise prints one line naming the file,
     the key and what was expected, and exits 2. KEY=VALUE arguments after FILE
-    override keys of the file, like --set.
+    override keys of the file, like --set. With 'cluster.memory_limit' set, the
+    plan must fit it, as 'rlhfflow run' checks before starting a cluster (under
+    strategy auto: some plan, sharded or checkpointed ones included).
 
     \b
     Example:
       rlhfflow validate configs/ppo-tiny.yaml
       rlhfflow validate configs/grpo-tiny.yaml algorithm.kl_coef=0.1
     """
-    click.echo(summary(load(file, parse_sets(sets, overrides))))
+    pipeline = load(file, parse_sets(sets, overrides))
+    check_memory(pipeline)
+    click.echo(summary(pipeline))
+
+
+def check_memory(pipeline: Pipeline) -> None:
+    """Refuse (one line, exit 2) a pipeline that no plan fits in its
+    ``cluster.memory_limit``, planned as ``rlhfflow run`` plans it (on the GPUs there
+    are, for a GPU run under ``auto``); nothing is started."""
+    spec = pipeline.spec
+    if spec.cluster.memory_limit in ("auto", "0", 0) or spec.data is None:
+        return
+    from rlhfflow.plan.auto.planner import check_fits, load_profile
+
+    workers = None
+    if spec.placement.strategy == "auto" and spec.cluster.device != "cpu":
+        from rlhfflow.runtime.cluster import cuda_count
+
+        gpus = cuda_count()
+        workers = min(spec.cluster.workers, gpus) if gpus else None
+    with pipeline_errors():
+        check_fits(pipeline, load_profile(pipeline, quiet=True), workers)

@@ -61,7 +61,8 @@ def pause_fraction() -> float:
 def shardable(pipeline: Pipeline) -> list[str]:
     """The training stages the planner may shard (``backend: fsdp``): a loop
     ``train_actor``/``train_critic`` whose ``backend`` the file leaves unset, of a model
-    without LoRA in float32 or bfloat16 (what validation accepts under fsdp)."""
+    in float32 or bfloat16 (what validation accepts under fsdp); a LoRA model's frozen
+    base is sharded with its adapters."""
     spec = pipeline.spec
     out = []
     for name in pipeline.graph.loop_stages:
@@ -69,8 +70,8 @@ def shardable(pipeline: Pipeline) -> list[str]:
         if not node.trains or node.model is None or "backend" in stage.model_fields_set:
             continue
         model = spec.models[node.model]
-        if stage.type in ("train_actor", "train_critic") and model.lora is None and \
-                model.dtype != "float16" and model.trainable:
+        if stage.type in ("train_actor", "train_critic") and model.dtype != "float16" \
+                and model.trainable:
             out.append(name)
     return out
 
@@ -192,8 +193,7 @@ def _remedies(run: Pipeline, plan: ExecutionPlan, w: int) -> list[dict[str, Any]
         if not node.trains or node.model is None or w not in plan.stages[name].workers:
             continue
         model = spec.models[node.model]
-        if spec.stages[name].backend == "torch" and model.lora is None and \
-                model.dtype != "float16":
+        if spec.stages[name].backend == "torch" and model.dtype != "float16":
             out.append({f"stages.{name}.backend": "fsdp"})
             if spec.placement.strategy != "disaggregated":  # generation on a shadow
                 out.append({"placement.strategy": "disaggregated",

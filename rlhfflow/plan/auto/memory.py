@@ -42,22 +42,25 @@ def trainer_state(shape: ModelShape, gang: int = 1, head: str = "lm", saves: boo
     AdamW state (``trained``) on one worker of its home, unsharded (``gang`` 1: the
     whole copy, gradients and two fp32 moments of what trains) or sharded over ``gang``
     workers (``backend: fsdp``, docs/how-to/sharded-training.md): ``4P/N`` of weights
-    and ``8P/N`` of moments (the ``4P/N`` of gradients are counted with the step's
-    activations, :meth:`CostModel.task_bytes`, which they replace as the backward runs);
-    on top, one decoder layer's whole
+    and ``8P/N`` of moments of what trains (a LoRA model's: of its adapters; the
+    gradients are counted with the step's activations, :meth:`CostModel.task_bytes`,
+    which they replace as the backward runs); on top, one decoder layer's whole
     weights and gradients while it runs and the embeddings, head and final norm (the
-    root, gathered for the whole forward and backward) with theirs. ``transient``: what
+    root, gathered for the whole forward and backward) with theirs (of a LoRA model,
+    the weights only: its frozen base has no gradients). ``transient``: what
     a task that is not a training step may hold beyond that, alone on the worker:
     loading reads the whole model before sharding it (``2 x 4P`` for a moment) and, on
     the rank that saves (``saves``), a checkpoint gathers the whole weights (``4P``
-    besides its weights and moments, its gradients freed)."""
+    besides its weights and moments, its gradients freed; a LoRA model's checkpoint
+    gathers its adapters, and its final export loads the whole base to merge them)."""
     trained = shape.trained * 4
     if gang <= 1:
         return {"weights": float(shape.nbytes), "trained": 3.0 * trained, "transient": 0.0}
     layer, root = layer_params(shape, head)
     weights, moments = shape.nbytes / gang, 2 * trained / gang
     # the gradients: CostModel.task_bytes
-    steady = weights + moments + 2 * 4 * (layer + root)
+    gathered = (1 if shape.adapters is not None else 2) * 4 * (layer + root)
+    steady = weights + moments + gathered
     transient = max(2.0 * shape.nbytes, weights + moments + shape.nbytes if saves else 0.0)
     return {"weights": weights, "trained": steady - weights,
             "transient": max(0.0, transient - steady)}

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rlhfflow.config.pipeline import derive
 from rlhfflow.plan.auto.costmodel import CostModel, Profile, ProfileError
 from rlhfflow.plan.auto.fitting import (
+    check_memory,
     describe_fit,
     does_not_fit,
     memory_fits,
@@ -391,6 +392,25 @@ def plan_for_cli(pipeline: Pipeline, profile: Profile | None, workers: int | Non
     if pipeline.spec.placement.strategy == "auto":
         return choose_plan(pipeline, profile, n_workers=n)
     return choose_plan(pipeline, profile, n_workers=n or cluster.workers, vary=False)
+
+
+def check_fits(pipeline: Pipeline, profile: Profile | None = None,
+               n_workers: int | None = None) -> None:
+    """Refuse, with one line (``PlanError``), a pipeline whose embedded cluster's
+    ``cluster.memory_limit`` no plan fits: with a chosen strategy, its plan
+    (``check_memory``, as ``rlhfflow run`` checks it before starting a cluster); under
+    ``auto``, every plan the planner tries, sharded and checkpointed ones included
+    (``choose_plan`` on ``n_workers``, None: the embedded cluster's layouts). What
+    ``rlhfflow validate`` checks of memory. Nothing without a limit, without loop
+    stages, or on an external cluster (its workers' limits are their own)."""
+    spec = pipeline.spec
+    if spec.cluster.memory_limit in ("auto", "0", 0) or spec.data is None or \
+            spec.cluster.address is not None:
+        return
+    if spec.placement.strategy == "auto":
+        choose_plan(pipeline, profile, n_workers=n_workers)
+    else:
+        check_memory(pipeline, spec.cluster.workers)
 
 
 def describe_choice(choice: PlanChoice, profile: Profile | None, candidates: int = 0
