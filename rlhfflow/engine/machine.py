@@ -60,3 +60,24 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def peak_rss(reset: bool = False) -> int | None:
+    """This process's resident-set high-water mark in bytes (Linux's ``VmHWM``: what a
+    Dask worker's memory limit is measured against, at its highest), or None where the
+    kernel does not say. ``reset``: start the mark again from the present resident set
+    (``/proc/self/clear_refs``), so the next call gives the peak since this one."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(x for x in status if x.startswith("VmHWM:"))
+        peak = int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+        except OSError:
+            pass  # the mark then covers the process's life so far
+    return peak
+

@@ -45,13 +45,15 @@ METRIC_NAMES = {
 
 
 #: record keys that are no metric of their own: the step, and those ``flat_metrics``
-#: renames (``METRIC_NAMES``, ``stage_s``, ``busy_frac``, ``reward_mean_NAME``)
-_NAMED = frozenset({"iteration", "stage_s", "busy_frac", *METRIC_NAMES})
+#: renames (``METRIC_NAMES``, ``stage_s``, ``busy_frac``, ``memory_peak_mib``,
+#: ``reward_mean_NAME``)
+_NAMED = frozenset({"iteration", "stage_s", "busy_frac", "memory_peak_mib", *METRIC_NAMES})
 
 
 def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
     """One metrics.jsonl record as ``{name: value}``: under TRL/veRL names the table
-    above, ``timing/STAGE`` per stage (seconds of compute), ``perf/busy_wN`` per worker,
+    above, ``timing/STAGE`` per stage (seconds of compute), ``perf/busy_wN`` and
+    ``perf/memory_peak_mib_wN`` per worker,
     ``rewards/FN/mean`` per reward function; every other number of the record under its
     own key (``turns_mean``, ``info_KEY_mean``), nested ones under their path
     (``train/train_actor/grad_norm``). Missing and non-finite values are left out."""
@@ -62,6 +64,8 @@ def flat_metrics(record: dict[str, Any]) -> dict[str, float]:
         out[f"timing/{stage}"] = seconds
     for w, fraction in enumerate(record.get("busy_frac") or []):
         out[f"perf/busy_w{w}"] = fraction
+    for w, mib in enumerate(record.get("memory_peak_mib") or []):
+        out[f"perf/memory_peak_mib_w{w}"] = mib
     for key, value in record.items():
         if key.startswith("reward_mean_"):
             out[f"rewards/{key[len('reward_mean_'):]}/mean"] = value

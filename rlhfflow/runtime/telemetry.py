@@ -46,6 +46,8 @@ class Telemetry:
         self.timings: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         # busy time per worker: finished compute intervals not yet past a window
         self._busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        # per worker, the highest resident set its reports gave since the last record
+        self._rss: dict[int, int] = {}
         self._window_start = time.time()
         # what the model FLOPs of an iteration are counted from, and the matmul peaks
         # (FLOP/s by dtype name) they are measured against: count_flops
@@ -66,6 +68,7 @@ class Telemetry:
         self.layout = dict(layout or {})
         self.timings.clear()
         self._busy.clear()
+        self._rss.clear()
         self._window_start = time.time()
 
     def _collect(self, iteration: int, reports: Sequence[dict[str, Any]] = ()
@@ -91,6 +94,8 @@ class Telemetry:
                     self._busy[w].append((start, stop))
             if w is None:
                 continue
+            if report.get("peak_rss") is not None:
+                self._rss[w] = max(self._rss.get(w, 0), report["peak_rss"])
             running[w] = [(start, report["now"]) for _, _, start in report["running"]]
         if intervals:
             self.tasks.append({"iteration": iteration, "layout": self.layout,
@@ -165,6 +170,7 @@ class Telemetry:
             "stage_s": stage_s,
             "overlap": round(sum(stage_s.values()) / max(iteration_s, 1e-9), 4),
             "busy_frac": busy,
+            **self._memory_peaks(),
             "realloc_bytes": int(sum(m["nbytes"] for m in moved)),
             "realloc_s": round(max((m["seconds"] for m in moved), default=0.0), 4),
             "score_errors": int(total.get("score_errors", 0)),
@@ -176,6 +182,16 @@ class Telemetry:
             **{k: v for stats in (reported or {}).values() for k, v in stats.items()},
         }
 
+
+    def _memory_peaks(self) -> dict[str, Any]:
+        """``memory_peak_mib``: per device worker, the peak of its resident set (MiB)
+        over the tasks it reported since the last record (None where it reported none or
+        its kernel does not say); nothing where no worker said."""
+        if not self._rss:
+            return {}
+        peaks = [self._rss.pop(w, None) for w in range(len(self.addresses))]
+        return {"memory_peak_mib": [None if p is None else round(p / 2**20)
+                                    for p in peaks]}
 
     def _model_flops(self, total: dict[str, float], seconds: float) -> dict[str, Any]:
         """An iteration's useful model FLOPs, by stage and in all, their rate and MFU
@@ -235,10 +251,31 @@ def summarise(records: list[dict[str, Any]]) -> tuple[dict[str, Any], str] | Non
     workers = ", ".join(f"w{w} {b:.2f}" for w, b in enumerate(busy))
     stale_text = f"; staleness max {max(stale)}" if stale else ""
     summary.update(run_utilisation(steady))
+    memory = memory_peaks(records)
+    if memory:
+        summary["memory_peak_mib"] = memory
     line = (f"rlhfflow: overlap {summary['overlap']:.2f} (sum of stage times / iteration "
             f"wall time, mean over {len(steady)} iteration(s)); busy: {workers}{stale_text}"
-            f"{mfu_text(summary)}")
+            f"{mfu_text(summary)}{memory_text(memory)}")
     return summary, line
+
+
+def memory_peaks(records: list[dict[str, Any]]) -> list[int | None]:
+    """Per device worker, the highest ``memory_peak_mib`` of ``records`` (every
+    iteration: the first loads the models), or [] where none was measured."""
+    rows = [r["memory_peak_mib"] for r in records if r.get("memory_peak_mib")]
+    if not rows:
+        return []
+    return [max((row[w] for row in rows if w < len(row) and row[w] is not None),
+                default=None) for w in range(max(len(row) for row in rows))]
+
+
+def memory_text(peaks: list[int | None]) -> str:
+    """The memory part of the closing line: ``; memory peak: w0 2413, w1 2193 MiB``."""
+    if not peaks:
+        return ""
+    return "; memory peak: " + ", ".join(
+        f"w{w} {'-' if p is None else p}" for w, p in enumerate(peaks)) + " MiB"
 
 
 def mfu_text(summary: dict[str, Any]) -> str:

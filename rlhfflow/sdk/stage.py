@@ -212,8 +212,8 @@ RUN_METRICS = frozenset({
     "iteration", "samples", "samples_skipped", "reward_mean", "reward_std",
     "policy_loss", "value_loss", "clip_frac", "approx_kl", "clip_frac_lower", "lr",
     "response_length_mean", "tokens_generated", "staleness_mean", "staleness_max",
-    "iteration_s", "stage_s", "overlap", "busy_frac", "realloc_bytes", "realloc_s",
-    "score_errors", "score_retries", "task_retries", "model_flops", "model_flops_per_s",
+    "iteration_s", "stage_s", "overlap", "busy_frac", "memory_peak_mib", "realloc_bytes",
+    "realloc_s", "score_errors", "score_retries", "task_retries", "model_flops", "model_flops_per_s",
     "mfu", "stage_flops", "matmul_peak_flops_per_s", "train"})
 
 

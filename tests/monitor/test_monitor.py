@@ -203,11 +203,11 @@ def test_metric_names_are_the_ones_trl_users_know():
     record = {"iteration": 3, "reward_mean": 0.5, "kl_mean": 0.01, "reward_std": None,
               "response_length_mean": 12.0, "stage_s": {"generate": 1.5},
               "busy_frac": [0.5, 0.25], "reward_mean_vowels": 0.2, "iteration_s": 2.0,
-              "lr": float("nan")}
+              "lr": float("nan"), "memory_peak_mib": [2413, None]}
     assert flat_metrics(record) == {
         "reward": 0.5, "kl": 0.01, "completions/mean_length": 12.0, "timing/step": 2.0,
         "timing/generate": 1.5, "perf/busy_w0": 0.5, "perf/busy_w1": 0.25,
-        "rewards/vowels/mean": 0.2}
+        "perf/memory_peak_mib_w0": 2413.0, "rewards/vowels/mean": 0.2}
 
 
 def test_every_other_number_of_a_record_reaches_the_sinks_under_its_own_key():

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from rlhfflow.engine import machine
 from rlhfflow.engine.resident import ModelConfig, ModelStore
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.runtime.worker.rebalance import announce, nothing_else_to_do
@@ -191,11 +192,13 @@ class WorkerHost:
 
     def pop_timings(self) -> dict[str, list]:
         """Hand the finished intervals to the coordinator (and forget them), with the
-        tasks still running as ``(iteration, stage, start)``."""
+        tasks still running as ``(iteration, stage, start)`` and the process's peak
+        resident set since the last call (``peak_rss``, bytes; None where unknown)."""
         with self._lock:
             out, self.timings = self.timings, []
             running = list(self.running.values())
-        return {"done": out, "running": running, "now": time.time()}
+        return {"done": out, "running": running, "now": time.time(),
+                "peak_rss": machine.peak_rss(reset=True)}
 
     def close(self) -> None:
         """Drop the models so their memory is freed."""
