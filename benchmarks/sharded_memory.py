@@ -18,9 +18,11 @@ checkpointing, ``--checkpointing both``) is printed beside the planner's predict
 rank's peak over the same baseline (``rlhfflow.plan.auto.costmodel``: ``trainer_state``
 plus ``activation_bytes``, without the checkpoint save this benchmark does not make);
 ``error`` is predicted / measured - 1 (the issue's goal: within 15% for every one).
+``--lora R`` trains LoRA adapters of rank R on every Linear instead of the whole model
+(the base frozen: sharded with the adapters under ``fsdp``, AdamW over the adapters).
 
     OMP_NUM_THREADS=1 python benchmarks/sharded_memory.py [--layers 4] [--hidden 256]
-        [--checkpointing no|yes|both]
+        [--checkpointing no|yes|both] [--lora 8]
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _rank(rank: int, port: int, backend: str, checkpointing: bool, path: str, ar
     before = psutil.Process().memory_info().rss
     store = ModelStore({"m": ModelConfig("m", "lm", path, trainable=True,
                                          optimizer={"lr": 1e-3},
-                                         gradient_checkpointing=checkpointing)})
+                                         gradient_checkpointing=checkpointing,
+                                         lora=_lora(args))})
     resident = store.get("m")
     if backend == "fsdp":
         resident.use_fsdp(gang)
@@ -79,6 +82,11 @@ def _rank(rank: int, port: int, backend: str, checkpointing: bool, path: str, ar
                "weights_mb": state_bytes / MB})
 
 
+def _lora(args) -> dict | None:
+    """``models.NAME.lora`` of ``--lora`` (None: the whole model trains)."""
+    return {"r": args.lora, "target_modules": "all-linear"} if args.lora else None
+
+
 def measure(backend: str, checkpointing: bool, path: str, args, port: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -95,7 +103,10 @@ def measure(backend: str, checkpointing: bool, path: str, args, port: int) -> li
 
 def predict(path: str, backend: str, checkpointing: bool, args) -> float:
     """The planner's estimate of a rank's peak bytes over the baseline."""
+    from dataclasses import replace
+
     from rlhfflow.config.shapes import ModelShape
+    from rlhfflow.engine.lora import lora_parameter_counts
     from rlhfflow.engine.models import matmul_parameters, model_config, parameter_bytes
     from rlhfflow.plan.auto.costmodel import train_task_bytes, trainer_state
 
@@ -103,6 +114,8 @@ def predict(path: str, backend: str, checkpointing: bool, args) -> float:
     shape = ModelShape(parameter_bytes(config, "lm", torch.float32) // 4,
                        config.num_hidden_layers, config.hidden_size, config.vocab_size, 4,
                        matmul_parameters(config, "lm"))
+    if args.lora:
+        shape = replace(shape, adapters=lora_parameter_counts(config, _lora(args), "lm")[0])
     state = trainer_state(shape, 2 if backend == "fsdp" else 1)
     work = train_task_bytes(shape, args.rows / 2, args.tokens, 2, backend, checkpointing)
     return state["weights"] + state["trained"] + max(work, state["transient"])
@@ -119,6 +132,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--checkpointing", choices=("no", "yes", "both"), default="both")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train LoRA adapters of rank R (0: the whole model)")
     args = parser.parse_args()
     # read by glibc when a rank's process starts (spawned: a fresh interpreter)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -152,6 +167,7 @@ def main() -> None:
                 if checkpointing == flags[0]:
                     result[backend] = measured
     print(json.dumps({"layers": args.layers, "hidden": args.hidden, "params": params,
+                      "lora": args.lora,
                       "weights_mb": round(params * 4 / MB, 1),
                       "unsharded_peak_mb": round(result["torch"], 1),
                       "sharded_peak_mb": round(result["fsdp"], 1),

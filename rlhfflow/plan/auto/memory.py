@@ -49,13 +49,17 @@ def trainer_state(shape: ModelShape, gang: int = 1, head: str = "lm", saves: boo
     root, gathered for the whole forward and backward) with theirs (of a LoRA model,
     the weights only: its frozen base has no gradients). ``transient``: what
     a task that is not a training step may hold beyond that, alone on the worker:
-    loading reads the whole model before sharding it (``2 x 4P`` for a moment) and, on
+    loading reads the whole model (``2 x 4P`` for a moment, measured unsharded and
+    before sharding it: what a LoRA model's rank holds at its peak,
+    ``benchmarks/sharded_memory.py --lora 8``) and, on
     the rank that saves (``saves``), a checkpoint gathers the whole weights (``4P``
     besides its weights and moments, its gradients freed; a LoRA model's checkpoint
     gathers its adapters, and its final export loads the whole base to merge them)."""
     trained = shape.trained * 4
-    if gang <= 1:
-        return {"weights": float(shape.nbytes), "trained": 3.0 * trained, "transient": 0.0}
+    if gang <= 1:  # loading: below the state of a full fine-tune, a LoRA model's peak
+        steady = shape.nbytes + 3.0 * trained
+        return {"weights": float(shape.nbytes), "trained": 3.0 * trained,
+                "transient": max(0.0, 2.0 * shape.nbytes - steady)}
     layer, root = layer_params(shape, head)
     weights, moments = shape.nbytes / gang, 2 * trained / gang
     # the gradients: CostModel.task_bytes
