@@ -232,3 +232,19 @@ def test_no_plan_module_imports_the_engine():
     arrows = sorted(f"{m} -> {t}" for m in graph if m.startswith("rlhfflow.plan")
                     for t in graph[m] if t.startswith("rlhfflow.engine"))
     assert arrows == []
+
+
+def test_the_coordinators_decisions_import_no_dask_torch_or_storage():
+    """The run's decisions (``rlhfflow.runtime.coordinator``) are a pure state, tested
+    without a cluster: in a fresh interpreter, importing it leaves Dask, torch, zarr and
+    the runtime's I/O modules out."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhfflow.runtime.coordinator; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('dask', 'distributed', 'torch', 'zarr') or m.startswith('rlhfflow.storage') "
+            "or m in ('rlhfflow.runtime.backend', 'rlhfflow.runtime.executor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout

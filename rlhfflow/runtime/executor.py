@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfflow.config.graph import SOURCE
-from rlhfflow.config.loader import Pipeline
 from rlhfflow.config.shapes import model_shapes
-from rlhfflow.data.source import PromptSource
 from rlhfflow.engine.resident import ModelConfig
 from rlhfflow.monitor import RunMonitor
 from rlhfflow.plan.auto.planner import PlanChoice, resolve_plan
@@ -43,22 +41,36 @@ from rlhfflow.plan.flops import stage_work
 from rlhfflow.plan.placement import ExecutionPlan
 from rlhfflow.runtime.backend import Backend, TaskFailed
 from rlhfflow.runtime.budget import score_error_budget
-from rlhfflow.runtime.checkpointing import (
-    Checkpointer,
-    CorruptCheckpoint,
-    models_from_checkpoint,
+from rlhfflow.runtime.checkpointing import Checkpointer
+from rlhfflow.runtime.coordinator import (
+    Abandon,
+    Action,
+    AnnounceStop,
+    Commit,
+    Coordinator,
+    CutBack,
+    Fail,
+    IterationCommitted,
+    IterationSubmitted,
+    LoopDrained,
+    LoopStarted,
+    PlanStop,
+    PublishCheckpoint,
+    Retry,
+    SaveCheckpoint,
+    Say,
+    ScheduleEnded,
+    StageFailed,
+    StopPlanned,
+    StopRequested,
 )
 from rlhfflow.runtime.dataflow import Dataflow
 from rlhfflow.runtime.evaluation import evaluation_summary
-from rlhfflow.runtime.failures import RunError, raise_stage_failure
-from rlhfflow.runtime.models import after_setup, model_configs, setup_trained, tiny_models
+from rlhfflow.runtime.failures import RunError
+from rlhfflow.runtime.models import after_setup, setup_trained
+from rlhfflow.runtime.prepared import PreparedRun
 from rlhfflow.runtime.recovery import Recovery
-from rlhfflow.runtime.runstate import (
-    StartPoint,
-    identity_digest,
-    inexact_resume,
-    pipeline_identity,
-)
+from rlhfflow.runtime.runstate import identity_digest, inexact_resume, pipeline_identity
 from rlhfflow.runtime.stopping import plan_stop, stop_line, wait_estimate
 from rlhfflow.runtime.telemetry import (
     StartupClock,
@@ -75,12 +87,8 @@ from rlhfflow.runtime.worker.host import (
     settle_updates,
     update_model_configs,
 )
-from rlhfflow.runtime.worker.tasks import (
-    RESPONSE_TEXTS,
-    StageFailed,
-    TaskResult,
-    save_model_task,
-)
+from rlhfflow.runtime.worker.tasks import RESPONSE_TEXTS, TaskResult, save_model_task
+from rlhfflow.runtime.worker.tasks import StageFailed as StageTaskFailed
 from rlhfflow.runtime.workers import (
     build_tiny_models,
     check_gang_batches,
@@ -91,7 +99,7 @@ from rlhfflow.runtime.workers import (
     stage_defs,
 )
 from rlhfflow.sdk import IterationMetric, RunSettings
-from rlhfflow.storage import Checkpoint, ColumnSpec, ExperienceBuffer, MetricsLog, link_model
+from rlhfflow.storage import ColumnSpec, MetricsLog, link_model
 
 logger = logging.getLogger(__name__)
 
@@ -114,90 +122,70 @@ TEXT_COLUMNS = ("prompt_text", "prompt_fields")
 
 
 class Executor(Recovery):
-    """Runs a pipeline on a backend: the run's lifecycle (models, workers, setup stages,
-    the iteration loop, recovery, the final save). What each iteration's tasks are comes
-    from ``TaskCompiler``; ``Dataflow`` submits them; ``Checkpointer`` and ``Telemetry``
-    keep checkpoints and measurements; recovery is its ``Recovery`` base's."""
+    """Runs a prepared pipeline on a backend: the run's lifecycle (models, workers, setup
+    stages, the iteration loop, recovery, the final save). The driver of the run: what
+    each iteration's tasks are comes from ``TaskCompiler``; what to do next (commit,
+    publish a checkpoint, stop, recover, fail) from the ``Coordinator``, fed what
+    happened; ``Dataflow`` submits the tasks; ``Checkpointer`` and ``Telemetry`` keep
+    checkpoints and measurements; recovery's I/O is its ``Recovery`` base's."""
 
-    def __init__(self, pipeline: Pipeline, backend: Backend | None, output_dir: Path,
-                 progress: bool = True, start: StartPoint | None = None,
+    def __init__(self, prepared: PreparedRun, backend: Backend, progress: bool = True,
                  stop: threading.Event | None = None, *, digest: str | None = None,
                  choice: PlanChoice | None = None, clock: StartupClock | None = None):
-        """``digest``: of the pipeline file as written (a resume compares it; default: of
-        ``pipeline``); ``choice``: what ``placement: auto`` chose, if it did; ``clock``:
-        the start-up clock, started with the process."""
+        """``prepared``: by ``prepare_run``; ``digest``: of the pipeline file as written
+        (a resume compares it; default: of the prepared pipeline); ``choice``: what
+        ``placement: auto`` chose, if it did; ``clock``: the start-up clock, started with
+        the process."""
+        pipeline = prepared.pipeline
         self.pipeline = pipeline
         self.graph = pipeline.graph
         self.backend = backend
-        self.prepared = False
-        self.out = output_dir
+        self.out = prepared.out
         self.progress = progress
-        self.start = start or StartPoint(None, resumed=False)
+        self.start = prepared.start
         self.stop = stop
-        self.log = MetricsLog(output_dir / "metrics.jsonl")
-        self.telemetry = Telemetry(backend, output_dir, self._declared_metrics()) \
-            if backend is not None else None
+        self.source = prepared.source
+        self.buffer = prepared.buffer
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.telemetry = Telemetry(backend, self.out, self._declared_metrics())
         self.plan: ExecutionPlan | None = None
         self.addresses: list[str] = []
         self.shapes = model_shapes(pipeline)
         self.model_bytes = {name: shape.nbytes for name, shape in self.shapes.items()}
         self.summary: dict[str, Any] = {}
-        self.models: dict[str, ModelConfig] = {}
-        self.initial_models: dict[str, ModelConfig] = {}
-        self.last_checkpoint = self.start.checkpoint.iteration if self.start.checkpoint else -1
+        self.initial_models: dict[str, ModelConfig] = prepared.initial_models
+        self.models: dict[str, ModelConfig] = prepared.models
+        self.tiny = prepared.tiny  # tiny models to build on a worker: tiny_models
+        checkpoint = self.start.checkpoint
+        self.coordinator = Coordinator(pipeline.spec.cluster.max_restarts,
+                                       last_checkpoint=checkpoint.iteration
+                                       if checkpoint else -1)
         self.digest = digest or identity_digest(pipeline_identity(pipeline))
         self.choice = choice
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
-        self._versions_after: dict[int, dict[str, int]] = {}
-        self._unfinished: dict[int, IterationTasks] = {}
-        self._stop_said = False
-        self._stop_decided: int | None = None  # the iteration a stop's decision was for
-        self.restarts = 0  # recoveries from lost workers so far, setup and loop together
-        self.tiny: dict[str, dict[str, Any]] = {}  # tiny models to build: tiny_models
+        # per iteration submitted whole and not committed yet, its tasks
+        self._submitted: dict[int, IterationTasks] = {}
         self.clock = clock or StartupClock()
         self.first_iteration_s: float | None = None
+        # made by ``_start_workers``, again on each recovery (the workers' addresses)
+        self.compiler: TaskCompiler
+        self.dataflow: Dataflow
+        self.checkpointer: Checkpointer
+        self.monitor: RunMonitor
 
     # ----------------------------------------------------------------- set-up
-    def attach(self, backend: Backend) -> None:
-        """Run on ``backend`` (an executor may be prepared before its cluster is up)."""
-        self.backend = backend
-        self.telemetry = Telemetry(backend, self.out, self._declared_metrics())
-
     def _declared_metrics(self) -> list[IterationMetric]:
         """The figures the stages declare for the record (``Stage.iteration_metrics``)."""
         return [m for node in self.graph.nodes.values() for m in node.metrics]
-
-    def prepare(self) -> None:
-        """What the coordinator readies before any worker is needed: the prompts (a bad
-        prompts file stops the run before any cluster work), the buffer, and the models'
-        configs (``tiny:`` models are built later, by a worker). Needs no backend."""
-        if self.prepared:
-            return
-        spec = self.pipeline.spec
-        checkpoint = self.start.checkpoint
-        if self.graph.loop_stages and spec.iterations > 0:
-            generate_model = self.graph.nodes[self.graph.generators()[0]].model
-            self.source = PromptSource.from_pipeline(self.pipeline, generate_model,
-                                                     kept=self.pipeline.prompts)
-            self._list_skipped_prompts()
-            self.buffer = ExperienceBuffer(self.out / "buffer.zarr")
-        self.initial_models = self._model_configs()
-        if checkpoint is not None:
-            self.initial_models = after_setup(self.pipeline, self.out, self.initial_models)
-        self.models = self._from_checkpoint(self.initial_models, checkpoint)
-        self.prepared = True
 
     def run(self) -> RunResult:
         """Materialise models, place them, run the setup stages, then the iterations;
         recover from a lost worker by resuming from the last checkpoint."""
         spec = self.pipeline.spec
         checkpoint = self.start.checkpoint
-        if not self.prepared:
-            self.prepare()
-            self.clock.mark("prompts")
         self._start_workers()
         # after the workers' state: it sets each worker's torch threads, which a torch op
         # run before would fix at the forked default (all cores) for the task thread,
@@ -295,20 +283,7 @@ class Executor(Recovery):
         """The worker holding the master copy of ``model`` (rank 0 of its gang)."""
         return self.addresses[self.plan.homes[model][0]]
 
-    def _model_configs(self) -> dict[str, ModelConfig]:
-        """Each model's config; ``tiny:`` models are built by ``_build_tiny_models``."""
-        self.tiny = tiny_models(self.pipeline, self.out)
-        return model_configs(self.pipeline, self.out, build=False)
-
     # ----------------------------------------------------------------- setup stages
-    def _from_checkpoint(self, models: dict[str, ModelConfig], checkpoint: Checkpoint | None
-                         ) -> dict[str, ModelConfig]:
-        """Configs of the models trained in the loop, taken from ``checkpoint``."""
-        try:
-            return models_from_checkpoint(models, self.graph.loop_trained(), checkpoint)
-        except CorruptCheckpoint as exc:
-            raise RunError(str(exc)) from None
-
     def _run_setup(self) -> dict[str, Any]:
         """Run the once-stages (SFT, reward model), save what they trained, and point
         every model copied ``from:`` one of them at the trained weights."""
@@ -331,47 +306,34 @@ class Executor(Recovery):
         return metrics
 
     # ----------------------------------------------------------------- the loop
-    def _list_skipped_prompts(self) -> None:
-        if self.source.skipped:
-            listing = self.out / "skipped_prompts.txt"
-            listing.write_text("\n".join(self.source.skipped) + "\n", encoding="utf-8")
-            self._say(f"rlhfflow: skipped {len(self.source.skipped)} bad prompt(s) "
-                      f"(data.on_bad_prompt: skip), listed in {listing}; first: "
-                      f"{self.source.skipped[0]}")
-
     def _run_loop(self, first: int) -> None:
         """Iterations ``first`` .. ``iterations - 1`` in the order of ``loop_steps``; then
         a checkpoint of the last one."""
         spec = self.pipeline.spec
         # each record is appended to metrics.jsonl and published as it is made; none is
         # kept here (a few KB each: 0.01 MB an iteration of a long run's coordinator)
-        last = first - 1
-        # iterations whose every stage was submitted, not finished yet (a stop cancels
-        # some: ``_stop_ahead``)
-        self._unfinished = unfinished = {}
-        self._stop_said = False
-        self._stop_decided = None
+        self._submitted = {}
+        self._perform(self.coordinator.handle(LoopStarted(first)))
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
                              self.backend.pipelined):
             if isinstance(step, Start):
                 if self.stop is not None and self.stop.is_set():
-                    self._stop_ahead(last)
+                    self._stop_ahead(self.coordinator.last)
                     break
             elif isinstance(step, Begin):
                 self._begin(step)
             elif isinstance(step, Main):
                 self._submit_main(step)
-                unfinished[step.it.index] = step.it
             else:
-                last = self._finish(unfinished.pop(step.it.index))["iteration"]
+                self._perform([Commit(step.it.index)])
                 self.dataflow.forget_before(step.it.index)
-        for it in list(unfinished.values()):  # stopped: those whose update had begun
-            last = self._finish(unfinished.pop(it.index))["iteration"]
-        if last > self.last_checkpoint:
-            self.checkpointer.submit(last, self.compiler.checkpoint(last, {}))
-            # stopped, the models must still be at iteration ``last``'s versions
-            self._publish_checkpoint(last, expected=self._versions_after.get(last))
+        self._perform(self.coordinator.handle(ScheduleEnded()))
+        self._perform(self.coordinator.handle(LoopDrained()))
+        self._summarise(first)
+
+    def _summarise(self, first: int) -> None:
+        """Say the summaries of this loop's records."""
         # the summaries, once, from the file: this loop's records
         records = [r for r in self.log.read() if r.get("iteration", -1) >= first]
         evaluation = evaluation_summary(self.graph, records)
@@ -408,7 +370,7 @@ class Executor(Recovery):
         it = step.it
         k = it.index
         prompt_len, texts = self._begun.pop(k)
-        lengths = {"prompt": prompt_len, "response": self._response_len()}
+        lengths = {"prompt": prompt_len, "response": self.graph.response_tokens}
         schema = {c: ColumnSpec(col.dtype, (lengths[col.length],) if col.length else ())
                   for c, col in self.stored.items()}
         chunk = it.bounds[SOURCE][0][1] - it.bounds[SOURCE][0][0]
@@ -419,60 +381,71 @@ class Executor(Recovery):
         self.dataflow.submit(step.stages)
         self.dataflow.submit(step.stores)
         self.checkpointer.submit(k, step.checkpoint)
+        self._submitted[k] = it
         # the versions the models have once iteration k is done (its update compiled)
-        self._versions_after[k] = dict(self.compiler.versions)
-        self._versions_after.pop(k - 2 - self.plan.max_staleness, None)
+        self._perform(self.coordinator.handle(IterationSubmitted(
+            k, self.compiler.versions, bool(step.checkpoint), self.plan.max_staleness)))
+
+    def _perform(self, actions: list[Action]) -> None:
+        """Do what the coordinator decided, in order (``Retry`` and ``CutBack`` are the
+        recovery's to do, where it asked)."""
+        for action in actions:
+            match action:
+                case Commit(k):
+                    self._finish(self._submitted.pop(k))
+                case PublishCheckpoint(k, expected):
+                    self.checkpointer.publish(k, expected)
+                case SaveCheckpoint(k, expected):
+                    self.checkpointer.submit(k, self.compiler.checkpoint(k, {}))
+                    self.checkpointer.publish(k, expected)
+                case PlanStop(done, waiting, unfinished):
+                    self._plan_stop(done, waiting, unfinished)
+                case Abandon(iterations):
+                    for k in iterations:
+                        self._submitted.pop(k, None)
+                        self.checkpointer.pending.pop(k, None)  # its directory: cleaned at resume
+                case AnnounceStop(done, waiting, plan, cancelled, tasks):
+                    self._say(stop_line(done, waiting, plan, cancelled, tasks,
+                                        lambda iterations, stages: wait_estimate(
+                                            self.log.read(), iterations, stages)))
+                case Say(line):
+                    self._say(line)
+                case Fail():
+                    raise action.error()
+                case Retry() | CutBack():
+                    pass
 
     def _stop_ahead(self, done: int, waiting: bool = False) -> None:
-        """A stop was requested: cancel what was submitted for the iterations after
-        ``done`` (``waiting``: the one in flight, else the last finished), the next
+        """A stop was requested, finishing iteration ``done`` (``waiting``: the one in
+        flight, else the last finished): the coordinator decides whether there is
+        anything to cancel (``_plan_stop``) and what to say."""
+        submitted_after = any(task.iteration > done for task in self.dataflow.tasks().values())
+        self._perform(self.coordinator.handle(StopRequested(done, waiting, submitted_after)))
+
+    def _plan_stop(self, done: int, waiting: bool, unfinished: tuple[int, ...]) -> None:
+        """Cancel what was submitted for the iterations after ``done``, the next
         iteration's tasks and the stages run ahead, except what cannot be undone
-        (``plan_stop``); say once what the run still waits for, and why."""
+        (``plan_stop``); the coordinator then gives up the iterations cancelled."""
         tasks = self.dataflow.tasks()
         ids = [i for i, task in tasks.items() if task.iteration > done]
-        if not ids:
-            if not self._stop_said:
-                self._stop_said = True
-                self._say(f"rlhfflow: stopping: finishing iteration {done} in flight, then "
-                          f"saving a checkpoint" if waiting else
-                          f"rlhfflow: stopping after iteration {done}, then saving a "
-                          f"checkpoint")
-            return
-        if self._stop_decided == done:  # decided at an earlier tick: nothing new since
-            return
         # the workers hold updates after ``done`` and say which began: a task the
         # scheduler still shows as waiting may have started its update meanwhile
         begun = {k for found in self.backend.run_on_workers(
             hold_updates, done, workers=self.addresses or None).values() for k in found}
         states = dict(zip(ids, self.backend.states(self.dataflow[ids]), strict=True))
-        stop = plan_stop(done, self._unfinished, tasks, states,
+        stop = plan_stop(done, unfinished, tasks, states,
                          lambda task: any(self.graph.nodes[n].trains
                                           for n in getattr(task, "stages", ())), begun)
         self.backend.cancel([h for h in self.dataflow[stop.cancel] if hasattr(h, "key")])
         # updates up to the last iteration finished go on; later ones are refused
         self.backend.run_on_workers(settle_updates, max([done, *stop.finish]),
                                     workers=self.addresses or None)
-        self._stop_decided = done
         self.dataflow.forget(stop.cancel)
-        cancelled = sorted({tasks[i].iteration for i in stop.cancel} - set(stop.finish))
-        for k in cancelled:
-            self._unfinished.pop(k, None)
-            self.checkpointer.pending.pop(k, None)  # its directory: cleaned at resume
-        if self._stop_said:
-            return
-        self._stop_said = True
-        self._say(stop_line(done, waiting, stop, cancelled, tasks, lambda iterations, stages:
-                            wait_estimate(self.log.read(), iterations, stages)))
+        self._perform(self.coordinator.handle(StopPlanned(done, waiting, stop, tasks)))
 
-    def _publish_checkpoint(self, k: int, expected: dict[str, int] | None = None) -> None:
-        self.checkpointer.publish(k, expected)
-        self.last_checkpoint = k
-
-    def _response_len(self) -> int:
-        return self.graph.response_tokens
-
-    def _finish(self, it: IterationTasks) -> dict[str, Any]:
-        """Wait for iteration ``it``, commit its experience, log its metrics."""
+    def _finish(self, it: IterationTasks) -> None:
+        """Wait for iteration ``it``, commit its experience, log its metrics; then the
+        coordinator decides (a checkpoint to publish, an error budget spent)."""
         handles = {n: self.dataflow[ids] for n, ids in it.handles.items() if n != SOURCE}
         trainers = {n: handles[n][0] for n in self.graph.loop_stages
                     if self.graph.nodes[n].trains}
@@ -519,11 +492,7 @@ class Executor(Recovery):
             self.first_iteration_s = time.time() - self.clock.last
             self._say(self.clock.line(self.first_iteration_s))
         problem = score_error_budget(self.pipeline, self.out, it.index, record["score_errors"])
-        if problem:  # after the record: the iteration is committed, a resume keeps it
-            raise RunError(problem)
-        if it.index in self.checkpointer.pending:
-            self._publish_checkpoint(it.index)
-        return record
+        self._perform(self.coordinator.handle(IterationCommitted(it.index, problem)))
 
     def _statistics(self, stage: str, result: TaskResult) -> dict[str, Any]:
         """A stage's statistics from its task's result, without the columns of the
@@ -549,11 +518,12 @@ class Executor(Recovery):
             # dataflow (a model build or save) names itself
             stage = task.label if task is not None else exc.key.rpartition("-")[0]
             retries = task.retries if task is not None else 0
-            if isinstance(cause, StageFailed):  # one stage of a fused task
+            if isinstance(cause, StageTaskFailed):  # one stage of a fused task
                 stage, cause = cause.stage, cause.cause
-            workers = [self.addresses[w] for w in task.workers] \
-                if task and not self.backend.in_process else []
-            raise_stage_failure(stage, cause, iteration, retries, workers)
+            workers = tuple(self.addresses[w] for w in task.workers) \
+                if task and not self.backend.in_process else ()
+            self._perform(self.coordinator.handle(
+                StageFailed(stage, cause, iteration, retries, workers)))
         if not gather:
             return {}
         return dict(zip(handles, self.backend.gather(list(handles.values())), strict=True))

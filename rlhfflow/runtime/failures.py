@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
-from typing import NoReturn
 
 from rlhfflow.errors import RunError, is_out_of_memory
 
 __all__ = ["RunError", "disk_full", "is_disk_full", "is_out_of_memory", "out_of_memory",
-           "raise_stage_failure"]
+           "stage_failure"]
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -41,20 +40,21 @@ def out_of_memory(exc: BaseException, who: str) -> str:
             f"checkpoint")
 
 
-def raise_stage_failure(stage: str, cause: BaseException, iteration: int | None,
-                        retries: int, workers: Sequence[str]) -> NoReturn:
-    """Raise the one-line ``RunError`` that a task of ``stage`` failing with ``cause``
-    (after ``retries`` retries) becomes. A full disk and an exhausted memory say so (not
-    a lost worker to replace: a fresh one needs the same memory for the same batch, so
-    retrying would fail again after reloading the models); anything else names the stage,
-    the iteration (``None``: a setup stage) and the cause, chained to it. ``workers``: the
-    ones the task ran on, named in the out-of-memory line (none for a run in-process)."""
+def stage_failure(stage: str, cause: BaseException, iteration: int | None, retries: int,
+                  workers: Sequence[str]) -> tuple[str, BaseException | None]:
+    """The one-line ``RunError`` message that a task of ``stage`` failing with ``cause``
+    (after ``retries`` retries) becomes, and the cause to chain it to (None: the line says
+    all). A full disk and an exhausted memory say so (not a lost worker to replace: a
+    fresh one needs the same memory for the same batch, so retrying would fail again after
+    reloading the models); anything else names the stage, the iteration (``None``: a
+    setup stage) and the cause, chained to it. ``workers``: the ones the task ran on,
+    named in the out-of-memory line (none for a run in-process)."""
     if is_disk_full(cause):
-        raise RunError(disk_full(cause, f"stage {stage!r}")) from None
+        return disk_full(cause, f"stage {stage!r}"), None
     where = f" in iteration {iteration}" if iteration is not None else " (setup)"
     if is_out_of_memory(cause):
         on = f" on worker {', '.join(workers)}" if workers else ""
-        raise RunError(out_of_memory(cause, f"stage {stage!r}{on}{where}")) from None
+        return out_of_memory(cause, f"stage {stage!r}{on}{where}"), None
     tried = f" after {retries + 1} attempts" if retries else ""
-    raise RunError(f"stage {stage!r} failed{where}{tried}: "
-                   f"{type(cause).__name__}: {cause}") from cause
+    return (f"stage {stage!r} failed{where}{tried}: {type(cause).__name__}: {cause}",
+            cause)

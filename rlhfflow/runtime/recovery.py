@@ -2,7 +2,8 @@
 workers there are. A worker that held models left the cluster (``WorkerLost``); the run
 waits for workers (a nanny restarts a killed one), goes back to its last checkpoint (the
 setup stages: to their start), reinstalls the resident state everywhere and goes on, at
-most ``cluster.max_restarts`` times.
+most ``cluster.max_restarts`` times. How many restarts are left and which checkpoint the
+run goes back to are the ``Coordinator``'s to decide; this module does the I/O.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from rlhfflow.monitor.workerlogs import record_recovery
 from rlhfflow.plan.placement import ExecutionPlan, PlanError
 from rlhfflow.runtime.backend import WorkerLost
 from rlhfflow.runtime.checkpointing import Checkpointer, cut_back
+from rlhfflow.runtime.coordinator import Coordinator, CutBack, LostWorker, Recovering
 from rlhfflow.runtime.failures import RunError
+from rlhfflow.runtime.prepared import loop_models
 from rlhfflow.runtime.runstate import damaged_line, inexact_resume
 from rlhfflow.storage import ExperienceBuffer, MetricsLog
 
@@ -26,19 +29,18 @@ class Recovery:
     """The executor's recovery from a lost worker (``Executor`` is one): the loop and the
     setup stages retried on the workers there are, the run cut back to its last
     checkpoint. Uses the executor's state (declared below) and its ``_run_loop``,
-    ``_run_setup``, ``_start_workers``, ``_from_checkpoint`` and ``_say``."""
+    ``_run_setup``, ``_start_workers``, ``_perform`` and ``_say``."""
 
     pipeline: Pipeline
     backend: Any
     out: Path
     plan: ExecutionPlan | None
     log: MetricsLog
-    buffer: ExperienceBuffer
+    buffer: ExperienceBuffer | None
     checkpointer: Checkpointer
+    coordinator: Coordinator
     models: dict[str, ModelConfig]
     initial_models: dict[str, ModelConfig]
-    last_checkpoint: int
-    restarts: int
 
     def _run_with_recovery(self, first: int) -> list[dict[str, Any]]:
         """The loop; when a worker holding models is lost, resume from the last
@@ -87,11 +89,9 @@ class Recovery:
                 exc = again
 
     def _count_restart(self, exc: WorkerLost) -> None:
-        """One more recovery, or a ``RunError`` past ``cluster.max_restarts``."""
-        self.restarts += 1
-        if self.restarts > self.pipeline.spec.cluster.max_restarts:
-            raise RunError(f"{exc}; gave up after {self.restarts - 1} restart(s); the run "
-                           f"can be resumed from its last checkpoint") from None
+        """One more recovery, or a ``RunError`` past ``cluster.max_restarts`` (the
+        coordinator's decision)."""
+        self._perform(self.coordinator.handle(LostWorker(str(exc))))
 
     def _recover(self, exc: Exception) -> int:
         """After a worker was lost: wait for workers, cut the run back to its last
@@ -102,15 +102,17 @@ class Recovery:
         checkpoint, damaged = self.checkpointer.store.latest_whole()
         if damaged:
             self._say(f"rlhfflow: {damaged_line(damaged, checkpoint)}")
-        keep = checkpoint.iteration if checkpoint else -1
+        [cut] = self.coordinator.handle(Recovering(checkpoint.iteration if checkpoint
+                                                   else None))
+        assert isinstance(cut, CutBack)
+        keep = cut.keep
         # before the cut: the iterations logged when the worker was lost (the report
         # marks the recovery on its curves)
         logged = max((r["iteration"] for r in self.log.read()
                       if isinstance(r.get("iteration"), int)), default=-1)
         record_recovery(self.out, logged, keep, str(exc), lost_at)
         cut_back(self.out, keep, self.buffer)
-        self.last_checkpoint = keep
-        self.models = self._from_checkpoint(self.initial_models, checkpoint)
+        self.models = loop_models(self.pipeline, self.initial_models, checkpoint)
         try:
             self._start_workers()
         except PlanError as err:  # fewer workers came back than the placement needs
@@ -119,11 +121,10 @@ class Recovery:
                 f"cluster.worker_timeout_s={self.pipeline.spec.cluster.worker_timeout_s:g}, "
                 f"and {err.path}: {err.message}; the run can be resumed from its last "
                 "checkpoint") from None
-        where = f"after iteration {keep}" if checkpoint else "from the start"
-        self._say(f"rlhfflow: resuming {where} on {len(self.backend.workers)} worker(s)")
+        self._say(f"rlhfflow: resuming {cut.where} on {len(self.backend.workers)} worker(s)")
         if checkpoint is not None and inexact_resume(self.pipeline):
             self._say(f"rlhfflow: {inexact_resume(self.pipeline)}")
-        return keep + 1
+        return cut.next_iteration
 
     def _await_workers(self, exc: Exception) -> None:
         """Cancel what was queued and wait up to ``cluster.worker_timeout_s`` for the

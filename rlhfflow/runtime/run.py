@@ -25,6 +25,7 @@ from rlhfflow.runtime.failures import (
     out_of_memory,
 )
 from rlhfflow.runtime.inline import InlineBackend
+from rlhfflow.runtime.prepared import prepare_run
 from rlhfflow.runtime.runstate import (
     Resume,
     RunStateError,
@@ -83,39 +84,40 @@ def _run_pipeline(pipeline: Pipeline, progress: bool, inline: bool, overwrite: b
     # cluster's start (its workers are forks of a server importing torch and the model
     # classes since the command began); an external cluster's plan depends on its
     # workers, so there it comes after connecting
-    # (the digest is of the file as written: what a resume compares)
-    early = None if inline or cluster.address else Executor(
-        pipeline, None, out, progress, start, stop, digest=digest, choice=choice, clock=clock)
+    early = not inline and not cluster.address
+    prepared = None
     with ThreadPoolExecutor(1, thread_name_prefix="rlhfflow-prepare") as pool:
-        prepared = pool.submit(early.prepare) if early is not None else None
+        preparing = pool.submit(prepare_run, pipeline, out, start, progress) if early else None
         try:
             backend = _connect(cluster, inline, out / LOG_DIRECTORY)
         except BaseException:
-            if prepared is not None:
-                prepared.cancel()
-                wait([prepared])
+            if preparing is not None:
+                preparing.cancel()
+                wait([preparing])
             raise
         try:
             # the workers import torch and the stages while this process prepares
-            warming = backend.warm() if early is not None else []
-            if prepared is not None:
-                prepared.result()
+            warming = backend.warm() if early else []
+            if preparing is not None:
+                prepared = preparing.result()
             backend.wait(warming)
         except BaseException as exc:
             backend.close()
             if isinstance(exc, Exception) and is_disk_full(exc):
                 raise RunError(disk_full(exc, "the coordinator")) from None
             raise
-    clock.mark("cluster" if early is None else "cluster + prompts")
+    clock.mark("cluster + prompts" if early else "cluster")
     try:
         if auto and choice is None:  # a given cluster: plan for the workers it has
             choice = choose_plan(pipeline, load_profile(pipeline),
                                  n_workers=len(backend.workers))
             pipeline = choice.pipeline
-        executor = early or Executor(pipeline, None, out, progress, start, stop,
-                                     digest=digest, choice=choice, clock=clock)
-        executor.attach(backend)
-        return executor.run()
+        if prepared is None:
+            prepared = prepare_run(pipeline, out, start, progress)
+            clock.mark("prompts")
+        # (the digest is of the file as written: what a resume compares)
+        return Executor(prepared, backend, progress, stop, digest=digest, choice=choice,
+                        clock=clock).run()
     except WorkerLost as exc:  # past the recoveries, or in the final save
         raise RunError(f"{exc}; run again to resume from the last checkpoint") from None
     except RunError:

@@ -20,6 +20,7 @@ from rlhfflow.config.loader import Pipeline, load_pipeline
 from rlhfflow.runtime.backend import Backend, DaskBackend
 from rlhfflow.runtime.executor import Executor
 from rlhfflow.runtime.inline import InlineBackend
+from rlhfflow.runtime.prepared import prepare_run
 from rlhfflow.runtime.run import RunError, run_pipeline
 from rlhfflow.runtime.runstate import prepare_output
 from rlhfflow.runtime.worker.host import resident_models
@@ -196,7 +197,7 @@ def test_resident_models_are_loaded_once(cluster, tmp_path):
         # both backends are what the executor types them as (Backend), nothing probed
         assert isinstance(backend, Backend) and isinstance(InlineBackend(), Backend)
         assert not backend.in_process and InlineBackend().in_process
-        executor = Executor(pipeline, backend, out, progress=False, start=start)
+        executor = Executor(prepare_run(pipeline, out, start), backend, progress=False)
         result = executor.run()
         state = backend.client.run(resident_models)
     finally:
@@ -416,9 +417,9 @@ def test_a_run_takes_the_prompts_validation_read_unless_they_changed(tmp_path):
     assert kept is not None
 
     def source_of(run: Pipeline) -> PromptSource:
-        executor = Executor(run, None, tmp_path / "out", progress=False)
-        executor.prepare()
-        return executor.source
+        source = prepare_run(run, tmp_path / "out", progress=False).source
+        assert source is not None
+        return source
 
     assert source_of(pipeline) is kept
     assert source_of(derive(pipeline, {"data.micro_batches": 1})) is kept

@@ -52,13 +52,13 @@ def test_the_coordinator_prepares_a_run_without_transformers_model_classes(tmp_p
         "from pathlib import Path\n"
         "from rlhfflow.config.loader import load_pipeline\n"
         "from rlhfflow.plan.auto.planner import choose_plan, load_profile\n"
-        "from rlhfflow.runtime.executor import Executor\n"
+        "import rlhfflow.runtime.executor\n"
+        "from rlhfflow.runtime.prepared import prepare_run\n"
         "from rlhfflow.runtime.runstate import prepare_output\n"
         f"p = load_pipeline({str(file)!r})\n"
         "p = choose_plan(p, load_profile(p)).pipeline\n"
         "out, start = prepare_output(p, True, 'auto', False)\n"
-        "e = Executor(p, None, out, False, start)\n"
-        "e.prepare()\n"
+        "e = prepare_run(p, out, start, False)\n"
         "print(json.dumps({'modules': [m for m in " + repr(MODEL_CLASSES) + " if m in "
         "sys.modules], 'tiny': sorted(e.tiny), 'built': (out / 'models').exists()}))")
     assert got["modules"] == []
