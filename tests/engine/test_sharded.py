@@ -300,3 +300,41 @@ def test_the_base_of_a_sharded_lora_model_is_read_on_its_shadow():
                                         r"uses model 'ref' \(the base of 'actor'\), sharded"):
         _plan({"models.actor.lora": LORA, **DISAGGREGATED,
                "placement.stages.ref_logprob": "train"}, 3)
+
+
+def test_a_lora_critic_trains_sharded_as_unsharded(cluster3, tmp_path):
+    """PPO with adapters on the actor and on the critic, whose value head trains in full
+    beside them (peft's ``modules_to_save``), both sharded: the metrics of the
+    unsharded gang, each rank's part of both models' AdamW state, the critic's
+    adapters and head in its checkpoint and merged into its final model."""
+    pytest.importorskip("peft", reason="pip install 'rlhfflow[lora]'")
+    runs = {}
+    for backend in ("torch", "fsdp"):
+        (tmp_path / backend).mkdir()
+        path = small_pipeline(tmp_path / backend, "ppo", iterations=3, file_name="ppo.yaml",
+                              overrides={
+                                  **DISAGGREGATED, "cluster.address": cluster3.scheduler_address,
+                                  "cluster.collective_timeout_s": 120, "checkpoint.every": 1,
+                                  # the critic's and the actor's inference on the shadow
+                                  "placement.stages.values": "rollout",
+                                  "placement.stages.old_logprob": "rollout",
+                                  "models.actor.lora": LORA, "models.critic.lora": LORA,
+                                  "stages.train_actor.backend": backend,
+                                  "stages.train_critic.backend": backend})
+        runs[backend] = run_pipeline(load_pipeline(path), progress=False, overwrite=True)
+    for key in ("reward_mean", "kl_mean", "policy_loss", "value_loss"):
+        assert [m[key] for m in runs["fsdp"].metrics] == pytest.approx(
+            [m[key] for m in runs["torch"].metrics], rel=1e-4, abs=1e-6), key
+    [*_, last] = sorted((runs["fsdp"].output_dir / "checkpoints").iterdir())
+    assert sorted(p.name for p in (last / "optimizers").iterdir()) == [
+        "actor.zero-rank0.pt", "actor.zero-rank1.pt", "critic.zero-rank0.pt",
+        "critic.zero-rank1.pt"]
+    heads = {b: {k: v for k, v in _adapters(sorted((r.output_dir / "checkpoints").iterdir())[-1]
+                                            / "models" / "critic").items() if "score" in k}
+             for b, r in runs.items()}
+    assert heads["fsdp"] and heads["fsdp"].keys() == heads["torch"].keys()
+    finals = {}
+    for backend, result in runs.items():
+        module, _ = load_model(result.output_dir / "models" / "critic" / "final", "value")
+        finals[backend] = {k: v.detach() for k, v in module.state_dict().items()}
+    assert _max_difference(finals["fsdp"], finals["torch"]) < 1e-4
