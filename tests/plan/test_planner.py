@@ -385,7 +385,10 @@ def test_the_memory_of_a_sharded_trainer_is_its_share_plus_what_it_gathers():
     plain = CostModel(_larger(**{"placement.strategy": "disaggregated"}))
     unsharded = plain.memory_parts(plan, rows)
     assert unsharded[home[0]]["trainer"] == 12 * shape.params
-    assert unsharded[shadow]["incoming"] == 0
+    # its shadow receives the whole new weights beside its own as well (measured on
+    # SmolLM2: the generating worker's peak is its copy plus one more, docs/how-to/
+    # sharded-training.md)
+    assert unsharded[shadow]["incoming"] == shape.moved_bytes
     assert sum(parts[home[1]].values()) < 0.75 * sum(unsharded[home[1]].values())
     # the plan in words says how it trains and what it moves
     text = plan_text(plan, pipeline)

@@ -477,8 +477,9 @@ class CostModel:
         model's home, its gradients and AdamW state (fp32, two moments; a LoRA model's:
         of its adapters), sharded over the home's workers under ``backend: fsdp``
         (:func:`trainer_state`, its weights' share replacing the whole copy); ``incoming``,
-        on a shadow of a sharded model, the ranks' parts of the new weights in flight
-        (the model's size); ``work``, the largest KV cache or activation footprint of a
+        on a shadow of a trained model, the new weights in flight beside its own (the
+        model's size, a LoRA model's adapters; a sharded model's ranks' parts: as much),
+        held until the install has copied them in; ``work``, the largest KV cache or activation footprint of a
         task on that worker (:meth:`task_bytes`), or of loading or saving a sharded
         model there (``trainer_state``'s ``transient``)."""
         parts = [{"process": float(WORKER_PROCESS), "weights": 0.0, "trainer": 0.0,
@@ -502,7 +503,7 @@ class CostModel:
                     transient[w] = max(transient[w], state["transient"])
                 else:
                     parts[w]["weights"] += shape.nbytes
-                    if sharded:
+                    if trained:  # a shadow: the new weights arrive beside its own
                         parts[w]["incoming"] += shape.moved_bytes
         merged: set[tuple[str, int]] = set()
         for name, sp in plan.stages.items():
