@@ -151,7 +151,12 @@ def get_stage_type(type_name: str) -> type[Stage]:
 
 def create_stage(type_name: str, name: str | None = None,
                  params: Mapping[str, Any] | None = None, algorithm: Any = None,
-                 model: str | None = None) -> Stage:
-    """Instantiate a stage by registered name or import path, validating ``params``."""
+                 model: str | None = None, *, backend: str = "torch",
+                 deepspeed: Mapping[str, object] | None = None) -> Stage:
+    """Instantiate a stage by registered name or import path, validating ``params``;
+    ``backend`` and ``deepspeed``: the stage's keys of those names (``Stage.use_backend``)."""
     cls = get_stage_type(type_name)
-    return cls(name or cls.type_name or type_name, params, algorithm, model)
+    stage = cls(name or cls.type_name or type_name, params, algorithm, model)
+    if backend != "torch":  # the default: nothing to set
+        stage.use_backend(backend, deepspeed)
+    return stage

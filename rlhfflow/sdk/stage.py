@@ -313,6 +313,11 @@ class Stage:
     scores: ClassVar[bool] = False
     reports: ClassVar[bool] = False
     samples: ClassVar[bool] = False
+    #: how a training stage trains its model (``torch``, ``deepspeed``, ``fsdp``) and
+    #: DeepSpeed's options: the stage's ``backend:`` and ``deepspeed:`` keys
+    #: (``use_backend``)
+    backend: str = "torch"
+    deepspeed: Mapping[str, object] | None = None
 
     def __init__(self, name: str, params: StageParams | Mapping[str, Any] | None = None,
                  algorithm: Any = None, model: str | None = None) -> None:
@@ -322,6 +327,12 @@ class Stage:
             params = self.Params(**(params or {}))
         self.params = params
         self.algorithm = algorithm
+
+    def use_backend(self, backend: str, deepspeed: Mapping[str, object] | None = None) -> None:
+        """Train with ``backend`` and DeepSpeed's ``deepspeed`` options (the stage's keys
+        of those names); ``create_stage`` calls it as the worker creates the stage, before
+        its first task."""
+        self.backend, self.deepspeed = backend, deepspeed
 
     @classmethod
     def reads(cls, params: StageParams, algorithm: Any, has_model: bool) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ first; ``sft``, ``reward_model`` and ``train_dpo`` on the second.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
 from pydantic import Field
@@ -99,15 +99,13 @@ class Trainer(Stage):
     minibatches and trains on its shard of each; losses are divided by the minibatch's
     own counts (``ops.loss_count``), so the summed gradients equal one worker's update
     on the whole minibatch. ``backend`` is ``"torch"``, ``"deepspeed"`` or ``"fsdp"`` (the
-    model sharded over the gang; set by the executor from the stage's
-    ``backend:``/``deepspeed:`` keys).
+    model sharded over the gang; the stage's ``backend:``/``deepspeed:`` keys, given by
+    ``Stage.use_backend``).
     """
 
     Params = TrainParams
     trains = True
     per_batch = True
-    backend: str = "torch"
-    deepspeed: Any = None
 
     def run(self, batch: Batch, ctx: StageContext) -> Batch:
         resident = ctx.models.get(self.model)

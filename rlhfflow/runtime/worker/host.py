@@ -144,10 +144,9 @@ class WorkerHost:
         """The stage object ``name`` (created once per worker)."""
         if name not in self._stages:
             d = self.run.stages[name]
-            stage = create_stage(d.type, name, d.params, self.run.algorithm, d.model)
-            if d.backend != "torch":
-                stage.backend, stage.deepspeed = d.backend, d.deepspeed
-            self._stages[name] = stage
+            self._stages[name] = create_stage(d.type, name, d.params, self.run.algorithm,
+                                              d.model, backend=d.backend,
+                                              deepspeed=d.deepspeed)
         return self._stages[name]
 
     def context(self, iteration: int) -> StageContext:
