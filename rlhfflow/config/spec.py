@@ -171,7 +171,8 @@ class DeepSpeedSpec(Strict):
     """DeepSpeed settings of a training stage (``backend: deepspeed``)."""
 
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description=(
-        "ZeRO stage (stage 2 is tested, stage 1 has run on CPU, 0 and 3 are untested)."))
+        "ZeRO stage (stage 2 is tested, stage 1 has run on CPU, 0 is untested; 3 is refused "
+        "on a gang of two or more workers: shard with `backend: fsdp`)."))
     config: dict[str, Any] = Field({}, description=(
         "Extra DeepSpeed config; its top-level keys replace rlhfflow's "
         "(`train_micro_batch_size_per_gpu: 1`, `gradient_accumulation_steps: 1`, "

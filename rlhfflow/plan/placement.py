@@ -498,6 +498,16 @@ def _check_sharded(pipeline: Pipeline, stages: Mapping[str, StagePlan],
     spec, graph, file = pipeline.spec, pipeline.graph, pipeline.source
     for name, stage in spec.stages.items():
         model = graph.nodes[name].model if name in graph.nodes else None
+        if model is not None and stage.deepspeed is not None and \
+                stage.deepspeed.zero_stage == 3 and len(homes[model]) > 1:
+            # each rank then holds a slice of every weight, and the forwards of other
+            # stages and the transfers to shadows read whole ones: a colocated PPO run
+            # hung before its first iteration (2026-11-28, 2 CPU workers)
+            raise PlanError(file, f"stages.{name}.deepspeed.zero_stage", f"ZeRO-3 "
+                            f"partitions model {model!r} over workers "
+                            f"{list(homes[model])}, which rlhfflow's forwards and weight "
+                            f"transfers do not gather; shard it with backend: fsdp "
+                            f"(docs/how-to/sharded-training.md), or use zero_stage 2")
         if stage.backend != "fsdp" or model is None:
             continue
         home = homes[model]

@@ -157,6 +157,23 @@ def test_sharding_over_one_worker_is_refused():
         _plan({"placement.strategy": "disaggregated"}, 2)
 
 
+def test_zero3_over_more_than_one_worker_is_refused_for_fsdp():
+    """DeepSpeed's ZeRO-3 leaves each rank a slice of every weight, which the other
+    stages' forwards and the transfers to shadows read whole (a colocated run hung):
+    refused where it would partition (a gang of 2), kept on one worker (tests/test_gpu.py
+    trains it there on a GPU)."""
+    zero3 = {"stages.train_actor.backend": "deepspeed",
+             "stages.train_actor.deepspeed": {"zero_stage": 3}}
+    for strategy, workers in (("colocated", 2), ("disaggregated", 3)):
+        with pytest.raises(PlanError, match=r"stages.train_actor.deepspeed.zero_stage: ZeRO-3 "
+                                            r"partitions model 'actor' over workers .* "
+                                            r"backend: fsdp"):
+            resolve_plan(load_pipeline(GRPO, {**zero3, "placement.strategy": strategy}),
+                         workers)
+    plan = resolve_plan(load_pipeline(GRPO, {**zero3, "placement.strategy": "colocated"}), 1)
+    assert plan.homes["actor"] == (0,)
+
+
 @pytest.mark.parametrize(("overrides", "key", "says"), [
     ({"models.actor.dtype": "float16"}, "models.actor.dtype", "no loss scaling"),
     ({"stages.generate.backend": "fsdp"}, "stages.generate.backend", "trains in the loop"),
