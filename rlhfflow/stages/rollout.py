@@ -211,6 +211,12 @@ class RolloutParams(StageParams):
                           "counted in agent_failed")] = 120.0
     agent_concurrency: Annotated[int, Field(
         gt=0, description="agents running at once (and requests decoded together)")] = 16
+    env_step_s: Annotated[float | None, Field(
+        gt=0, description="the mean seconds one environment step (or tool call) takes, "
+                          "for the planner only (nothing measures or enforces it): "
+                          "`rlhfflow plan` and placement auto then charge a task the "
+                          "environment time of its episodes where no profile measured "
+                          "it (docs/concepts/planner.md); null: none charged")] = None
     stream: bool = Field(
         False, description="keep episodes in flight across iterations (docs/how-to/"
                            "streaming.md): the worker's episode loop lives from task to "

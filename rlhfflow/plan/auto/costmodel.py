@@ -7,7 +7,8 @@ Two sources, the second refining the first:
   layers' forward once more in the backward), per-step and per-layer overheads of
   generation, optimizer steps, all-reduces (ring, ``2 (n-1)/n`` of the gradient bytes),
   and Dask's per-task latency and transfer bandwidth; its constants describe a device
-  (CPU core or GPU) and are measured by ``rlhfflow profile``;
+  (CPU core or GPU) and are measured by ``rlhfflow profile``; a rollout's environment
+  steps, which no FLOP count sees, are added by ``envtime``;
 - a **profile** of the pipeline's own stages: task intervals (stage, rows, threads,
   gang size, seconds) recorded by real runs (``OUTPUT/tasks.jsonl``). Where a stage was
   measured, its time is fitted as ``a + b * rows`` per thread count; where it was not
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.shapes import ModelShape, model_shapes
 from rlhfflow.errors import UserError
+from rlhfflow.plan.auto import envtime
 from rlhfflow.plan.auto.memory import (
     WORKER_PROCESS,
     rank_saves,
@@ -226,6 +228,7 @@ class CostModel:
         # per (stage, threads, gang, contended; None: not known, profiles made before)
         self._fits: dict[tuple[str, int, int, bool | None], tuple[float, float]] = {}
         self._ratios: dict[str, list[float]] = defaultdict(list)
+        self._env_step: dict[str, float] = {}  # per rollout stage, measured (_fit)
         self.prompt_tokens = prompt_tokens(pipeline)
         self.response_tokens = self.graph.response_tokens
         if profile is not None:
@@ -284,6 +287,7 @@ class CostModel:
             if o.stage in self.graph.nodes or o.stage == "store":
                 contended = self.contended(o.workers, o.threads) if o.workers else None
                 groups[(o.stage, o.threads, o.gang, contended)].append(o)
+        self._fit_env_steps(groups)
         for key, obs in groups.items():
             stage, threads, gang, contended = key
             node = self.graph.nodes.get(stage)
@@ -303,13 +307,54 @@ class CostModel:
             a = max(0.0, my - b * mx)
             self._fits[key] = (a, b)
 
+    def _fit_env_steps(self, groups: Mapping[Any, list[Observation]]) -> None:
+        """Per rollout stage stepping in its own tasks, the mean step time its tasks'
+        measured environment seconds imply (``envtime.step_from``; their median)."""
+        steps: dict[str, list[float]] = defaultdict(list)
+        for (stage, *_), obs in groups.items():
+            node = self.graph.nodes.get(stage)
+            if node is None or not node.generates or node.env_on_pool:
+                continue
+            workers = int(getattr(self.pipeline.params[stage], "env_workers", 0) or 0)
+            steps[stage] += [envtime.step_from(o.env, o.rows, node.turns, workers)
+                             for o in obs if o.env > 0]
+        self._env_step = {s: sorted(v)[len(v) // 2] for s, v in steps.items() if v}
+
+    def env_seconds(self, stage: str, rows: int, streaming: bool = False) -> float:
+        """Seconds a task of ``stage`` on ``rows`` episodes spends in environment
+        steps beyond its model's work (``envtime``): at the step time a profile measured,
+        else the declared ``params.env_step_s``, else none; a synchronous task's slowest
+        episode, or a streaming one's mean (``streaming``). 0 for a stage whose steps run
+        on the CPU pool."""
+        node = self.graph.nodes.get(stage)
+        if node is None or not node.generates or node.env_on_pool:
+            return 0.0
+        params = self.pipeline.params[stage]
+        step = self._env_step.get(stage) or float(getattr(params, "env_step_s", 0) or 0)
+        workers = int(getattr(params, "env_workers", 0) or 0)
+        if streaming:
+            return envtime.stream_seconds(step, rows, node.turns, workers,
+                                          getattr(params, "stream_in_flight", None))
+        return envtime.sync_seconds(step, rows, node.turns, workers)
+
     # ----------------------------------------------------------------- durations
     def stage_seconds(self, stage: str, rows: int, threads: int, gang: int = 1,
                       contended: bool = False) -> float:
         """Seconds one task of ``stage`` takes on a batch of ``rows`` rows with
         ``threads`` torch threads (as one rank of a gang of ``gang``: each rank computes
         on ``rows / gang`` of them), on cores it shares with the coordinator
-        (``contended``, see :meth:`contended`) or not."""
+        (``contended``, see :meth:`contended`) or not. A streaming rollout's task
+        (``stream: true``) has its slowest episode's environment time replaced by the
+        mean episode's (:meth:`env_seconds`)."""
+        seconds = self._stage_seconds(stage, rows, threads, gang, contended)
+        node = self.graph.nodes.get(stage)
+        if node is not None and node.streams and rows > 0:
+            seconds = max(0.0, seconds - self.env_seconds(stage, rows)) \
+                + self.env_seconds(stage, rows, streaming=True)
+        return seconds
+
+    def _stage_seconds(self, stage: str, rows: int, threads: int, gang: int,
+                       contended: bool) -> float:
         if rows <= 0:
             return self.device["task_s"]
         slower = 1.0 + self.device["contention"]
@@ -329,12 +374,15 @@ class CostModel:
                  contended: bool = False) -> float:
         """The analytic estimate of a task (see the module docstring); a stage that works
         in one iteration of ``every`` (an evaluation) costs that share of it; a task on
-        cores shared with the coordinator is ``contention`` slower."""
+        cores shared with the coordinator is ``contention`` slower; a rollout's
+        environment steps add their time (:meth:`env_seconds`, synchronous)."""
         node = self.graph.nodes.get(stage)
         work = self._analytic(stage, rows, threads, gang)
         if node is not None and node.every > 1:
             work = self.device["task_s"] + (work - self.device["task_s"]) / node.every
-        return work * (1.0 + self.device["contention"]) if contended else work
+        if contended:
+            work *= 1.0 + self.device["contention"]
+        return work + self.env_seconds(stage, rows)
 
     def _analytic(self, stage: str, rows: float, threads: int, gang: int = 1) -> float:
         d = self.device
@@ -364,7 +412,7 @@ class CostModel:
             decode = steps * (call + rows * d["row_step_s"] + rows * flops_token / speed)
             # a multi-turn rollout: each turn after the first feeds what came between
             # (the environment's answer, its share of the response) on the kept cache in
-            # one forward; the environment's own time is in the measured profile only
+            # one forward; the environment's own time is added by analytic (env_seconds)
             joins = (node.turns - 1) * (call + rows * steps / (2 * node.turns) *
                                         flops_token / speed)
             return d["task_s"] + prefill + decode + joins
