@@ -13,10 +13,14 @@ The workload (``longtail_env.py``): episodes of 1 to 8 turns (each prompt's own 
 each environment step sleeping a lognormal time around 50 ms (sigma 0.8), on threads
 (``env_workers``) so steps overlap decoding; a tiny random Llama that learns to say
 vowels. Each mode runs ``--rounds`` times, alternating, so drift of the machine hits all
-alike; round r runs every mode with seed r. Figures per run: trained episodes per second over the steady iterations (the first,
-which loads models, left out), the reward curve, and for ``stream`` the decode batch's
-occupancy, the episodes in flight and the token lag. Then the median over rounds of each
-figure and of the per-round ratios against ``sync``.
+alike; round r runs every mode with seed r. Figures per run: trained episodes per second
+over the steady iterations (the first, which loads models, left out), the reward curve,
+and for ``stream`` the decode batch's occupancy, the episodes in flight and the token
+lag. Then the median over rounds of each figure and of the per-round ratios against
+``sync``; and beside each mode's measured seconds per iteration the planner's
+prediction, from the analytic cost model (the environment's mean step time declared in
+``env_step_s``) and from a profile of the ``sync`` runs' tasks (as ``rlhfflow profile
+--from-run`` makes it).
 
     python benchmarks/longtail.py [--iterations 12] [--rounds 3] [--in-flight N]
                                   [--staleness N]
@@ -30,15 +34,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import tempfile
 from pathlib import Path
 
 import yaml
+from longtail_env import LongTail
 from shared import check_gangs, emit_result, shared_cluster
 
 from rlhfflow.config import load_pipeline
+from rlhfflow.config.shapes import model_shapes
+from rlhfflow.plan.auto.costmodel import Profile, machine_info
+from rlhfflow.plan.auto.planner import plan_for_cli
+from rlhfflow.runtime.profiler import observations_from_run
 from rlhfflow.runtime.run import run_pipeline
 
 HERE = Path(__file__).resolve().parent
@@ -55,7 +65,7 @@ MODES = {
 
 def write_pipeline(directory: Path, prompts: int = 96) -> Path:
     """The workload's pipeline and prompts file in ``directory``."""
-    rng = random.Random(0)
+    rng, env = random.Random(0), LongTail()
     words = ["say", "tell", "sing", "call", "name", "spell"]
     with (directory / "prompts.jsonl").open("w") as f:
         for i in range(prompts):
@@ -73,7 +83,9 @@ def write_pipeline(directory: Path, prompts: int = 96) -> Path:
             "rollout": {"type": "rollout", "model": "actor", "params": {
                 "env": f"{HERE / 'longtail_env.py'}:LongTail", "max_turns": 8,
                 "max_new_tokens": 4, "max_tokens": 64, "plain_separator": " ",
-                "scores": True, "env_workers": BATCH * SAMPLES}},
+                "scores": True, "env_workers": BATCH * SAMPLES,
+                # the planner's figure: the mean of the steps' lognormal time
+                "env_step_s": round(env.median_s * math.exp(env.sigma ** 2 / 2), 4)}},
             "advantages": {"type": "advantages", "after": ["rollout"]},
             "train_actor": {"type": "train_actor", "model": "actor",
                             "after": ["advantages"],
@@ -91,6 +103,7 @@ def run_once(config: Path, mode: str, out: Path, settings: dict) -> dict:
     seconds = sum(m["iteration_s"] for m in steady)
     stale = [m["staleness_max"] for m in metrics if m["staleness_max"] is not None]
     figures = {"episodes_per_s": len(steady) * BATCH * SAMPLES / seconds,
+               "iteration_s": seconds / len(steady),
                "rewards": [m["reward_mean"] for m in metrics],
                "staleness_max": max(stale) if stale else 0}
     if mode == "stream":
@@ -99,6 +112,25 @@ def run_once(config: Path, mode: str, out: Path, settings: dict) -> dict:
             figures[key] = statistics.mean(m[key] for m in steady)
         figures["dropped"] = sum(m["episodes_dropped"] for m in metrics)
     return figures
+
+
+def predicted(config: Path, mode: str, settings: dict, profile: Profile | None) -> float:
+    """The planner's seconds per iteration of ``mode`` (its simulation of the plan)."""
+    pipeline = load_pipeline(config, {**settings, **MODES[mode]})
+    return plan_for_cli(pipeline, profile, None).best.predicted_s
+
+
+def predictions(config: Path, settings: dict, sync_runs: list[Path]) -> dict[str, dict]:
+    """Per mode, the analytic and the profile-based prediction (the profile: every task
+    the ``sync`` runs recorded, the first iteration left out)."""
+    pipeline = load_pipeline(config, settings)
+    profile = Profile(pipeline.name, machine_info(),
+                      {m: s.__dict__ for m, s in model_shapes(pipeline).items()})
+    for run in sync_runs:
+        profile.observations += observations_from_run(run)
+    return {mode: {"analytic_s": round(predicted(config, mode, settings, None), 4),
+                   "profile_s": round(predicted(config, mode, settings, profile), 4)}
+            for mode in MODES}
 
 
 def main() -> None:
@@ -127,6 +159,8 @@ def main() -> None:
                     # noise a mode's reward is compared with, each ratio same-seeded
                     runs[mode].append(run_once(config, mode, Path(tmp) / f"{mode}-{r}",
                                                {**settings, "seed": r}))
+            plans = predictions(config, settings,
+                                [Path(tmp) / f"sync-{r}" for r in range(args.rounds)])
 
     def med(mode: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[mode])
@@ -159,6 +193,13 @@ def main() -> None:
           f"started ahead {stream['started_ahead_frac']:.3f}, dropped "
           f"{sum(r['dropped'] for r in runs['stream'])}")
     print(f"sync's late reward over rounds: {min(spread):.4f} .. {max(spread):.4f}")
+    print(f"{'mode':<8} {'s/iteration':>12} {'analytic':>9} {'error':>7} "
+          f"{'profile':>8} {'error':>7}   (predicted; profile: of the sync runs' tasks)")
+    for mode in MODES:
+        measured = plans[mode]["measured_s"] = round(med(mode, "iteration_s"), 4)
+        errors = [plans[mode][k] / measured - 1 for k in ("analytic_s", "profile_s")]
+        print(f"{mode:<8} {measured:>12.3f} {plans[mode]['analytic_s']:>9.3f} "
+              f"{errors[0]:>+7.0%} {plans[mode]['profile_s']:>8.3f} {errors[1]:>+7.0%}")
     met = ratio("stream") >= GOAL
     print(f"goal: stream >= {GOAL} x sync's trained episodes per second: "
           f"{ratio('stream'):.3f} ({'met' if met else 'not met'})")
@@ -170,7 +211,7 @@ def main() -> None:
         **{f"{m}_late_reward": round(late_reward(m), 4) for m in MODES},
         "sync_late_reward_range": [round(min(spread), 4), round(max(spread), 4)],
         "stream": stream, "stream_in_flight": args.in_flight,
-        "stream_max_staleness": args.staleness,
+        "stream_max_staleness": args.staleness, "predicted": plans,
         "iterations": args.iterations, "rounds": args.rounds, "goal_met": met}, __file__)
 
 
