@@ -222,7 +222,7 @@ def test_a_run_gives_its_mfu_in_the_closing_line_the_summary_and_the_report(tiny
     _, result, lines, _ = tiny_run
     [closing] = [line for line in lines if line.startswith("rlhfflow: overlap")]
     match = re.search(r"; MFU (\d+\.\d{3}) \(model FLOPs ([\d.e+]+) GFLOP/s; matmul peak "
-                      r"float32 2, bfloat16 4 GFLOP/s\)$", closing)
+                      r"float32 2, bfloat16 4 GFLOP/s\)(; memory peak: w0 \d+ MiB)$", closing)
     assert match, closing
     assert float(match[1]) == pytest.approx(result.summary["mfu"], abs=1e-3)
     steady = MetricsLog(result.output_dir / "metrics.jsonl").read()[1:2]
