@@ -416,6 +416,13 @@ def _check_training(file: Path, pipeline: Pipeline) -> None:
         if trainers and not model.trainable:
             raise SpecError(file, f"stages.{trainers[0]}.model", f"stage trains {name!r}, which "
                             f"is not trainable; set models.{name}.trainable: true")
+    for name in graph.loop_stages:  # a rollout's agent episodes own whole runs of rows
+        per = int(getattr(pipeline.params[name], "agent_samples", 1))
+        if per > 1 and spec.data is not None and spec.data.samples_per_prompt % per:
+            raise SpecError(file, f"stages.{name}.params.agent_samples", f"each agent "
+                            f"episode makes up to {per} samples of its prompt, and "
+                            f"data.samples_per_prompt ({spec.data.samples_per_prompt}) is "
+                            f"not a multiple of {per}")
     readers = [n for n in graph.loop_stages if "group_ids" in graph.nodes[n].reads]
     if readers and spec.data is not None and spec.data.samples_per_prompt == 1 \
             and spec.algorithm.grouped:

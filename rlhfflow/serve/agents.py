@@ -19,7 +19,9 @@ What can go wrong is counted, never a crash: an agent that raises, runs past its
 makes no call, returns no number, or whose first prompt does not begin with the data
 set's prompt ends its episode with no trained token and reward 0 (:class:`AgentOutcome`
 says which). A call whose prompt does not extend the one before (a template that rewrites
-history) ends the sample there; the calls after it are counted as untrained.
+history) ends the sample there: with ``agent_samples`` above 1 it starts the next sample
+of the episode (one per call, sharing the episode's reward, each in a row of its own),
+else it and the calls after it are counted as untrained.
 
 An agent runs in the worker's process, on the event loop of the stage's task (a plain
 function on a thread of its own), or with ``env_placement: pool`` in a process of the run's
@@ -220,48 +222,61 @@ def _reward(result: Any) -> tuple[float, dict[str, float], str | None]:
 
 @dataclass
 class Trajectory:
-    """An episode as one sample after the data set's prompt: its ``pieces`` in order,
-    each the tokens between two calls (log-probs None: not the model's) or a call's
-    completion with its log-probs; the ``calls`` in it and those ``untrained`` (after one
-    that rewrote history)."""
+    """A sample after the data set's prompt: its ``pieces`` in order, each the tokens
+    between two calls (log-probs None: not the model's) or a call's completion with its
+    log-probs, and the ``calls`` in it."""
 
     pieces: list[tuple[list[int], list[float] | None]] = field(default_factory=list)
     calls: int = 0
-    untrained: int = 0
 
 
-def trajectory(prompt: Sequence[int], calls: Sequence[Call]) -> Trajectory | None:
-    """The calls as one sample after ``prompt`` (see the module's docstring); None when the
-    first call's prompt does not begin with ``prompt``."""
-    sequence = list(prompt)  # what the next call's prompt must begin with
-    out = Trajectory()
+def trajectories(prompt: Sequence[int], calls: Sequence[Call], samples: int = 1
+                 ) -> tuple[list[Trajectory], int] | None:
+    """The calls as at most ``samples`` samples after ``prompt`` (see the module's
+    docstring): a call extends the current sample when its prompt begins with that
+    sample's tokens so far, else it starts the next one (its prompt must begin with
+    ``prompt``); with the calls left out (past the last sample, or not beginning with
+    ``prompt``). None when the first call's prompt does not begin with ``prompt``."""
+    if not calls or list(calls[0].prompt[:len(prompt)]) != list(prompt):
+        return None
+    made: list[Trajectory] = []
+    sequence: list[int] = []  # what a call's prompt must begin with to extend the sample
     for i, call in enumerate(calls):
-        if call.prompt[:len(sequence)] != sequence:
-            if i == 0:
-                return None
-            out.untrained = len(calls) - i
-            break
+        if not made or call.prompt[:len(sequence)] != sequence:
+            if len(made) == samples or list(call.prompt[:len(prompt)]) != list(prompt):
+                return made, len(calls) - i
+            made.append(Trajectory())
+            sequence = list(prompt)
+        out = made[-1]
         if len(call.prompt) > len(sequence):
             out.pieces.append((call.prompt[len(sequence):], None))
         out.pieces.append((call.completion.tokens, call.completion.logprobs))
         sequence = call.prompt + call.completion.tokens
         out.calls += 1
-    return out
+    return made, 0
 
 
-def agent_episode(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: int,
-                  info: Sequence[str]) -> tuple[Episode, int]:
-    """An agent's episode as the rollout's ``Episode`` (cut at ``max_tokens``, its
-    ``info`` keys kept), and the calls left out of it. A failed episode keeps its tokens
-    with no trained one and reward 0."""
-    episode = Episode(None)
-    made = trajectory(prompt, outcome.calls) if outcome.calls else None
+def agent_episodes(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: int,
+                   info: Sequence[str], samples: int = 1) -> tuple[list[Episode], int]:
+    """An agent's episode as ``samples`` rollout ``Episode``s, one per sample it made
+    (:func:`trajectories`; each cut at ``max_tokens``, its ``info`` keys kept, the
+    episode's reward on each) and empty ones after them (``Episode.turns`` 0), and the
+    calls left out. A failed episode keeps its tokens with no trained one and reward 0."""
+    made = trajectories(prompt, outcome.calls, samples) if outcome.calls else None
     if made is None and outcome.error is None:
         outcome.error, outcome.message = "prompt", (
             "its first call's prompt does not begin with the data set's prompt (send "
             "the record's messages first; put a system prompt in the data)")
     if made is None:
-        return episode, len(outcome.calls)
+        return [Episode(None) for _ in range(samples)], len(outcome.calls)
+    episodes = [_episode(sample, outcome, tok, max_tokens, info) for sample in made[0]]
+    return episodes + [Episode(None) for _ in range(samples - len(episodes))], made[1]
+
+
+def _episode(made: Trajectory, outcome: AgentOutcome, tok, max_tokens: int,
+             info: Sequence[str]) -> Episode:
+    """One sample of an agent's episode as the rollout's ``Episode``."""
+    episode = Episode(None)
     for tokens, logprobs in made.pieces:
         room = max_tokens - len(episode.tokens)
         if room <= 0:
@@ -274,10 +289,10 @@ def agent_episode(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: int
     episode.turns = made.calls
     if outcome.error is not None:
         episode.mask = [0] * len(episode.mask)
-        return episode, made.untrained
+        return episode
     episode.reward = outcome.reward
     last = next((t for t in reversed(episode.log) if t["role"] == "assistant"), None)
     if last is not None:
         last["reward"] = outcome.reward
     episode.info = {key: outcome.info.get(key, 0.0) for key in info}
-    return episode, made.untrained
+    return episode

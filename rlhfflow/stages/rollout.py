@@ -57,8 +57,10 @@ policy through an ``openai`` client pointed at an endpoint the task serves on lo
 (a generation service on the stage's model, its requests batched together), and returns
 the reward. Every call is recorded; an episode whose calls extend each other at token
 level is one sample (the tokens between calls masked out, each completion with the
-log-probs it was sampled with). ``agent_calls``, ``agent_failed`` and
-``agent_untrained_calls`` count what happened (docs/how-to/agents.md). Not done yet:
+log-probs it was sampled with); with ``agent_samples: K`` a call that rewrote its
+history starts the next of the episode's K samples (K consecutive rows of its prompt),
+sharing its reward. ``agent_calls``, ``agent_failed`` and ``agent_untrained_calls``
+count what happened (docs/how-to/agents.md). Not done yet:
 drafters do not draft for the rollout.
 """
 
@@ -68,10 +70,8 @@ import json
 import logging
 import re
 from dataclasses import replace
-from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field
 
 from rlhfflow.engine.environments import (
     Environment,
@@ -86,11 +86,12 @@ from rlhfflow.engine.environments import (
 from rlhfflow.engine.episodes import EpisodeLoop, Timeline, add_messages, env_threads, settled
 from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import row_generators, sample_uniforms
-from rlhfflow.engine.sandbox import SandboxParams, sandbox_for
+from rlhfflow.engine.sandbox import sandbox_for
 from rlhfflow.engine.service import GenerationService, SamplingSettings
 from rlhfflow.engine.streaming import Admission, EpisodeStream, Key, stream_columns
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import imported, load_function
+from rlhfflow.errors import RunError
 from rlhfflow.sdk import (
     Batch,
     Column,
@@ -98,10 +99,10 @@ from rlhfflow.sdk import (
     PlanHints,
     Stage,
     StageContext,
-    StageParams,
     register_stage,
 )
-from rlhfflow.serve.agents import AgentRunner, agent_episode, agent_problem
+from rlhfflow.serve.agents import AgentRunner, agent_episodes, agent_problem
+from rlhfflow.stages.rolloutparams import RolloutParams
 
 log = logging.getLogger(__name__)
 
@@ -117,126 +118,6 @@ STREAM_COLUMNS = {
     "episodes_in_flight": Column("float32"),  # the task's mean (each row of it)
     "episodes_dropped": Column("int64"),   # the task's, on its first row
 }
-
-
-class RolloutParams(StageParams):
-    """Episode and sampling settings (docs/reference/stages.md, ``rollout``)."""
-
-    max_turns: Annotated[int, Field(gt=0, description="model turns per episode at most")] = 4
-    max_tokens: Annotated[int, Field(
-        gt=0, description="response tokens per episode at most, the model's and the "
-                          "environment's (and the buffer's response width)")] = 128
-    max_new_tokens: Annotated[int, Field(
-        gt=0, description="tokens of one model turn at most")] = 32
-    temperature: Annotated[float, Field(
-        gt=0, description="sampling temperature (also used by logprob and train_actor)")] = 1.0
-    top_k: Annotated[int, Field(ge=0, description="keep the k most likely tokens; 0: off")] = 0
-    top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling; 1.0: off")] = 1.0
-    greedy: bool = Field(False, description="argmax instead of sampling")
-    stop: list[str] = Field([], description="end a model turn right after the first of "
-                                            "these strings (with tools, the end of a "
-                                            "call in tool_format too, e.g. </tool_call>)")
-    env: str | None = Field(None, description="the environment class, 'file.py:Class' "
-                                              "(relative to the pipeline file) or "
-                                              "'package.module:Class'")
-    env_kwargs: dict[str, Any] = Field({}, description="keyword arguments of the "
-                                                       "environment class")
-    tools: list[str] = Field([], description="tool functions the model calls (written "
-                                             "as tool_format says), 'file.py:function' "
-                                             "each")
-    tool_format: str = Field(
-        "auto", description="how the model writes tool calls: 'hermes' (<tool_call>"
-                            "{\"name\": ..., \"arguments\": {...}}</tool_call>), "
-                            "'qwen3_coder' (<tool_call><function=NAME><parameter=KEY>"
-                            "VALUE</parameter></function></tool_call>), 'llama3_json' "
-                            "({\"name\": ..., \"parameters\": {...}} as the whole turn), "
-                            "an import path 'file.py:Class' of a ToolFormat subclass, or "
-                            "'auto': the tokenizer's own response_template "
-                            "(transformers' parse_response) if it has one, else hermes")
-    tools_in_prompt: Literal["auto", True, False] = Field(
-        "auto", description="render the tools' JSON schemas (from their type hints and "
-                            "docstrings) into the prompts through the chat template's "
-                            "tools=: 'auto', when the template shows tools; true, always "
-                            "(validation fails when it shows none); false, never (the "
-                            "prompts describe the tools themselves)")
-    tool_timeout_s: Annotated[float, Field(
-        gt=0, description="seconds a tool call may take; slower: an error message")] = 10.0
-    tool_isolation: Literal["process", "thread"] = Field(
-        "process", description="where a tool call runs: 'process', in a child process "
-                               "(reused) that is killed at tool_timeout_s with all it "
-                               "started; 'thread', on a thread of the stage's process, "
-                               "which cannot be stopped (a call past the timeout is left "
-                               "running), for tools that must share the process's state")
-    sandbox: SandboxParams = Field(
-        SandboxParams(), description="limits of the python tool "
-                                     "(rlhfflow.engine.sandbox:python): cpu_s, wall_s, "
-                                     "memory_mb, file_mb, processes, output_kb, backend, "
-                                     "warm (docs/how-to/sandbox.md)")
-    info: list[str] = Field([], description="keys of the info dict step returns: each "
-                            "key's numbers are summed over the episode into the column "
-                            "info_<key> (a step without the key adds 0), averaged in "
-                            "the run's metrics as info_<key>_mean")
-    scores: bool = Field(False, description="also write env_reward as the scores (all "
-                                            "valid) the advantages read, for a pipeline "
-                                            "without a score stage")
-    kv_cache: bool = Field(True, description="keep each episode's KV cache across turns "
-                                             "(a turn feeds only the new tokens); off: "
-                                             "every turn prefills the whole episode again")
-    env_workers: Annotated[int, Field(
-        ge=0, description="threads that run environment steps while the model decodes "
-                          "the other rows (for environments that wait on I/O or a "
-                          "subprocess); then which rows share a forward depends on how "
-                          "long steps take, so runs and resumes agree only to float "
-                          "rounding. 0 (the default): steps run in turn with decoding, "
-                          "and a run is reproduced bit for bit")] = 0
-    env_placement: Literal["task", "pool"] = Field(
-        "task", description="where environment steps run: 'task', in the stage's own task "
-                            "(inline, or on its env_workers threads); 'pool', each step a "
-                            "task of its own on the CPU pool of cluster.env_workers (the "
-                            "environment object is pickled there and back with every "
-                            "step), so a slow tool holds no model worker; which rows share "
-                            "a forward then depends on how long steps take, as with "
-                            "env_workers; with agent, each episode's agent runs there. A "
-                            "run without a pool (in process, `stage test`) steps in the task")
-    plain_separator: str = Field("\n", description="around environment messages when the "
-                                                   "prompt was not rendered with a chat "
-                                                   "template")
-    agent: str | None = Field(
-        None, description="an agent function, 'file.py:solve': 'async def solve(client, "
-                          "record)' (or a plain def) that talks to the policy through the "
-                          "OpenAI client it is given and returns the reward (or {reward, "
-                          "info}); instead of env and tools (docs/how-to/agents.md)")
-    agent_timeout_s: Annotated[float, Field(
-        gt=0, description="seconds an agent's episode may take; longer: it fails, "
-                          "counted in agent_failed")] = 120.0
-    agent_concurrency: Annotated[int, Field(
-        gt=0, description="agents running at once (and requests decoded together)")] = 16
-    env_step_s: Annotated[float | None, Field(
-        gt=0, description="the mean seconds one environment step (or tool call) takes, "
-                          "for the planner only (nothing measures or enforces it): "
-                          "`rlhfflow plan` and placement auto then charge a task the "
-                          "environment time of its episodes where no profile measured "
-                          "it (docs/concepts/planner.md); null: none charged")] = None
-    stream: bool = Field(
-        False, description="keep episodes in flight across iterations (docs/how-to/"
-                           "streaming.md): the worker's episode loop lives from task to "
-                           "task and starts the next iterations' episodes (up to "
-                           "overlap.max_staleness ahead, which must be 1 or more) in the "
-                           "tail of this one's; an episode goes on across weight updates, "
-                           "each token recording the version that sampled it "
-                           "(token_versions)")
-    stream_on_update: Literal["recompute", "keep"] = Field(
-        "recompute", description="with stream, what the episodes in flight do at new "
-                                 "weights: 'recompute' their KV caches under them (each "
-                                 "later token is exactly the new policy's; costs a prefill "
-                                 "of what is in flight), or 'keep' the old weights' caches "
-                                 "(cheaper; the tokens' log-probs are still those they "
-                                 "were sampled with)")
-    stream_in_flight: Annotated[int | None, Field(
-        gt=0, description="with stream: the episodes kept in flight per task while later "
-                          "iterations' wait to start (more: a larger decode batch and more "
-                          "tokens from older policies); null: the task's rows, so the "
-                          "next iterations' episodes start as this one's finish")] = None
 
 
 @register_stage
@@ -313,6 +194,9 @@ class RolloutStage(Stage):
         for key in ("stream_in_flight", "stream_on_update"):
             if key in params.model_fields_set and not params.stream:
                 return (f"params.{key}", "goes with params.stream: true")
+        if params.agent_samples > 1 and (params.agent is None or not params.scores):
+            return ("params.agent_samples", "goes with params.agent and params.scores: true "
+                    "(the episode's reward marks which of its samples hold calls)")
         if params.agent is not None:
             if params.env is not None or params.tools:
                 return ("params.agent", "give params.agent alone: an agent brings its own "
@@ -508,9 +392,11 @@ class RolloutStage(Stage):
         records = [{**json.loads(fields[row]), "prompt": texts[row]} for row in range(rows)]
         real = batch["prompt_mask"].bool()
         prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
-        # each episode's stream is the one its row samples with in a rollout with an env
+        # each episode's stream is the one its (first) row samples with in a rollout
+        # with an env; an episode owns agent_samples consecutive rows of its prompt
         generators = row_generators(ctx.seed, ctx.iteration, batch["prompt_index"],
                                     batch["sample_index"])
+        firsts = episode_rows(batch, params.agent_samples, self.name)
         sampling = SamplingSettings(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, greedy=params.greedy, stop=tuple(params.stop))
@@ -523,24 +409,31 @@ class RolloutStage(Stage):
             runner = AgentRunner(service, tok, calls, sampling, params.agent_concurrency,
                                  params.agent_timeout_s, ctx.env_executor
                                  if params.env_placement == "pool" else None)
-            outcomes = runner.run(fn, records, generators)
-        episodes, untrained = [], []
-        for row, outcome in enumerate(outcomes):
-            episode, left = agent_episode(prompts[row], outcome, tok, params.max_tokens,
-                                          params.info)
-            episodes.append(episode)
-            untrained.append(left)
-        failed = [o for o in outcomes if o.error is not None]
-        if failed:
-            kinds = sorted({o.error for o in failed})
+            outcomes = runner.run(fn, [records[r] for r in firsts],
+                                  [generators[r] for r in firsts])
+        k = params.agent_samples
+        episodes, untrained, made, failed = [], [], [], []
+        for row, outcome in zip(firsts, outcomes, strict=True):
+            samples, left = agent_episodes(prompts[row], outcome, tok, params.max_tokens,
+                                           params.info, k)
+            episodes += samples
+            untrained += [left] + [0] * (k - 1)  # the sums count each call once
+            made += [len(outcome.calls)] * k     # the means: per episode
+            failed += [outcome.error is not None] * k
+        bad = [o for o in outcomes if o.error is not None]
+        if bad:
+            kinds = sorted({o.error for o in bad})
             log.warning("stage %r: %d of %d agents failed (%s); the first: %s: %s",
-                        self.name, len(failed), rows, ", ".join(kinds), failed[0].error,
-                        failed[0].message)
+                        self.name, len(bad), len(outcomes), ", ".join(kinds), bad[0].error,
+                        bad[0].message)
         out = self.columns(episodes, tok, pad_id, resident.version)
-        out["agent_calls"] = torch.tensor([len(o.calls) for o in outcomes], dtype=torch.long)
-        out["agent_failed"] = torch.tensor([o.error is not None for o in outcomes],
-                                           dtype=torch.int8)
+        out["agent_calls"] = torch.tensor(made, dtype=torch.long)
+        out["agent_failed"] = torch.tensor(failed, dtype=torch.int8)
         out["agent_untrained_calls"] = torch.tensor(untrained, dtype=torch.long)
+        if k > 1 and "score_valid" in out:  # an episode's empty samples are skipped
+            out["score_valid"] = torch.tensor(
+                [row % k == 0 or e.turns > 0 for row, e in enumerate(episodes)],
+                dtype=torch.int8)
         return out
 
     def make_env(self, ctx: StageContext, calls: ToolFormat | None = None) -> Environment:
@@ -604,3 +497,23 @@ def row_keys(batch: Batch, iteration: int) -> list[Key]:
     sample_index)``."""
     return [(iteration, int(p), int(q)) for p, q in zip(
         batch["prompt_index"].tolist(), batch["sample_index"].tolist(), strict=True)]
+
+
+def episode_rows(batch: Batch, samples: int, stage: str) -> list[int]:
+    """The first row of each agent episode of ``batch``: every row with ``samples`` 1,
+    else the start of each run of ``samples`` consecutive samples of one prompt (sample
+    indexes ``j*samples .. j*samples + samples - 1``), which must all be in the batch."""
+    rows = len(batch["prompt_index"])
+    if samples == 1:
+        return list(range(rows))
+    prompt, sample = batch["prompt_index"].tolist(), batch["sample_index"].tolist()
+    for start in range(0, rows, samples):
+        run = range(start, start + samples)
+        if run.stop > rows or sample[start] % samples or any(
+                prompt[r] != prompt[start] or sample[r] != sample[start] + r - start
+                for r in run):
+            raise RunError(f"stage {stage!r}: params.agent_samples: {samples}: the rows of "
+                           f"an agent's episode (prompt {prompt[start]}, from sample "
+                           f"{sample[start]}) are not all in this task; make the rows of "
+                           f"its micro-batches a multiple of {samples}")
+    return list(range(0, rows, samples))

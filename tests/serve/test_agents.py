@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhfflow.config.spec import SpecError
+from rlhfflow.errors import RunError
 from rlhfflow.stages import create_stage
 from tests.conftest import REPO, chat_batch, chat_store
 from tests.stages.test_rollout import (  # noqa: F401 - tool_lm_dir is a fixture
@@ -89,6 +90,20 @@ async def rewrites(client, record):
                  {"role": "user", "content": "again"}]
     await client.chat.completions.create(model="policy", messages=messages)
     return 1.0
+
+
+async def rewrites_or_not(client, record):
+    """The record's ``calls`` decides: 1, one call; 2, a second call whose history is
+    rewritten (a sample of its own with agent_samples). The reward varies with the first
+    answer's length, so the samples of a prompt differ."""
+    messages = list(record["messages"])
+    first = await client.chat.completions.create(model="policy", messages=messages,
+                                                 max_tokens=4)
+    if record["calls"] == 2:
+        messages += [{"role": "assistant", "content": "edited"},
+                     {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return float(len(first.choices[0].message.content or "") % 3)
 
 
 async def raises(client, record):
@@ -302,6 +317,39 @@ def test_a_call_whose_history_was_rewritten_is_left_out_and_counted(chat_lm_dir,
     _check_logprobs_match_a_fresh_forward(store, batch, out)
 
 
+def test_with_agent_samples_a_call_that_rewrites_history_is_a_sample_of_its_own(
+        chat_lm_dir, agents_file):
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batch = _batch(tok, TEXTS[:2], samples=4)  # two episodes of two samples per prompt
+    params = {"max_new_tokens": 6, "max_tokens": 40, "scores": True}
+    out = _agent_rollout(store, batch, f"{agents_file}:rewrites", agent_samples=2, **params)
+    # each episode: its first call in its first row, the second (history edited) in the
+    # next, with the episode's reward; nothing left out
+    assert out["turns"].tolist() == [1] * 8 and out["agent_calls"].tolist() == [2] * 8
+    assert out["agent_untrained_calls"].tolist() == [0] * 8
+    assert out["env_reward"].tolist() == [1.0] * 8 and out["score_valid"].tolist() == [1] * 8
+    second = json.loads(out["turns_json"][1])
+    assert [t["role"] for t in second] == ["env", "assistant"]
+    assert "edited" in second[0]["text"] and "again" in second[0]["text"]  # context, masked
+    _check_logprobs_match_a_fresh_forward(store, batch, out)
+    # the episode's first sample is what one sample per episode trains in that row
+    one = _agent_rollout(store, batch, f"{agents_file}:rewrites", **params)
+    assert one["agent_untrained_calls"].tolist() == [1] * 8
+    for row in (0, 2, 4, 6):
+        assert torch.equal(out["response_ids"][row], one["response_ids"][row])
+    # an episode of one call leaves its second sample empty: skipped, no token trained
+    once = _agent_rollout(store, batch, f"{agents_file}:once", agent_samples=2, **params)
+    assert once["score_valid"].tolist() == [1, 0] * 4
+    assert once["response_mask"][1::2].sum() == 0 and once["turns"][1::2].sum() == 0
+    # an episode's rows split over two tasks is refused in one line
+    half = {k: v[:3] if hasattr(v, "shape") or isinstance(v, list) else v
+            for k, v in batch.items()}
+    with pytest.raises(RunError, match="params.agent_samples: 2: the rows of an agent's "
+                                       "episode .* are not all in this task"):
+        _agent_rollout(store, half, f"{agents_file}:once", agent_samples=2, **params)
+
+
 @pytest.mark.parametrize("agent, kind", [("raises", "KeyError"), ("sleeps", "ran past"),
                                          ("silent", "no call"), ("not_a_number", "'good'"),
                                          ("own_system_prompt", "does not begin")])
@@ -330,7 +378,72 @@ def test_validation_names_a_bad_agent(agents_file):
     assert key == "params.agent" and "nope" in message
     key, message = problem(agent="agents.py:once", tools=["agents.py:plain"])
     assert key == "params.agent" and "alone" in message
+    key, message = problem(agent="agents.py:once", agent_samples=2)
+    assert key == "params.agent_samples" and "scores: true" in message
+    assert problem(agent="agents.py:once", agent_samples=2, scores=True) is None
     assert SpecError  # the loader turns the pair into one line naming the file
+
+
+def test_agent_samples_must_divide_the_samples_per_prompt(agents_file, tmp_path):
+    import yaml
+
+    from rlhfflow.config.loader import load_pipeline
+
+    spec = yaml.safe_load((REPO / "examples/multiturn/guess-tiny.yaml").read_text())
+    spec["data"]["prompts"] = str(REPO / "examples/multiturn/prompts.jsonl")
+    spec["stages"]["rollout"]["params"] = {
+        "agent": f"{agents_file}:once", "agent_samples": 2, "scores": True,
+        "max_new_tokens": 4, "max_tokens": 32}
+    path = tmp_path / "agents.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert load_pipeline(path).params["rollout"].agent_samples == 2  # 4 per prompt
+    with pytest.raises(SpecError, match=r"stages.rollout.params.agent_samples: each agent "
+                                        r"episode makes up to 2 samples of its prompt, and "
+                                        r"data.samples_per_prompt \(3\) is not a multiple"):
+        load_pipeline(path, {"data.samples_per_prompt": 3})
+
+
+@pytest.mark.slow
+def test_a_pipeline_trains_each_call_of_a_history_rewriting_agent(chat_lm_dir, agents_file,
+                                                                  tmp_path):
+    """examples/multiturn/guess-tiny.yaml's GRPO with an agent whose second call rewrites
+    its history (for half the records), on the chat model, inline: every call a sample
+    that trains, an episode's unused sample skipped, nothing failed or left out."""
+    import yaml
+
+    from rlhfflow.config.loader import load_pipeline
+    from rlhfflow.runtime.run import run_pipeline
+    from rlhfflow.storage import ExperienceBuffer
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}],
+                                        "calls": 1 + i % 2}) + "\n"
+                            for i, text in enumerate(TEXTS + ["say a number:"])))
+    spec = yaml.safe_load((REPO / "examples/multiturn/guess-tiny.yaml").read_text())
+    spec.update(iterations=2, output=str(tmp_path / "out"))
+    spec["data"]["prompts"] = str(data)
+    spec["models"]["actor"] = {"path": str(chat_lm_dir), "trainable": True,
+                               "optimizer": {"lr": 3.0e-3}}
+    spec["stages"]["rollout"]["params"] = {
+        "agent": f"{agents_file}:rewrites_or_not", "agent_samples": 2, "scores": True,
+        "max_new_tokens": 4, "max_tokens": 48}
+    path = tmp_path / "agents.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = run_pipeline(load_pipeline(path), progress=False, inline=True)
+    buffer = ExperienceBuffer(tmp_path / "out" / "buffer.zarr", create=False)
+    for record in result.metrics:
+        assert record["agent_failed_frac"] == 0 and record["agent_untrained_calls"] == 0
+        # 4 prompts x 2 episodes of 2 samples; the episodes of one call leave one empty
+        assert record["samples"] == 16 and record["samples_skipped"] == 4
+        rows = buffer.read(record["iteration"], ["turns", "agent_calls", "score_valid",
+                                                 "response_mask", "advantages"])
+        first, second = rows["turns"][0::2], rows["turns"][1::2]
+        assert (first == 1).all()
+        assert (second == (rows["agent_calls"][1::2] == 2)).all()
+        assert (rows["score_valid"] == (rows["turns"] > 0)).all()
+        assert (rows["response_mask"][rows["turns"] == 0] == 0).all()
+        assert (rows["advantages"][rows["turns"] == 0] == 0).all()
+    assert any((buffer.read(k, ["advantages"])["advantages"] != 0).any() for k in (0, 1))
 
 
 def test_an_agent_that_plays_the_rollout_s_rules_gets_the_rollout_s_episodes(chat_lm_dir,
