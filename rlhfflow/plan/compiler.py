@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from rlhfflow.config.graph import SOURCE
+from rlhfflow.plan.loop import loop_steps
 from rlhfflow.plan.placement import ExecutionPlan, inputs_of
 from rlhfflow.plan.tasks import (
     AFTER,
@@ -78,48 +79,6 @@ class IterationTasks:
     def task_ids(self) -> list[str]:
         """The ids of every stage task of the iteration (its source excluded)."""
         return [i for n, ids in self.handles.items() if n != SOURCE for i in ids]
-
-
-@dataclass(frozen=True)
-class LoopStep:
-    """One step of the run loop: begin the turn of ``iteration`` (``start``: where a run
-    may stop), compile its source and the stages that run ahead (``ahead``), compile the
-    rest (``main``, after ``previous``, before ``later``'s ahead stages train), or wait
-    for it and log it (``finish``)."""
-
-    kind: str
-    iteration: int
-    previous: int | None = None
-    later: int | None = None
-
-
-def loop_steps(first: int, iterations: int, lag: int, pipelined: bool = True
-               ) -> Iterator[LoopStep]:
-    """The run loop's order of compiling and finishing iterations ``first..iterations-1``.
-
-    Iteration k+1 is compiled before k is finished, so the scheduler starts it the moment
-    its inputs exist (an inline backend runs tasks as they are submitted: no overlap);
-    the stages that run ahead (``lag`` = max_staleness) are compiled ``lag`` iterations
-    earlier. The caller may stop at a ``start`` step."""
-    live: set[int] = set()
-    previous: int | None = None
-    for k in range(first, iterations):
-        yield LoopStep("start", k)
-        for i in range(k, min(k + lag, iterations - 1) + 1):
-            if i not in live:
-                live.add(i)
-                yield LoopStep("ahead", i, previous)
-        live.discard(k)
-        later = k + lag if k + lag in live else None
-        yield LoopStep("main", k, previous, later)
-        if previous is not None:
-            yield LoopStep("finish", previous)
-        previous = k
-        if not pipelined:
-            yield LoopStep("finish", k)
-            previous = None
-    if previous is not None:
-        yield LoopStep("finish", previous)
 
 
 class TaskCompiler:
@@ -387,13 +346,21 @@ class TaskCompiler:
         model: every rank its optimizer part, and all gather the weights rank 0 saves)."""
         specs = []
         for m in self.graph.loop_trained():
-            ranks = self.plan.homes[m] if self.deepspeed(m) or self.sharded(m) \
-                else self.plan.homes[m][:1]
-            specs += [CheckpointTask(id=f"checkpoint-{k}-{m}-r{rank}", iteration=k,
-                                     waits=tuple(_waits(after.get(m, []), TRAINED, m)),
-                                     workers=(w,), priority=priority(k, CHECKPOINT_LEVEL),
-                                     model=m, rank=rank)
-                      for rank, w in enumerate(ranks)]
+            home = self.plan.homes[m]
+            ranks = home if self.deepspeed(m) or self.sharded(m) else home[:1]
+            waits = _waits(after.get(m, []), TRAINED, m)
+            if self.sharded(m):
+                # its ranks gather the weights in collectives on the gang's workers: they
+                # take their turn among the gangs there, or another model's gang would
+                # interleave its collectives with theirs (gloo: a size mismatch, a crash)
+                waits += _waits(self._gang_tail.get(home, []), GANG)
+            tasks = [CheckpointTask(id=f"checkpoint-{k}-{m}-r{rank}", iteration=k,
+                                    waits=tuple(_unique(waits)), workers=(w,),
+                                    priority=priority(k, CHECKPOINT_LEVEL), model=m, rank=rank)
+                     for rank, w in enumerate(ranks)]
+            if self.sharded(m):
+                self._gang_tail[home] = [t.id for t in tasks]
+            specs += tasks
         return specs
 
     def iteration_checkpoint(self, it: IterationTasks) -> list[CheckpointTask]:

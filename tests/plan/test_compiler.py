@@ -414,3 +414,36 @@ def test_explain_of_an_unknown_stage_is_one_line():
     with pytest.raises(ExplainError, match="no stage 'train_actr' in .*did you mean "
                                            "'train_actor'"):
         explain(pipeline, resolve_plan(pipeline, 2), "train_actr")
+
+
+def test_collectives_on_a_gang_s_workers_take_turns_sharded_checkpoints_included():
+    """Two models sharded on the same workers (PPO's actor and critic, backend: fsdp): a
+    checkpoint of a sharded model gathers its weights in collectives on every rank, so
+    it takes its turn among the gangs there, as the gangs do among themselves; a gang of
+    the other model running meanwhile interleaved its collectives with the gather's
+    (gloo: "Received data size doesn't match expected size", a worker lost)."""
+    specs, plan = _compile(PPO, {
+        "placement.strategy": "disaggregated",
+        "placement.groups": {"rollout": [0], "train": [1, 2]},
+        "placement.stages.values": "rollout", "placement.stages.old_logprob": "rollout",
+        "stages.train_actor.backend": "fsdp", "stages.train_critic.backend": "fsdp",
+        "checkpoint.every": 1}, workers=3, iterations=3)
+    assert plan.homes["actor"] == plan.homes["critic"] == (1, 2)
+    # the tasks that run collectives on workers 1 and 2, in the order compiled
+    groups: list[list[str]] = []
+    for spec in specs:
+        collective = (isinstance(spec, StageTask) and spec.gang) or \
+            (isinstance(spec, CheckpointTask) and spec.rank is not None and
+             spec.workers[0] in (1, 2))
+        if not collective:
+            continue
+        key = spec.id.rsplit("-r", 1)[0]
+        if groups and groups[-1][0].rsplit("-r", 1)[0] == key:
+            groups[-1].append(spec.id)
+        else:
+            groups.append([spec.id])
+    assert any(g[0].startswith("checkpoint-") for g in groups)
+    closure = _closure(specs)
+    for before, after in zip(groups, groups[1:]):
+        for task in after:  # every rank of a group waits for the whole group before it
+            assert set(before) <= closure[task], (task, before)
