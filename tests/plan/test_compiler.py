@@ -4,6 +4,8 @@ checkpoints, and that every plan compiles to a well-formed task graph."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from rlhfflow.config.loader import load_pipeline
@@ -444,6 +446,6 @@ def test_collectives_on_a_gang_s_workers_take_turns_sharded_checkpoints_included
             groups.append([spec.id])
     assert any(g[0].startswith("checkpoint-") for g in groups)
     closure = _closure(specs)
-    for before, after in zip(groups, groups[1:]):
+    for before, after in itertools.pairwise(groups):
         for task in after:  # every rank of a group waits for the whole group before it
             assert set(before) <= closure[task], (task, before)
