@@ -237,16 +237,18 @@ def trajectories(prompt: Sequence[int], calls: Sequence[Call], samples: int = 1
     sample's tokens so far, else it starts the next one (its prompt must begin with
     ``prompt``); with the calls left out (past the last sample, or not beginning with
     ``prompt``). None when the first call's prompt does not begin with ``prompt``."""
-    if not calls or list(calls[0].prompt[:len(prompt)]) != list(prompt):
-        return None
+    head = list(prompt)
     made: list[Trajectory] = []
     sequence: list[int] = []  # what a call's prompt must begin with to extend the sample
     for i, call in enumerate(calls):
         if not made or call.prompt[:len(sequence)] != sequence:
-            if len(made) == samples or list(call.prompt[:len(prompt)]) != list(prompt):
+            starts = list(call.prompt[:len(head)]) == head
+            if not made and not starts:
+                return None
+            if len(made) == samples or not starts:
                 return made, len(calls) - i
             made.append(Trajectory())
-            sequence = list(prompt)
+            sequence = head
         out = made[-1]
         if len(call.prompt) > len(sequence):
             out.pieces.append((call.prompt[len(sequence):], None))
@@ -269,8 +271,10 @@ def agent_episodes(prompt: list[int], outcome: AgentOutcome, tok, max_tokens: in
             "the record's messages first; put a system prompt in the data)")
     if made is None:
         return [Episode(None) for _ in range(samples)], len(outcome.calls)
-    episodes = [_episode(sample, outcome, tok, max_tokens, info) for sample in made[0]]
-    return episodes + [Episode(None) for _ in range(samples - len(episodes))], made[1]
+    trajectories_made, left = made
+    episodes = [_episode(sample, outcome, tok, max_tokens, info)
+                for sample in trajectories_made]
+    return episodes + [Episode(None) for _ in range(samples - len(episodes))], left
 
 
 def _episode(made: Trajectory, outcome: AgentOutcome, tok, max_tokens: int,

@@ -387,16 +387,16 @@ class RolloutStage(Stage):
         tok, params = resident.tokenizer, self.params
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         rows = len(batch["prompt_index"])
+        # an episode owns agent_samples consecutive rows of its prompt, and plays with
+        # its first row's record, prompt and random stream (a rollout's with an env)
+        firsts = episode_rows(batch, params.agent_samples, self.name)
         texts = batch.get("prompt_text") or [""] * rows
         fields = batch.get("prompt_fields") or ["{}"] * rows
-        records = [{**json.loads(fields[row]), "prompt": texts[row]} for row in range(rows)]
+        records = [{**json.loads(fields[row]), "prompt": texts[row]} for row in firsts]
         real = batch["prompt_mask"].bool()
-        prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in range(rows)]
-        # each episode's stream is the one its (first) row samples with in a rollout
-        # with an env; an episode owns agent_samples consecutive rows of its prompt
-        generators = row_generators(ctx.seed, ctx.iteration, batch["prompt_index"],
-                                    batch["sample_index"])
-        firsts = episode_rows(batch, params.agent_samples, self.name)
+        prompts = [batch["prompt_ids"][row][real[row]].tolist() for row in firsts]
+        generators = row_generators(ctx.seed, ctx.iteration, batch["prompt_index"][firsts],
+                                    batch["sample_index"][firsts])
         sampling = SamplingSettings(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature,
             top_k=params.top_k, top_p=params.top_p, greedy=params.greedy, stop=tuple(params.stop))
@@ -409,12 +409,11 @@ class RolloutStage(Stage):
             runner = AgentRunner(service, tok, calls, sampling, params.agent_concurrency,
                                  params.agent_timeout_s, ctx.env_executor
                                  if params.env_placement == "pool" else None)
-            outcomes = runner.run(fn, [records[r] for r in firsts],
-                                  [generators[r] for r in firsts])
+            outcomes = runner.run(fn, records, generators)
         k = params.agent_samples
         episodes, untrained, made, failed = [], [], [], []
-        for row, outcome in zip(firsts, outcomes, strict=True):
-            samples, left = agent_episodes(prompts[row], outcome, tok, params.max_tokens,
+        for prompt, outcome in zip(prompts, outcomes, strict=True):
+            samples, left = agent_episodes(prompt, outcome, tok, params.max_tokens,
                                            params.info, k)
             episodes += samples
             untrained += [left] + [0] * (k - 1)  # the sums count each call once
