@@ -81,6 +81,10 @@ class Pipeline:
             seen.append(source)
         return seen[-1]
 
+    def trains_sharded(self, model: str) -> bool:
+        """Whether a stage trains ``model`` sharded over its workers (``backend: fsdp``)."""
+        return any(self.spec.stages[t].backend == "fsdp" for t in self.graph.trainers(model))
+
     def lora_base(self, name: str) -> str | None:
         """The LoRA model whose resident base weights frozen model ``name`` is (a
         reference ``from:`` it, with its head and dtype), or None: it has weights of its

@@ -423,8 +423,7 @@ class TaskCompiler:
 
     def sharded(self, model: str) -> bool:
         """Whether a loop stage trains ``model`` sharded over its gang (``backend: fsdp``)."""
-        return any(self.pipeline.spec.stages[t].backend == "fsdp"
-                   for t in self.graph.trainers(model))
+        return self.pipeline.trains_sharded(model)
 
     def deepspeed(self, model: str) -> bool:
         """Whether a loop stage trains ``model`` with DeepSpeed (sharded optimizer)."""

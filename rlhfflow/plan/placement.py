@@ -245,7 +245,7 @@ def _stage_plans(pipeline: Pipeline, refs: _WorkerRefs, homes: Mapping[str, tupl
         ahead = node.model in ahead_models and not node.per_batch
         # a view of the base of a LoRA model trained sharded: beside its whole copies
         base = pipeline.lora_base(node.model)
-        on_shadow = base is not None and _trains_sharded(pipeline, base)
+        on_shadow = base is not None and pipeline.trains_sharded(base)
         if explicit is not None:
             workers = refs.resolve(explicit, key)
         elif placement.strategy == "disaggregated" and (node.generates or ahead or on_shadow):
@@ -532,10 +532,6 @@ def _check_sharded(pipeline: Pipeline, stages: Mapping[str, StagePlan],
                                 f"placement.stages.{user}: rollout)")
 
 
-def _trains_sharded(pipeline: Pipeline, model: str) -> bool:
-    """Whether a stage trains ``model`` sharded over its workers (``backend: fsdp``)."""
-    return any(pipeline.spec.stages[t].backend == "fsdp"
-               for t in pipeline.graph.trainers(model))
 
 
 def model_sizes(pipeline: Pipeline) -> dict[str, int]:

@@ -509,8 +509,7 @@ class CostModel:
     def sharded(self, model: str) -> bool:
         """Whether ``model`` trains sharded over its home's workers (a trainer of it has
         ``backend: fsdp``)."""
-        return any(self.pipeline.spec.stages[t].backend == "fsdp"
-                   for t in self.graph.trainers(model))
+        return self.pipeline.trains_sharded(model)
 
     def memory(self, plan: ExecutionPlan, rows_per_task: Mapping[str, int]) -> list[float]:
         """Estimated peak bytes per worker of ``plan`` (:meth:`memory_parts`, summed)."""
