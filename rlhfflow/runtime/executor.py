@@ -537,11 +537,17 @@ class Executor(Recovery):
         linked = self._final_in_checkpoint(trainable)
         for m in linked:
             link_model(linked[m], self.out / "models" / m / "final")
-        saves = [self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
-                                     [], key=f"save-{_token()}", worker=self.addresses[w])
-                 for m in trainable if m not in linked
-                 for w in self.plan.homes[m][:None if self.compiler.sharded(m) else 1]]
-        self.backend.wait(saves)
+        left = [m for m in trainable if m not in linked]
+        plain = [m for m in left if not self.compiler.sharded(m)]
+        # a sharded model is gathered by all its ranks in collectives: one such model at
+        # a time, or two models' gathers on the same workers would interleave (as the
+        # compiler chains a sharded model's checkpoints with the gangs there)
+        for group in ([plain] if plain else []) + [[m] for m in left if m not in plain]:
+            self.backend.wait([
+                self.backend.submit(save_model_task, m, str(self.out / "models" / m / "final"),
+                                    [], key=f"save-{_token()}", worker=self.addresses[w])
+                for m in group
+                for w in self.plan.homes[m][:None if self.compiler.sharded(m) else 1]])
 
     def _final_in_checkpoint(self, models: list[str]) -> dict[str, Path]:
         """The weights directory in the last checkpoint of each of ``models`` whose final
