@@ -6,8 +6,12 @@ and trained samples on 2 workers, run three ways on one embedded Dask cluster:
 - ``async``: ``max_staleness: 1`` on a disaggregated plan (one worker generates iteration
   k+1 while the other trains on k), today's asynchrony;
 - ``stream``: the rollout's ``stream: true`` (colocated, ``max_staleness: 1``, truncated
-  importance sampling): the next iteration's episodes start in the room this one's
-  leave, and go on across the weight update.
+  importance sampling) in finish order, the default: a task returns the groups that
+  finished first, whichever iteration's prompts they answer (twice its rows in flight),
+  and episodes go on across the weight update;
+- ``stream-it``: the same with ``stream_order: iteration``: a task returns its own
+  iteration's episodes (waiting for its slowest), the next iteration's starting in the
+  room they leave.
 
 The workload (``longtail_env.py``): episodes of 1 to 8 turns (each prompt's own count),
 each environment step sleeping a lognormal time around 50 ms (sigma 0.8), on threads
@@ -15,8 +19,9 @@ each environment step sleeping a lognormal time around 50 ms (sigma 0.8), on thr
 vowels. Each mode runs ``--rounds`` times, alternating, so drift of the machine hits all
 alike; round r runs every mode with seed r. Figures per run: trained episodes per second
 over the steady iterations (the first, which loads models, left out), the reward curve,
-and for ``stream`` the decode batch's occupancy, the episodes in flight and the token
-lag. Then the median over rounds of each figure and of the per-round ratios against
+and for the streams the decode batch's occupancy, the episodes in flight, the token lag
+and (finish order) the share of rows owed from an earlier iteration and the seconds a
+task waited for owed groups or for enough finished ones. Then the median over rounds of each figure and of the per-round ratios against
 ``sync``; and beside each mode's measured seconds per iteration the planner's
 prediction, from the analytic cost model (the environment's mean step time declared in
 ``env_step_s``) and from a profile of the ``sync`` runs' tasks (as ``rlhfflow profile
@@ -61,6 +66,9 @@ MODES = {
                "stages.rollout.params.stream": True,
                "algorithm.off_policy": {"correction": "tis", "cap": 2.0}},
 }
+# the stream returning its own iteration's episodes (it waits for its slowest)
+MODES["stream-it"] = {**MODES["stream"], "stages.rollout.params.stream_order": "iteration"}
+STREAMS = ("stream", "stream-it")
 
 
 def write_pipeline(directory: Path, prompts: int = 96) -> Path:
@@ -106,10 +114,12 @@ def run_once(config: Path, mode: str, out: Path, settings: dict) -> dict:
                "iteration_s": seconds / len(steady),
                "rewards": [m["reward_mean"] for m in metrics],
                "staleness_max": max(stale) if stale else 0}
-    if mode == "stream":
+    if mode in STREAMS:
         for key in ("decode_occupancy", "episodes_in_flight", "token_lag_mean",
-                    "started_ahead_frac"):
-            figures[key] = statistics.mean(m[key] for m in steady)
+                    "started_ahead_frac", "deferred_frac", "stream_wait_owed_s",
+                    "stream_wait_groups_s"):
+            if key in steady[0]:
+                figures[key] = statistics.mean(m[key] for m in steady)
         figures["dropped"] = sum(m["episodes_dropped"] for m in metrics)
     return figures
 
@@ -145,9 +155,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.iterations < 3 or args.rounds < 1:
         parser.error("--iterations must be at least 3 and --rounds at least 1")
-    if args.in_flight is not None:
-        MODES["stream"]["stages.rollout.params.stream_in_flight"] = args.in_flight
-    MODES["stream"]["overlap.max_staleness"] = args.staleness
+    for mode in STREAMS:
+        if args.in_flight is not None:
+            MODES[mode]["stages.rollout.params.stream_in_flight"] = args.in_flight
+        MODES[mode]["overlap.max_staleness"] = args.staleness
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         config = write_pipeline(Path(tmp))
@@ -178,27 +189,27 @@ def main() -> None:
     print(f"long-tail workload: {BATCH} prompts x {SAMPLES} samples, 1-8 turns, steps "
           f"lognormal around 50 ms; {args.iterations} iterations x {args.rounds} rounds, "
           f"2 workers, {threads} torch thread(s) each")
-    print(f"{'mode':<8} {'episodes/s':>11} {'vs sync':>8} {'reward first':>13} "
+    print(f"{'mode':<9} {'episodes/s':>11} {'vs sync':>8} {'reward first':>13} "
           f"{'reward last third':>18} {'stale max':>10}")
     for mode in MODES:
-        print(f"{mode:<8} {med(mode, 'episodes_per_s'):>11.2f} {ratio(mode):>8.3f} "
+        print(f"{mode:<9} {med(mode, 'episodes_per_s'):>11.2f} {ratio(mode):>8.3f} "
               f"{statistics.median(r['rewards'][0] for r in runs[mode]):>13.4f} "
               f"{late_reward(mode):>18.4f} {max(r['staleness_max'] for r in runs[mode]):>10}")
     spread = [statistics.mean(r["rewards"][-third:]) for r in runs["sync"]]
-    stream = {k: round(med("stream", k), 4) for k in
-              ("decode_occupancy", "episodes_in_flight", "token_lag_mean",
-               "started_ahead_frac")}
-    print(f"stream: decode occupancy {stream['decode_occupancy']:.3f}, episodes in flight "
-          f"{stream['episodes_in_flight']:.1f}, token lag {stream['token_lag_mean']:.3f}, "
-          f"started ahead {stream['started_ahead_frac']:.3f}, dropped "
-          f"{sum(r['dropped'] for r in runs['stream'])}")
+    streams = {}
+    for mode in STREAMS:
+        figures = streams[mode] = {k: round(med(mode, k), 4) for k in runs[mode][0]
+                                   if k not in ("rewards", "staleness_max", "dropped",
+                                                "episodes_per_s", "iteration_s")}
+        figures["dropped"] = sum(r["dropped"] for r in runs[mode])
+        print(f"{mode}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     print(f"sync's late reward over rounds: {min(spread):.4f} .. {max(spread):.4f}")
-    print(f"{'mode':<8} {'s/iteration':>12} {'analytic':>9} {'error':>7} "
+    print(f"{'mode':<9} {'s/iteration':>12} {'analytic':>9} {'error':>7} "
           f"{'profile':>8} {'error':>7}   (predicted; profile: of the sync runs' tasks)")
     for mode in MODES:
         measured = plans[mode]["measured_s"] = round(med(mode, "iteration_s"), 4)
         errors = [plans[mode][k] / measured - 1 for k in ("analytic_s", "profile_s")]
-        print(f"{mode:<8} {measured:>12.3f} {plans[mode]['analytic_s']:>9.3f} "
+        print(f"{mode:<9} {measured:>12.3f} {plans[mode]['analytic_s']:>9.3f} "
               f"{errors[0]:>+7.0%} {plans[mode]['profile_s']:>8.3f} {errors[1]:>+7.0%}")
     met = ratio("stream") >= GOAL
     print(f"goal: stream >= {GOAL} x sync's trained episodes per second: "
@@ -210,7 +221,8 @@ def main() -> None:
                                   for a, b in zip(runs["stream"], runs["sync"], strict=True)],
         **{f"{m}_late_reward": round(late_reward(m), 4) for m in MODES},
         "sync_late_reward_range": [round(min(spread), 4), round(max(spread), 4)],
-        "stream": stream, "stream_in_flight": args.in_flight,
+        "stream": streams["stream"], "stream_iteration": streams["stream-it"],
+        "stream_in_flight": args.in_flight,
         "stream_max_staleness": args.staleness, "predicted": plans,
         "iterations": args.iterations, "rounds": args.rounds, "goal_met": met}, __file__)
 

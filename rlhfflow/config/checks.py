@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from rlhfflow.config.pipeline import Pipeline
 from rlhfflow.errors import SpecError, did_you_mean
-from rlhfflow.sdk import Stage, resolve_stage_type
+from rlhfflow.sdk import SOURCE_COLUMNS, Stage, resolve_stage_type
 
 if TYPE_CHECKING:
     from rlhfflow.data.source import PromptSource
@@ -64,12 +64,28 @@ def check_streaming(file: Path, pipeline: Pipeline) -> None:
             raise SpecError(file, f"stages.{name}.params.stream", "streaming starts the next "
                             "iterations' episodes early: set overlap.max_staleness to 1 or "
                             "more (how many iterations ahead), or stream to false")
+        if pipeline.graph.nodes[name].reorders:
+            _check_reordered(file, pipeline, name)
         if spec.algorithm.off_policy.correction == "none":
             logging.getLogger(__name__).warning(
                 "warning: %s: stages.%s.params.stream: with algorithm.off_policy.correction "
                 "none, tokens sampled by a policy up to %d update(s) older train as if the "
                 "current one sampled them (a bias toward the older policy); set a "
                 "correction (tis, mis or decoupled)", file, name, spec.overlap.max_staleness)
+
+
+def _check_reordered(file: Path, pipeline: Pipeline, name: str) -> None:
+    """A stage that returns episodes in finish order returns other iterations' prompts:
+    a loop stage that reads prompts beside it, not after it, would pair them wrongly."""
+    graph = pipeline.graph
+    for other in graph.loop_stages:
+        if other != name and name not in graph.upstream(other) and \
+                set(graph.nodes[other].reads) & set(SOURCE_COLUMNS):
+            raise SpecError(file, f"stages.{other}", f"reads the prompts, and stage {name!r} "
+                            f"(stream_order: finish) returns the episodes that finished "
+                            f"first, other iterations' prompts among them: run it after "
+                            f"{name!r} (after: [{name}]), or set "
+                            f"stages.{name}.params.stream_order: iteration")
 
 
 def check_attention(file: Path, pipeline: Pipeline) -> None:

@@ -65,6 +65,9 @@ class StageNode:
     passes: float = 1.0
     #: it keeps work in flight across iterations (``PlanHints.streams``)
     streams: bool = False
+    #: it returns the episodes that finished first, with their source columns, which the
+    #: stages after it read from it (``PlanHints.reorders``)
+    reorders: bool = False
     #: the figures of the iteration's record it declares (``Stage.iteration_metrics``)
     metrics: tuple[IterationMetric, ...] = ()
 
@@ -166,9 +169,11 @@ class StageGraph:
         return max((self.nodes[n].response_tokens for n in self.generators()), default=0)
 
     def producer(self, column: str, consumer: str) -> str | None:
-        """The upstream stage of ``consumer`` that writes ``column`` (``SOURCE`` for prompts)."""
+        """The upstream stage of ``consumer`` that writes ``column`` (``SOURCE`` for prompts,
+        or the stage upstream that reorders rows: its rows are other iterations' too)."""
         if column in SOURCE_COLUMNS:
-            return SOURCE
+            return next((n for n in self.order if n in self._upstream[consumer]
+                         and self.nodes[n].reorders), SOURCE)
         for name in self.order:
             if name in self._upstream[consumer] and column in self.nodes[name].writes:
                 return name

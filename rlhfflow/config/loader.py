@@ -365,7 +365,7 @@ def _build_graph(file: Path, spec: PipelineSpec, params: dict[str, StageParams],
             row_filter=hints.row_filter,
             kept_share=1.0 if kept is None else min(kept, samples) / max(samples, 1),
             every=max(1, int(hints.every)), passes=float(hints.passes),
-            streams=bool(hints.streams),
+            streams=bool(hints.streams), reorders=bool(hints.reorders),
             metrics=_stage_metrics(file, name, cls, params[name], declared))
     try:
         graph = StageGraph(nodes)

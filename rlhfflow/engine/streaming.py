@@ -38,7 +38,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,13 +82,17 @@ def paused() -> Iterator[None]:
 class Admission:
     """What an episode needs to start: its key, its ``Episode`` (the environment reset,
     its opening messages added), its prompt's token ids, whether the prompt was rendered
-    with the chat template, and its uniforms (float64, one per response token)."""
+    with the chat template, and its uniforms (float64, one per response token); its
+    ``group`` (the source's ``group_ids``: the samples of one prompt, taken together in
+    finish order) and its row's ``source`` columns (what a task that returns it writes)."""
 
     key: Key
     episode: Episode
     prompt: list[int]
     templated: bool
     uniforms: torch.Tensor
+    group: int = -1
+    source: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +108,11 @@ class TaskStats:
     live: int = 0
     started_ahead: int = 0
     dropped: int = 0
+    #: finish order: seconds the task played on because a group owed from an earlier
+    #: iteration was unfinished (the staleness bound), and because fewer finished
+    #: groups than its rows were ready
+    owed_s: float = 0.0
+    short_s: float = 0.0
 
     @property
     def occupancy(self) -> float:
@@ -123,11 +133,14 @@ class EpisodeStream(EpisodeLoop):
 
     def __init__(self, params: EpisodeParams, module: torch.nn.Module, tok, fmt: TurnFormat,
                  pad_id: int, target: int, stops: Sequence[str] | None = None,
-                 recompute: bool = True) -> None:
+                 recompute: bool = True, held: bool = False) -> None:
         super().__init__(params, module, tok, fmt, [], [], torch.empty(0, 0), pad_id, stops)
         self.module = module
         self.target = target
         self.recompute = recompute
+        # finish order counts the finished episodes no task took yet against ``target``:
+        # what is held is at most the next tasks' rows, so no task owes more than its own
+        self.held = held
         self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
         self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
         self.templated: dict[int, bool] = {}  # type: ignore[assignment]
@@ -139,6 +152,14 @@ class EpisodeStream(EpisodeLoop):
         # row -> the versions of the tokens its turn sampled before the last weight update
         self.turn_versions: dict[int, list[int]] = {}
         self.started_in: dict[int, int] = {}  # row -> the task that started it
+        self.started_on: dict[int, int] = {}  # row -> the weights' version it started on
+        # finish order: row -> its group, the order in which rows were seen done, and
+        # the episodes taken (key -> the iteration that took it) a task may meet again
+        self.group: dict[int, int] = {}
+        self.source: dict[int, dict[str, Any]] = {}
+        self.finished: dict[int, int] = {}
+        self.seen = 0  # episodes numbered in finished so far
+        self.taken: dict[Key, int] = {}
         self.pool: concurrent.futures.Executor | None = None
         self.ships = False
         self.tasks = 0
@@ -153,17 +174,22 @@ class EpisodeStream(EpisodeLoop):
 
     # ----------------------------------------------------------------- a task
     def knows(self, key: Key) -> bool:
-        """Whether the episode ``key`` is in the stream (started or waiting)."""
-        return key in self.rows
+        """Whether the episode ``key`` is in the stream (started or waiting) or was taken
+        by a task it may meet again (finish order)."""
+        return key in self.rows or key in self.taken
 
     def begin_task(self, iteration: int, version: int, own: Sequence[Key],
                    arrivals: Sequence[Admission], pool: concurrent.futures.Executor | None,
-                   ships: bool = False) -> list[int]:
+                   ships: bool = False, behind: int = 0,
+                   taken: Sequence[Key] = ()) -> list[int]:
         """Open the task of ``iteration`` on weights ``version``: drop what no task will
-        claim (an earlier iteration's episodes; this iteration's other rows may be another
-        task's on this worker), take the new episodes ``arrivals`` (each key once:
-        ``knows``), start ``own`` at once and queue the later ones. Returns the rows of
-        ``own``, in order."""
+        claim (an episode of an iteration more than ``behind`` before this one: 0 in
+        iteration order, the staleness bound in finish order; this iteration's other rows
+        may be another task's on this worker), take the new episodes ``arrivals`` (each
+        key once: ``knows``), start ``own`` at once and queue the later ones. ``taken``:
+        episodes iterations before this one took before the run went back to a
+        checkpoint (a task that took one in this iteration or later was undone).
+        Returns the rows of ``own`` the stream holds, in order."""
         if self.failure is not None:  # what went wrong between tasks fails this one
             failure, self.failure = self.failure, None
             raise failure
@@ -173,12 +199,15 @@ class EpisodeStream(EpisodeLoop):
         self.ready = dict.fromkeys(self.ready, 0)  # step numbers restart with the timeline
         if version != self.version:
             self.reweigh(version)
+        self.taken = {key: k for key, k in self.taken.items()
+                      if k < iteration and key[0] >= iteration - behind}
+        self.taken.update((key, iteration - 1) for key in taken)
         for row, key in list(self.keys.items()):
-            if key[0] < iteration:
+            if key[0] < iteration - behind:
                 self.drop(row)
         for arrival in arrivals:
             self.add(arrival)
-        rows = [self.rows[key] for key in own]
+        rows = [self.rows[key] for key in own if key in self.rows]
         fresh = [row for row in rows if row not in self.started_in]
         for row in fresh:
             self.waiting.remove(row)
@@ -195,13 +224,73 @@ class EpisodeStream(EpisodeLoop):
             if not self.round():  # nothing to decode: wait for the environment's answers
                 self.collect(wait=True)
 
-    def take(self, rows: Sequence[int]) -> tuple[list[Episode], list[bool]]:
+    def play_finished(self, count: int, staleness: int) -> list[int]:
+        """Decode until ``count`` episodes are done, taken in whole groups (a prompt's
+        samples): every group with an episode started on weights ``staleness`` versions
+        behind the stream's or more (owed: trained later, its tokens would be further
+        behind than the bound), then the groups whose last episode finished first.
+        Returns their rows, in order of admission."""
+        self.admit()
+        while True:
+            start = time.perf_counter()
+            rows, why = self.finished_rows(count, staleness)
+            if rows is not None:
+                return rows
+            if not (self.batch.rows or self.ready or self.in_flight):
+                raise RuntimeError(f"episode stream: {count} episodes wanted, fewer in "
+                                   f"flight")
+            if not self.round():
+                self.collect(wait=True)
+            spent = time.perf_counter() - start
+            if why == "owed":
+                self.stats.owed_s += spent
+            else:
+                self.stats.short_s += spent
+
+    def finished_rows(self, count: int, staleness: int) -> tuple[list[int] | None, str]:
+        """``play_finished``'s rows if they are done, else None and why not: ``owed``
+        (an owed group is unfinished) or ``short`` (fewer finished groups than ``count``
+        rows)."""
+        self.see_finished()
+        members: dict[int, list[int]] = {}
+        for row in self.keys:
+            members.setdefault(self.group[row], []).append(row)
+        owed = {g for g, rows in members.items()
+                if any(self.started_on.get(r, self.version) <= self.version - staleness
+                       for r in rows)}
+        if any(not self.episodes[r].done for g in owed for r in members[g]):
+            return None, "owed"
+        chosen = [r for g in owed for r in members[g]]
+        ready = sorted((max(self.finished[r] for r in rows), g)
+                       for g, rows in members.items()
+                       if g not in owed and all(r in self.finished for r in rows))
+        for _, g in ready:
+            if len(chosen) + len(members[g]) <= count:
+                chosen += members[g]
+        if len(chosen) > count:
+            raise RuntimeError(f"episode stream: {len(chosen)} episodes owed, more than "
+                               f"the task's {count} rows")
+        return (sorted(chosen), "") if len(chosen) == count else (None, "short")
+
+    def see_finished(self) -> None:
+        """Number the episodes seen done since the last look, in that order."""
+        for row in self.keys:
+            if row not in self.finished and row in self.started_in and \
+                    self.episodes[row].done:
+                self.finished[row] = self.seen
+                self.seen += 1
+
+    def take(self, rows: Sequence[int], iteration: int | None = None
+             ) -> tuple[list[Episode], list[bool]]:
         """The finished episodes of ``rows`` (forgotten by the stream), and for each
-        whether an earlier task started it."""
+        whether an earlier task started it; with ``iteration``, their keys are kept as
+        taken by it (finish order: a later task may be given them again)."""
         episodes, ahead = [], []
         for row in rows:
             episodes.append(self.episodes[row])
             ahead.append(self.started_in[row] < self.tasks)
+            if iteration is not None:
+                self.taken[self.keys[row]] = iteration
             self.forget(row)
         return episodes, ahead
 
@@ -267,7 +356,9 @@ class EpisodeStream(EpisodeLoop):
             self.join()
         if self.batch.rows:
             self.step()
+            self.see_finished()
             return True
+        self.see_finished()
         return joined
 
     def close(self) -> int:
@@ -291,6 +382,7 @@ class EpisodeStream(EpisodeLoop):
         self.keys[row], self.rows[arrival.key] = arrival.key, row
         self.episodes[row], self.prompts[row] = arrival.episode, arrival.prompt
         self.templated[row], self.uniforms[row] = arrival.templated, arrival.uniforms
+        self.group[row], self.source[row] = arrival.group, arrival.source
         self.waiting.append(row)
 
     def start(self, rows: Sequence[int]) -> None:
@@ -298,13 +390,16 @@ class EpisodeStream(EpisodeLoop):
         its opening already ended is done at once)."""
         for row in rows:
             self.started_in[row] = self.tasks
+            self.started_on[row] = self.version
             if not self.episodes[row].done:
                 self.parked[row] = None
                 self.ready[row] = len(self.timeline.steps)
 
     def admit(self) -> None:
-        """Start waiting episodes while fewer than ``target`` are in flight."""
-        while self.waiting and self.live() < self.target:
+        """Start waiting episodes while fewer than ``target`` are in flight (with
+        ``held``: started and not taken, finished ones too: finish order)."""
+        while self.waiting and (len(self.started_in) if self.held else self.live()) < \
+                self.target:
             self.start([self.waiting.popleft()])
             self.stats.started_ahead += 1
 
@@ -330,7 +425,8 @@ class EpisodeStream(EpisodeLoop):
         del self.rows[key], self.episodes[row], self.prompts[row], self.templated[row]
         del self.uniforms[row]
         for state in (self.ready, self.parked, self.turn, self.last, self.started_in,
-                      self.turn_versions):
+                      self.started_on, self.turn_versions, self.group, self.source,
+                      self.finished):
             state.pop(row, None)
         self.midturn.discard(row)
 

@@ -238,8 +238,12 @@ class TaskCompiler:
             # every column read has a producer: the spec refuses one nothing writes
             if (p := self.graph.producer(c, n)) is not None and p not in group))
         label = "+".join(group)
+        # a stream starts episodes up to max_staleness ahead; one that reorders rows
+        # may owe episodes as far behind
         ahead = self.plan.max_staleness if any(self.graph.nodes[n].streams for n in group) \
             else 0
+        behind = ahead if any(self.graph.nodes[n].reorders for n in group) else 0
+        streams = ahead
         if sp.micro_batches is None:
             parts = tuple(Part(tuple(it.handles[p])) for p in producers)
             waits = order + [Wait(h, AFTER) for x in inputs if x not in producers
@@ -251,7 +255,7 @@ class TaskCompiler:
             return [StageTask(id=f"{label}-{k}", iteration=k, stages=group, parts=parts,
                               waits=_unique(waits), workers=workers[:1], priority=priority,
                               retries=retries, rows=(0, it.rows), versions=versions,
-                              ahead=ahead)]
+                              ahead=ahead, behind=behind)]
         tasks = []
         for j, (a, b) in enumerate(it.bounds[name]):
             row_parts: list[Part] = []
@@ -265,12 +269,12 @@ class TaskCompiler:
             if SOURCE in producers:
                 row_parts.append(self.rows_of(it, SOURCE, a, b)[0])
             # a stream's episodes stay on their worker: micro-batch j always runs there
-            pinned = sp.worker(j) if ahead else None
+            pinned = sp.worker(j) if streams else None
             tasks.append(StageTask(id=f"{label}-{k}-{j}", iteration=k, stages=group,
                                    parts=tuple(row_parts), waits=_unique(waits),
                                    workers=sp.workers if pinned is None else (pinned,),
                                    priority=priority, retries=retries, rows=(a, b),
-                                   versions=versions, ahead=ahead))
+                                   versions=versions, ahead=ahead, behind=behind))
         return tasks
 
     def _gang(self, name: str, k: int, parts: tuple[Part, ...], waits: list[Wait],

@@ -3,6 +3,8 @@ where each stage runs and how its batch is split, what overlaps, and which weigh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rlhfflow.config.graph import StageGraph, StageNode
 from rlhfflow.config.pipeline import Pipeline
 from rlhfflow.plan.placement import ExecutionPlan, StagePlan
@@ -46,7 +48,8 @@ def plan_text(plan: ExecutionPlan, pipeline: Pipeline) -> str:
               for name in pipeline.graph.order]
     lines.append("overlap:")
     lines += _overlap_lines(plan, [n for n in plan.stages
-                                   if pipeline.graph.nodes[n].streams])
+                                   if pipeline.graph.nodes[n].streams],
+                            [n for n in plan.stages if pipeline.graph.nodes[n].reorders])
     lines.append("weights moved:")
     lines += _moved_lines(plan, pipeline.graph, sharded)
     return "\n".join(lines)
@@ -101,9 +104,10 @@ def _where_and_split(node: StageNode, sp: StagePlan, group: tuple[str, ...]
     return where, split
 
 
-def _overlap_lines(plan: ExecutionPlan, streams: list[str]) -> list[str]:
+def _overlap_lines(plan: ExecutionPlan, streams: list[str],
+                   reorders: Sequence[str] = ()) -> list[str]:
     """What runs at the same time: streaming, stages ahead, episodes streamed (by the
-    stages ``streams``), fused stages."""
+    stages ``streams``, in finish order by ``reorders``), fused stages."""
     if plan.sequential:
         return ["  sequential: each stage waits for the whole previous one, each "
                 "iteration for the previous one (no streaming, fusion or overlap)"]
@@ -114,6 +118,12 @@ def _overlap_lines(plan: ExecutionPlan, streams: list[str]) -> list[str]:
                      f"episodes: iteration k's task starts those of the next "
                      f"{plan.max_staleness} iteration(s) as room frees and they go on across the weight "
                      f"updates (each token records the policy version that sampled it)")
+        if reorders:
+            lines.append(f"  finish order: {', '.join(reorders)} returns the groups that "
+                         f"finished first, whichever iteration's prompts they answer; a "
+                         f"group started on weights {plan.max_staleness} version(s) back is "
+                         f"taken first (the bound), so a step waits for those, or for "
+                         f"enough finished groups")
     elif plan.max_staleness:
         ahead = [n for n, sp in plan.stages.items() if sp.lag]
         lines.append(f"  max_staleness {plan.max_staleness}: {', '.join(ahead)} of "

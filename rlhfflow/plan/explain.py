@@ -57,7 +57,9 @@ def explain(pipeline: Pipeline, plan: ExecutionPlan, stage: str, iteration: int 
         reads = [r for p in task.parts for r in p.refs]
         if reads:
             lines.append(_line(READS, None, reads, tasks))
-        if task.ahead:
+        if task.behind:
+            lines += _finish_order(task, plan.max_staleness)
+        elif task.ahead:
             later = range(task.iteration + 1, task.iteration + 1 + task.ahead)
             lines.append(f"    streams: it also gets its rows of iteration(s) "
                          f"{', '.join(map(str, later))} and starts their episodes as its own "
@@ -71,6 +73,21 @@ def explain(pipeline: Pipeline, plan: ExecutionPlan, stage: str, iteration: int 
         if not reads and not task.waits:
             lines.append("    waits for nothing: it starts as soon as a worker is free")
     return lines
+
+
+def _finish_order(task: StageTask, staleness: int) -> list[str]:
+    """What a task of a stage that reorders rows (``stream_order: finish``) takes, and
+    why it waits."""
+    k, rows = task.iteration, task.rows[1] - task.rows[0]
+    later = ", ".join(map(str, range(k + 1, k + 1 + task.ahead)))
+    return [f"    streams, finish order: it gets its rows of iteration {k} and of "
+            f"iteration(s) {later} (and of the {task.behind} before, to play again after a "
+            f"resume), starts episodes as room frees (twice its rows held by default), and "
+            f"returns {rows} episodes in whole groups: first every group started on weights "
+            f"{staleness} version(s) behind its own (the staleness bound), then the groups "
+            f"that finished first",
+            "    it waits while such an owed group is unfinished, or while fewer finished "
+            "groups than its rows are ready (stream_wait_owed_s, stream_wait_groups_s)"]
 
 
 def _what(task: StageTask) -> str:

@@ -185,6 +185,9 @@ class StageTask(Task):
             no worker for them).
         ahead: for a group with a stage that streams, how many later iterations' rows
             (its own rows of them) go with the task (``StageContext.ahead``).
+        behind: for a group with a stage that reorders rows, how many earlier
+            iterations' rows go with the task (``StageContext.behind``): the run's
+            ``max_staleness``, as many as an episode may wait past its own.
     """
 
     kind: ClassVar[str] = "stage"
@@ -196,6 +199,7 @@ class StageTask(Task):
     storage: Storage = Storage.STORE_TASK
     reports: bool = False
     ahead: int = 0
+    behind: int = 0
 
     @property
     def stores(self) -> bool:

@@ -28,6 +28,7 @@ from rlhfflow.plan.tasks import (
 )
 from rlhfflow.runtime.backend import TaskFailed
 from rlhfflow.runtime.worker.tasks import (
+    REORDERED,
     StoreRows,
     checkpoint_task,
     export_weights_task,
@@ -71,6 +72,10 @@ class Dataflow:
         self.buffer_path = buffer_path
         self.stored = list(stored)
         self.handles: dict[str, Any] = {}
+        #: the episodes (``(iteration, prompt_index, sample_index)``) the iterations
+        #: before a resume or recovery took, for a stage that reorders rows (the
+        #: executor reads them from the buffer)
+        self.taken: frozenset[tuple[int, int, int]] = frozenset()
         self._iteration: dict[str, int] = {}
         self._specs: dict[str, Task] = {}  # id -> task
         self._tasks: dict[str, Task] = {}  # backend key -> task
@@ -162,7 +167,8 @@ class Dataflow:
             iteration=spec.iteration, parts=self._parts(spec.parts), after=self.waits(spec),
             versions=dict(spec.versions),
             gang=tuple(self.addresses[w] for w in spec.gang) if spec.gang else None,
-            store=store, **({"ahead": self._ahead(spec)} if spec.ahead else {}))
+            store=store, **({"ahead": self._ahead(spec)} if spec.ahead else {}),
+            **(self._behind(spec) if spec.behind else {}))
 
     def _ahead(self, spec: StageTask) -> list[tuple[int, Batch]]:
         """The task's rows of the next ``spec.ahead`` iterations (those the run has)."""
@@ -174,6 +180,18 @@ class Dataflow:
                 break
             out.append((j, slice_batch(batch, *spec.rows)))
         return out
+
+    def _behind(self, spec: StageTask) -> dict[str, Any]:
+        """For a stage that reorders rows: its rows of the ``spec.behind`` iterations
+        before (episodes it may still owe), the staleness bound, and what the run took
+        before it went back to a checkpoint."""
+        assert self.prompts is not None, "a streaming stage's task needs the prompts"
+        k = spec.iteration
+        behind = [(j, slice_batch(batch, *spec.rows))
+                  for j in range(max(0, k - spec.behind), k)
+                  if (batch := self.prompts(j)) is not None]
+        taken = frozenset(key for key in self.taken if key[0] >= k - spec.behind)
+        return {"behind": behind, "taken": taken, "staleness": spec.behind}
 
     @_submit.register
     def _(self, spec: StoreTask, **context: Any) -> Any:
@@ -242,3 +260,19 @@ def _status(handle: Any) -> str:
     """A handle's status as a Dask future's; data placed as it is (a micro-batch that
     rides inside its tasks' messages) is there: "finished"."""
     return getattr(handle, "status", "finished")
+
+
+def taken_before(buffer, first: int, staleness: int) -> frozenset[tuple[int, int, int]]:
+    """For a stage that reorders rows, the episodes (``(iteration, prompt_index,
+    sample_index)``) the iterations before ``first`` took that a task from ``first`` on
+    could meet again (an episode it may still owe from the ``staleness`` iterations
+    before, or a later one an earlier task took), read from ``buffer`` as a resumed or
+    recovered run finds it: they are not played again."""
+    done = set(buffer.iterations())
+    out: set[tuple[int, int, int]] = set()
+    for k in range(max(0, first - 2 * staleness), first):
+        if k in done:
+            rows = buffer.read(k, [REORDERED, "prompt_index", "sample_index"])
+            out.update(zip(*(rows[c].tolist() for c in (REORDERED, "prompt_index",
+                                                          "sample_index")), strict=True))
+    return frozenset(key for key in out if key[0] >= first - staleness)

@@ -64,7 +64,7 @@ from rlhfflow.runtime.coordinator import (
     StopPlanned,
     StopRequested,
 )
-from rlhfflow.runtime.dataflow import Dataflow
+from rlhfflow.runtime.dataflow import Dataflow, taken_before
 from rlhfflow.runtime.evaluation import evaluation_summary
 from rlhfflow.runtime.failures import RunError
 from rlhfflow.runtime.models import after_setup, setup_trained
@@ -87,7 +87,12 @@ from rlhfflow.runtime.worker.host import (
     settle_updates,
     update_model_configs,
 )
-from rlhfflow.runtime.worker.tasks import RESPONSE_TEXTS, TaskResult, save_model_task
+from rlhfflow.runtime.worker.tasks import (
+    PROMPT_TEXTS,
+    RESPONSE_TEXTS,
+    TaskResult,
+    save_model_task,
+)
 from rlhfflow.runtime.worker.tasks import StageFailed as StageTaskFailed
 from rlhfflow.runtime.workers import (
     build_tiny_models,
@@ -164,6 +169,7 @@ class Executor(Recovery):
         self.choice = choice
         # what each iteration stores: every non-text column
         self.stored = {c: col for c, col in self.graph.columns().items() if col.dtype != "str"}
+        self.reorders = any(self.graph.nodes[n].reorders for n in self.graph.loop_stages)
         # per iteration begun, what its stores need: the prompt width and the text columns
         self._begun: dict[int, tuple[int, dict[str, list[str]]]] = {}
         # per iteration submitted whole and not committed yet, its tasks
@@ -313,6 +319,8 @@ class Executor(Recovery):
         # each record is appended to metrics.jsonl and published as it is made; none is
         # kept here (a few KB each: 0.01 MB an iteration of a long run's coordinator)
         self._submitted = {}
+        if self.reorders and first > 0:
+            self.dataflow.taken = taken_before(self.buffer, first, self.plan.max_staleness)
         self._perform(self.coordinator.handle(LoopStarted(first)))
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),
@@ -359,7 +367,11 @@ class Executor(Recovery):
                            f"{step.it.rows} were compiled")
         # the coordinator keeps the iteration's text (prompts, record fields) for the
         # buffer: zarr metadata and ragged text are its to write
-        self._begun[k] = (batch["prompt_ids"].shape[1],
+        # a stage that reorders rows returns other iterations' prompts too: the width
+        # any prompt may take
+        width = max(batch["prompt_ids"].shape[1], self.pipeline.spec.data.max_prompt_tokens) \
+            if self.reorders else batch["prompt_ids"].shape[1]
+        self._begun[k] = (width,
                           {c: list(batch[c]) for c in TEXT_COLUMNS if c in batch})
         self.dataflow.submit(step.source, batch)
         self.dataflow.submit(step.ahead)
@@ -473,7 +485,7 @@ class Executor(Recovery):
         # an iteration that is one task brings its worker's timings (StageTask.reports)
         timings = [r.timings for r in stored if r.timings is not None]
         texts = {name: [t for r in stored for t in r.texts.get(name, [])]
-                 for name in RESPONSE_TEXTS}
+                 for name in (*RESPONSE_TEXTS, *PROMPT_TEXTS)}
         # in row order: one store per micro-batch, in order
         texts = {name: rows for name, rows in texts.items() if len(rows) == it.rows}
         if texts:

@@ -131,6 +131,16 @@ class StageContext:
             ``(iteration, batch)`` pairs (as many iterations as the run's
             ``max_staleness``, fewer at the end of the run): it may start their work
             early. Empty for every other stage.
+        behind: for a stage that reorders rows (``PlanHints.reorders``), the source rows
+            of the ``staleness`` iterations before, whose episodes its task may still owe:
+            in a run that goes on they are under way on the worker already; after a
+            resume or a recovery they start again from these.
+        staleness: for a stage that reorders rows, the run's ``max_staleness``: an
+            episode whose oldest token is that many versions behind the task's weights
+            is taken now (trained later, it would be further behind).
+        taken: for a stage that reorders rows, the episodes (``(iteration,
+            prompt_index, sample_index)``) an earlier iteration took before the run went
+            back to a checkpoint (read from the buffer): never played again.
         between_tasks: the runtime holds a stage's work between tasks while any task that
             writes a model's weights runs (``rlhfflow.engine.streaming.paused``), so a
             stage that streams may go on decoding when no task runs. False outside a
@@ -147,6 +157,9 @@ class StageContext:
     spans: Any = None
     env_executor: Any = None
     ahead: list[tuple[int, Batch]] = field(default_factory=list)
+    behind: list[tuple[int, Batch]] = field(default_factory=list)
+    staleness: int = 0
+    taken: frozenset[tuple[int, int, int]] = frozenset()
     between_tasks: bool = False
 
     def __post_init__(self) -> None:
@@ -187,6 +200,11 @@ class PlanHints:
             (``StageContext.ahead``) up to ``overlap.max_staleness`` ahead, run in the
             iterations' order on fixed workers (micro-batch j always on the same one),
             and its model's other stages do not run ahead.
+        reorders: a stage that streams and returns the episodes that finished first,
+            not its own iteration's (a ``rollout`` with ``stream_order: finish``): its
+            output rows carry their source columns, which every stage after it reads from
+            it (``StageNode.reorders``), and its tasks get the rows of the
+            ``max_staleness`` iterations before too (``StageContext.behind``).
     """
 
     response_tokens: int = 0
@@ -198,6 +216,7 @@ class PlanHints:
     kept_per_prompt: int | None = None
     passes: float = 1.0
     streams: bool = False
+    reorders: bool = False
 
 
 #: How an ``IterationMetric`` reduces its column (``IterationMetric.reduce``).

@@ -70,9 +70,11 @@ import json
 import logging
 import re
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from rlhfflow.engine.batch import pad_prompts
 from rlhfflow.engine.environments import (
     Environment,
     Episode,
@@ -88,7 +90,13 @@ from rlhfflow.engine.generation import eos_ids
 from rlhfflow.engine.sampling import row_generators, sample_uniforms
 from rlhfflow.engine.sandbox import sandbox_for
 from rlhfflow.engine.service import GenerationService, SamplingSettings
-from rlhfflow.engine.streaming import Admission, EpisodeStream, Key, stream_columns
+from rlhfflow.engine.streaming import (
+    Admission,
+    EpisodeStream,
+    Key,
+    TaskStats,
+    stream_columns,
+)
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import imported, load_function
 from rlhfflow.errors import RunError
@@ -119,6 +127,15 @@ STREAM_COLUMNS = {
     "episodes_dropped": Column("int64"),   # the task's, on its first row
 }
 
+#: what a rollout with ``stream_order: finish`` writes besides (the source's columns of
+#: its rows too, not declared: the data source's, which it returns reordered)
+FINISH_COLUMNS = {
+    "source_iteration": Column("int64"),   # the iteration whose prompts the row answers
+    "deferred": Column("int8"),            # an earlier iteration's (owed to this one)
+    "stream_wait_owed_s": Column("float32"),   # the task's, on its first row
+    "stream_wait_groups_s": Column("float32"),  # the task's, on its first row
+}
+
 
 @register_stage
 class RolloutStage(Stage):
@@ -136,8 +153,10 @@ class RolloutStage(Stage):
 
     @classmethod
     def reads(cls, params, algorithm, has_model):
+        # finish order returns other iterations' rows: every source column goes with them
         return ("prompt_ids", "prompt_mask", "prompt_index", "sample_index", "prompt_text",
-                "prompt_fields")
+                "prompt_fields",
+                *(("group_ids",) if params.stream and params.stream_order == "finish" else ()))
 
     @classmethod
     def writes(cls, params, algorithm, has_model):
@@ -158,6 +177,8 @@ class RolloutStage(Stage):
             out.update(scores=Column("float32"), score_valid=Column("int8"))
         if params.stream:
             out.update(STREAM_COLUMNS)
+            if params.stream_order == "finish":
+                out.update(FINISH_COLUMNS)
         return out
 
     @classmethod
@@ -176,6 +197,11 @@ class RolloutStage(Stage):
             IterationMetric("episodes_in_flight", "episodes_in_flight"),
             IterationMetric("episodes_dropped", "episodes_dropped", "sum", digits=0),
         ) if params.stream else ()
+        if params.stream and params.stream_order == "finish":
+            streams += (IterationMetric("deferred_frac", "deferred"),
+                        IterationMetric("stream_wait_owed_s", "stream_wait_owed_s", "sum"),
+                        IterationMetric("stream_wait_groups_s", "stream_wait_groups_s",
+                                        "sum"))
         return (*agents, *streams, IterationMetric("env_reward_mean", "env_reward"),
                 IterationMetric("turns_mean", "turns"),
                 *(IterationMetric(f"info_{key}_mean", f"info_{key}") for key in params.info))
@@ -184,14 +210,15 @@ class RolloutStage(Stage):
     def plan_hints(cls, params) -> PlanHints:
         return replace(super().plan_hints(params), response_tokens=params.max_tokens,
                        turns=params.max_turns, env_on_pool=params.env_placement == "pool",
-                       streams=params.stream)
+                       streams=params.stream,
+                       reorders=params.stream and params.stream_order == "finish")
 
     @classmethod
     def check_params(cls, params, has_model, base_dir):
         if params.stream and params.agent is not None:
             return ("params.stream", "agents do not stream yet: give params.stream or "
                                      "params.agent, not both")
-        for key in ("stream_in_flight", "stream_on_update"):
+        for key in ("stream_in_flight", "stream_on_update", "stream_order"):
             if key in params.model_fields_set and not params.stream:
                 return (f"params.{key}", "goes with params.stream: true")
         if params.agent_samples > 1 and (params.agent is None or not params.scores):
@@ -313,6 +340,7 @@ class RolloutStage(Stage):
         uniforms = sample_uniforms(ctx.seed, iteration, batch["prompt_index"][wanted],
                                    batch["sample_index"][wanted], params.max_tokens)
         real = batch["prompt_mask"].bool()
+        groups = batch["group_ids"].tolist() if "group_ids" in batch else [-1] * rows
         out = []
         for i, row in enumerate(wanted):
             templated = fmt.templated(texts[row])
@@ -321,9 +349,11 @@ class RolloutStage(Stage):
                 {**json.loads(fields[row]), "prompt": texts[row]})))
             if opening:
                 add_messages(params, episode, opening, fmt, templated, None)
+            source = {"prompt_text": texts[row], "prompt_fields": fields[row],
+                      "group_ids": groups[row], "source_iteration": iteration}
             out.append(Admission(keys[row], episode,
                                  batch["prompt_ids"][row][real[row]].tolist(), templated,
-                                 uniforms[i]))
+                                 uniforms[i], groups[row], source))
         return out
 
     def stops(self, calls: ToolFormat) -> list[str]:
@@ -341,42 +371,74 @@ class RolloutStage(Stage):
         fmt = TurnFormat(tok, params.plain_separator)
         calls = tool_format(params.tool_format, tok, ctx.settings.base_dir)
         rows = len(batch["prompt_index"])
-        stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows)
-        own = row_keys(batch, ctx.iteration)
-        arrivals = self.admissions(batch, ctx.iteration, ctx, fmt, calls, stream.knows)
+        finish = params.stream_order == "finish"
+        if finish:
+            if ctx.staleness < 1:
+                raise ValueError(f"stage {self.name!r}: stream_order: finish needs the run's "
+                                 f"staleness bound (StageContext.staleness, 1 or more)")
+            whole_groups(batch, self.name)
+        stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows, ctx.staleness)
+        taken = set(ctx.taken)
+
+        def known(key: Key) -> bool:
+            return stream.knows(key) or key in taken
+        # finish order: episodes owed from earlier iterations first (after a resume or a
+        # recovery: they start again), then this iteration's, then the later ones, each
+        # started as room frees; iteration order starts its own at once
+        arrivals = []
+        for j, earlier in ctx.behind if finish else ():
+            arrivals += self.admissions(earlier, j, ctx, fmt, calls, known)
+        own = [] if finish else row_keys(batch, ctx.iteration)
+        arrivals += self.admissions(batch, ctx.iteration, ctx, fmt, calls, known)
         for j, later in ctx.ahead:
-            arrivals += self.admissions(later, j, ctx, fmt, calls, stream.knows)
+            arrivals += self.admissions(later, j, ctx, fmt, calls, known)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
             check_shippable([a.episode for a in arrivals], self.shipping_key())
         with resident.generating():
             mine = stream.begin_task(ctx.iteration, resident.version, own, arrivals,
                                      shipped or stream.threads(params.env_workers),
-                                     ships=shipped is not None)
-            stream.play(mine)
-        episodes, early = stream.take(mine)
+                                     ships=shipped is not None,
+                                     behind=ctx.staleness if finish else 0,
+                                     taken=ctx.taken)
+            if finish:
+                mine = stream.play_finished(rows, ctx.staleness)
+            else:
+                stream.play(mine)
+        sources = [stream.source[row] | {"prompt": stream.prompts[row],
+                                         "key": stream.keys[row]} for row in mine]
+        episodes, early = stream.take(mine, ctx.iteration if finish else None)
         self.timed(stream.timeline, ctx, shipped is not None)
         out = self.columns(episodes, tok, pad_id, resident.version)
-        out.update(stream_columns(episodes, early, stream.harvest(), resident.version,
+        stats = stream.harvest()
+        out.update(stream_columns(episodes, early, stats, resident.version,
                                   params.max_tokens))
+        if finish:
+            out.update(finish_columns(sources, ctx.iteration, stats, pad_id))
         if ctx.between_tasks:  # the episodes in flight play on until the next task
             stream.between(lambda: resident.version, resident.generating)
         return out
 
     def stream_for(self, resident, tok, fmt: TurnFormat, pad_id: int, calls: ToolFormat,
-                   rows: int) -> EpisodeStream:
+                   rows: int, staleness: int = 0) -> EpisodeStream:
         """The worker's episode stream for this stage, made at its first task (again
-        if the model was replaced, dropping what the old one held)."""
+        if the model was replaced, dropping what the old one held). In finish order it
+        holds at most ``(staleness + 1) * rows`` episodes (by default twice the rows),
+        so no task owes more than its rows."""
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.module is not resident.module:
             log.warning("stage %r: the model was replaced; %d episodes in flight are "
                         "dropped and start again", self.name, stream.close())
             stream = None
         if stream is None:
-            target = self.params.stream_in_flight or rows
+            finish = self.params.stream_order == "finish"
+            target = self.params.stream_in_flight or (2 * rows if finish else rows)
+            if finish:
+                target = max(rows, min(target, (staleness + 1) * rows))
             stream = EpisodeStream(self.params, resident.module, tok, fmt, pad_id, target,
                                    self.stops(calls),
-                                   recompute=self.params.stream_on_update == "recompute")
+                                   recompute=self.params.stream_on_update == "recompute",
+                                   held=finish)
             self._stream = stream
         return stream
 
@@ -489,6 +551,38 @@ class RolloutStage(Stage):
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
         return out
+
+
+def whole_groups(batch: Batch, stage: str) -> None:
+    """Finish order takes a prompt's samples together: every group of a task's rows
+    whole, all of one size."""
+    sizes = set(torch.unique(batch["group_ids"], return_counts=True)[1].tolist())
+    if len(sizes) > 1:
+        raise RunError(f"stage {stage!r}: stream_order: finish takes a prompt's samples "
+                       f"together, and this task's rows split a prompt's samples (groups of "
+                       f"{sorted(sizes)} rows): give the stage micro-batches whose rows are "
+                       f"a multiple of data.samples_per_prompt")
+
+
+def finish_columns(sources: list[dict[str, Any]], iteration: int, stats: TaskStats,
+                   pad_id: int) -> Batch:
+    """The source columns of the rows a task returned in finish order (each row's own
+    prompt, left-padded to the longest), and ``FINISH_COLUMNS``."""
+    ids, mask = pad_prompts([s["prompt"] for s in sources], pad_id) if sources else \
+        (torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0, dtype=torch.int8))
+    rows = len(sources)
+    labels = torch.tensor([s["source_iteration"] for s in sources], dtype=torch.long)
+    waits = [torch.zeros(rows) for _ in range(2)]
+    if rows:
+        waits[0][0], waits[1][0] = stats.owed_s, stats.short_s
+    return {"prompt_ids": ids, "prompt_mask": mask,
+            "prompt_index": torch.tensor([s["key"][1] for s in sources], dtype=torch.long),
+            "sample_index": torch.tensor([s["key"][2] for s in sources], dtype=torch.long),
+            "group_ids": torch.tensor([s["group_ids"] for s in sources], dtype=torch.long),
+            "prompt_text": [s["prompt_text"] for s in sources],
+            "prompt_fields": [s["prompt_fields"] for s in sources],
+            "source_iteration": labels, "deferred": (labels < iteration).to(torch.int8),
+            "stream_wait_owed_s": waits[0], "stream_wait_groups_s": waits[1]}
 
 
 def row_keys(batch: Batch, iteration: int) -> list[Key]:

@@ -134,8 +134,19 @@ class RolloutParams(StageParams):
                                  "of what is in flight), or 'keep' the old weights' caches "
                                  "(cheaper; the tokens' log-probs are still those they "
                                  "were sampled with)")
+    stream_order: Literal["finish", "iteration"] = Field(
+        "finish", description="with stream, which episodes a task returns: 'finish', as "
+                              "many as its rows, in whole groups (a prompt's samples): "
+                              "every group with an episode started overlap.max_staleness "
+                              "versions back (the bound: trained later it would be further "
+                              "behind), then the groups that finished first, whichever "
+                              "iteration's prompts they answer (the rows carry their own "
+                              "prompts; source_iteration says whose); 'iteration', its "
+                              "own iteration's episodes (it waits for the slowest)")
     stream_in_flight: Annotated[int | None, Field(
         gt=0, description="with stream: the episodes kept in flight per task while later "
                           "iterations' wait to start (more: a larger decode batch and more "
-                          "tokens from older policies); null: the task's rows, so the "
-                          "next iterations' episodes start as this one's finish")] = None
+                          "tokens from older policies); in finish order the finished ones "
+                          "no task took yet count too, and at most (max_staleness + 1) "
+                          "times the task's rows are held; null: the task's rows "
+                          "(iteration order), twice the task's rows (finish order)")] = None

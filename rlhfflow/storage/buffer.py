@@ -33,7 +33,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -366,6 +366,7 @@ class ExperienceBuffer:
         iteration: int,
         start: int,
         columns: Mapping[str, Any],
+        left: Collection[str] = (),
     ) -> None:
         """Write rows ``[start, start + n)`` of each given column of a begun iteration.
 
@@ -373,7 +374,8 @@ class ExperienceBuffer:
         disjoint: ``start`` must be a multiple of the chunk row size and the range must
         end on a chunk boundary or at the last row. Values (numpy arrays or torch tensors
         on any device) are cast to the column dtype when no value changes; a trailing
-        length shorter than the column's is right-padded with zeros. Everything is
+        length shorter than the column's is right-padded with zeros (left-padded for the
+        columns named in ``left``: left-padded prompts). Everything is
         validated before anything is written; errors are :class:`ValueError`. Never
         resizes or touches metadata.
         """
@@ -381,7 +383,7 @@ class ExperienceBuffer:
         where = f"{path}:{name}"
         if not columns:
             raise ValueError(f"{where}: no columns given")
-        write_columns(path, name, where, iteration, start, columns)
+        write_columns(path, name, where, iteration, start, columns, left)
 
     # -- readers -------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,7 @@ def write_text_columns(folder: Path, columns: Mapping[str, Sequence[str]], rows:
 
 
 def write_columns(path, name: str, where: str, iteration: int, start: int,
-                  columns: Mapping[str, Any]) -> None:
+                  columns: Mapping[str, Any], left: Collection[str] = ()) -> None:
     """:meth:`ExperienceBuffer.write_rows`: open every column from its document,
     validate all, then write all chunks."""
     folder = Path(path) / name
@@ -98,7 +98,7 @@ def write_columns(path, name: str, where: str, iteration: int, start: int,
         except KeyError:
             raise ValueError(f"{col_where}: no such column in iteration {iteration}") from None
         data = _to_numpy(value)
-        data = _fit_trailing(data, tuple(array.shape[1:]), col_where)
+        data = _fit_trailing(data, tuple(array.shape[1:]), col_where, col in left)
         data = _cast(data, array.dtype, col_where)
         if n_rows is not None and len(data) != n_rows:
             raise ValueError(f"{col_where}: {len(data)} rows, other columns have {n_rows}")
@@ -140,8 +140,10 @@ def _cast(data: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
     return data.astype(dtype)
 
 
-def _fit_trailing(data: np.ndarray, shape: tuple[int, ...], where: str) -> np.ndarray:
-    """Right-pad ``data``'s trailing axes with zeros up to ``shape``; longer is an error."""
+def _fit_trailing(data: np.ndarray, shape: tuple[int, ...], where: str,
+                  left: bool = False) -> np.ndarray:
+    """Right-pad ``data``'s trailing axes with zeros up to ``shape`` (``left``: pad on the
+    left); longer is an error."""
     if data.ndim != 1 + len(shape):
         raise ValueError(
             f"{where}: expected {1 + len(shape)} dims (rows, *{shape}), got shape {data.shape}"
@@ -151,7 +153,8 @@ def _fit_trailing(data: np.ndarray, shape: tuple[int, ...], where: str) -> np.nd
         raise ValueError(f"{where}: trailing shape {trailing} is longer than column shape {shape}")
     if trailing == shape:
         return data
-    pad = [(0, 0)] + [(0, want - got) for got, want in zip(trailing, shape, strict=True)]
+    pad = [(0, 0)] + [(want - got, 0) if left else (0, want - got)
+                      for got, want in zip(trailing, shape, strict=True)]
     return np.pad(data, pad)  # constant 0 (False for bool)
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ EXAMPLE = REPO / "examples" / "multiturn"
 GUESS = str(EXAMPLE / "envs.py") + ":GuessNumber"
 TEXTS = ["guess my number, 1 to 9:", "which number?", "guess a number from 1 to 9:"]
 PARAMS = {"env": GUESS, "max_turns": 3, "max_new_tokens": 6, "max_tokens": 120}
+#: a stream that returns its own iteration's episodes
+ITERATION = {**PARAMS, "stream": True, "stream_order": "iteration"}
 
 
 def _ctx(store, iteration, ahead=()) -> StageContext:
@@ -38,6 +41,7 @@ def _batches(tok, n: int) -> list[dict]:
     for k in range(n):
         batch = chat_batch(tok, TEXTS, samples=2)
         batch["prompt_index"] = batch["prompt_index"] + 10 * k
+        batch["group_ids"] = batch["group_ids"] + 10 * k
         out.append(batch)
     return out
 
@@ -60,7 +64,7 @@ def test_a_stream_plays_the_plain_rollout_s_episodes_and_starts_the_next_ones_ea
     plain = create_stage("rollout", params=PARAMS, model="actor")
     expected = [plain.run(batches[k], _ctx(store, k)) for k in range(3)]
 
-    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+    stage = create_stage("rollout", params={**ITERATION,
                                             "stream_in_flight": 12}, model="actor")
     got = [stage.run(batches[k], _ctx(store, k, [(k + 1, batches[k + 1])] if k < 2 else []))
            for k in range(3)]
@@ -91,7 +95,7 @@ def test_episodes_go_on_across_a_weight_update_and_each_token_says_its_version(
     tok = resident.tokenizer
     batches = _batches(tok, 2)
     # 8 in flight: 2 of iteration 1's episodes start at once, the others as room frees
-    stage = create_stage("rollout", params={**PARAMS, "stream": True, "stream_in_flight": 8,
+    stage = create_stage("rollout", params={**ITERATION, "stream_in_flight": 8,
                                             "stream_on_update": on_update}, model="actor")
     stage.run(batches[0], _ctx(store, 0, [(1, batches[1])]))
     # iteration 1's episodes are under way, some unfinished
@@ -128,7 +132,7 @@ def test_episodes_no_task_will_claim_are_dropped_and_counted(chat_lm_dir):
     store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
     batches = _batches(tok, 3)
-    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    stage = create_stage("rollout", params=ITERATION, model="actor")
     stage.run(batches[0], _ctx(store, 0, [(1, batches[1])]))
     held = len(stage._stream.keys)
     assert held == 6
@@ -148,7 +152,7 @@ def test_two_micro_batches_on_one_worker_keep_each_other_s_episodes(chat_lm_dir)
     tok = store.get("actor").tokenizer
     batches = _batches(tok, 3)
     halves = [[slice_batch(b, 0, 3), slice_batch(b, 3, 6)] for b in batches]
-    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+    stage = create_stage("rollout", params={**ITERATION,
                                             "stream_in_flight": 6}, model="actor")
     plain = create_stage("rollout", params=PARAMS, model="actor")
     for k in range(3):
@@ -174,7 +178,7 @@ def test_between_tasks_the_stream_plays_on_and_waits_while_a_task_runs(chat_lm_d
     store = chat_store(chat_lm_dir)
     tok = store.get("actor").tokenizer
     batches = _batches(tok, 2)
-    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+    stage = create_stage("rollout", params={**ITERATION,
                                             "stream_in_flight": 7}, model="actor")
     ctx = _ctx(store, 0, [(1, batches[1])])
     ctx.between_tasks = True
@@ -198,6 +202,105 @@ def test_between_tasks_the_stream_plays_on_and_waits_while_a_task_runs(chat_lm_d
     assert torch.equal(out["response_ids"], expected["response_ids"])
     assert out["started_ahead"].all()
     stage._stream.close()
+
+
+# --------------------------------------------------------------------------- finish order
+
+
+def _finish_ctx(store, k: int, batches, taken=frozenset()) -> StageContext:
+    """Task ``k``'s context in finish order under ``max_staleness: 1``."""
+    ctx = _ctx(store, k, [(k + 1, batches[k + 1])] if k + 1 < len(batches) else [])
+    ctx.behind, ctx.staleness, ctx.taken = [(k - 1, batches[k - 1])] if k else [], 1, taken
+    return ctx
+
+
+def _keys(out) -> list[tuple[int, int, int]]:
+    return list(zip(out["source_iteration"].tolist(), out["prompt_index"].tolist(),
+                    out["sample_index"].tolist(), strict=True))
+
+
+def _all_keys(batches) -> list[tuple[int, int, int]]:
+    return sorted((k, int(p), int(q)) for k, b in enumerate(batches)
+                  for p, q in zip(b["prompt_index"], b["sample_index"], strict=True))
+
+
+def test_finish_order_returns_whole_groups_that_finished_first_each_episode_once(
+        chat_lm_dir):
+    """Weights unchanged: a task returns the groups that finished first among its own
+    iteration's and the next one's (twice its rows in flight), each row with its own
+    prompt; over the run every episode is returned once, token for token the plain
+    rollout's."""
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 4)
+    plain = create_stage("rollout", params=PARAMS, model="actor")
+    expected = {}
+    for k, batch in enumerate(batches):
+        out = plain.run(batch, _ctx(store, k))
+        for row, (p, q) in enumerate(zip(batch["prompt_index"].tolist(),
+                                         batch["sample_index"].tolist(), strict=True)):
+            expected[(k, p, q)] = (out["response_ids"][row], batch["prompt_text"][row])
+    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    seen, reordered = [], 0
+    for k in range(4):
+        out = stage.run(batches[k], _finish_ctx(store, k, batches))
+        keys = _keys(out)
+        seen += keys
+        assert sorted(Counter(out["group_ids"].tolist()).values()) == [2, 2, 2]
+        for row, key in enumerate(keys):
+            ids, text = expected[key]
+            assert torch.equal(out["response_ids"][row], ids), key
+            assert out["prompt_text"][row] == text
+            source = batches[key[0]]
+            at = source["prompt_index"].tolist().index(key[1])
+            real = out["prompt_ids"][row][out["prompt_mask"][row].bool()]
+            assert real.tolist() == \
+                source["prompt_ids"][at][source["prompt_mask"][at].bool()].tolist()
+        reordered += sum(key[0] != k for key in keys)
+        assert out["deferred"].tolist() == [int(key[0] < k) for key in keys]
+    assert sorted(seen) == _all_keys(batches)
+    assert reordered > 0  # a task took another iteration's groups
+    assert not stage._stream.keys
+
+
+def test_finish_order_takes_what_the_staleness_bound_owes_first(chat_lm_dir):
+    """After a weight update, every episode started on the weights before is owed: the
+    task waits for it and returns it, so no token is more than one version behind."""
+    store = chat_store(chat_lm_dir)
+    resident = store.get("actor")
+    batches = _batches(resident.tokenizer, 3)
+    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    first = stage.run(batches[0], _finish_ctx(store, 0, batches))
+    started = {stage._stream.keys[r] for r in stage._stream.started_in}
+    assert len(started) == 6  # twice the rows were started, half are left
+    with torch.no_grad():
+        for p in resident.module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    resident.version += 1
+    second = stage.run(batches[1], _finish_ctx(store, 1, batches))
+    assert set(_keys(second)) == started  # what version 0 started, nothing newer
+    assert (second["policy_version"] == 0).all() and first["policy_version"].eq(0).all()
+    third = stage.run(batches[2], _finish_ctx(store, 2, batches))
+    assert (third["policy_version"] >= 1).all()
+    assert sorted(_keys(first) + _keys(second) + _keys(third)) == _all_keys(batches)
+
+
+def test_finish_order_after_a_resume_plays_what_was_owed_and_nothing_taken(chat_lm_dir):
+    """A new stream (the run resumed after iteration 1) gets the rows of iteration 1
+    again and the episodes iterations 0-1 took (``taken``, from the buffer): it plays the
+    owed ones afresh and never returns a taken one."""
+    store = chat_store(chat_lm_dir)
+    batches = _batches(store.get("actor").tokenizer, 4)
+    before = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    seen = []
+    for k in range(2):
+        seen += _keys(before.run(batches[k], _finish_ctx(store, k, batches)))
+    before._stream.close()  # the process died with its episodes
+    taken = frozenset(key for key in seen if key[0] >= 1)
+    after = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    for k in range(2, 4):
+        seen += _keys(after.run(batches[k], _finish_ctx(store, k, batches, taken)))
+    assert sorted(seen) == _all_keys(batches)
 
 
 # --------------------------------------------------------------------------- a pipeline
@@ -244,6 +347,7 @@ def test_a_streaming_pipeline_trains_on_two_workers_and_reports_its_stream(tmp_p
     # staleness is bounded by admission: no token is more than max_staleness behind
     assert all(r["train"]["train_actor"]["staleness_max"] <= 1 for r in records)
     assert any(r["token_lag_mean"] > 0 for r in later)
+    _assert_each_episode_once(tmp_path / "out", 4)
     from rlhfflow.monitor.report import build_report
 
     page = build_report(tmp_path / "out", samples=0)
@@ -260,6 +364,14 @@ def test_the_plan_says_the_rollout_streams_and_pins_its_micro_batches(tmp_path):
     assert explained.returncode == 0, explained.stderr
     assert "rollout-1-0: rows 0-7, on worker 0" in explained.stdout
     assert "rollout-1-1: rows 8-15, on worker 1" in explained.stdout
+    assert "streams, finish order: it gets its rows of iteration 1 and of iteration(s) 2" \
+        in explained.stdout
+    assert "it waits while such an owed group is unfinished" in explained.stdout
+    assert "finish order: rollout returns the groups that finished first" in plan.stdout
+    config = yaml.safe_load(path.read_text())
+    config["stages"]["rollout"]["params"]["stream_order"] = "iteration"
+    path.write_text(yaml.safe_dump(config))
+    explained = _cli("plan", str(path), "--explain", "rollout", cwd=tmp_path)
     assert "streams: it also gets its rows of iteration(s) 2" in explained.stdout
 
 
@@ -284,6 +396,20 @@ def _popen(path: Path) -> subprocess.Popen:
                             env=env)
 
 
+def _assert_each_episode_once(out: Path, iterations: int, rows: int = 16) -> None:
+    """Finish order: the buffer's rows over the run are every iteration's episodes
+    (``source_iteration``, ``prompt_index``, ``sample_index``) once each."""
+    from rlhfflow.storage.buffer import ExperienceBuffer
+
+    buffer = ExperienceBuffer(out / "buffer.zarr")
+    keys = []
+    for k in buffer.iterations():
+        got = buffer.read(k, ["source_iteration", "prompt_index", "sample_index"])
+        keys += zip(*(got[c].tolist() for c in got), strict=True)
+    assert len(keys) == len(set(keys)) == iterations * rows
+    assert Counter(key[0] for key in keys) == dict.fromkeys(range(iterations), rows)
+
+
 def _faulty_pipeline(tmp_path: Path) -> tuple[Path, Path]:
     path = _pipeline(tmp_path, iterations=6, checkpoint={"every": 1, "keep": 2})
     return path, tmp_path / "out"
@@ -291,8 +417,9 @@ def _faulty_pipeline(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_loses_and_repeats_no_episode(tmp_path):
-    """The episodes in flight die with the run; the resumed run starts the iteration after
-    the last checkpoint afresh from its prompts: every iteration trained once."""
+    """The episodes in flight die with the run; the resumed run starts what the
+    iterations up to the last checkpoint did not take afresh from its prompts: every
+    iteration trained once, every episode once (finish order: read from the buffer)."""
     import psutil
 
     from tests.runtime.test_resume import _assert_each_iteration_once, _wait_for_lines
@@ -309,6 +436,7 @@ def test_sigkill_then_resume_loses_and_repeats_no_episode(tmp_path):
     assert again.returncode == 0, stderr
     assert "resuming after iteration" in stderr
     _assert_each_iteration_once(out, 6)
+    _assert_each_episode_once(out, 6)
 
 
 @pytest.mark.slow
@@ -327,3 +455,4 @@ def test_a_killed_worker_is_replaced_and_a_streaming_run_completes(tmp_path):
     assert proc.returncode == 0, stderr
     assert "recovering from the last checkpoint" in stderr
     _assert_each_iteration_once(out, 6)
+    _assert_each_episode_once(out, 6)

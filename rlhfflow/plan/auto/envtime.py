@@ -12,7 +12,8 @@ rows, or one at a time in turn with decoding (``env_workers: 0``).
   which then take their total over the threads.
 - A **streaming** task (``stream: true``) starts the next iterations' episodes in its
   tail, so in steady state a task's rows cost the mean episode's steps per slot
-  (``stream_in_flight`` slots, default the task's rows). Nothing is taken off for the
+  (``stream_in_flight`` slots, default the task's rows, twice them in finish order,
+  where a task returns the groups that finished first). Nothing is taken off for the
   steps that go on between tasks (on a colocated plan the episodes then wait for the
   worker's training to end): the measured time does not show them. Taking one step off
   predicted ``benchmarks/longtail.py``'s streaming iteration 22% short, leaving it 10%

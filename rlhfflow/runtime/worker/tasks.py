@@ -95,6 +95,13 @@ def check_versions(host: WorkerHost, name: str, versions: Mapping[str, int] | No
 #: Ragged text columns of the responses (one string per row) that a store returns for the
 #: coordinator to write: the responses, and multi-turn episodes as conversations.
 RESPONSE_TEXTS = ("response_text", "turns_json")
+#: the source's text, which the stores return where a stage reordered the rows (the
+#: coordinator wrote the source's order)
+PROMPT_TEXTS = ("prompt_text", "prompt_fields")
+#: a stage that reorders rows marks them with the iteration whose prompts they answer
+REORDERED = "source_iteration"
+#: prompt columns are left-padded: a reordered batch's may be narrower than the buffer's
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
 
 
 @dataclass
@@ -150,7 +157,9 @@ def holds_streams(fn):
 def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str, Any]],
                after: list[Any], versions: Mapping[str, int] | None = None,
                gang: tuple[str, ...] | None = None, store: StoreRows | None = None,
-               ahead: list[tuple[int, Batch]] | None = None) -> TaskResult:
+               ahead: list[tuple[int, Batch]] | None = None,
+               behind: list[tuple[int, Batch]] | None = None, staleness: int = 0,
+               taken: frozenset[tuple[int, int, int]] = frozenset()) -> TaskResult:
     """Run stage ``name`` on its assembled inputs; ``after`` only orders the task.
 
     ``name`` may be a tuple of fused stages: they run one after the other in this task,
@@ -162,13 +171,15 @@ def stage_task(name: str | tuple[str, ...], iteration: int, parts: list[dict[str
     rows to the buffer as a store task would and returns the partial sums too
     (``TaskResult.stored``): one Dask task fewer per iteration, and the write runs before
     the task's result goes out, not beside it. ``ahead``: the task's rows of the next
-    iterations, for a stage that streams (``StageContext.ahead``)."""
+    iterations, for a stage that streams (``StageContext.ahead``); ``behind``,
+    ``staleness`` and ``taken`` for one that reorders rows (``StageContext.behind``)."""
     del after
     host = current_host()
     names = (name,) if isinstance(name, str) else tuple(name)
     check_versions(host, "+".join(names), versions)
     ctx = host.context(iteration)
     ctx.ahead = list(ahead or ())
+    ctx.behind, ctx.staleness, ctx.taken = list(behind or ()), staleness, taken
     ctx.between_tasks = True  # this task holds the streams (holds_streams)
     if gang is not None:
         from rlhfflow.engine.parallel import current_gang
@@ -243,13 +254,15 @@ def write_store(host: WorkerHost, path: str, iteration: int, start_row: int, bat
     with host.timed(iteration, "store", batch_rows(batch)):
         tensors = {k: v for k, v in batch.items()
                    if k in columns and isinstance(v, torch.Tensor)}
-        ExperienceBuffer.write_rows(path, iteration, start_row, tensors)
+        ExperienceBuffer.write_rows(path, iteration, start_row, tensors, left=LEFT_PADDED)
         if "score_error" in batch:  # reward errors skipped (on_error: skip): list them
             write_score_errors(Path(path).parent, iteration, start_row, batch["score_error"],
                                batch.get("prompt_text"), batch.get("response_text"))
         declared = [m for d in host.run.stages.values() for m in d.metrics]
         # ragged text: the coordinator stores it
         texts = {name: list(batch[name]) for name in RESPONSE_TEXTS if name in batch}
+        if REORDERED in batch:
+            texts.update({name: list(batch[name]) for name in PROMPT_TEXTS if name in batch})
         return TaskResult(stored=partial_metrics(batch, declared), texts=texts)
 
 
