@@ -70,11 +70,9 @@ import json
 import logging
 import re
 from dataclasses import replace
-from typing import Any
 
 import torch
 
-from rlhfflow.engine.batch import pad_prompts
 from rlhfflow.engine.environments import (
     Environment,
     Episode,
@@ -94,8 +92,9 @@ from rlhfflow.engine.streaming import (
     Admission,
     EpisodeStream,
     Key,
-    TaskStats,
+    finish_columns,
     stream_columns,
+    whole_groups,
 )
 from rlhfflow.engine.toolformats import ToolFormat, tool_format, tool_format_problem
 from rlhfflow.engine.usercode import imported, load_function
@@ -551,38 +550,6 @@ class RolloutStage(Stage):
             out["scores"] = out["env_reward"].clone()
             out["score_valid"] = torch.ones(rows, dtype=torch.int8)
         return out
-
-
-def whole_groups(batch: Batch, stage: str) -> None:
-    """Finish order takes a prompt's samples together: every group of a task's rows
-    whole, all of one size."""
-    sizes = set(torch.unique(batch["group_ids"], return_counts=True)[1].tolist())
-    if len(sizes) > 1:
-        raise RunError(f"stage {stage!r}: stream_order: finish takes a prompt's samples "
-                       f"together, and this task's rows split a prompt's samples (groups of "
-                       f"{sorted(sizes)} rows): give the stage micro-batches whose rows are "
-                       f"a multiple of data.samples_per_prompt")
-
-
-def finish_columns(sources: list[dict[str, Any]], iteration: int, stats: TaskStats,
-                   pad_id: int) -> Batch:
-    """The source columns of the rows a task returned in finish order (each row's own
-    prompt, left-padded to the longest), and ``FINISH_COLUMNS``."""
-    ids, mask = pad_prompts([s["prompt"] for s in sources], pad_id) if sources else \
-        (torch.empty(0, 0, dtype=torch.long), torch.empty(0, 0, dtype=torch.int8))
-    rows = len(sources)
-    labels = torch.tensor([s["source_iteration"] for s in sources], dtype=torch.long)
-    waits = [torch.zeros(rows) for _ in range(2)]
-    if rows:
-        waits[0][0], waits[1][0] = stats.owed_s, stats.short_s
-    return {"prompt_ids": ids, "prompt_mask": mask,
-            "prompt_index": torch.tensor([s["key"][1] for s in sources], dtype=torch.long),
-            "sample_index": torch.tensor([s["key"][2] for s in sources], dtype=torch.long),
-            "group_ids": torch.tensor([s["group_ids"] for s in sources], dtype=torch.long),
-            "prompt_text": [s["prompt_text"] for s in sources],
-            "prompt_fields": [s["prompt_fields"] for s in sources],
-            "source_iteration": labels, "deferred": (labels < iteration).to(torch.int8),
-            "stream_wait_owed_s": waits[0], "stream_wait_groups_s": waits[1]}
 
 
 def row_keys(batch: Batch, iteration: int) -> list[Key]:
