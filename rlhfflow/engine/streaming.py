@@ -140,9 +140,13 @@ class EpisodeStream(EpisodeLoop):
         self.module = module
         self.target = target
         self.recompute = recompute
-        # finish order counts the finished episodes no task took yet against ``target``:
-        # what is held is at most the next tasks' rows, so no task owes more than its own
+        # finish order counts the finished episodes no task took yet against ``target``,
+        # and holds no more than the tasks until an episode started now is owed can take
+        # (``room``), so no task owes more than its rows
         self.held = held
+        self.per_task = 0   # finish order: a task's rows
+        self.staleness = 0  # finish order: the bound, in versions
+        self.took_on = -1   # the version the last task took episodes on
         self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
         self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
         self.templated: dict[int, bool] = {}  # type: ignore[assignment]
@@ -232,6 +236,7 @@ class EpisodeStream(EpisodeLoop):
         behind the stream's or more (owed: trained later, its tokens would be further
         behind than the bound), then the groups whose last episode finished first.
         Returns their rows, in order of admission."""
+        self.per_task, self.staleness = count, staleness
         self.admit()
         while True:
             start = time.perf_counter()
@@ -293,6 +298,7 @@ class EpisodeStream(EpisodeLoop):
             ahead.append(self.started_in[row] < self.tasks)
             if iteration is not None:
                 self.taken[self.keys[row]] = iteration
+                self.took_on = self.version
             self.forget(row)
         return episodes, ahead
 
@@ -401,9 +407,19 @@ class EpisodeStream(EpisodeLoop):
         """Start waiting episodes while fewer than ``target`` are in flight (with
         ``held``: started and not taken, finished ones too: finish order)."""
         while self.waiting and (len(self.started_in) if self.held else self.live()) < \
-                self.target:
+                self.room():
             self.start([self.waiting.popleft()])
             self.stats.started_ahead += 1
+
+    def room(self) -> int:
+        """How many episodes the stream may hold. Finish order: an episode started now
+        is owed by the task ``staleness`` versions on; the tasks until then take
+        ``staleness + 1`` times their rows, one time fewer when a task already took on
+        these weights, and the stream holds no more than they can take."""
+        if not self.held:
+            return self.target
+        tasks = self.staleness + 1 - (self.took_on == self.version)
+        return min(self.target, tasks * self.per_task)
 
     def live(self) -> int:
         """Episodes started and not done: decoding, in the environment, or waiting to

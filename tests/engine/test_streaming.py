@@ -224,28 +224,53 @@ def _all_keys(batches) -> list[tuple[int, int, int]]:
                   for p, q in zip(b["prompt_index"], b["sample_index"], strict=True))
 
 
+TURNS_ENV = """
+class Turns:
+    \"\"\"An episode of ``record["turns"]`` model turns, at once.\"\"\"
+
+    def reset(self, record):
+        self.left = int(record["turns"])
+        return []
+
+    def step(self, text):
+        self.left -= 1
+        return ("go on", 0.0, False, {}) if self.left else ("", 1.0, True, {})
+"""
+
+
 def test_finish_order_returns_whole_groups_that_finished_first_each_episode_once(
-        chat_lm_dir):
-    """Weights unchanged: a task returns the groups that finished first among its own
-    iteration's and the next one's (twice its rows in flight), each row with its own
-    prompt; over the run every episode is returned once, token for token the plain
-    rollout's."""
+        chat_lm_dir, tmp_path):
+    """A task returns the groups that finished first among its own iteration's and the
+    next one's (twice its rows in flight: iteration 1's one-turn episodes before
+    iteration 0's three-turn ones), each row with its own prompt, and what it owes the
+    next; over the run every episode is returned once, token for token the plain
+    rollout's (the version moves as a trainer's would, the weights stay, the caches are
+    kept)."""
+    (tmp_path / "turns.py").write_text(TURNS_ENV)
     store = chat_store(chat_lm_dir)
-    tok = store.get("actor").tokenizer
-    batches = _batches(tok, 4)
-    plain = create_stage("rollout", params=PARAMS, model="actor")
+    batches = _batches(store.get("actor").tokenizer, 4)
+    for k, batch in enumerate(batches):
+        batch["prompt_fields"] = [json.dumps({"turns": 3 - 2 * (k % 2)})] * 6
+    params = {**PARAMS, "env": "turns.py:Turns"}
+    ctx = {"settings": {"base_dir": str(tmp_path)}}
+    plain = create_stage("rollout", params=params, model="actor")
     expected = {}
     for k, batch in enumerate(batches):
-        out = plain.run(batch, _ctx(store, k))
+        out = plain.run(batch, StageContext(iteration=k, seed=0, models=store, **ctx))
         for row, (p, q) in enumerate(zip(batch["prompt_index"].tolist(),
                                          batch["sample_index"].tolist(), strict=True)):
             expected[(k, p, q)] = (out["response_ids"][row], batch["prompt_text"][row])
-    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
-    seen, reordered = [], 0
+    stage = create_stage("rollout", params={**params, "stream": True,
+                                            "stream_on_update": "keep"}, model="actor")
+    seen, labels = [], []
     for k in range(4):
-        out = stage.run(batches[k], _finish_ctx(store, k, batches))
+        store.get("actor").version = k
+        task = _finish_ctx(store, k, batches)
+        task.settings = StageContext(iteration=k, seed=0, **ctx).settings
+        out = stage.run(batches[k], task)
         keys = _keys(out)
         seen += keys
+        labels.append(sorted({key[0] for key in keys}))
         assert sorted(Counter(out["group_ids"].tolist()).values()) == [2, 2, 2]
         for row, key in enumerate(keys):
             ids, text = expected[key]
@@ -256,10 +281,10 @@ def test_finish_order_returns_whole_groups_that_finished_first_each_episode_once
             real = out["prompt_ids"][row][out["prompt_mask"][row].bool()]
             assert real.tolist() == \
                 source["prompt_ids"][at][source["prompt_mask"][at].bool()].tolist()
-        reordered += sum(key[0] != k for key in keys)
         assert out["deferred"].tolist() == [int(key[0] < k) for key in keys]
+    # iteration 1's short episodes first, then iteration 0's, owed
+    assert labels[:2] == [[1], [0]]
     assert sorted(seen) == _all_keys(batches)
-    assert reordered > 0  # a task took another iteration's groups
     assert not stage._stream.keys
 
 
@@ -273,6 +298,10 @@ def test_finish_order_takes_what_the_staleness_bound_owes_first(chat_lm_dir):
     first = stage.run(batches[0], _finish_ctx(store, 0, batches))
     started = {stage._stream.keys[r] for r in stage._stream.started_in}
     assert len(started) == 6  # twice the rows were started, half are left
+    # between tasks on the same weights (the trainer has not updated yet), nothing more
+    # starts: an episode started now would be owed by the next task, which can take 6
+    stage._stream.admit()
+    assert len(stage._stream.started_in) == 6
     with torch.no_grad():
         for p in resident.module.parameters():
             p.add_(torch.randn_like(p) * 0.05)
