@@ -20,9 +20,10 @@ STEP = 0.05
 THREADED = {"stages.rollout.params.env_workers": 16}
 
 
-def _pipeline(stream: bool = True, **overrides):
+def _pipeline(stream: bool = True, order: str = "iteration", **overrides):
+    orders = {"stages.rollout.params.stream_order": order} if stream else {}
     return load_pipeline(STREAM, {**THREADED, "stages.rollout.params.stream": stream,
-                                  **overrides})
+                                  **orders, **overrides})
 
 
 def test_a_synchronous_task_waits_for_its_slowest_episode():
@@ -46,6 +47,24 @@ def test_a_streaming_task_costs_the_mean_episode():
     # the inverse: a measured synchronous task's environment seconds give the step back
     assert envtime.step_from(envtime.sync_seconds(STEP, 16, 8, 4), 16, 8, 4) == \
         pytest.approx(STEP)
+
+
+def test_a_finish_order_task_costs_the_mean_over_twice_its_rows_or_the_spread_tail():
+    """In finish order twice the rows are in flight, but an episode started
+    ``max_staleness`` versions back is owed: no task is shorter than the slowest
+    episode's steps over the ``max_staleness + 1`` tasks it may span."""
+    assert envtime.finish_seconds(STEP, 16, 8, 32, None, 1) == pytest.approx(
+        max(4.5 / 2, 8 / 2) * STEP)
+    assert envtime.finish_seconds(STEP, 16, 8, 32, None, 3) == pytest.approx(
+        4.5 / 2 * STEP)
+    assert envtime.finish_seconds(STEP, 16, 8, 4, None, 3) == pytest.approx(
+        16 * 4.5 / 4 * STEP)  # too few threads: their throughput
+    declared = {"stages.rollout.params.env_step_s": STEP}
+    finish = CostModel(_pipeline(order="finish", **declared))
+    assert finish.env_seconds("rollout", 8, streaming=True) == pytest.approx(
+        envtime.finish_seconds(STEP, 8, 3, 16, None, 1))
+    assert finish.env_seconds("rollout", 8, streaming=True) < \
+        CostModel(_pipeline(**declared)).env_seconds("rollout", 8, streaming=True)
 
 
 def test_the_declared_step_time_enters_the_analytic_estimate():

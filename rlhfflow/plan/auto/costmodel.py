@@ -332,9 +332,11 @@ class CostModel:
         params = self.pipeline.params[stage]
         step = self._env_step.get(stage) or float(getattr(params, "env_step_s", 0) or 0)
         workers = int(getattr(params, "env_workers", 0) or 0)
-        if streaming:  # finish order holds twice the rows by default
-            in_flight = getattr(params, "stream_in_flight", None) or \
-                (2 * rows if node.reorders else None)
+        in_flight = getattr(params, "stream_in_flight", None)
+        if streaming and node.reorders:
+            return envtime.finish_seconds(step, rows, node.turns, workers, in_flight,
+                                          self.pipeline.spec.overlap.max_staleness)
+        if streaming:
             return envtime.stream_seconds(step, rows, node.turns, workers, in_flight)
         return envtime.sync_seconds(step, rows, node.turns, workers)
 

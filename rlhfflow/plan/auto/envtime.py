@@ -12,12 +12,15 @@ rows, or one at a time in turn with decoding (``env_workers: 0``).
   which then take their total over the threads.
 - A **streaming** task (``stream: true``) starts the next iterations' episodes in its
   tail, so in steady state a task's rows cost the mean episode's steps per slot
-  (``stream_in_flight`` slots, default the task's rows, twice them in finish order,
-  where a task returns the groups that finished first). Nothing is taken off for the
+  (``stream_in_flight`` slots, default the task's rows). Nothing is taken off for the
   steps that go on between tasks (on a colocated plan the episodes then wait for the
   worker's training to end): the measured time does not show them. Taking one step off
   predicted ``benchmarks/longtail.py``'s streaming iteration 22% short, leaving it 10%
   (2026-11-28, 2 Xeon cores).
+- In **finish order** (``stream_order: finish``) a task returns the groups that finished
+  first: its rows' mean steps over its slots (twice its rows held by default), but no
+  less than the slowest episode's steps over the ``max_staleness + 1`` tasks it may span,
+  since the bound makes a task wait for an episode started that many versions back.
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ def stream_seconds(step_s: float, rows: int, turns: int, env_workers: int,
     if step_s <= 0 or rows <= 0:
         return 0.0
     return step_s * rows * mean_turns(turns) / slots(rows, env_workers, in_flight)
+
+
+def finish_seconds(step_s: float, rows: int, turns: int, env_workers: int,
+                   in_flight: int | None, staleness: int) -> float:
+    """Environment seconds per task of a streaming rollout in finish order: its rows'
+    mean steps over its slots (twice its rows held by default), but no less than the
+    slowest episode's steps spread over the ``staleness + 1`` tasks it may span (the
+    bound makes a task wait for an episode started that many versions back)."""
+    if step_s <= 0 or rows <= 0:
+        return 0.0
+    return max(stream_seconds(step_s, rows, turns, env_workers, in_flight or 2 * rows),
+               step_s * turns / (staleness + 1))
 
 
 def step_from(env_s: float, rows: int, turns: int, env_workers: int) -> float:
