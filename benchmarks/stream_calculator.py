@@ -1,9 +1,11 @@
 """Streaming rollouts on the real model: the calculator example
 (``examples/multiturn/calculator.yaml``, SmolLM2-135M-Instruct calling a calculator tool)
-run as shipped (``sync``: each iteration's rollout waits for its slowest episode) and
-with ``stream: true`` (``max_staleness: 1``, truncated importance sampling: the next
-iteration's episodes start as this one's finish and go on across the update), same seed,
-prompts and trained samples, one worker as the example is.
+run as shipped (``sync``: each iteration's rollout waits for its slowest episode), with
+``stream: true`` (``max_staleness: 1``, truncated importance sampling: a step takes the
+groups that finished first, episodes go on across the update), and with the stream in
+iteration order (``stream-it``: a step takes its own iteration's episodes, the next
+iteration's starting as they finish), same seed, prompts and trained samples, one worker
+as the example is.
 
 Each round runs both, in turn, so drift of the machine hits both alike; round r uses
 seed r. Figures per run: trained samples per second over the steady iterations (the
@@ -42,6 +44,12 @@ MODES = {
     "stream": {"overlap.max_staleness": 1, "stages.rollout.params.stream": True,
                "algorithm.off_policy": {"correction": "tis", "cap": 2.0}},
 }
+# the stream returning its own iteration's episodes (``stream`` returns the groups that
+# finished first, the default)
+MODES["stream-it"] = {**MODES["stream"], "stages.rollout.params.stream_order": "iteration"}
+STREAMS = ("stream", "stream-it")
+FIGURES = ("decode_occupancy", "token_lag_mean", "started_ahead_frac", "deferred_frac",
+           "stream_wait_owed_s", "stream_wait_groups_s")
 
 
 def run_once(mode: str, out: Path, settings: dict) -> dict:
@@ -51,9 +59,9 @@ def run_once(mode: str, out: Path, settings: dict) -> dict:
     samples = sum(m["samples"] for m in steady)
     figures = {"samples_per_s": samples / sum(m["iteration_s"] for m in steady),
                "rewards": [m["reward_mean"] for m in metrics]}
-    if mode == "stream":
-        figures.update({k: statistics.mean(m[k] for m in steady) for k in
-                        ("decode_occupancy", "token_lag_mean", "started_ahead_frac")})
+    if mode in STREAMS:
+        figures.update({k: statistics.mean(m[k] for m in steady) for k in FIGURES
+                        if k in steady[0]})
     return figures
 
 
@@ -70,9 +78,10 @@ def main() -> None:
     if not (ROOT / "models" / "smollm2-135m").exists():
         parser.error("no models/smollm2-135m: rlhfflow models import-gguf --smollm2 "
                      "models/smollm2-135m")
-    if args.in_flight is not None:
-        MODES["stream"]["stages.rollout.params.stream_in_flight"] = args.in_flight
-    MODES["stream"]["stages.rollout.params.stream_on_update"] = args.on_update
+    for mode in STREAMS:
+        if args.in_flight is not None:
+            MODES[mode]["stages.rollout.params.stream_in_flight"] = args.in_flight
+        MODES[mode]["stages.rollout.params.stream_on_update"] = args.on_update
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -81,21 +90,25 @@ def main() -> None:
                                            {"iterations": args.iterations, "seed": r}))
     half = max(1, args.iterations // 2)
     late = {m: [statistics.mean(run["rewards"][-half:]) for run in runs[m]] for m in MODES}
-    rounds = [s["samples_per_s"] / y["samples_per_s"]
-              for s, y in zip(runs["stream"], runs["sync"], strict=True)]
+    by_mode = {m: [s["samples_per_s"] / y["samples_per_s"]
+                   for s, y in zip(runs[m], runs["sync"], strict=True)] for m in STREAMS}
+    rounds = by_mode["stream"]
     ratio = statistics.median(rounds)
     print(f"calculator example (SmolLM2-135M-Instruct), {args.iterations} iterations x "
           f"{args.rounds} rounds, one worker")
-    print(f"{'mode':<8} {'samples/s':>10} {'reward first':>13} {'reward last half':>17}")
+    print(f"{'mode':<9} {'samples/s':>10} {'vs sync':>8} {'reward first':>13} "
+          f"{'reward last half':>17}")
     for mode in MODES:
-        print(f"{mode:<8} {statistics.median(r['samples_per_s'] for r in runs[mode]):>10.3f} "
-              f"{statistics.median(r['rewards'][0] for r in runs[mode]):>13.4f} "
+        vs = statistics.median(by_mode[mode]) if mode in by_mode else 1.0
+        print(f"{mode:<9} {statistics.median(r['samples_per_s'] for r in runs[mode]):>10.3f} "
+              f"{vs:>8.3f} {statistics.median(r['rewards'][0] for r in runs[mode]):>13.4f} "
               f"{statistics.median(late[mode]):>17.4f}")
-    stream = {k: round(statistics.median(r[k] for r in runs["stream"]), 4)
-              for k in ("decode_occupancy", "token_lag_mean", "started_ahead_frac")}
-    print(f"stream: {stream}")
-    print(f"late reward per round: sync {[round(x, 4) for x in late['sync']]}, stream "
-          f"{[round(x, 4) for x in late['stream']]}")
+    streams = {m: {k: round(statistics.median(r[k] for r in runs[m]), 4)
+                   for k in FIGURES if k in runs[m][0]} for m in STREAMS}
+    for mode in STREAMS:
+        print(f"{mode}: {streams[mode]}")
+    print("late reward per round: " + ", ".join(
+        f"{m} {[round(x, 4) for x in late[m]]}" for m in MODES))
     met = ratio >= GOAL
     print(f"goal: stream >= {GOAL} x sync's trained samples per second: {ratio:.3f} "
           f"(rounds {', '.join(f'{x:.3f}' for x in rounds)}; {'met' if met else 'not met'})")
@@ -103,8 +116,11 @@ def main() -> None:
         **{f"{m}_samples_per_s": round(statistics.median(r["samples_per_s"] for r in runs[m]),
                                        4) for m in MODES},
         "stream_vs_sync": round(ratio, 4), "rounds": [round(x, 4) for x in rounds],
+        "stream-it_vs_sync": round(statistics.median(by_mode["stream-it"]), 4),
+        "rounds_stream-it": [round(x, 4) for x in by_mode["stream-it"]],
         **{f"{m}_late_reward": [round(x, 4) for x in late[m]] for m in MODES},
-        "stream": stream, "stream_in_flight": args.in_flight,
+        "stream": streams["stream"], "stream_iteration": streams["stream-it"],
+        "stream_in_flight": args.in_flight,
         "stream_on_update": args.on_update,
         "iterations": args.iterations, "goal_met": met}, __file__)
 

@@ -146,7 +146,10 @@ class EpisodeStream(EpisodeLoop):
         self.held = held
         self.per_task = 0   # finish order: a task's rows
         self.staleness = 0  # finish order: the bound, in versions
-        self.took_on = -1   # the version the last task took episodes on
+        # finish order: rows asked per iteration (the tasks of several micro-batches on
+        # one worker share its stream), rows taken per version
+        self.asked: dict[int, int] = {}
+        self.took: dict[int, int] = {}
         self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
         self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
         self.templated: dict[int, bool] = {}  # type: ignore[assignment]
@@ -230,13 +233,16 @@ class EpisodeStream(EpisodeLoop):
             if not self.round():  # nothing to decode: wait for the environment's answers
                 self.collect(wait=True)
 
-    def play_finished(self, count: int, staleness: int) -> list[int]:
+    def play_finished(self, count: int, staleness: int, iteration: int = 0) -> list[int]:
         """Decode until ``count`` episodes are done, taken in whole groups (a prompt's
         samples): every group with an episode started on weights ``staleness`` versions
         behind the stream's or more (owed: trained later, its tokens would be further
         behind than the bound), then the groups whose last episode finished first.
-        Returns their rows, in order of admission."""
+        Returns their rows, in order of admission (``iteration``: the task's)."""
         self.per_task, self.staleness = count, staleness
+        self.asked[iteration] = self.asked.get(iteration, 0) + count
+        for old in [k for k in self.asked if k < iteration - 2]:
+            del self.asked[old]
         self.admit()
         while True:
             start = time.perf_counter()
@@ -298,8 +304,10 @@ class EpisodeStream(EpisodeLoop):
             ahead.append(self.started_in[row] < self.tasks)
             if iteration is not None:
                 self.taken[self.keys[row]] = iteration
-                self.took_on = self.version
+                self.took[self.version] = self.took.get(self.version, 0) + 1
             self.forget(row)
+        for old in [v for v in self.took if v < self.version - 1]:
+            del self.took[old]
         return episodes, ahead
 
     def threads(self, workers: int) -> concurrent.futures.Executor | None:
@@ -413,13 +421,16 @@ class EpisodeStream(EpisodeLoop):
 
     def room(self) -> int:
         """How many episodes the stream may hold. Finish order: an episode started now
-        is owed by the task ``staleness`` versions on; the tasks until then take
-        ``staleness + 1`` times their rows, one time fewer when a task already took on
-        these weights, and the stream holds no more than they can take."""
+        is owed by the tasks ``staleness`` versions on; the tasks until then (of this
+        version, less what they took already, and of the next ``staleness``) take
+        ``staleness + 1`` times an iteration's rows on this worker, and the stream holds
+        no more than they can take (nor more than ``target`` per task)."""
         if not self.held:
             return self.target
-        tasks = self.staleness + 1 - (self.took_on == self.version)
-        return min(self.target, tasks * self.per_task)
+        rows = max(self.asked.values(), default=0)
+        tasks = rows / self.per_task if self.per_task else 1
+        return min(int(self.target * tasks),
+                   (self.staleness + 1) * rows - self.took.get(self.version, 0))
 
     def live(self) -> int:
         """Episodes started and not done: decoding, in the environment, or waiting to

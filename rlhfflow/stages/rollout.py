@@ -401,7 +401,7 @@ class RolloutStage(Stage):
                                      behind=ctx.staleness if finish else 0,
                                      taken=ctx.taken)
             if finish:
-                mine = stream.play_finished(rows, ctx.staleness)
+                mine = stream.play_finished(rows, ctx.staleness, ctx.iteration)
             else:
                 stream.play(mine)
         sources = [stream.source[row] | {"prompt": stream.prompts[row],

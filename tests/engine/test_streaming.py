@@ -314,6 +314,29 @@ def test_finish_order_takes_what_the_staleness_bound_owes_first(chat_lm_dir):
     assert sorted(_keys(first) + _keys(second) + _keys(third)) == _all_keys(batches)
 
 
+def test_finish_order_with_two_micro_batches_on_one_worker(chat_lm_dir):
+    """Two tasks an iteration share the worker's stream: together they take each
+    iteration's rows, every episode once, none more than one version behind."""
+    from rlhfflow.engine.batch import slice_batch
+
+    store = chat_store(chat_lm_dir)
+    resident = store.get("actor")
+    batches = _batches(resident.tokenizer, 4)
+    halves = [[slice_batch(b, 0, 2), slice_batch(b, 2, 6)] for b in batches]
+    stage = create_stage("rollout", params={**PARAMS, "stream": True,
+                                            "stream_on_update": "keep"}, model="actor")
+    seen = []
+    for k in range(4):
+        resident.version = k
+        for j in range(2):
+            ctx = _finish_ctx(store, k, [h[j] for h in halves])
+            out = stage.run(halves[k][j], ctx)
+            assert len(out["prompt_index"]) == len(halves[k][j]["prompt_index"])
+            assert (out["policy_version"] >= k - 1).all()
+            seen += _keys(out)
+    assert sorted(seen) == _all_keys(batches)
+
+
 def test_finish_order_after_a_resume_plays_what_was_owed_and_nothing_taken(chat_lm_dir):
     """A new stream (the run resumed after iteration 1) gets the rows of iteration 1
     again and the episodes iterations 0-1 took (``taken``, from the buffer): it plays the
