@@ -165,8 +165,9 @@ def _component_sections(metrics: list[dict[str, Any]]) -> list[str]:
     streams = [k for k in STREAM_TITLES if any(k in r for r in lifted)]
     if any("episodes_in_flight" in r for r in metrics):  # a rollout with stream: true
         parts += ["<h2>Streaming episodes</h2>", "<p class='note'>The streaming rollout's "
-                  "decode batch, episodes in flight, tokens' policy lag and the off-policy "
-                  "correction's weights (docs/how-to/streaming.md).</p>",
+                  "decode batch, episodes in flight, tokens' policy lag, in finish order "
+                  "what a step owed and waited for, and the off-policy correction's "
+                  "weights (docs/how-to/streaming.md).</p>",
                   _img(panels_plot(lifted, streams, [STREAM_TITLES[k] for k in streams]),
                        "streaming episodes")]
     return parts
@@ -177,6 +178,9 @@ STREAM_TITLES = {
     "decode_occupancy": "decode batch occupancy", "episodes_in_flight": "episodes in flight",
     "started_ahead_frac": "episodes started early", "token_lag_mean": "versions behind",
     "version_spread_mean": "versions within an episode",
+    "deferred_frac": "rows owed from an earlier iteration",
+    "stream_wait_owed_s": "seconds waiting on owed groups",
+    "stream_wait_groups_s": "seconds waiting on finished groups",
     "is_ratio_mean": "importance weight (mean)", "is_bounded_frac": "tokens bounded",
     "mismatch_kl": "sampler-learner mismatch KL"}
 

@@ -404,6 +404,11 @@ def test_a_streaming_pipeline_trains_on_two_workers_and_reports_its_stream(tmp_p
 
     page = build_report(tmp_path / "out", samples=0)
     assert "<h2>Streaming episodes</h2>" in page and "alt='streaming episodes'" in page
+    # finish order's figures are recorded and among those the section plots
+    from rlhfflow.monitor.report import STREAM_TITLES
+
+    for key in ("deferred_frac", "stream_wait_owed_s", "stream_wait_groups_s"):
+        assert key in STREAM_TITLES and all(key in r for r in records)
 
 
 def test_the_plan_says_the_rollout_streams_and_pins_its_micro_batches(tmp_path):
