@@ -183,3 +183,36 @@ def test_sampled_tokens_on_a_shared_prefix_equal_sampling_each_row_alone(tok):
         assert torch.equal(together["response_ids"][r], alone["response_ids"][0])
         torch.testing.assert_close(together["sample_logprobs"][r],
                                    alone["sample_logprobs"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_multi_turn_rollout_on_a_shared_prefix_plays_the_episodes_of_one_forward_per_row(
+        chat_lm_dir, monkeypatch):
+    """The rollout's prefill, its parked and re-joined rows and the environment's turns
+    on a prefix run once: the same episodes, token for token, as with the prefix run in
+    every row."""
+    import rlhfflow.engine.forward as forward
+    from rlhfflow.stages import StageContext, create_stage
+    from tests.conftest import chat_batch, chat_store
+    from tests.engine.test_episodes import EXAMPLE, GUESS
+
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    texts = [SYSTEM + "guess my number, 1 to 9:", SYSTEM + "which number?"]
+    batch = chat_batch(tok, texts, samples=3)
+    assert common_prefix(batch["prompt_ids"][[0, 3]],
+                         batch["prompt_mask"][[0, 3]]) >= MIN_SHARED_PREFIX
+
+    def rollout():
+        stage = create_stage("rollout", model="actor", params={
+            "env": GUESS, "max_turns": 3, "max_new_tokens": 6, "max_tokens": 60})
+        return stage.run(batch, StageContext(iteration=0, seed=0, models=store,
+                                             settings={"base_dir": str(EXAMPLE)}))
+
+    shared = rollout()
+    monkeypatch.setattr(forward, "MIN_SHARED_PREFIX", 10**9)
+    every_row = rollout()
+    assert int(shared["turns"].max()) > 1  # the environment answered: rows re-joined
+    for key in ("response_ids", "response_mask", "turns"):
+        assert torch.equal(shared[key], every_row[key]), key
+    torch.testing.assert_close(shared["sample_logprobs"], every_row["sample_logprobs"],
+                               atol=1e-5, rtol=1e-5)
