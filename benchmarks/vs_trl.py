@@ -54,7 +54,10 @@ sampled from outside, the same for both). ``--iterations`` defaults to 30 for ti
 systems speed up over the first ~10) and 8 for small and files; ``--rounds`` (runs of each
 system, alternating; the median counts) to 1; ``--threads`` (TRL's torch threads) to the
 machine's cores, and ``--threads 1,2`` runs TRL at each, its fastest counting (on a busy
-machine 2 OpenMP threads on 2 cores are many times slower than 1); ``--workdir`` keeps the
+machine 2 OpenMP threads on 2 cores are many times slower than 1). Both systems get the
+same cores: a one-worker config whose worker has fewer torch threads than TRL's most
+(the calculator example's 1, set for a shared machine) runs with that many
+(``cluster.torch_threads``, in the figures' overrides); ``--workdir`` keeps the
 runs' outputs and logs; ``--recompute-logprobs`` also runs rlhfflow with an
 ``old_logprob`` stage recomputing the behaviour log-probs, the pass TRL makes and the
 shipped configs leave out (a row of its own). Prints a table per config, then one JSON object
@@ -196,6 +199,18 @@ def tool_overrides(config: Path, work: Path) -> dict[str, Any]:
     return {f"models.{model}.path": str(path),
             "data.max_prompt_tokens": max(pipeline.spec.data.max_prompt_tokens,
                                           longest_prompt(pipeline, generator, path))}
+
+
+def same_cores(config: Path, threads: int) -> dict[str, Any]:
+    """For a one-worker config whose worker has fewer torch threads than TRL gets:
+    as many (both systems then compute on the same cores); else none."""
+    from rlhfflow.config import load_pipeline
+
+    cluster = load_pipeline(config).spec.cluster
+    if cluster.workers == 1 and cluster.torch_threads is not None and \
+            cluster.torch_threads < threads:
+        return {"cluster.torch_threads": threads}
+    return {}
 
 
 def longest_prompt(pipeline, generator: str, model: Path) -> int:
@@ -602,7 +617,9 @@ def compare(name: str, iterations: int, threads: list[int], rounds: int, work: P
     # TRL starts from the actor's initial weights that rlhfflow's first round writes (the
     # same, seeded, in every round)
     # a rollout with tools: both systems on the same tool-capable template
-    overrides = {**tool_overrides(config_path(name), work), **(overrides or {})}
+    overrides = {**tool_overrides(config_path(name), work),
+                 **same_cores(config_path(name), max(threads, default=1)),
+                 **(overrides or {})}
     base = describe_work(config_path(name), iterations,
                          work / "rlhfflow-0" / "models" / "actor" / "init", device, overrides)
 
