@@ -165,9 +165,8 @@ def _component_sections(metrics: list[dict[str, Any]]) -> list[str]:
     streams = [k for k in STREAM_TITLES if any(k in r for r in lifted)]
     if any("episodes_in_flight" in r for r in metrics):  # a rollout with stream: true
         parts += ["<h2>Streaming episodes</h2>", "<p class='note'>The streaming rollout's "
-                  "decode batch, episodes in flight, tokens' policy lag, in finish order "
-                  "what a step owed and waited for, and the off-policy correction's "
-                  "weights (docs/how-to/streaming.md).</p>",
+                  "decode batch, episodes in flight, tokens' policy lag, what a step owed "
+                  "and waited for, the correction's weights (docs/how-to/streaming.md).</p>",
                   _img(panels_plot(lifted, streams, [STREAM_TITLES[k] for k in streams]),
                        "streaming episodes")]
     return parts
@@ -177,22 +176,19 @@ def _component_sections(metrics: list[dict[str, Any]]) -> list[str]:
 STREAM_TITLES = {
     "decode_occupancy": "decode batch occupancy", "episodes_in_flight": "episodes in flight",
     "started_ahead_frac": "episodes started early", "token_lag_mean": "versions behind",
-    "version_spread_mean": "versions within an episode",
-    "deferred_frac": "rows owed from an earlier iteration",
-    "stream_wait_owed_s": "seconds waiting on owed groups",
-    "stream_wait_groups_s": "seconds waiting on finished groups",
+    "version_spread_mean": "versions within an episode", "deferred_frac": "rows owed",
+    "stream_wait_owed_s": "waiting on owed (s)", "stream_wait_groups_s": "waiting on groups (s)",
     "is_ratio_mean": "importance weight (mean)", "is_bounded_frac": "tokens bounded",
     "mismatch_kl": "sampler-learner mismatch KL"}
 
 
 def _with_trainer_figures(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records with the actor trainer's correction figures lifted to the top."""
-    out = []
-    for r in metrics:
-        trained = next((t for t in (r.get("train") or {}).values()
-                        if isinstance(t, dict) and "is_ratio_mean" in t), {})
-        out.append({**r, **{k: trained[k] for k in STREAM_TITLES if k in trained}})
-    return out
+    def trained(r: dict[str, Any]) -> dict[str, Any]:
+        return next((t for t in (r.get("train") or {}).values()
+                     if isinstance(t, dict) and "is_ratio_mean" in t), {})
+    return [{**r, **{k: v for k, v in trained(r).items() if k in STREAM_TITLES}}
+            for r in metrics]
 
 
 EPISODE_TITLES = {"turns_mean": "model turns per episode",
