@@ -11,15 +11,16 @@ import torch
 from rlhfflow.engine.forward import (
     MIN_SHARED_PREFIX,
     common_prefix,
-    position_ids,
     prefill,
     response_logits,
-    response_values,
-    sequence_inputs,
 )
-from rlhfflow.engine.generation import generate
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model
-from rlhfflow.stages.generate import GenerateParams
+from tests.engine.test_shared_prompts import (
+    assert_logits_and_gradients_equal_one_forward_per_row,
+    assert_prefill_equals_every_row,
+    assert_sampling_equals_each_row_alone,
+    assert_values_equal_one_forward_per_row,
+)
 
 # a system prompt longer than MIN_SHARED_PREFIX characters, then questions of three lengths
 SYSTEM = "you have a tool. call it as the example shows, then answer with the number only. "
@@ -102,87 +103,24 @@ def test_distinct_prompts_run_their_common_prefix_once(tok):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_prefix_shared_logits_and_gradients_equal_one_forward_per_row(tok, arch):
-    model = build_tiny_model(tok, seed=3, arch=arch).eval()
-    batch = _batch(tok, [0, 2, 1, 0, 2, 2, 1, 0])
-    mask = batch["response_mask"].bool()
-
-    def full_logits(module, batch):
-        input_ids, attention, positions, prompt_len = sequence_inputs(batch)
-        out = module(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                     use_cache=False)
-        response_len = batch["response_ids"].shape[1]
-        return out.logits[:, prompt_len - 1: prompt_len - 1 + response_len].float()
-
-    def loss_and_grads(logits_fn):
-        model.zero_grad()
-        logits = logits_fn(model, batch)
-        logprobs = torch.log_softmax(logits, -1).gather(
-            -1, batch["response_ids"][..., None]).squeeze(-1)
-        (logprobs * mask).sum().backward()
-        return logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    shared, shared_grads = loss_and_grads(response_logits)
-    full, full_grads = loss_and_grads(full_logits)
-    torch.testing.assert_close(shared[mask], full[mask], atol=1e-5, rtol=1e-5)
-    for a, b in zip(shared_grads, full_grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_logits_and_gradients_equal_one_forward_per_row(
+        build_tiny_model(tok, seed=3, arch=arch).eval(), _batch(tok, [0, 2, 1, 0, 2, 2, 1, 0]))
 
 
 def test_a_value_head_on_a_shared_prefix_has_the_values_of_one_forward_per_row(tok):
-    model = build_tiny_model(tok, "value", seed=3).eval()
-    batch = _batch(tok, [1, 0, 2, 1])
-    model.zero_grad()
-    shared = response_values(model, batch)
-    shared.sum().backward()
-    shared_grads = [p.grad.clone() for p in model.parameters()]
-    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
-    model.zero_grad()
-    full = model(input_ids=input_ids, attention_mask=mask, position_ids=positions
-                 ).logits[:, prompt_len - 1: prompt_len - 1 + 10, 0]
-    full = full * batch["response_mask"]
-    full.sum().backward()
-    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
-    for a, b in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_values_equal_one_forward_per_row(build_tiny_model(tok, "value", seed=3).eval(),
+                                            _batch(tok, [1, 0, 2, 1]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_prefill_of_a_shared_prefix_equals_the_prefill_of_every_row(tok, arch):
-    model = build_tiny_model(tok, seed=5, arch=arch).eval()
-    batch = _batch(tok, [1, 0, 2, 2])
-    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    with torch.no_grad():
-        cache, logits = prefill(model, ids, mask, "cpu")
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                    use_cache=True)
-    torch.testing.assert_close(logits, out.logits[:, -1].float(), atol=1e-5, rtol=1e-5)
-    real = mask.bool()[:, None, :, None]  # keys at padding positions are never attended
-    for shared_layer, full_layer in zip(cache.layers, out["cache"].layers, strict=True):
-        assert shared_layer.keys.shape == full_layer.keys.shape
-        torch.testing.assert_close(shared_layer.keys * real, full_layer.keys * real,
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(shared_layer.values * real, full_layer.values * real,
-                                   atol=1e-5, rtol=1e-5)
+    assert_prefill_equals_every_row(build_tiny_model(tok, seed=5, arch=arch).eval(),
+                                    _batch(tok, [1, 0, 2, 2]))
 
 
 def test_sampled_tokens_on_a_shared_prefix_equal_sampling_each_row_alone(tok):
-    model = build_tiny_model(tok, seed=7).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked: a wrong cache would change tokens
-    batch = _batch(tok, [0, 1, 2, 0, 2])
-    params = GenerateParams(max_new_tokens=10)
-    uniforms = torch.rand(5, 10, generator=torch.Generator().manual_seed(1),
-                          dtype=torch.float64)
-    together = generate(model, batch["prompt_ids"], batch["prompt_mask"], uniforms, params,
-                        eos_id=None, pad_id=tok.pad_token_id)
-    for r in range(5):
-        width = int(batch["prompt_mask"][r].sum())
-        alone = generate(model, batch["prompt_ids"][r:r + 1, -width:],
-                         batch["prompt_mask"][r:r + 1, -width:], uniforms[r:r + 1], params,
-                         eos_id=None, pad_id=tok.pad_token_id)
-        assert torch.equal(together["response_ids"][r], alone["response_ids"][0])
-        torch.testing.assert_close(together["sample_logprobs"][r],
-                                   alone["sample_logprobs"][0], atol=1e-5, rtol=1e-5)
+    assert_sampling_equals_each_row_alone(build_tiny_model(tok, seed=7).eval(),
+                                          _batch(tok, [0, 1, 2, 0, 2]), tok.pad_token_id)
 
 
 def test_a_multi_turn_rollout_on_a_shared_prefix_plays_the_episodes_of_one_forward_per_row(

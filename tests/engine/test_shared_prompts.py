@@ -75,10 +75,9 @@ def test_rows_sharing_a_prompt_are_found_in_order_of_first_appearance(tok):
     assert shared_prompt_rows(one["prompt_ids"], one["prompt_mask"]) is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_shared_prompt_logits_and_gradients_equal_one_forward_per_row(tok, arch):
-    model = build_tiny_model(tok, seed=3, arch=arch).eval()
-    batch = _batch(tok, [0, 0, 1, 2, 0, 2, 1, 1])
+def assert_logits_and_gradients_equal_one_forward_per_row(model, batch: dict) -> None:
+    """``response_logits`` of ``batch`` and the gradients of its log-probs equal one
+    forward per row over prompt + response."""
     mask = batch["response_mask"].bool()
 
     def loss_and_grads(logits_fn):
@@ -94,6 +93,31 @@ def test_shared_prompt_logits_and_gradients_equal_one_forward_per_row(tok, arch)
     torch.testing.assert_close(shared[mask], full[mask], atol=1e-5, rtol=1e-5)
     for a, b in zip(shared_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def assert_values_equal_one_forward_per_row(model, batch: dict) -> None:
+    """A value head's ``response_values`` of ``batch`` and their gradients equal one
+    forward per row."""
+    model.zero_grad()
+    shared = response_values(model, batch)
+    shared.sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
+    model.zero_grad()
+    width = batch["response_ids"].shape[1]
+    full = model(input_ids=input_ids, attention_mask=mask, position_ids=positions
+                 ).logits[:, prompt_len - 1: prompt_len - 1 + width, 0]
+    full = full * batch["response_mask"]
+    full.sum().backward()
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_shared_prompt_logits_and_gradients_equal_one_forward_per_row(tok, arch):
+    assert_logits_and_gradients_equal_one_forward_per_row(
+        build_tiny_model(tok, seed=3, arch=arch).eval(), _batch(tok, [0, 0, 1, 2, 0, 2, 1, 1]))
 
 
 def _forward_shapes(model, batch, function=response_logits
@@ -117,19 +141,7 @@ def test_a_value_head_runs_each_prompt_once_with_the_values_of_one_forward_per_r
     batch = _batch(tok, [0, 0, 1, 2, 0, 2, 1, 1], response_len=12)
     seen, _ = _forward_shapes(model, batch, response_values)
     assert seen[0] == (3, batch["prompt_ids"].shape[1])  # the distinct prompts first
-    model.zero_grad()
-    shared = response_values(model, batch)
-    shared.sum().backward()
-    shared_grads = [p.grad.clone() for p in model.parameters()]
-    input_ids, mask, positions, prompt_len = sequence_inputs(batch)
-    model.zero_grad()
-    full = model(input_ids=input_ids, attention_mask=mask, position_ids=positions
-                 ).logits[:, prompt_len - 1: prompt_len - 1 + 12, 0]
-    full = full * batch["response_mask"]
-    full.sum().backward()
-    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
-    for a, b in zip(shared_grads, (p.grad for p in model.parameters()), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert_values_equal_one_forward_per_row(model, batch)
 
 
 def test_each_distinct_prompt_goes_through_the_model_once(tok):
@@ -186,10 +198,9 @@ def test_logprobs_taken_group_by_group_equal_the_logprobs_of_the_batch_s_logits(
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_prefill_of_repeated_prompts_equals_the_prefill_of_every_row(tok, arch):
-    model = build_tiny_model(tok, seed=5, arch=arch).eval()
-    batch = _batch(tok, [1, 0, 1, 1, 2, 0])
+def assert_prefill_equals_every_row(model, batch: dict) -> None:
+    """``prefill`` of ``batch``'s prompts gives the last logits and the KV cache (at real
+    positions) of one forward over every row."""
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     with torch.no_grad():
         cache, logits = prefill(model, ids, mask, "cpu")
@@ -201,26 +212,40 @@ def test_prefill_of_repeated_prompts_equals_the_prefill_of_every_row(tok, arch):
         assert shared_layer.keys.shape == full_layer.keys.shape
         torch.testing.assert_close(shared_layer.keys * real, full_layer.keys * real,
                                    atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(shared_layer.values * real, full_layer.values * real,
+                                   atol=1e-5, rtol=1e-5)
 
 
-def test_sampled_tokens_of_repeated_prompts_equal_sampling_each_row_alone(tok):
-    model = build_tiny_model(tok, seed=7).eval()
+def assert_sampling_equals_each_row_alone(model, batch: dict, pad_id: int) -> None:
+    """Sampling ``batch``'s rows together gives each row's tokens and log-probs sampled
+    alone (a peaked model: a wrong cache would change tokens)."""
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked: a wrong cache would change tokens
-    batch = _batch(tok, [0, 0, 2, 0, 2, 2])
+        model.lm_head.weight.mul_(20.0)
+    rows = len(batch["prompt_ids"])
     params = GenerateParams(max_new_tokens=10)
-    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1),
+    uniforms = torch.rand(rows, 10, generator=torch.Generator().manual_seed(1),
                           dtype=torch.float64)
     together = generate(model, batch["prompt_ids"], batch["prompt_mask"], uniforms, params,
-                        eos_id=None, pad_id=tok.pad_token_id)
-    for r in range(6):
+                        eos_id=None, pad_id=pad_id)
+    for r in range(rows):
         width = int(batch["prompt_mask"][r].sum())
         alone = generate(model, batch["prompt_ids"][r:r + 1, -width:],
                          batch["prompt_mask"][r:r + 1, -width:], uniforms[r:r + 1], params,
-                         eos_id=None, pad_id=tok.pad_token_id)
+                         eos_id=None, pad_id=pad_id)
         assert torch.equal(together["response_ids"][r], alone["response_ids"][0])
         torch.testing.assert_close(together["sample_logprobs"][r],
                                    alone["sample_logprobs"][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prefill_of_repeated_prompts_equals_the_prefill_of_every_row(tok, arch):
+    assert_prefill_equals_every_row(build_tiny_model(tok, seed=5, arch=arch).eval(),
+                                    _batch(tok, [1, 0, 1, 1, 2, 0]))
+
+
+def test_sampled_tokens_of_repeated_prompts_equal_sampling_each_row_alone(tok):
+    assert_sampling_equals_each_row_alone(build_tiny_model(tok, seed=7).eval(),
+                                          _batch(tok, [0, 0, 2, 0, 2, 2]), tok.pad_token_id)
 
 
 def _padded_cost(lengths: torch.Tensor, ends: list[int], call_cost: float) -> float:
