@@ -43,3 +43,20 @@ class VowelShare(Stage):
                                             dtype=torch.int8),
                 "vowels": torch.tensor([sum(c in "aeiou" for c in t.lower())
                                         for t in batch["response_text"]])}
+
+
+class PromptLength(Stage):
+    """Writes each prompt's length in characters: a stage that reads the prompts only."""
+
+    type_name = "prompt_length"
+
+    @classmethod
+    def reads(cls, params, algorithm, has_model):
+        return ("prompt_text",)
+
+    @classmethod
+    def writes(cls, params, algorithm, has_model):
+        return {"prompt_chars": Column("int64")}
+
+    def run(self, batch: Batch, ctx: StageContext) -> Batch:
+        return {"prompt_chars": torch.tensor([len(t) for t in batch["prompt_text"]])}

@@ -442,6 +442,22 @@ def test_streaming_needs_a_staleness_bound_and_names_its_bias_without_a_correcti
     assert "Traceback" not in result.stderr
 
 
+def test_finish_order_refuses_a_stage_that_reads_the_prompts_beside_the_rollout(tmp_path):
+    """Finish order returns other iterations' prompts: a stage reading the prompts that
+    does not run after the rollout would pair them wrongly; after it, it is fine."""
+    path = _pipeline(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["stages"]["lengths"] = {"type": "tests.metrics_plugin:PromptLength"}
+    path.write_text(yaml.safe_dump(config))
+    result = _cli("validate", str(path), cwd=REPO)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "stages.lengths" in line and "after: [rollout]" in line and path.name in line
+    config["stages"]["lengths"]["after"] = ["rollout"]
+    path.write_text(yaml.safe_dump(config))
+    assert _cli("validate", str(path), cwd=REPO).returncode == 0
+
+
 # --------------------------------------------------------------------------- faults
 
 
