@@ -231,3 +231,28 @@ def test_a_run_gives_its_mfu_in_the_closing_line_the_summary_and_the_report(tiny
     assert (f"<th>MFU (model FLOPs / matmul peak), 1 steady iterations</th>"
             f"<td>{result.summary['mfu']:.4g}</td>") in page
     assert "<th>matmul peak (GFLOP/s)</th><td>float32 2, bfloat16 4</td>" in page
+
+
+def test_prompts_that_begin_alike_count_their_common_prefix_once():
+    """Distinct prompts sharing 64+ leading tokens run that prefix once in every forward
+    (``engine.forward``): the tokens and attention pairs the FLOPs are counted on hold it
+    once, each prompt's rest attending to it; prompts sharing less count whole."""
+    from rlhfflow.engine.batch import pad_prompts
+    from rlhfflow.runtime.worker.tasks import partial_metrics
+
+    head = list(range(5, 75))  # 70 shared tokens
+    prompts = [head + [1, 2, 3], head + [4], head + [2, 2, 2, 2, 2], head + [1, 2, 3]]
+    ids, mask = pad_prompts(prompts, 0)
+    response = torch.ones(4, 2, dtype=torch.int8)
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_mask": response}
+    got = partial_metrics(batch)
+    distinct = [73, 71, 75]  # the last prompt repeats the first: its forward is shared too
+    assert got["prompt_tokens"] == 70 + sum(n - 70 for n in distinct)
+    prompt_pairs = attention_pairs(70) + sum(attention_pairs(n) - attention_pairs(70)
+                                             for n in distinct)
+    response_pairs = sum(2 * n + attention_pairs(2) for n in [73, 71, 75, 73])
+    assert got["attention_pairs"] == prompt_pairs + response_pairs
+    short = [head[:10] + p[70:] for p in prompts]  # 10 shared: below the threshold
+    ids, mask = pad_prompts(short, 0)
+    got = partial_metrics({"prompt_ids": ids, "prompt_mask": mask, "response_mask": response})
+    assert got["prompt_tokens"] == 13 + 11 + 15

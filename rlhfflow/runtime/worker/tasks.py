@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhfflow.engine.batch import concat_batches, slice_batch
-from rlhfflow.engine.forward import shared_prompt_rows
+from rlhfflow.engine.forward import MIN_SHARED_PREFIX, common_prefix, shared_prompt_rows
 from rlhfflow.engine.streaming import paused
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.plan.tasks import Storage
@@ -271,6 +271,18 @@ def batch_rows(batch: Batch) -> int:
     return next((len(v) for v in batch.values()), 0)
 
 
+def _shared_head(batch: Batch, shared: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+    """The leading real tokens the distinct prompts of ``batch`` share and every forward
+    runs once (``MIN_SHARED_PREFIX`` or more), else 0."""
+    if "prompt_ids" not in batch:
+        return 0
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    if shared is not None:
+        ids, mask = ids[shared[0]], mask[shared[0]]
+    head = common_prefix(ids, mask)
+    return head if head >= MIN_SHARED_PREFIX else 0
+
+
 def partial_metrics(batch: Batch, declared: Sequence[IterationMetric] = ()
                     ) -> dict[str, Any]:
     """Sums over one micro-batch, combined across micro-batches by the coordinator
@@ -295,8 +307,11 @@ def partial_metrics(batch: Batch, declared: Sequence[IterationMetric] = ()
         shared = shared_prompt_rows(batch["prompt_ids"], batch["prompt_mask"]) \
             if "prompt_ids" in batch else None
         distinct = prompt[shared[0]] if shared is not None else prompt
-        out.update(prompt_tokens=float(distinct.sum()),
+        # distinct prompts that begin alike run that prefix once (forward._prefix_forward)
+        head = float(_shared_head(batch, shared))
+        out.update(prompt_tokens=float(distinct.sum()) - head * (len(distinct) - 1),
                    attention_pairs=float((distinct * (distinct + 1) / 2).sum()
+                                         - head * (head + 1) / 2 * (len(distinct) - 1)
                                          + (lengths * prompt + lengths * (lengths + 1) / 2)
                                          .sum()))
     if "scores" in batch:
