@@ -147,9 +147,8 @@ class EpisodeStream(EpisodeLoop):
         self.per_task = 0   # finish order: a task's rows
         self.staleness = 0  # finish order: the bound, in versions
         # finish order: rows asked per iteration (the tasks of several micro-batches on
-        # one worker share its stream), rows taken per version
+        # one worker share its stream)
         self.asked: dict[int, int] = {}
-        self.took: dict[int, int] = {}
         self.episodes: dict[int, Episode] = {}  # type: ignore[assignment]
         self.prompts: dict[int, list[int]] = {}  # type: ignore[assignment]
         self.templated: dict[int, bool] = {}  # type: ignore[assignment]
@@ -163,12 +162,13 @@ class EpisodeStream(EpisodeLoop):
         self.started_in: dict[int, int] = {}  # row -> the task that started it
         self.started_on: dict[int, int] = {}  # row -> the weights' version it started on
         # finish order: row -> its group, the order in which rows were seen done, and
-        # the episodes taken (key -> the iteration that took it) a task may meet again
+        # the episodes taken (key -> the iteration that took it and the version it took
+        # it on) a task may meet again
         self.group: dict[int, int] = {}
         self.source: dict[int, dict[str, Any]] = {}
         self.finished: dict[int, int] = {}
         self.seen = 0  # episodes numbered in finished so far
-        self.taken: dict[Key, int] = {}
+        self.taken: dict[Key, tuple[int, int]] = {}
         self.pool: concurrent.futures.Executor | None = None
         self.ships = False
         self.tasks = 0
@@ -187,18 +187,24 @@ class EpisodeStream(EpisodeLoop):
         by a task it may meet again (finish order)."""
         return key in self.rows or key in self.taken
 
+    def recall_taken(self, iteration: int, behind: int, taken: Sequence[Key] = ()) -> None:
+        """Finish order, before the task of ``iteration`` makes its arrivals: keep as
+        taken what an earlier iteration took of the iterations from ``behind`` before
+        this one on (a task of this iteration or later that took one was undone: the run
+        went back), and ``taken``, what the iterations before a resume took."""
+        self.taken = {key: took for key, took in self.taken.items()
+                      if took[0] < iteration and key[0] >= iteration - behind}
+        self.taken.update((key, (iteration - 1, -1)) for key in taken)
+
     def begin_task(self, iteration: int, version: int, own: Sequence[Key],
                    arrivals: Sequence[Admission], pool: concurrent.futures.Executor | None,
-                   ships: bool = False, behind: int = 0,
-                   taken: Sequence[Key] = ()) -> list[int]:
+                   ships: bool = False, behind: int = 0) -> list[int]:
         """Open the task of ``iteration`` on weights ``version``: drop what no task will
         claim (an episode of an iteration more than ``behind`` before this one: 0 in
         iteration order, the staleness bound in finish order; this iteration's other rows
         may be another task's on this worker), take the new episodes ``arrivals`` (each
-        key once: ``knows``), start ``own`` at once and queue the later ones. ``taken``:
-        episodes iterations before this one took before the run went back to a
-        checkpoint (a task that took one in this iteration or later was undone).
-        Returns the rows of ``own`` the stream holds, in order."""
+        key once: ``knows``), start ``own`` at once and queue the later ones. Returns the
+        rows of ``own`` the stream holds, in order."""
         if self.failure is not None:  # what went wrong between tasks fails this one
             failure, self.failure = self.failure, None
             raise failure
@@ -208,9 +214,6 @@ class EpisodeStream(EpisodeLoop):
         self.ready = dict.fromkeys(self.ready, 0)  # step numbers restart with the timeline
         if version != self.version:
             self.reweigh(version)
-        self.taken = {key: k for key, k in self.taken.items()
-                      if k < iteration and key[0] >= iteration - behind}
-        self.taken.update((key, iteration - 1) for key in taken)
         for row, key in list(self.keys.items()):
             if key[0] < iteration - behind:
                 self.drop(row)
@@ -303,11 +306,8 @@ class EpisodeStream(EpisodeLoop):
             episodes.append(self.episodes[row])
             ahead.append(self.started_in[row] < self.tasks)
             if iteration is not None:
-                self.taken[self.keys[row]] = iteration
-                self.took[self.version] = self.took.get(self.version, 0) + 1
+                self.taken[self.keys[row]] = (iteration, self.version)
             self.forget(row)
-        for old in [v for v in self.took if v < self.version - 1]:
-            del self.took[old]
         return episodes, ahead
 
     def threads(self, workers: int) -> concurrent.futures.Executor | None:
@@ -370,12 +370,12 @@ class EpisodeStream(EpisodeLoop):
         joined = bool(self.ready) and self.joins_now()
         if joined:
             self.join()
-        if self.batch.rows:
+        stepped = bool(self.batch.rows)
+        if stepped:
             self.step()
+        if self.held:  # finish order: the order episodes end in
             self.see_finished()
-            return True
-        self.see_finished()
-        return joined
+        return stepped or joined
 
     def close(self) -> int:
         """Drop every episode in the stream (the run ends, the model was replaced) and
@@ -414,8 +414,8 @@ class EpisodeStream(EpisodeLoop):
     def admit(self) -> None:
         """Start waiting episodes while fewer than ``target`` are in flight (with
         ``held``: started and not taken, finished ones too: finish order)."""
-        while self.waiting and (len(self.started_in) if self.held else self.live()) < \
-                self.room():
+        room = self.room()
+        while self.waiting and (len(self.started_in) if self.held else self.live()) < room:
             self.start([self.waiting.popleft()])
             self.stats.started_ahead += 1
 
@@ -429,8 +429,8 @@ class EpisodeStream(EpisodeLoop):
             return self.target
         rows = max(self.asked.values(), default=0)
         tasks = rows / self.per_task if self.per_task else 1
-        return min(int(self.target * tasks),
-                   (self.staleness + 1) * rows - self.took.get(self.version, 0))
+        took = sum(1 for _, version in self.taken.values() if version == self.version)
+        return min(int(self.target * tasks), (self.staleness + 1) * rows - took)
 
     def live(self) -> int:
         """Episodes started and not done: decoding, in the environment, or waiting to

@@ -72,9 +72,10 @@ class Dataflow:
         self.buffer_path = buffer_path
         self.stored = list(stored)
         self.handles: dict[str, Any] = {}
-        #: the episodes (``(iteration, prompt_index, sample_index)``) the iterations
-        #: before a resume or recovery took, for a stage that reorders rows (the
-        #: executor reads them from the buffer)
+        #: for a stage that reorders rows: the iteration a resume or recovery went on
+        #: from, and the episodes (``(iteration, prompt_index, sample_index)``) the
+        #: iterations before it took (``resume``)
+        self.first = 0
         self.taken: frozenset[tuple[int, int, int]] = frozenset()
         self._iteration: dict[str, int] = {}
         self._specs: dict[str, Task] = {}  # id -> task
@@ -181,14 +182,20 @@ class Dataflow:
             out.append((j, slice_batch(batch, *spec.rows)))
         return out
 
+    def resume(self, first: int, taken: frozenset[tuple[int, int, int]]) -> None:
+        """The run goes on from iteration ``first`` after a resume or a recovery, the
+        iterations before it having taken the episodes ``taken``."""
+        self.first, self.taken = first, taken
+
     def _behind(self, spec: StageTask) -> dict[str, Any]:
-        """For a stage that reorders rows: its rows of the ``spec.behind`` iterations
-        before (episodes it may still owe), the staleness bound, and what the run took
-        before it went back to a checkpoint."""
+        """For a stage that reorders rows: the staleness bound; its rows of the
+        ``spec.behind`` iterations before that came before the run went on from a
+        checkpoint (episodes it may still owe that no stream holds: those of later
+        iterations it started itself), and what the run took before that."""
         assert self.prompts is not None, "a streaming stage's task needs the prompts"
         k = spec.iteration
         behind = [(j, slice_batch(batch, *spec.rows))
-                  for j in range(max(0, k - spec.behind), k)
+                  for j in range(max(0, k - spec.behind), min(k, self.first))
                   if (batch := self.prompts(j)) is not None]
         taken = frozenset(key for key in self.taken if key[0] >= k - spec.behind)
         return {"behind": behind, "taken": taken, "staleness": spec.behind}

@@ -320,7 +320,8 @@ class Executor(Recovery):
         # kept here (a few KB each: 0.01 MB an iteration of a long run's coordinator)
         self._submitted = {}
         if self.reorders and first > 0:
-            self.dataflow.taken = taken_before(self.buffer, first, self.plan.max_staleness)
+            self.dataflow.resume(first, taken_before(self.buffer, first,
+                                                     self.plan.max_staleness))
         self._perform(self.coordinator.handle(LoopStarted(first)))
         self.telemetry.restart(self.addresses, self._layout())
         for step in schedule(self.compiler, first, spec.iterations, batch_rows(self.pipeline),

@@ -376,21 +376,19 @@ class RolloutStage(Stage):
                 raise ValueError(f"stage {self.name!r}: stream_order: finish needs the run's "
                                  f"staleness bound (StageContext.staleness, 1 or more)")
             whole_groups(batch, self.name)
-        stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows, ctx.staleness)
-        taken = set(ctx.taken)
-
-        def known(key: Key) -> bool:
-            return stream.knows(key) or key in taken
+        stream = self.stream_for(resident, tok, fmt, pad_id, calls, rows)
+        if finish:
+            stream.recall_taken(ctx.iteration, ctx.staleness, ctx.taken)
         # finish order: episodes owed from earlier iterations first (after a resume or a
         # recovery: they start again), then this iteration's, then the later ones, each
         # started as room frees; iteration order starts its own at once
         arrivals = []
         for j, earlier in ctx.behind if finish else ():
-            arrivals += self.admissions(earlier, j, ctx, fmt, calls, known)
+            arrivals += self.admissions(earlier, j, ctx, fmt, calls, stream.knows)
         own = [] if finish else row_keys(batch, ctx.iteration)
-        arrivals += self.admissions(batch, ctx.iteration, ctx, fmt, calls, known)
+        arrivals += self.admissions(batch, ctx.iteration, ctx, fmt, calls, stream.knows)
         for j, later in ctx.ahead:
-            arrivals += self.admissions(later, j, ctx, fmt, calls, known)
+            arrivals += self.admissions(later, j, ctx, fmt, calls, stream.knows)
         shipped = ctx.env_executor if params.env_placement == "pool" else None
         if shipped is not None:
             check_shippable([a.episode for a in arrivals], self.shipping_key())
@@ -398,8 +396,7 @@ class RolloutStage(Stage):
             mine = stream.begin_task(ctx.iteration, resident.version, own, arrivals,
                                      shipped or stream.threads(params.env_workers),
                                      ships=shipped is not None,
-                                     behind=ctx.staleness if finish else 0,
-                                     taken=ctx.taken)
+                                     behind=ctx.staleness if finish else 0)
             if finish:
                 mine = stream.play_finished(rows, ctx.staleness, ctx.iteration)
             else:
@@ -419,11 +416,11 @@ class RolloutStage(Stage):
         return out
 
     def stream_for(self, resident, tok, fmt: TurnFormat, pad_id: int, calls: ToolFormat,
-                   rows: int, staleness: int = 0) -> EpisodeStream:
+                   rows: int) -> EpisodeStream:
         """The worker's episode stream for this stage, made at its first task (again
         if the model was replaced, dropping what the old one held). In finish order it
-        holds at most ``(staleness + 1) * rows`` episodes (by default twice the rows),
-        so no task owes more than its rows."""
+        holds at least a task's rows and by default twice them (``EpisodeStream.room``
+        bounds it by what the tasks until an episode is owed can take)."""
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.module is not resident.module:
             log.warning("stage %r: the model was replaced; %d episodes in flight are "
@@ -433,7 +430,7 @@ class RolloutStage(Stage):
             finish = self.params.stream_order == "finish"
             target = self.params.stream_in_flight or (2 * rows if finish else rows)
             if finish:
-                target = max(rows, min(target, (staleness + 1) * rows))
+                target = max(rows, target)
             stream = EpisodeStream(self.params, resident.module, tok, fmt, pad_id, target,
                                    self.stops(calls),
                                    recompute=self.params.stream_on_update == "recompute",

@@ -355,6 +355,22 @@ def test_finish_order_after_a_resume_plays_what_was_owed_and_nothing_taken(chat_
     assert sorted(seen) == _all_keys(batches)
 
 
+def test_finish_order_after_a_recovery_plays_again_what_an_undone_task_took(chat_lm_dir):
+    """The run went back to the checkpoint after iteration 0 (a worker was lost) and the
+    stream on a surviving worker goes on: what its task of iteration 1 took was undone,
+    so those episodes are played again; what iteration 0 took is not."""
+    store = chat_store(chat_lm_dir)
+    batches = _batches(store.get("actor").tokenizer, 4)
+    stage = create_stage("rollout", params={**PARAMS, "stream": True}, model="actor")
+    first = _keys(stage.run(batches[0], _finish_ctx(store, 0, batches)))
+    stage.run(batches[1], _finish_ctx(store, 1, batches))  # undone by the recovery
+    seen = list(first)
+    for k in range(1, 4):
+        seen += _keys(stage.run(batches[k], _finish_ctx(
+            store, k, batches, frozenset(key for key in first if key[0] >= 0))))
+    assert sorted(seen) == _all_keys(batches)
+
+
 # --------------------------------------------------------------------------- a pipeline
 
 
