@@ -15,6 +15,7 @@ from rlhfflow.engine.forward import (
     response_logits,
 )
 from rlhfflow.engine.models import build_char_tokenizer, build_tiny_model
+from tests.engine.test_shared_prompts import _batch as shared_prompts_batch
 from tests.engine.test_shared_prompts import (
     assert_logits_and_gradients_equal_one_forward_per_row,
     assert_prefill_equals_every_row,
@@ -32,25 +33,11 @@ def tok():
     return build_char_tokenizer()
 
 
-def _batch(tok, rows: list[int], response_len: int = 10, seed: int = 0) -> dict:
+def _batch(tok, rows: list[int]) -> dict:
     """Rows ``rows`` (indices into QUESTIONS, repeats allowed) of left-padded prompts
-    ``SYSTEM + question`` and random right-padded responses."""
-    encoded = [tok(SYSTEM + QUESTIONS[i])["input_ids"] for i in rows]
-    width = max(map(len, encoded)) + 2  # wider than the longest: padding in every row
-    prompt_ids = torch.full((len(rows), width), tok.pad_token_id)
-    prompt_mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, ids in enumerate(encoded):
-        prompt_ids[r, width - len(ids):] = torch.tensor(ids)
-        prompt_mask[r, width - len(ids):] = 1
-    gen = torch.Generator().manual_seed(seed)
-    response_ids = torch.randint(3, len(tok), (len(rows), response_len), generator=gen)
-    response_mask = torch.ones(len(rows), response_len, dtype=torch.int8)
-    for r in range(len(rows)):
-        end = int(torch.randint(1, response_len + 1, (1,), generator=gen))
-        response_mask[r, end:] = 0
-        response_ids[r, end:] = tok.pad_token_id
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-            "response_ids": response_ids, "response_mask": response_mask}
+    ``SYSTEM + question``, padding in every row, and random right-padded responses."""
+    return shared_prompts_batch(tok, rows, response_len=10,
+                                texts=[SYSTEM + q for q in QUESTIONS], padding=2)
 
 
 def _prefix_len(tok) -> int:

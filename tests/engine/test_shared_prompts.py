@@ -33,11 +33,13 @@ def tok():
 
 
 def _batch(tok, rows: list[int], response_len: int = 12, seed: int = 0,
-           lengths: list[int] | None = None) -> dict:
-    """Rows ``rows`` (indices into PROMPTS, repeats allowed), left-padded prompts and random
-    right-padded responses of random lengths, or of ``lengths``."""
-    encoded = [tok(PROMPTS[i])["input_ids"] for i in rows]
-    width = max(map(len, encoded))
+           lengths: list[int] | None = None, texts: list[str] = PROMPTS,
+           padding: int = 0) -> dict:
+    """Rows ``rows`` (indices into ``texts``, repeats allowed), left-padded prompts (with
+    ``padding`` more columns than the longest) and random right-padded responses of
+    random lengths, or of ``lengths``."""
+    encoded = [tok(texts[i])["input_ids"] for i in rows]
+    width = max(map(len, encoded)) + padding
     prompt_ids = torch.full((len(rows), width), tok.pad_token_id)
     prompt_mask = torch.zeros(len(rows), width, dtype=torch.long)
     for r, ids in enumerate(encoded):
