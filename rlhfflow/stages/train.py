@@ -106,8 +106,9 @@ class TrainActorStage(Trainer):
         """With an off-policy correction, the proximal policy's log-probs: the model's
         before this iteration's first step (AReaL's decoupled PPO recomputes them in the
         trainer), whatever version sampled the rows; computed without gradients, a
-        minibatch's rows at a time."""
-        if not self.algorithm.off_policy.on:
+        minibatch's rows at a time. With one step an iteration (``_one_step``) none is
+        computed here: the loss takes them from its own forward."""
+        if not self.algorithm.off_policy.on or self._one_step(resident):
             return batch
         rows = len(batch["response_ids"])
         size = max(1, -(-rows // self.params.minibatches))
@@ -118,6 +119,15 @@ class TrainActorStage(Trainer):
                 parts.append(response_logprobs(resident.module, part,
                                                ctx.settings.temperature))
         return {**batch, PROXIMAL: torch.cat(parts)}
+
+    def _one_step(self, resident) -> bool:
+        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
+        on a model without dropout: its forward then runs on the weights before the step,
+        the proximal policy's, and its log-probs, detached, are the proximal ones (as
+        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
+        the batch fewer."""
+        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
 
     def loss(self, resident, batch, ctx, counts=None):
         algo = self.algorithm
@@ -138,10 +148,11 @@ class TrainActorStage(Trainer):
         correction: dict[str, float] = {}
         if algo.off_policy.on:  # the ratio against the proximal policy, weighted
             off = algo.off_policy
+            proximal = batch[PROXIMAL] if PROXIMAL in batch else logprobs.detach()
             inputs["weights"], correction = ops.off_policy_weights(
-                batch[PROXIMAL], inputs["old_logprobs"], mask, off.correction, off.level,
+                proximal, inputs["old_logprobs"], mask, off.correction, off.level,
                 off.cap, off.low, off.high)
-            inputs["old_logprobs"] = batch[PROXIMAL]
+            inputs["old_logprobs"] = proximal
         loss, stats = ops.call(policy_loss, inputs)
         metrics = {"policy_loss": loss.item(), **stats, **correction}
         # the KL and entropy terms aggregate like the policy term (veRL, TRL), so a
@@ -183,6 +194,15 @@ class DistillDraftStage(Trainer):
     def reads(cls, params, algorithm, has_model):
         return RESPONSE_INPUTS
 
+    def _one_step(self, resident) -> bool:
+        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
+        on a model without dropout: its forward then runs on the weights before the step,
+        the proximal policy's, and its log-probs, detached, are the proximal ones (as
+        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
+        the batch fewer."""
+        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
+
     def loss(self, resident, batch, ctx, counts=None):
         mask = batch["response_mask"].float()
         temperature = ctx.settings.temperature
@@ -208,6 +228,15 @@ class TrainCriticStage(Trainer):
 
     def _agg(self) -> str:
         return self.algorithm.value_loss_agg
+
+    def _one_step(self, resident) -> bool:
+        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
+        on a model without dropout: its forward then runs on the weights before the step,
+        the proximal policy's, and its log-probs, detached, are the proximal ones (as
+        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
+        the batch fewer."""
+        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
 
     def loss(self, resident, batch, ctx, counts=None):
         mask = loss_mask_of(batch)
@@ -324,6 +353,15 @@ class TrainSFTStage(Trainer):
         stats = super().run(take_rows({k: v for k, v in batch.items() if k != "selected"}, rows),
                             ctx)
         return {**stats, "rows_trained": int(len(rows))}
+
+    def _one_step(self, resident) -> bool:
+        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
+        on a model without dropout: its forward then runs on the weights before the step,
+        the proximal policy's, and its log-probs, detached, are the proximal ones (as
+        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
+        the batch fewer."""
+        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
 
     def loss(self, resident, batch, ctx, counts=None):
         return sft_loss(resident.module, batch, counts["tokens"] if counts else None)

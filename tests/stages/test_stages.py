@@ -577,6 +577,64 @@ def test_gspo_with_kl_and_entropy_aggregated_like_the_policy_term(store, tokeniz
     assert math.isfinite(metrics["entropy"]) and math.isfinite(metrics["grad_norm"])
 
 
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_one_step_takes_the_proximal_logprobs_from_its_own_forward(
+        store, tiny_lm_dir, tokenizer, monkeypatch, correction):
+    """With one optimizer step an iteration the trainer's forward runs on the weights
+    before the step, so its detached log-probs serve as the proximal policy's: the same
+    loss, weights statistics and update as with them computed by a forward beforehand
+    (forced here), without that forward."""
+    algo = AlgorithmSpec(name="grpo", kl_coef=0.0,
+                         off_policy={"correction": correction, "cap": 1.5})
+    batch = _rollout_for_training(store, tokenizer)
+    mask = batch["response_mask"].float()
+    # a behaviour policy off the trainer's: the weights differ from 1 and some are capped
+    shift = torch.linspace(-0.6, 0.6, mask.shape[1])[None, :] * torch.tensor(
+        [1.0, -1.0, 0.5, 0.0])[:, None]
+    batch["old_logprobs"] = batch["old_logprobs"] + shift * mask
+    params = {"epochs": 1, "minibatches": 1, "shuffle": False}
+    forward = type(create_stage("train_actor", model="actor")).before_steps
+
+    def trained(one_step: bool, models):
+        stage = create_stage("train_actor", params=params, algorithm=algo, model="actor")
+        computed = []
+        monkeypatch.setattr(type(stage), "_one_step", lambda self, resident: one_step)
+
+        def before(self, resident, columns, ctx):
+            out = forward(self, resident, columns, ctx)
+            computed.append("proximal_logprobs" in out)
+            return out
+        monkeypatch.setattr(type(stage), "before_steps", before)
+        metrics = stage.run({k: v.clone() if isinstance(v, torch.Tensor) else v
+                             for k, v in batch.items()}, _ctx(models))
+        weights = torch.cat([p.detach().flatten()
+                             for p in models.get("actor").module.parameters()])
+        return metrics, weights, computed
+
+    reused, after_reused, computed_reused = trained(True, store)
+    fresh_store = ModelStore({"actor": ModelConfig("actor", "lm", str(tiny_lm_dir),
+                                                   trainable=True, optimizer={"lr": 1e-3})})
+    forced, after_forced, computed_forced = trained(False, fresh_store)
+    assert computed_reused == [False] and computed_forced == [True]
+    for key in ("policy_loss", "is_ratio_mean", "is_ratio_max", "is_ratio_min",
+                "is_bounded_frac", "mismatch_kl"):
+        assert reused[key] == pytest.approx(forced[key], rel=1e-4, abs=1e-6), key
+    assert reused["is_bounded_frac"] > 0 and reused["mismatch_kl"] > 1e-3
+    torch.testing.assert_close(after_reused, after_forced, rtol=1e-4, atol=1e-6)
+
+
+def test_the_proximal_forward_runs_when_the_iteration_takes_several_steps(store):
+    """Two epochs or two minibatches: the second step's forward is on updated weights,
+    so the proximal log-probs are computed before the first."""
+    algo = AlgorithmSpec(name="grpo", kl_coef=0.0, off_policy={"correction": "tis"})
+    resident = store.get("actor")
+    for params, one in (({"epochs": 1, "minibatches": 1}, True),
+                        ({"epochs": 2, "minibatches": 1}, False),
+                        ({"epochs": 1, "minibatches": 2}, False)):
+        stage = create_stage("train_actor", params=params, algorithm=algo, model="actor")
+        assert stage._one_step(resident) is one, params
+
+
 def test_train_critic_aggregates_with_value_loss_agg(store, rollout):
     algo = AlgorithmSpec(name="ppo", value_loss_agg="seq-mean-token-mean")
     mask = rollout["response_mask"].float()
