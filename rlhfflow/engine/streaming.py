@@ -71,7 +71,7 @@ def paused() -> Iterator[None]:
     stack.append(held)
     try:
         for stream in list(_BETWEEN):
-            stream.lock.acquire()
+            stream.hold()
             held.append(stream)
         yield
     finally:
@@ -176,6 +176,9 @@ class EpisodeStream(EpisodeLoop):
         self.stats = TaskStats(target)
         # decoding between tasks (``between``): the lock a step holds, ``paused`` takes
         self.lock = threading.RLock()  # a task's own thread may take it again
+        # tasks waiting for ``lock`` (``hold``): the thread lets them in first
+        self.wanted = 0
+        self.handoff = threading.Condition()
         self.thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.closed = False
@@ -331,7 +334,7 @@ class EpisodeStream(EpisodeLoop):
         thread for any task that runs meanwhile."""
         stack = _PAUSES.__dict__.get("stack")
         if stack and self not in stack[-1]:  # started by a task: held until it ends
-            self.lock.acquire()
+            self.hold()
             stack[-1].append(self)
         _BETWEEN.add(self)
         if self.thread is None:
@@ -339,9 +342,24 @@ class EpisodeStream(EpisodeLoop):
                                            name="episode-stream", daemon=True)
             self.thread.start()
 
+    def hold(self) -> None:
+        """Take ``lock`` for a task, ahead of the thread that decodes between tasks: a
+        lock is not fair, and the thread, taking it again right after each step, kept a
+        waiting task out for seconds."""
+        with self.handoff:
+            self.wanted += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self.handoff:
+                self.wanted -= 1
+                self.handoff.notify_all()
+
     def _between(self, version: Callable[[], int],
                  generating: Callable[[], contextlib.AbstractContextManager]) -> None:
         while not self.closed:
+            with self.handoff:  # a task waiting for the lock goes first
+                self.handoff.wait_for(lambda: not self.wanted or self.closed)
             with self.lock:
                 if self.closed or self.failure is not None:
                     return
@@ -381,6 +399,8 @@ class EpisodeStream(EpisodeLoop):
         """Drop every episode in the stream (the run ends, the model was replaced) and
         stop decoding between tasks; returns how many were dropped."""
         self.closed = True
+        with self.handoff:
+            self.handoff.notify_all()
         _BETWEEN.discard(self)
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)

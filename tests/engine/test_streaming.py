@@ -204,6 +204,59 @@ def test_between_tasks_the_stream_plays_on_and_waits_while_a_task_runs(chat_lm_d
     stage._stream.close()
 
 
+def test_a_task_gets_the_stream_within_a_step_while_it_decodes_between_tasks(chat_lm_dir):
+    """A lock is not fair: the stream's thread, taking it again right after each step,
+    kept a task waiting in ``paused`` for seconds. A waiting task now goes first: it
+    waits at most for the step under way (and one begun as it arrived)."""
+    import threading
+    import time
+
+    from rlhfflow.engine.streaming import paused
+
+    store = chat_store(chat_lm_dir)
+    tok = store.get("actor").tokenizer
+    batches = _batches(tok, 2)
+    stage = create_stage("rollout", params={**ITERATION, "stream_in_flight": 7},
+                         model="actor")
+    ctx = _ctx(store, 0, [(1, batches[1])])
+    ctx.between_tasks = True
+    with paused():
+        stage.run(batches[0], ctx)
+    stream = stage._stream
+    rounds = [0]
+
+    def busy_round() -> bool:  # a step that always has work, 5 ms under the lock
+        rounds[0] += 1
+        time.sleep(0.005)
+        return True
+    stream.round = busy_round
+    try:
+        deadline = time.monotonic() + 10
+        while rounds[0] < 3:
+            assert time.monotonic() < deadline, "the stream's thread did not decode"
+            time.sleep(0.01)
+        with stream.handoff:  # as a task waiting for the lock: no step starts meanwhile
+            stream.wanted += 1
+        time.sleep(0.05)  # the step under way ends
+        held = rounds[0]
+        time.sleep(0.2)
+        assert rounds[0] == held
+        with stream.handoff:
+            stream.wanted -= 1
+            stream.handoff.notify_all()
+        waited = []
+        for _ in range(20):
+            before = rounds[0]
+            with paused():
+                waited.append(rounds[0] - before)
+                assert stream.lock._is_owned()
+            time.sleep(0.01)
+        assert max(waited) <= 2, waited
+        assert threading.active_count() >= 2 and rounds[0] > before  # it went on after
+    finally:
+        stream.close()
+
+
 # --------------------------------------------------------------------------- finish order
 
 
