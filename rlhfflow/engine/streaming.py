@@ -444,13 +444,23 @@ class EpisodeStream(EpisodeLoop):
         is owed by the tasks ``staleness`` versions on; the tasks until then (of this
         version, less what they took already, and of the next ``staleness``) take
         ``staleness + 1`` times an iteration's rows on this worker, and the stream holds
-        no more than they can take (nor more than ``target`` per task)."""
+        no more than they can take (nor more than ``target`` per task). And of the
+        episodes started on this version it holds no more than the one task
+        ``staleness`` versions on can take: an iteration's rows, and those this version's
+        tasks have yet to take beyond the older episodes (they can take nothing else);
+        the tasks between may take later episodes that finished first. (Without it the
+        first task started every iteration it may run ahead on the first weights, and a
+        later task owed more than its rows.)"""
         if not self.held:
             return self.target
         rows = max(self.asked.values(), default=0)
         tasks = rows / self.per_task if self.per_task else 1
         took = sum(1 for _, version in self.taken.values() if version == self.version)
-        return min(int(self.target * tasks), (self.staleness + 1) * rows - took)
+        now = sum(1 for version in self.started_on.values() if version == self.version)
+        older = len(self.started_in) - now
+        on_this_version = rows + max(0, rows - took - older)
+        return min(int(self.target * tasks), (self.staleness + 1) * rows - took,
+                   len(self.started_in) + on_this_version - now)
 
     def live(self) -> int:
         """Episodes started and not done: decoding, in the environment, or waiting to

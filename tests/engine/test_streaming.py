@@ -341,6 +341,42 @@ def test_finish_order_returns_whole_groups_that_finished_first_each_episode_once
     assert not stage._stream.keys
 
 
+def test_finish_order_starts_no_more_episodes_on_one_version_than_a_step_takes(
+        chat_lm_dir, tmp_path):
+    """Under ``max_staleness: 2`` with room for three iterations' rows, the first task
+    must not start all of them on the first weights: its own and the next iteration's
+    long episodes, the one after's short ones finishing first, would all be owed by the
+    same later step, twice its rows. At most a step's rows start on each version, so
+    the run goes through and every episode is returned once, none older than the
+    bound."""
+    (tmp_path / "turns.py").write_text(TURNS_ENV)
+    store = chat_store(chat_lm_dir)
+    batches = _batches(store.get("actor").tokenizer, 6)
+    for k, batch in enumerate(batches):
+        batch["prompt_fields"] = [json.dumps({"turns": 4 if k < 2 else 1})] * 6
+    stage = create_stage("rollout", params={
+        **PARAMS, "max_turns": 4, "env": "turns.py:Turns", "stream": True,
+        "stream_on_update": "keep", "stream_in_flight": 18}, model="actor")
+    seen = []
+    for k in range(6):
+        store.get("actor").version = k
+        ctx = _ctx(store, k, [(j, batches[j]) for j in (k + 1, k + 2) if j < 6])
+        ctx.settings = StageContext(iteration=k, seed=0, models=store, settings={
+            "base_dir": str(tmp_path)}).settings
+        ctx.behind = [(j, batches[j]) for j in (k - 2, k - 1) if j >= 0]
+        ctx.staleness = 2
+        out = stage.run(batches[k], ctx)
+        stream = stage._stream
+        started = Counter(stream.started_on.values())
+        assert all(n <= 6 for n in started.values()), started
+        keys = _keys(out)
+        seen += keys
+        assert all(k - key[0] <= 2 for key in keys), (k, keys)
+        assert (out["policy_version"] >= k - 2).all()
+    assert sorted(seen) == _all_keys(batches)
+    assert not stage._stream.keys
+
+
 def test_finish_order_takes_what_the_staleness_bound_owes_first(chat_lm_dir):
     """After a weight update, every episode started on the weights before is owed: the
     task waits for it and returns it, so no token is more than one version behind."""
