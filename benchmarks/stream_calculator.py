@@ -16,6 +16,8 @@ iterations of each (with its spread over the rounds, the noise it is compared wi
     python benchmarks/stream_calculator.py [--iterations 10] [--rounds 3]
         [--in-flight N]   # stream_in_flight (default: the task's rows)
         [--on-update recompute|keep]   # stream_on_update
+        [--staleness N]   # the streams' max_staleness (default 1)
+        [--threads N]     # cluster.torch_threads of every mode (default: the example's)
 
 Needs ``models/smollm2-135m`` (``rlhfflow models import-gguf --smollm2
 models/smollm2-135m``) and the example's data (``python examples/multiturn/make_data.py``).
@@ -72,6 +74,10 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=None)
     parser.add_argument("--on-update", choices=["recompute", "keep"], default="recompute",
                         help="stream_on_update of the stream mode")
+    parser.add_argument("--staleness", type=int, default=1,
+                        help="max_staleness of the stream modes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="cluster.torch_threads of every mode (default: the example's)")
     args = parser.parse_args()
     if args.iterations < 3 or args.rounds < 1:
         parser.error("--iterations must be at least 3 and --rounds at least 1")
@@ -82,12 +88,16 @@ def main() -> None:
         if args.in_flight is not None:
             MODES[mode]["stages.rollout.params.stream_in_flight"] = args.in_flight
         MODES[mode]["stages.rollout.params.stream_on_update"] = args.on_update
+        MODES[mode]["overlap.max_staleness"] = args.staleness
+    common = {"iterations": args.iterations}
+    if args.threads is not None:
+        common["cluster.torch_threads"] = args.threads
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in MODES:
                 runs[mode].append(run_once(mode, Path(tmp) / f"{mode}-{r}",
-                                           {"iterations": args.iterations, "seed": r}))
+                                           {**common, "seed": r}))
     half = max(1, args.iterations // 2)
     late = {m: [statistics.mean(run["rewards"][-half:]) for run in runs[m]] for m in MODES}
     by_mode = {m: [s["samples_per_s"] / y["samples_per_s"]
@@ -95,7 +105,8 @@ def main() -> None:
     rounds = by_mode["stream"]
     ratio = statistics.median(rounds)
     print(f"calculator example (SmolLM2-135M-Instruct), {args.iterations} iterations x "
-          f"{args.rounds} rounds, one worker")
+          f"{args.rounds} rounds, one worker, max_staleness {args.staleness} for the "
+          f"streams")
     print(f"{'mode':<9} {'samples/s':>10} {'vs sync':>8} {'reward first':>13} "
           f"{'reward last half':>17}")
     for mode in MODES:
@@ -121,7 +132,8 @@ def main() -> None:
         **{f"{m}_late_reward": [round(x, 4) for x in late[m]] for m in MODES},
         "stream": streams["stream"], "stream_iteration": streams["stream-it"],
         "stream_in_flight": args.in_flight,
-        "stream_on_update": args.on_update,
+        "stream_on_update": args.on_update, "stream_max_staleness": args.staleness,
+        "torch_threads": args.threads,
         "iterations": args.iterations, "goal_met": met}, __file__)
 
 

@@ -45,7 +45,8 @@ class OffPolicySpec(Strict):
     update is measured against (``rlhfflow.ops.offpolicy``): asynchronous rollouts
     (``overlap.max_staleness``), or a sampler whose numerics differ from the trainer's.
     The proximal log-probs cost the trainer one forward pass over the batch, without
-    gradients, before its first step."""
+    gradients, before its first step; none when the iteration takes one step (one epoch
+    of one minibatch, no dropout): the step's own forward gives them."""
 
     correction: Literal["none", "tis", "mis", "decoupled"] = Field("none", description=(
         "`none`: the PPO ratio divides by the behaviour policy's log-probs (`train_actor`'s "
