@@ -194,15 +194,6 @@ class DistillDraftStage(Trainer):
     def reads(cls, params, algorithm, has_model):
         return RESPONSE_INPUTS
 
-    def _one_step(self, resident) -> bool:
-        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
-        on a model without dropout: its forward then runs on the weights before the step,
-        the proximal policy's, and its log-probs, detached, are the proximal ones (as
-        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
-        the batch fewer."""
-        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
-
     def loss(self, resident, batch, ctx, counts=None):
         mask = batch["response_mask"].float()
         temperature = ctx.settings.temperature
@@ -228,15 +219,6 @@ class TrainCriticStage(Trainer):
 
     def _agg(self) -> str:
         return self.algorithm.value_loss_agg
-
-    def _one_step(self, resident) -> bool:
-        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
-        on a model without dropout: its forward then runs on the weights before the step,
-        the proximal policy's, and its log-probs, detached, are the proximal ones (as
-        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
-        the batch fewer."""
-        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
 
     def loss(self, resident, batch, ctx, counts=None):
         mask = loss_mask_of(batch)
@@ -353,15 +335,6 @@ class TrainSFTStage(Trainer):
         stats = super().run(take_rows({k: v for k, v in batch.items() if k != "selected"}, rows),
                             ctx)
         return {**stats, "rows_trained": int(len(rows))}
-
-    def _one_step(self, resident) -> bool:
-        """Whether the iteration takes one optimizer step (one epoch of one minibatch)
-        on a model without dropout: its forward then runs on the weights before the step,
-        the proximal policy's, and its log-probs, detached, are the proximal ones (as
-        TRL's ``old_per_token_logps`` with one step a generation), a no-grad forward of
-        the batch fewer."""
-        return self.params.epochs == 1 and self.params.minibatches == 1 and not any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in resident.module.modules())
 
     def loss(self, resident, batch, ctx, counts=None):
         return sft_loss(resident.module, batch, counts["tokens"] if counts else None)
