@@ -344,8 +344,9 @@ class EpisodeStream(EpisodeLoop):
 
     def hold(self) -> None:
         """Take ``lock`` for a task, ahead of the thread that decodes between tasks: a
-        lock is not fair, and the thread, taking it again right after each step, kept a
-        waiting task out for seconds."""
+        lock is not fair, and the thread, taking it again right after each step, could
+        keep a waiting task out for any number of steps. The task waits for the step
+        under way at most."""
         with self.handoff:
             self.wanted += 1
         try:

@@ -206,8 +206,9 @@ def test_between_tasks_the_stream_plays_on_and_waits_while_a_task_runs(chat_lm_d
 
 def test_a_task_gets_the_stream_within_a_step_while_it_decodes_between_tasks(chat_lm_dir):
     """A lock is not fair: the stream's thread, taking it again right after each step,
-    kept a task waiting in ``paused`` for seconds. A waiting task now goes first: it
-    waits at most for the step under way (and one begun as it arrived)."""
+    could keep a task waiting in ``paused`` for any number of steps. A waiting task goes
+    first: the thread starts no step while it waits, so it waits at most for the step
+    under way (and one begun as it arrived)."""
     import threading
     import time
 
