@@ -5,7 +5,9 @@ run as shipped (``sync``: each iteration's rollout waits for its slowest episode
 groups that finished first, episodes go on across the update), and with the stream in
 iteration order (``stream-it``: a step takes its own iteration's episodes, the next
 iteration's starting as they finish), same seed, prompts and trained samples, one worker
-as the example is.
+as the example is; and ``stream-dis``, the stream in finish order on a worker of its own
+and the trainer on a second (disaggregated, one torch thread each: with ``--threads 2``
+the same two cores as the others).
 
 Each round runs both, in turn, so drift of the machine hits both alike; round r uses
 seed r. Figures per run: trained samples per second over the steady iterations (the
@@ -17,13 +19,14 @@ iterations of each (with its spread over the rounds, the noise it is compared wi
         [--in-flight N]   # stream_in_flight (default: the task's rows)
         [--on-update recompute|keep]   # stream_on_update
         [--staleness N]   # the streams' max_staleness (default 1)
-        [--threads N]     # cluster.torch_threads of every mode (default: the example's)
+        [--threads N]     # cluster.torch_threads of every mode but stream-dis (1 a
+                          # worker); default: the example's
 
 Needs ``models/smollm2-135m`` (``rlhfflow models import-gguf --smollm2
 models/smollm2-135m``) and the example's data (``python examples/multiturn/make_data.py``).
 Prints a table, then one JSON object with the figures as its last line. The goal (issue
-44), reported and not asserted: stream at least 1.3x sync's trained samples per second,
-learning as fast per trained sample.
+44), reported and not asserted: a stream (the best of the three) at least 1.3x sync's
+trained samples per second, learning as fast per trained sample.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ MODES = {
 # the stream returning its own iteration's episodes (``stream`` returns the groups that
 # finished first, the default)
 MODES["stream-it"] = {**MODES["stream"], "stages.rollout.params.stream_order": "iteration"}
-STREAMS = ("stream", "stream-it")
+# the stream on a worker of its own, the trainer on the other (as AReaL and veRL's fully
+# asynchronous mode deploy it): one torch thread each, the machine's two cores in all
+MODES["stream-dis"] = {**MODES["stream"], "cluster.workers": 2, "cluster.torch_threads": 1,
+                       "placement.strategy": "disaggregated"}
+STREAMS = ("stream", "stream-it", "stream-dis")
 FIGURES = ("decode_occupancy", "token_lag_mean", "started_ahead_frac", "deferred_frac",
            "stream_wait_owed_s", "stream_wait_groups_s")
 
@@ -104,14 +111,15 @@ def main() -> None:
                    for s, y in zip(runs[m], runs["sync"], strict=True)] for m in STREAMS}
     rounds = by_mode["stream"]
     ratio = statistics.median(rounds)
+    best = max(STREAMS, key=lambda m: statistics.median(by_mode[m]))
     print(f"calculator example (SmolLM2-135M-Instruct), {args.iterations} iterations x "
-          f"{args.rounds} rounds, one worker, max_staleness {args.staleness} for the "
-          f"streams")
-    print(f"{'mode':<9} {'samples/s':>10} {'vs sync':>8} {'reward first':>13} "
+          f"{args.rounds} rounds, one worker (stream-dis: two), max_staleness "
+          f"{args.staleness} for the streams")
+    print(f"{'mode':<10} {'samples/s':>10} {'vs sync':>8} {'reward first':>13} "
           f"{'reward last half':>17}")
     for mode in MODES:
         vs = statistics.median(by_mode[mode]) if mode in by_mode else 1.0
-        print(f"{mode:<9} {statistics.median(r['samples_per_s'] for r in runs[mode]):>10.3f} "
+        print(f"{mode:<10} {statistics.median(r['samples_per_s'] for r in runs[mode]):>10.3f} "
               f"{vs:>8.3f} {statistics.median(r['rewards'][0] for r in runs[mode]):>13.4f} "
               f"{statistics.median(late[mode]):>17.4f}")
     streams = {m: {k: round(statistics.median(r[k] for r in runs[m]), 4)
@@ -120,15 +128,20 @@ def main() -> None:
         print(f"{mode}: {streams[mode]}")
     print("late reward per round: " + ", ".join(
         f"{m} {[round(x, 4) for x in late[m]]}" for m in MODES))
-    met = ratio >= GOAL
-    print(f"goal: stream >= {GOAL} x sync's trained samples per second: {ratio:.3f} "
-          f"(rounds {', '.join(f'{x:.3f}' for x in rounds)}; {'met' if met else 'not met'})")
+    best_ratio = statistics.median(by_mode[best])
+    met = best_ratio >= GOAL
+    print(f"goal: a stream >= {GOAL} x sync's trained samples per second: best {best} "
+          f"{best_ratio:.3f} (rounds {', '.join(f'{x:.3f}' for x in by_mode[best])}; "
+          f"{'met' if met else 'not met'})")
     emit_result({
         **{f"{m}_samples_per_s": round(statistics.median(r["samples_per_s"] for r in runs[m]),
                                        4) for m in MODES},
         "stream_vs_sync": round(ratio, 4), "rounds": [round(x, 4) for x in rounds],
         "stream-it_vs_sync": round(statistics.median(by_mode["stream-it"]), 4),
         "rounds_stream-it": [round(x, 4) for x in by_mode["stream-it"]],
+        "stream-dis_vs_sync": round(statistics.median(by_mode["stream-dis"]), 4),
+        "rounds_stream-dis": [round(x, 4) for x in by_mode["stream-dis"]],
+        "stream_disaggregated": streams["stream-dis"], "best": best,
         **{f"{m}_late_reward": [round(x, 4) for x in late[m]] for m in MODES},
         "stream": streams["stream"], "stream_iteration": streams["stream-it"],
         "stream_in_flight": args.in_flight,
