@@ -215,8 +215,8 @@ def _prompt_forward(module: torch.nn.Module, prompt_ids: torch.Tensor,
     else:
         first, inverse = shared
     ids, mask = prompt_ids[first].to(device), prompt_mask[first].long().to(device)
-    prefix = common_prefix(ids, mask)
-    if prefix >= MIN_SHARED_PREFIX:
+    prefix = shared_prefix(ids, mask)
+    if prefix:
         cache, logits = _prefix_forward(module, ids, mask, prefix)
         return cache, logits, inverse.to(device)
     # a cache of our own, which the model fills in place: a token-classification
@@ -242,6 +242,13 @@ def common_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     heads = prompt_ids.gather(1, columns)
     same = (heads == heads[:1]).all(0)
     return min(int(same.long().cumprod(0).sum()), shortest - 1)
+
+
+def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """The leading real tokens the distinct prompts ``[U, Lp]`` share that a prompt
+    forward runs once (``common_prefix``, when ``MIN_SHARED_PREFIX`` or more), else 0."""
+    prefix = common_prefix(prompt_ids, prompt_mask)
+    return prefix if prefix >= MIN_SHARED_PREFIX else 0
 
 
 def _prefix_forward(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,

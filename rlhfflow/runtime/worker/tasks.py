@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhfflow.engine.batch import concat_batches, slice_batch
-from rlhfflow.engine.forward import MIN_SHARED_PREFIX, common_prefix, shared_prompt_rows
+from rlhfflow.engine.forward import shared_prefix, shared_prompt_rows
 from rlhfflow.engine.streaming import paused
 from rlhfflow.errors import RlhfflowError
 from rlhfflow.plan.tasks import Storage
@@ -273,14 +273,13 @@ def batch_rows(batch: Batch) -> int:
 
 def _shared_head(batch: Batch, shared: tuple[torch.Tensor, torch.Tensor] | None) -> int:
     """The leading real tokens the distinct prompts of ``batch`` share and every forward
-    runs once (``MIN_SHARED_PREFIX`` or more), else 0."""
+    runs once (``rlhfflow.engine.forward.shared_prefix``), else 0."""
     if "prompt_ids" not in batch:
         return 0
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     if shared is not None:
         ids, mask = ids[shared[0]], mask[shared[0]]
-    head = common_prefix(ids, mask)
-    return head if head >= MIN_SHARED_PREFIX else 0
+    return shared_prefix(ids, mask)
 
 
 def partial_metrics(batch: Batch, declared: Sequence[IterationMetric] = ()
